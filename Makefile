@@ -1,0 +1,26 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch/torchvision pinned to the pair that installs from this machine class's local wheel cache
+	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install -q -e '.[all,test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/cgavit demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

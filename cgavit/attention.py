@@ -1,0 +1,252 @@
+"""Cascaded group attention (seed chapters 4-5), its relative-position biases, local windows.
+
+Shapes follow the official code: feature maps are ``(B, C, H, W)``; inside a window a head's
+queries and keys are ``(B, key_dim, N)`` with ``N = h * w`` tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import ConvBN
+
+
+def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tensor:
+    """Index into a ``window x window`` offset table for every token pair of an ``h x w`` map.
+
+    The table is the LeViT/official one: entry ``|dy| * window + |dx|`` holds the bias of two tokens
+    ``dy`` rows and ``dx`` columns apart (the order in which the official code first meets each
+    offset). Valid for ``h, w <= window``.
+
+    Returns:
+        LongTensor ``(h*w, h*w)``.
+    """
+    ys, xs = torch.meshgrid(
+        torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+    )
+    ys, xs = ys.flatten(), xs.flatten()  # (N,)
+    dy = (ys[:, None] - ys[None, :]).abs()
+    dx = (xs[:, None] - xs[None, :]).abs()
+    return dy * window + dx  # (N, N)
+
+
+class CascadedGroupAttention(nn.Module):
+    """Cascaded group attention over one window of tokens.
+
+    Head ``j`` reads its own slice of the channels (``group_split``), plus the output of head
+    ``j-1`` (``cascade``); projects it with one 1x1 Conv-BN to a query and key of ``key_dim`` and a
+    value of ``value_dim``; refines the query with a depthwise Conv-BN; attends with a learned
+    relative-position bias; and the concatenated head outputs go through ReLU and a 1x1 Conv-BN.
+
+    Args:
+        dim: channels in and out.
+        key_dim: query/key width per head. Default 16.
+        num_heads: heads. Default 4.
+        value_dim: value width per head. Default ``dim // num_heads`` (the paper's choice).
+        window: side of the largest window this module attends over (bias table size). Default 7.
+        kernels: per-head kernel size of the depthwise conv on the query. Default 5 for every head.
+        cascade: add each head's output to the next head's input. Default True.
+        group_split: give each head its own ``dim / num_heads`` channels; False gives every head all
+            ``dim`` channels (standard multi-head attention). Default True.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        key_dim: int = 16,
+        num_heads: int = 4,
+        value_dim: int | None = None,
+        window: int = 7,
+        kernels: Sequence[int] | None = None,
+        cascade: bool = True,
+        group_split: bool = True,
+    ) -> None:
+        super().__init__()
+        check_attention_dims(dim, key_dim, num_heads, value_dim, cascade, group_split)
+        value_dim = dim // num_heads if value_dim is None else value_dim
+        kernels = list(kernels) if kernels is not None else [5] * num_heads
+        if len(kernels) < num_heads:  # more heads than the published table lists: reuse the last
+            kernels = kernels + [kernels[-1]] * (num_heads - len(kernels))
+        if any(k < 1 or k % 2 == 0 for k in kernels[:num_heads]):
+            raise ValueError(f"query kernels must be odd and positive, got {kernels[:num_heads]}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.value_dim = value_dim
+        self.window = window
+        self.cascade = cascade
+        self.group_split = group_split
+        self.scale = key_dim**-0.5
+        in_per_head = dim // num_heads if group_split else dim
+        self.qkvs = nn.ModuleList(
+            ConvBN(in_per_head, 2 * key_dim + value_dim) for _ in range(num_heads)
+        )
+        self.dws = nn.ModuleList(
+            ConvBN(key_dim, key_dim, k, 1, k // 2, groups=key_dim) for k in kernels[:num_heads]
+        )
+        self.proj = nn.Sequential(nn.ReLU(), ConvBN(value_dim * num_heads, dim, bn_weight_init=0.0))
+        self.attention_biases = nn.Parameter(torch.zeros(num_heads, window * window))
+        self.register_buffer(
+            "attention_bias_idxs", relative_bias_index(window, window, window), persistent=False
+        )
+
+    def attention_bias(self, h: int, w: int) -> torch.Tensor:
+        """The ``(heads, h*w, h*w)`` bias for an ``h x w`` window (``h, w <= self.window``)."""
+        if h == self.window and w == self.window:
+            idx = self.attention_bias_idxs
+        else:
+            idx = relative_bias_index(h, w, self.window, self.attention_biases.device)
+        return self.attention_biases[:, idx]
+
+    def _run_heads(self, x: torch.Tensor, maps: list[torch.Tensor] | None) -> torch.Tensor:
+        B, C, H, W = x.shape
+        bias = self.attention_bias(H, W)  # (heads, N, N)
+        groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
+        outs = []
+        feat = groups[0]
+        for i, qkv in enumerate(self.qkvs):
+            if i > 0:
+                feat = feat + groups[i] if self.cascade else groups[i]
+            feat = qkv(feat)  # (B, 2*kd + vd, H, W)
+            q, k, v = feat.view(B, -1, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
+            q = self.dws[i](q)
+            q, k, v = q.flatten(2), k.flatten(2), v.flatten(2)  # (B, kd|vd, N)
+            attn = (q.transpose(-2, -1) @ k) * self.scale + bias[i]  # (B, N, N)
+            attn = attn.softmax(dim=-1)
+            if maps is not None:
+                maps.append(attn)
+            feat = (v @ attn.transpose(-2, -1)).view(B, self.value_dim, H, W)
+            outs.append(feat)
+        return self.proj(torch.cat(outs, 1))  # (B, C, H, W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run_heads(x, None)
+
+    @torch.no_grad()
+    def fuse(self) -> "FusedCascadedGroupAttention":
+        """Inference copy: every Conv-BN folded to a Conv2d, the bias gathered once into a buffer."""
+        fused = copy.deepcopy(self)
+        fused.__class__ = FusedCascadedGroupAttention
+        fused.qkvs = nn.ModuleList(m.fuse() for m in self.qkvs)
+        fused.dws = nn.ModuleList(m.fuse() for m in self.dws)
+        fused.proj = nn.Sequential(nn.ReLU(), self.proj[1].fuse())
+        full = self.attention_biases[:, self.attention_bias_idxs].detach().clone()  # (heads, N, N)
+        del fused.attention_biases
+        fused.register_buffer("bias_full", full)
+        return fused
+
+    def head_attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each head's softmax attention for ``x`` ``(B, C, H, W)``: ``num_heads`` x ``(B, N, N)``.
+
+        The same arithmetic as :meth:`forward` (used by the head-similarity analysis).
+        """
+        maps: list[torch.Tensor] = []
+        self._run_heads(x, maps)
+        return maps
+
+
+class FusedCascadedGroupAttention(CascadedGroupAttention):
+    """Inference form of :class:`CascadedGroupAttention` made by its ``fuse()``.
+
+    Holds the window's bias expanded to ``bias_full`` ``(heads, N, N)``, so no lookup runs per call.
+    """
+
+    bias_full: torch.Tensor
+
+    def attention_bias(self, h: int, w: int) -> torch.Tensor:
+        if h == self.window and w == self.window:
+            return self.bias_full
+        ys, xs = torch.meshgrid(
+            torch.arange(h, device=self.bias_full.device),
+            torch.arange(w, device=self.bias_full.device),
+            indexing="ij",
+        )
+        pos = (ys * self.window + xs).flatten()  # the h x w corner of the window grid
+        return self.bias_full[:, pos][:, :, pos]
+
+    def fuse(self) -> "FusedCascadedGroupAttention":
+        return copy.deepcopy(self)
+
+
+def check_attention_dims(
+    dim: int,
+    key_dim: int,
+    num_heads: int,
+    value_dim: int | None,
+    cascade: bool,
+    group_split: bool,
+) -> None:
+    """Raise ``ValueError`` for a head layout that cannot work, saying what to change."""
+    if num_heads < 1 or key_dim < 1 or dim < 1:
+        raise ValueError(
+            f"dim, key_dim and num_heads must be positive, got dim={dim}, key_dim={key_dim}, "
+            f"num_heads={num_heads}"
+        )
+    if group_split and dim % num_heads:
+        raise ValueError(
+            f"channel groups need the width ({dim}) divisible by the head count ({num_heads}); "
+            f"choose num_heads among {[h for h in range(1, dim + 1) if dim % h == 0 and h <= 16]} "
+            "or set group_split=False"
+        )
+    if value_dim is not None and value_dim < 1:
+        raise ValueError(f"value width must be positive, got {value_dim}; raise attn_ratio")
+    if cascade:
+        if not group_split:
+            raise ValueError(
+                "cascade=True adds each head's output to the next head's channel group, so it needs "
+                "group_split=True; for standard multi-head attention set cascade=False too"
+            )
+        vd = dim // num_heads if value_dim is None else value_dim
+        if vd != dim // num_heads:
+            raise ValueError(
+                f"with cascade=True a head's value width ({vd}) must equal its channel group "
+                f"({dim}//{num_heads}={dim // num_heads}); leave attn_ratio at its default "
+                f"(width / (key_dim * heads)) or set cascade=False"
+            )
+
+
+class LocalWindowAttention(nn.Module):
+    """Cascaded group attention applied in non-overlapping windows.
+
+    A map no larger than the window in both sides is attended whole (with the biases of the offsets
+    it has). A larger map is zero-padded at the bottom/right to a multiple of the window, split
+    into windows, attended, merged and cropped, as in the official code.
+
+    Args:
+        dim: channels.
+        window: window side (the official ``min(7, stage resolution)``).
+        **attn_kwargs: forwarded to :class:`CascadedGroupAttention`.
+    """
+
+    def __init__(self, dim: int, window: int = 7, **attn_kwargs) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"window size must be positive, got {window}")
+        self.window = window
+        self.attn = CascadedGroupAttention(dim, window=window, **attn_kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        ws = self.window
+        if H <= ws and W <= ws:
+            return self.attn(x)
+        x = x.permute(0, 2, 3, 1)  # (B, H, W, C)
+        pad_b = (ws - H % ws) % ws
+        pad_r = (ws - W % ws) % ws
+        if pad_b or pad_r:
+            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+        pH, pW = H + pad_b, W + pad_r
+        nH, nW = pH // ws, pW // ws
+        # (B, nH, ws, nW, ws, C) -> (B*nH*nW, C, ws, ws)
+        x = x.view(B, nH, ws, nW, ws, C).transpose(2, 3).reshape(B * nH * nW, ws, ws, C)
+        x = self.attn(x.permute(0, 3, 1, 2))
+        # (B*nH*nW, C, ws, ws) -> (B, pH, pW, C)
+        x = x.permute(0, 2, 3, 1).view(B, nH, nW, ws, ws, C).transpose(2, 3).reshape(B, pH, pW, C)
+        if pad_b or pad_r:
+            x = x[:, :H, :W].contiguous()
+        return x.permute(0, 3, 1, 2)
