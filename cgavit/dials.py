@@ -1,0 +1,57 @@
+"""Command-line spelling of the design dials, shared by every sub-command that builds a model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _on_off(text: str) -> bool:
+    t = text.lower()
+    if t in ("on", "true", "1", "yes"):
+        return True
+    if t in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def _ints(text: str) -> int | tuple[int, ...]:
+    vals = tuple(int(v) for v in text.split(","))
+    return vals[0] if len(vals) == 1 else vals
+
+
+def _floats(text: str) -> float | tuple[float, ...]:
+    vals = tuple(float(v) for v in text.split(","))
+    return vals[0] if len(vals) == 1 else vals
+
+
+# (flag, dest, type, help)
+_DIALS = (
+    ("--cascade", "cascade", _on_off, "on|off: add each head's output to the next head's input (paper: on)"),
+    ("--group-split", "group_split", _on_off, "on|off: each head reads its own channel group; off = standard MHSA (paper: on)"),
+    ("--ffn-per-side", "ffn_per_side", _ints, "sandwich N: dw+FFN pairs each side of the attention, or B,A (paper: 1)"),
+    ("--key-dim", "key_dim", _ints, "Q/K width per head, one value or three per stage (paper: 16)"),
+    ("--attn-ratio", "attn_ratio", _floats, "V width = attn_ratio x key_dim, one value or three (paper: width/(key_dim*heads))"),
+    ("--ffn-ratio", "ffn_ratio", float, "FFN expansion (paper: 2)"),
+    ("--num-heads", "num_heads", _ints, "heads per stage, one value or three"),
+    ("--embed-dim", "embed_dim", _ints, "channels per stage, three values"),
+    ("--depth", "depth", _ints, "sandwich blocks per stage, three values"),
+    ("--window-size", "window_size", _ints, "attention window, one value or three (paper: 7)"),
+    ("--kernels", "kernels", _ints, "query depthwise kernel per head, e.g. 7,5,3,3"),
+)
+
+
+def add_dial_args(parser: argparse.ArgumentParser) -> None:
+    """Add the design-dial options (all default to the variant's own values)."""
+    group = parser.add_argument_group("design dials (default: the variant's published values)")
+    for flag, dest, typ, text in _DIALS:
+        group.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+
+
+def dials_from_args(args: argparse.Namespace) -> dict:
+    """The dials given on the command line, as keyword arguments for ``create_model``."""
+    out = {}
+    for _, dest, _, _ in _DIALS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out[dest] = value if dest != "kernels" or isinstance(value, tuple) else (value,)
+    return out
