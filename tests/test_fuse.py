@@ -1,0 +1,79 @@
+"""Deploy fusion: same function with randomised BN statistics, no BatchNorm left, idempotent."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cgavit
+from cgavit.layers import BNLinear, ConvBN
+from cgavit.testing import randomize_, rel_err
+
+
+def test_convbn_fold_including_grouped():
+    for groups in (1, 4, 16):
+        m = randomize_(ConvBN(16, 32, 3, 2, 1, groups=groups)).eval()
+        x = torch.randn(2, 16, 9, 9)
+        with torch.no_grad():
+            assert rel_err(m.fuse()(x), m(x)) <= 1e-6
+
+
+def test_bnlinear_fold():
+    m = randomize_(BNLinear(24, 5)).eval()
+    x = torch.randn(4, 24)
+    with torch.no_grad():
+        assert rel_err(m.fuse()(x), m(x)) <= 1e-6
+
+
+@pytest.mark.parametrize("name", cgavit.list_models())
+def test_fused_model_same_outputs_no_batchnorm(name):
+    model = randomize_(cgavit.create_model(name, distillation=True), 1).eval()
+    fused = cgavit.fuse(model)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules())
+    assert not any("attention_biases" in n for n, _ in fused.named_parameters())
+    with torch.no_grad():
+        for shape in [(2, 3, 224, 224), (1, 3, 161, 97)]:  # build size, and an odd size with padding
+            x = torch.randn(shape)
+            assert rel_err(fused(x), model(x)) <= 1e-5
+
+
+def test_fuse_twice_and_original_untouched():
+    model = randomize_(cgavit.create_model("efficientvit_m0", img_size=128)).eval()
+    before = copy.deepcopy(model.state_dict())
+    once = cgavit.fuse(model)
+    twice = cgavit.fuse(once)
+    x = torch.randn(2, 3, 128, 128)
+    with torch.no_grad():
+        assert torch.equal(once(x), twice(x))
+    assert once.state_dict().keys() == twice.state_dict().keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+def test_fuse_after_grad_forward_in_eval_and_after_load_state_dict():
+    model = randomize_(cgavit.create_model("efficientvit_m0", img_size=128)).eval()
+    x = torch.randn(2, 3, 128, 128)
+    model(x).sum().backward()  # grad-enabled forward in eval mode (timm's port cannot deepcopy after this)
+    fused = cgavit.fuse(model)
+    other = randomize_(cgavit.create_model("efficientvit_m0", img_size=128), 7).eval()
+    model.load_state_dict(other.state_dict())  # new weights: nothing stale may survive
+    refused = cgavit.fuse(model)
+    with torch.no_grad():
+        assert rel_err(refused(x), other(x)) <= 1e-5
+        assert rel_err(fused(x), refused(x)) > 1e-2
+
+
+def test_fused_small_maps_and_dials():
+    # maps smaller than the window (built at 512: windows 7) and a non-paper dial set
+    model = randomize_(cgavit.create_model("efficientvit_m0", img_size=512, cascade=False, ffn_per_side=2)).eval()
+    fused = cgavit.fuse(model)
+    with torch.no_grad():
+        for shape in [(1, 3, 64, 96), (1, 3, 224, 224)]:
+            x = torch.randn(shape)
+            assert rel_err(fused(x), model(x)) <= 1e-5
+
+
+def test_fuse_rejects_non_module():
+    with pytest.raises(ValueError, match="nn.Module"):
+        cgavit.fuse("efficientvit_m0")

@@ -1,0 +1,204 @@
+"""Generic tests over every variant and several dial combinations, input sizes and bad inputs."""
+
+import pytest
+import torch
+from torch import nn
+
+import cgavit
+from cgavit.info import count_macs
+from cgavit.model import _stage_resolution
+from cgavit.testing import randomize_
+
+ALL = cgavit.list_models()
+
+DIAL_SETS = [
+    {},
+    {"cascade": False},
+    {"cascade": False, "group_split": False},
+    {"ffn_per_side": 2},
+    {"ffn_per_side": (0, 1)},
+    {"key_dim": (8, 16, 32)},
+    {"cascade": False, "attn_ratio": 2},
+    {"ffn_ratio": 4},
+    {"num_heads": 2, "kernels": (3,)},
+    {"num_heads": 8},  # more heads than the published kernel list: the last kernel is reused
+]
+
+
+def _tiny(**dials):
+    return cgavit.create_model("efficientvit_m0", num_classes=7, img_size=96, **dials)
+
+
+def _check_train_step(model, x):
+    randomize_(model)  # default zero-initialised BN weights would starve branches of gradient
+    model.train()
+    out = model(x)
+    out.float().pow(2).mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"parameters without gradient: {missing[:5]}"
+    assert torch.isfinite(out).all()
+    return out
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_variant_forward_backward(name):
+    model = cgavit.create_model(name, num_classes=10)
+    out = _check_train_step(model, torch.randn(2, 3, 96, 96))
+    assert out.shape == (2, 10)
+
+
+@pytest.mark.parametrize("dials", DIAL_SETS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "paper")
+def test_dials_build_train_run(dials):
+    model = _tiny(**dials)
+    _check_train_step(model, torch.randn(2, 3, 96, 96))  # last stage 2x2: attention has gradients
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 80, 48)).shape == (1, 7)
+
+
+def test_dials_change_the_architecture():
+    paper = _tiny().stages[1].blocks[0].mixer.m.attn
+    assert paper.cascade and paper.group_split and paper.qkvs[0].conv.in_channels == 128 // 4
+    mhsa = _tiny(cascade=False, group_split=False).stages[1].blocks[0].mixer.m.attn
+    assert mhsa.qkvs[0].conv.in_channels == 128
+    wide_v = _tiny(cascade=False, attn_ratio=3, key_dim=8).stages[1].blocks[0].mixer.m.attn
+    assert (wide_v.key_dim, wide_v.value_dim) == (8, 24)
+    block = _tiny(ffn_per_side=(2, 3)).stages[0].blocks[0]
+    assert (len(block.pre), len(block.post)) == (4, 6)  # dw + FFN per pair
+    ffn = _tiny(ffn_ratio=4).stages[0].blocks[0].pre[1].m
+    assert ffn.pw1.conv.out_channels == 4 * 64
+
+
+def test_cascade_changes_the_function():
+    torch.manual_seed(0)
+    a = randomize_(_tiny()).eval()
+    b = randomize_(_tiny(cascade=False)).eval()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert not torch.allclose(a(x), b(x))
+
+
+@pytest.mark.parametrize(
+    "dials, match",
+    [
+        ({"cascade": True, "group_split": False}, "group_split"),
+        ({"num_heads": 5}, "divisible by the head count"),
+        ({"attn_ratio": 2}, "value width"),
+        ({"embed_dim": (60, 128, 192)}, "multiple of 8"),
+        ({"ffn_ratio": 0}, "ffn_ratio"),
+        ({"ffn_per_side": -1}, "ffn_per_side"),
+        ({"key_dim": (16, 16)}, "one value per stage"),
+        ({"kernels": (4,)}, "odd"),
+        ({"cascade": "yes"}, "True or False"),
+        ({"bogus": 1}, "unknown option"),
+    ],
+)
+def test_invalid_dials_raise_value_error(dials, match):
+    with pytest.raises(ValueError, match=match):
+        _tiny(**dials)
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="Did you mean 'efficientvit_m4'"):
+        cgavit.create_model("efficientvit_m44")
+    assert cgavit.create_model("m1").cfg == cgavit.VARIANTS["efficientvit_m1"].cfg
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (torch.randn(3, 64, 64), "add a batch dimension"),
+        (torch.randn(1, 1, 64, 64), "3 input channels"),
+        (torch.randn(1, 3, 31, 64), "at least 32x32"),
+        (torch.randn(2, 3, 64), "4-D"),
+    ],
+)
+def test_bad_input_raises_value_error(x, match):
+    model = _tiny().eval()
+    with pytest.raises(ValueError, match=match):
+        model(x)
+
+
+SIZES = [(32, 32), (33, 47), (64, 200), (95, 95), (224, 224), (225, 161), (320, 250)]
+
+
+@pytest.mark.parametrize("build", [224, 512], ids=["windows-7-7-4", "windows-7-7-7"])
+def test_any_input_size_features_and_strides(build):
+    # built at 512 every stage has a 7x7 window, so small inputs give maps smaller than the
+    # window but not equal to it: the case the official detection code crashes on
+    model = cgavit.create_model("efficientvit_m0", img_size=build).eval()
+    assert [f["reduction"] for f in model.feature_info] == [16, 32, 64]
+    with torch.no_grad():
+        for h, w in SIZES:
+            maps = model.forward_intermediates(torch.randn(1, 3, h, w))
+            for i, (m, info) in enumerate(zip(maps, model.feature_info)):
+                assert m.shape == (1, info["num_chs"], _stage_resolution(h, i), _stage_resolution(w, i))
+                assert torch.isfinite(m).all()
+            assert model(torch.randn(1, 3, h, w)).shape == (1, 1000)
+
+
+def test_forward_intermediates_options():
+    model = _tiny().eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        final, maps = model.forward_intermediates(x, intermediates_only=False)
+        assert torch.equal(final, model.forward_features(x)) and len(maps) == 3
+        last_two = model.forward_intermediates(x, indices=2)
+        assert [m.shape[1] for m in last_two] == [128, 192]
+        first = model.forward_intermediates(x, indices=[0], stop_early=True)
+        assert len(first) == 1 and first[0].shape[1] == 64
+    with pytest.raises(ValueError):
+        model.forward_intermediates(x, indices=[5])
+
+
+def test_head_and_classifier_reset():
+    model = _tiny().eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert model.forward_head(feats, pre_logits=True).shape == (2, 192)
+        model.reset_classifier(3)
+        assert model(x).shape == (2, 3)
+        model.reset_classifier(0)
+        assert model(x).shape == (2, 192)
+    assert model.no_weight_decay() == {n for n, _ in model.named_parameters() if "attention_biases" in n}
+    assert len(model.no_weight_decay()) == sum(model.cfg.depth)
+
+
+def test_distillation_head():
+    model = cgavit.create_model("efficientvit_m0", num_classes=5, img_size=64, distillation=True)
+    x = torch.randn(2, 3, 64, 64)
+    out, out_dist = model.train()(x)
+    assert out.shape == out_dist.shape == (2, 5)
+    model.eval()
+    with torch.no_grad():
+        feats = model.forward_features(x).mean((2, 3))
+        expected = (model.head(feats) + model.head_dist(feats)) / 2
+        assert torch.allclose(model(x), expected)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_params_and_macs_match_published(name):
+    info = cgavit.VARIANTS[name]
+    model = cgavit.create_model(name)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    assert abs(params - info.params_m) <= 0.1, (params, info.params_m)
+    macs = count_macs(model, (224, 224)) / 1e6
+    assert abs(macs - info.macs_m) <= 1.0, (macs, info.macs_m)
+
+
+def test_info_cli(capsys):
+    from cgavit.cli import main
+
+    assert main(["info", "--model", "efficientvit_m0", "efficientvit_m2"]) == 0
+    out = capsys.readouterr().out
+    assert "efficientvit_m0" in out and "2.35" in out and "efficientvit_m1" not in out
+    assert main(["info", "--model", "nope"]) == 2
+
+
+def test_no_batchnorm_in_attention_core_is_shared():
+    # every block owns its modules (no accidental sharing through default arguments)
+    model = _tiny()
+    ids = [id(m) for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(ids) == len(set(ids))

@@ -1,0 +1,207 @@
+"""Checkpoint formats, equivalence with timm's port, the pretrained download, and refusals."""
+
+import functools
+import http.server
+import logging
+import re
+import threading
+
+import pytest
+import torch
+
+import cgavit
+from cgavit.testing import randomize_
+from cgavit.weights import CheckpointError, load_checkpoint, read_metadata, save_weights
+
+timm = pytest.importorskip("timm")
+
+
+def _timm_pair(name, size=224, seed=0):
+    """timm's port with random weights and BN statistics, and our model loaded from its state dict."""
+    ref = randomize_(timm.create_model(name, img_size=size), seed).eval()
+    ours = cgavit.create_model(name, img_size=size).eval()
+    load_checkpoint(ours, ref.state_dict())
+    return ref, ours
+
+
+def _official_state_dict(timm_sd):
+    """Rename a timm state dict the way the authors' release files name things (written
+    independently of cgavit.weights), storing 1x1 qkv/FFN weights 2-D like some release files."""
+    out = {}
+    for key, value in timm_sd.items():
+        m = re.match(r"patch_embed\.conv(\d)\.(.*)", key)
+        if m:
+            key = f"patch_embed.{2 * (int(m.group(1)) - 1)}.{m.group(2)}"
+        m = re.match(r"stages\.(\d)\.downsample\.(res1|patchmerge|res2)\.(.*)", key)
+        if m:
+            key = f"blocks{int(m.group(1)) + 1}.{['res1', 'patchmerge', 'res2'].index(m.group(2))}.{m.group(3)}"
+        m = re.match(r"stages\.(\d)\.blocks\.(\d+)\.(.*)", key)
+        if m:
+            s, j = int(m.group(1)), int(m.group(2))
+            key = f"blocks{s + 1}.{j + (0 if s == 0 else 3)}.{m.group(3)}"
+        key = re.sub(r"\.conv\.(weight|bias|running_mean|running_var|num_batches_tracked)$", r".c.\1", key)
+        key = re.sub(r"\.linear\.(weight|bias)$", r".l.\1", key)
+        key = key.replace(".bn.", ".bn.")
+        if (".qkvs." in key or ".pw1." in key) and key.endswith(".c.weight"):
+            value = value.flatten(1)  # (out, in, 1, 1) -> (out, in)
+        out[key] = value
+        if key.endswith("attention_biases"):
+            side = int(value.shape[1] ** 0.5)
+            pts = [(i, j) for i in range(side) for j in range(side)]
+            offs, idxs = {}, []
+            for p in pts:
+                for q in pts:
+                    idxs.append(offs.setdefault((abs(p[0] - q[0]), abs(p[1] - q[1])), len(offs)))
+            out[key.replace("attention_biases", "attention_bias_idxs")] = torch.tensor(idxs).view(len(pts), -1)
+    return out
+
+
+@pytest.mark.parametrize("name", cgavit.list_models())
+def test_equivalent_to_timm_at_224(name):
+    ref, ours = _timm_pair(name)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_equivalent_to_timm_at_other_build_and_input_sizes():
+    ref, ours = _timm_pair("efficientvit_m2", size=288)
+    with torch.no_grad():
+        # build size, then a larger non-square input whose maps are never smaller than a window
+        # (where a map is smaller, timm pads it with zero tokens; cgavit attends to the real ones)
+        for shape in [(1, 3, 288, 288), (1, 3, 448, 320)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_official_release_file_loads_and_matches(tmp_path):
+    ref = randomize_(timm.create_model("efficientvit_m1"), 3).eval()
+    path = tmp_path / "efficientvit_m1.pth"
+    sd = _official_state_dict(ref.state_dict())
+    assert any(v.ndim == 2 and ".qkvs." in k for k, v in sd.items())
+    torch.save({"model": sd}, path)
+    ours = cgavit.create_model("efficientvit_m1", checkpoint_path=path).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_pretrained_download_through_local_http_server(tmp_path, monkeypatch):
+    served = tmp_path / "served"
+    served.mkdir()
+    ref = randomize_(timm.create_model("efficientvit_m0"), 5).eval()
+    torch.save({"model": _official_state_dict(ref.state_dict())}, served / "efficientvit_m0.pth")
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
+        monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"http://127.0.0.1:{server.server_address[1]}/")
+        model = cgavit.create_model("efficientvit_m0", pretrained=True).eval()
+    finally:
+        server.shutdown()
+    cached = tmp_path / "hub" / "hub" / "checkpoints" / "efficientvit_m0.pth"
+    assert cached.is_file()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+    # the second call uses the cache (the server is gone)
+    cgavit.create_model("efficientvit_m0", pretrained=True)
+
+
+def test_download_failure_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", "http://127.0.0.1:9/")  # discard port: refused
+    with pytest.raises(CheckpointError, match="checkpoint_path"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+
+
+class _Payload:
+    """An object that pickle would reconstruct: exactly what a safe loader must refuse."""
+
+
+def test_unsafe_pickle_is_refused_and_opt_in_works(tmp_path):
+    model = cgavit.create_model("efficientvit_m0")
+    path = tmp_path / "unsafe.pth"
+    torch.save({"model": model.state_dict(), "extra": _Payload()}, path)
+    with pytest.raises(CheckpointError, match="trust=True"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), path)
+    load_checkpoint(cgavit.create_model("efficientvit_m0"), path, trust=True)
+
+
+def test_truncated_files_are_refused(tmp_path):
+    model = cgavit.create_model("efficientvit_m0")
+    for name, save in [("w.pth", lambda p: torch.save(model.state_dict(), p)), ("w.safetensors", lambda p: save_weights(model, p))]:
+        path = tmp_path / name
+        save(path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(CheckpointError, match="truncated"):
+            load_checkpoint(cgavit.create_model("efficientvit_m0"), path)
+
+
+def test_not_a_checkpoint(tmp_path):
+    path = tmp_path / "notes.pth"
+    path.write_text("hello")
+    with pytest.raises(CheckpointError, match="not a PyTorch checkpoint"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), path)
+    torch.save({"epoch": 3, "name": "x"}, tmp_path / "dict.pth")
+    with pytest.raises(CheckpointError, match="no state dict"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), tmp_path / "dict.pth")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), tmp_path / "missing.pth")
+
+
+def test_other_variant_names_first_mismatched_key_and_shapes(tmp_path):
+    path = tmp_path / "m1.pth"
+    torch.save({"model": cgavit.create_model("efficientvit_m1").state_dict()}, path)
+    target = cgavit.create_model("efficientvit_m0")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"shape mismatch at 'patch_embed.conv1.conv.weight': checkpoint \(16, 3, 3, 3\), model \(8, 3, 3, 3\)"):
+        load_checkpoint(target, path)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())  # nothing copied
+
+
+def test_other_class_count_drops_classifier(tmp_path, caplog):
+    src = randomize_(cgavit.create_model("efficientvit_m0"))
+    path = save_weights(src, tmp_path / "w.safetensors")
+    with caplog.at_level(logging.INFO, logger="cgavit.weights"):
+        model = cgavit.create_model("efficientvit_m0", checkpoint_path=path, num_classes=10)
+    assert "classifier left as initialised" in caplog.text
+    assert model.head.linear.weight.shape == (10, 192)
+    torch.testing.assert_close(model.stages[2].blocks[0].mixer.m.attn.attention_biases,
+                               src.stages[2].blocks[0].mixer.m.attn.attention_biases)
+
+
+def test_own_format_roundtrip_and_wrappers(tmp_path):
+    src = randomize_(cgavit.create_model("efficientvit_m0", distillation=True)).eval()
+    x = torch.randn(1, 3, 224, 224)
+    st = save_weights(src, tmp_path / "w.safetensors", {"classes": "a,b"})
+    meta = read_metadata(st)
+    assert meta["format"] == "cgavit" and meta["classes"] == "a,b" and '"embed_dim"' in meta["config"]
+    torch.save({"state_dict": {f"module.{k}": v for k, v in src.state_dict().items()}, "epoch": 1}, tmp_path / "ddp.pt")
+    torch.save({"model_ema": src.state_dict(), "model": src.state_dict()}, tmp_path / "ema.pt")
+    with torch.no_grad():
+        for f in ("w.safetensors", "ddp.pt", "ema.pt"):
+            model = cgavit.create_model("efficientvit_m0", distillation=True, checkpoint_path=tmp_path / f).eval()
+            torch.testing.assert_close(model(x), src(x))
+    # a checkpoint with a distillation head loads into a model without one (and vice versa)
+    plain = cgavit.create_model("efficientvit_m0", checkpoint_path=st)
+    assert plain.head_dist is None
+
+
+def test_timm_state_dict_file_at_another_window_resizes_bias(tmp_path):
+    # a 224-built checkpoint (last-stage window 4) into a model built at 512 (windows 7): tables resized
+    ref = timm.create_model("efficientvit_m0")
+    path = tmp_path / "timm.pth"
+    torch.save(ref.state_dict(), path)
+    model = cgavit.create_model("efficientvit_m0", img_size=512)
+    report = load_checkpoint(model, path)
+    assert report["resized"] and all(".stages.2." in f".{k}" for k in report["resized"])
+    assert model.stages[2].blocks[0].mixer.m.attn.attention_biases.shape == (4, 49)
