@@ -14,6 +14,7 @@ import sys
 
 _COMMAND_MODULES = (
     "cgavit.info",
+    "cgavit.explorer.server",
 )
 
 

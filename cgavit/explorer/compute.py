@@ -1,0 +1,398 @@
+"""The numbers behind the CGA Explorer, computed by the package's own attention modules.
+
+Two sources:
+
+* :class:`ToyCGA` -- the seed's six tokens (a 2x3 map, one window of side 3) through a freshly drawn
+  :class:`~cgavit.attention.CascadedGroupAttention` of 24 channels, with the head count, cascade
+  and channel groups chosen by the user.
+* :class:`ImageAttention` -- an uploaded image through an :class:`~cgavit.model.EfficientViT`
+  (a checkpoint, or a randomly initialised variant); the attention input of one block is captured
+  with forward hooks and replayed through that block's own ``head_attention_maps``.
+
+Head similarity is the cosine similarity of two heads' flattened attention maps (all windows and
+queries), as in the seed's chapter 4.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import CascadedGroupAttention, LocalWindowAttention
+from ..factory import create_model
+from ..model import EfficientViT, _stage_resolution
+from ..testing import randomize_
+from ..variants import EfficientViTConfig
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MAX_UPLOAD_BYTES = 5 * 1024 * 1024
+MAX_IMAGE_PIXELS = 40_000_000  # decoded size cap: a small file can still expand to a huge bitmap
+
+
+def head_similarity(maps: torch.Tensor) -> torch.Tensor:
+    """Pairwise cosine similarity of attention maps.
+
+    Args:
+        maps: ``(heads, ...)``: each head's maps, flattened over everything after dim 0.
+
+    Returns:
+        ``(heads, heads)`` float64 matrix with ones on the diagonal.
+    """
+    flat = F.normalize(maps.detach().double().flatten(1), dim=1)
+    return flat @ flat.T
+
+
+def _off_diagonal_mean(sim: torch.Tensor) -> float | None:
+    n = sim.shape[0]
+    if n < 2:
+        return None
+    return float(sim[~torch.eye(n, dtype=torch.bool)].mean())
+
+
+class ToyCGA:
+    """Six tokens through one cascaded group attention, as in the seed's chapter 8.
+
+    The six tokens form a 2x3 map (read row by row: t1 t2 t3 / t4 t5 t6) attended as one window of
+    side 3, which is the module's ``(B, C, H, W)`` contract with ``H, W <= window``. A seed fixes
+    the tokens and the weights: the tokens depend on the seed only, the weights on the seed and on
+    the layout (channel groups change the projection shapes; the cascade does not, so toggling it
+    keeps every weight and token and changes only what heads 2.. read).
+
+    Args:
+        channels: token width C. Default 24 (divisible by every head count offered).
+        key_dim: query/key width per head. Default 8.
+    """
+
+    GRID = (2, 3)
+    WINDOW = 3
+
+    def __init__(self, channels: int = 24, key_dim: int = 8) -> None:
+        self.channels = channels
+        self.key_dim = key_dim
+        self.head_choices = [h for h in (1, 2, 3, 4, 6, 8) if channels % h == 0]
+        self._lock = threading.Lock()
+
+    def tokens(self, seed: int) -> torch.Tensor:
+        """The six tokens of ``seed`` as a ``(1, C, 2, 3)`` map."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(1, self.channels, *self.GRID, generator=g)
+
+    def module(self, heads: int, cascade: bool, groups: bool, seed: int) -> CascadedGroupAttention:
+        """A CGA in eval mode with weights drawn from ``seed`` and randomised BatchNorm statistics.
+
+        Raises:
+            ValueError: a head count not offered, or cascade without channel groups.
+        """
+        if heads not in self.head_choices:
+            raise ValueError(f"heads must be one of {self.head_choices} (divisors of C={self.channels}), got {heads}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            attn = CascadedGroupAttention(
+                self.channels,
+                key_dim=self.key_dim,
+                num_heads=heads,
+                window=self.WINDOW,
+                cascade=cascade,
+                group_split=groups,
+            )
+        randomize_(attn, seed)  # default BN statistics would make every head's map look alike
+        return attn.eval()
+
+    def run(self, heads: int, cascade: bool, groups: bool, seed: int) -> dict:
+        """Everything the page shows for one setting, as JSON-ready values.
+
+        Returns:
+            dict with ``maps`` ``[h][6][6]`` (row = query token, column = key token; rows sum to 1),
+            ``similarity`` ``[h][h]``, ``mean_similarity`` (off-diagonal mean, None for one head),
+            ``slices`` (each head's input channels ``[start, stop)`` and whether it also reads the
+            previous head's output), and the layout.
+        """
+        with self._lock, torch.no_grad():  # fork_rng touches the global generator: one at a time
+            attn = self.module(heads, cascade, groups, seed)
+            maps = torch.stack([m[0] for m in attn.head_attention_maps(self.tokens(seed))])  # (h, 6, 6)
+        sim = head_similarity(maps)
+        width = self.channels // heads if groups else self.channels
+        slices = [
+            dict(
+                head=j,
+                start=j * width if groups else 0,
+                stop=(j + 1) * width if groups else self.channels,
+                reads_previous=bool(cascade and j > 0),
+            )
+            for j in range(heads)
+        ]
+        return dict(
+            tokens=self.GRID[0] * self.GRID[1],
+            grid=list(self.GRID),
+            window=self.WINDOW,
+            channels=self.channels,
+            key_dim=self.key_dim,
+            value_dim=attn.value_dim,
+            heads=heads,
+            cascade=cascade,
+            groups=groups,
+            seed=seed,
+            head_choices=self.head_choices,
+            module=(
+                f"CascadedGroupAttention(dim={self.channels}, key_dim={self.key_dim}, num_heads={heads}, "
+                f"window={self.WINDOW}, cascade={cascade}, group_split={groups})"
+            ),
+            maps=maps.double().tolist(),
+            similarity=sim.tolist(),
+            mean_similarity=_off_diagonal_mean(sim),
+            slices=slices,
+        )
+
+
+# ----------------------------------------------------------------------------------- real model
+def build_model(
+    checkpoint: str | Path | None = None,
+    model_name: str = "efficientvit_m0",
+    img_size: int = 224,
+    trust: bool = False,
+    **dials,
+) -> tuple[EfficientViT, str]:
+    """The model whose attention the page shows, and an honest sentence about where it came from.
+
+    A cgavit checkpoint rebuilds its own architecture from its metadata; official and timm files are
+    loaded into ``model_name`` (with ``dials``). Without a checkpoint the model is randomly
+    initialised, with BatchNorm statistics and bias tables randomised (seed 0).
+
+    Raises:
+        ValueError: unknown model, impossible dials, or an unusable checkpoint (``CheckpointError``).
+    """
+    from ..weights import load_checkpoint, read_metadata
+
+    if checkpoint is None:
+        model = create_model(model_name, img_size=img_size, **dials)
+        randomize_(model, 0)
+        about = (
+            f"a randomly initialised {model_name} (no --checkpoint given; BatchNorm statistics and "
+            "bias tables randomised with seed 0). Its maps show how the mechanism mixes tokens, "
+            "not what a trained network looks at."
+        )
+        return model.eval(), about
+    path = Path(checkpoint)
+    meta = read_metadata(path)
+    if "config" in meta:
+        if dials:
+            raise ValueError(f"{path} records its own architecture; drop the dial options ({sorted(dials)})")
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["config"]).items()}
+        num_classes = int(meta.get("num_classes") or 1000)
+        model = EfficientViT(EfficientViTConfig(**fields), num_classes=num_classes, img_size=img_size)
+        arch = "the architecture recorded in its metadata"
+    else:
+        model = create_model(model_name, img_size=img_size, **dials)
+        arch = model_name
+    report = load_checkpoint(model, path, trust=trust)
+    log.info("explorer: loaded %s (skipped %s, resized %s)", path, report["skipped"], report["resized"])
+    return model.eval(), f"checkpoint {path.name} loaded into {arch}."
+
+
+def _blocks(model: EfficientViT) -> list[tuple[int, int, LocalWindowAttention]]:
+    return [
+        (i, j, block.mixer.m)
+        for i, stage in enumerate(model.stages)
+        for j, block in enumerate(stage.blocks)
+    ]
+
+
+class ImageAttention:
+    """Real attention maps of an uploaded image in every sandwich block of a model.
+
+    Uploaded images are kept (preprocessed) in a small in-memory cache under the SHA-256 of their
+    bytes, so picking another block or query token does not need the file again.
+
+    Args:
+        model: an :class:`~cgavit.model.EfficientViT` (put in eval mode here).
+        about: one sentence on where the weights came from, shown on the page.
+        cache_size: images kept. Default 8.
+    """
+
+    def __init__(self, model: EfficientViT, about: str, cache_size: int = 8) -> None:
+        self.model = model.eval()
+        self.about = about
+        self.img_size = tuple(model.img_size)
+        self._blocks = _blocks(model)
+        self._images: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def info(self) -> dict:
+        """The model description and one entry per block (stage, width, heads, window, map size)."""
+        rows = []
+        for k, (i, j, lwa) in enumerate(self._blocks):
+            h, w = (_stage_resolution(s, i) for s in self.img_size)
+            rows.append(
+                dict(
+                    index=k,
+                    stage=i + 1,
+                    block=j + 1,
+                    channels=lwa.attn.dim,
+                    heads=lwa.attn.num_heads,
+                    window=lwa.window,
+                    grid=[h, w],
+                    cascade=lwa.attn.cascade,
+                    groups=lwa.attn.group_split,
+                )
+            )
+        return dict(about=self.about, img_size=list(self.img_size), blocks=rows, max_upload_bytes=MAX_UPLOAD_BYTES)
+
+    def add_image(self, data: bytes) -> dict:
+        """Validate and preprocess an uploaded image; returns its id and the model's view of it.
+
+        Raises:
+            ValueError: not an image PIL can decode, or too many pixels.
+        """
+        import numpy as np
+        from PIL import Image, ImageOps
+
+        try:
+            with Image.open(io.BytesIO(data)) as probe:
+                probe.verify()  # structure check without decoding
+            img = Image.open(io.BytesIO(data))
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise ValueError(
+                    f"the image is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS:,}: scale it down"
+                )
+            img = ImageOps.exif_transpose(img).convert("RGB")
+        except ValueError:
+            raise
+        except Exception as err:  # PIL raises many types for broken files
+            raise ValueError(f"the upload is not an image PIL can read ({type(err).__name__}); use a JPEG or PNG") from None
+        orig = img.size
+        H, W = self.img_size
+        view = ImageOps.fit(img, (W, H), Image.BICUBIC)  # resize the short side, centre crop
+        arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)  # (3, H, W)
+        x = (arr - torch.tensor(IMAGENET_MEAN)[:, None, None]) / torch.tensor(IMAGENET_STD)[:, None, None]
+        image_id = hashlib.sha256(data).hexdigest()[:16]
+        with self._lock:
+            self._images[image_id] = x[None]
+            self._images.move_to_end(image_id)
+            while len(self._images) > self._cache_size:
+                self._images.popitem(last=False)
+        buf = io.BytesIO()
+        view.save(buf, format="PNG")
+        preview = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        return dict(image_id=image_id, original_size=list(orig), size=[H, W], preview=preview)
+
+    def has_image(self, image_id: str) -> bool:
+        with self._lock:
+            return image_id in self._images
+
+    def _capture(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The windows ``(n_windows, C, h, w)`` that block ``block``'s attention sees, and the map size."""
+        _, _, lwa = self._blocks[block]
+        seen: dict = {}
+
+        class _Stop(Exception):
+            pass
+
+        def grab_map(_, args):
+            seen["hw"] = tuple(args[0].shape[-2:])
+
+        def grab_windows(_, args):
+            seen["windows"] = args[0].detach()
+            raise _Stop  # nothing after this block is needed
+
+        hooks = [lwa.register_forward_pre_hook(grab_map), lwa.attn.register_forward_pre_hook(grab_windows)]
+        try:
+            self.model.forward_features(x)
+        except _Stop:
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return seen["windows"], seen["hw"]
+
+    def attention(self, image_id: str, block: int, query: int | None) -> dict:
+        """Each head's attention over the image in one block.
+
+        Args:
+            image_id: from :meth:`add_image`.
+            block: flat block index (see :meth:`info`).
+            query: token index ``y * W + x`` in the block's ``H x W`` map: show what that token
+                attends to inside its window. None: for every token, the mean attention it receives
+                from the queries of its window.
+
+        Returns:
+            dict with ``maps`` ``[heads][H][W]`` (None outside the query's window), ``similarity``
+            ``[heads][heads]``, the window boxes and the layout. Per window the values sum to 1 up
+            to the attention that falls on zero padding, which a map not divisible into windows
+            gets at its bottom/right edge; for a query that share is ``padding_share`` per head.
+
+        Raises:
+            KeyError: unknown image id. ValueError: block or query out of range.
+        """
+        if not 0 <= block < len(self._blocks):
+            raise ValueError(f"block must be in 0..{len(self._blocks) - 1}, got {block}")
+        with self._lock:
+            x = self._images[image_id]
+            self._images.move_to_end(image_id)
+            with torch.no_grad():
+                windows, (H, W) = self._capture(x, block)
+                attn = self._blocks[block][2].attn
+                maps = torch.stack(attn.head_attention_maps(windows)).double()  # (heads, nwin, N, N)
+        if query is not None and not 0 <= query < H * W:
+            raise ValueError(f"query must be a token index in 0..{H * W - 1} (y * {W} + x), got {query}")
+        ws = self._blocks[block][2].window
+        wh, ww = windows.shape[-2:]
+        n_cols = 1 if (H <= ws and W <= ws) else -(-W // ws)
+        boxes = []  # window k covers rows y0..y0+wh, cols x0..x0+ww (cropped to the map)
+        for k in range(windows.shape[0]):
+            y0, x0 = (k // n_cols) * wh, (k % n_cols) * ww
+            boxes.append([y0, x0, min(wh, H - y0), min(ww, W - x0)])
+        heads = maps.shape[0]
+        grid = [[[None] * W for _ in range(H)] for _ in range(heads)]
+        padding_share = None
+        if query is None:
+            for k, (y0, x0, bh, bw) in enumerate(boxes):
+                real = [n for n in range(wh * ww) if n // ww < bh and n % ww < bw]  # not zero padding
+                received = maps[:, k, real].mean(dim=1)  # (heads, N): mean over the window's real queries
+                for n in real:
+                    ty, tx = n // ww, n % ww
+                    for hd in range(heads):
+                        grid[hd][y0 + ty][x0 + tx] = float(received[hd, n])
+            qbox = None
+        else:
+            qy, qx = divmod(query, W)
+            k = next(i for i, (y0, x0, bh, bw) in enumerate(boxes) if y0 <= qy < y0 + bh and x0 <= qx < x0 + bw)
+            y0, x0, bh, bw = boxes[k]
+            row = (qy - y0) * ww + (qx - x0)
+            for n in range(wh * ww):
+                ty, tx = n // ww, n % ww
+                if ty < bh and tx < bw:
+                    for hd in range(heads):
+                        grid[hd][y0 + ty][x0 + tx] = float(maps[hd, k, row, n])
+            qbox = boxes[k]
+            padding_share = [1.0 - sum(v for row in g for v in row if v is not None) for g in grid]
+        sim = head_similarity(maps)
+        stage, idx, _ = self._blocks[block]
+        return dict(
+            block=block,
+            stage=stage + 1,
+            block_in_stage=idx + 1,
+            heads=heads,
+            grid=[H, W],
+            window=ws,
+            windows=boxes,
+            query=query,
+            query_window=qbox,
+            padding_share=padding_share,
+            maps=grid,
+            similarity=sim.tolist(),
+            mean_similarity=_off_diagonal_mean(sim),
+        )
+

@@ -1,0 +1,302 @@
+"""CGA Explorer: the JSON API's numbers, validation, static-file safety and uploads (no browser)."""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cgavit.attention import CascadedGroupAttention
+from cgavit.explorer.compute import MAX_UPLOAD_BYTES, ImageAttention, build_model
+from cgavit.explorer.server import STATIC_DIR, ExplorerServer
+from cgavit.testing import randomize_
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ExplorerServer(("127.0.0.1", 0), ImageAttention(*build_model()))
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def request(srv, method, path, body=None, headers=None):
+    """Send ``path`` exactly as written (no client-side normalisation of ``..``)."""
+    conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        res = conn.getresponse()
+        data = res.read()
+        return res.status, dict(res.getheaders()), data
+    finally:
+        conn.close()
+
+
+def get_json(srv, path, method="GET", body=None):
+    status, headers, data = request(srv, method, path, body)
+    assert headers["Content-Type"] == "application/json"
+    return status, json.loads(data)
+
+
+def png_bytes(size=(96, 64)) -> bytes:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, (40, 90, 160))
+    ImageDraw.Draw(img).ellipse((10, 8, 60, 56), fill=(240, 200, 30))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------------------- six tokens
+def direct_maps(heads, cascade, groups, seed):
+    """The same setting built here, independently of the server: the module's own maps."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        attn = CascadedGroupAttention(24, key_dim=8, num_heads=heads, window=3, cascade=cascade, group_split=groups)
+    randomize_(attn, seed).eval()
+    x = torch.randn(1, 24, 2, 3, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return torch.stack([m[0] for m in attn.head_attention_maps(x)]).double().numpy()
+
+
+@pytest.mark.parametrize("heads,cascade,groups,seed", [(4, 1, 1, 0), (8, 1, 1, 3), (3, 0, 1, 7), (6, 0, 0, 11), (1, 1, 1, 2)])
+def test_cga_matches_module(server, heads, cascade, groups, seed):
+    status, d = get_json(server, f"/api/cga?heads={heads}&cascade={cascade}&groups={groups}&seed={seed}")
+    assert status == 200
+    maps = np.array(d["maps"])
+    assert maps.shape == (heads, 6, 6)
+    np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(maps, direct_maps(heads, bool(cascade), bool(groups), seed), rtol=0, atol=1e-7)
+    flat = maps.reshape(heads, -1)
+    flat = flat / np.linalg.norm(flat, axis=1, keepdims=True)
+    sim = np.array(d["similarity"])
+    np.testing.assert_allclose(sim, flat @ flat.T, atol=1e-6)
+    np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-9)
+    off = sim[~np.eye(heads, dtype=bool)]
+    assert (d["mean_similarity"] is None) if heads == 1 else d["mean_similarity"] == pytest.approx(off.mean())
+    width = 24 // heads if groups else 24
+    assert [(s["start"], s["stop"]) for s in d["slices"]] == [
+        (j * width, (j + 1) * width) if groups else (0, 24) for j in range(heads)
+    ]
+    assert [s["reads_previous"] for s in d["slices"]] == [bool(cascade) and j > 0 for j in range(heads)]
+
+
+def test_cascade_toggle_keeps_weights(server):
+    """Same seed, cascade on vs off: head 1 (fed by no one) is unchanged, head 2 is not."""
+    _, on = get_json(server, "/api/cga?heads=4&cascade=1&groups=1&seed=5")
+    _, off = get_json(server, "/api/cga?heads=4&cascade=0&groups=1&seed=5")
+    _, other = get_json(server, "/api/cga?heads=4&cascade=1&groups=1&seed=6")
+    assert on["maps"][0] == off["maps"][0]
+    assert not np.allclose(on["maps"][1], off["maps"][1], atol=1e-3)
+    assert not np.allclose(on["maps"][0], other["maps"][0], atol=1e-3)
+
+
+def test_cga_defaults(server):
+    status, d = get_json(server, "/api/cga")
+    assert status == 200 and (d["heads"], d["cascade"], d["groups"], d["seed"]) == (4, True, True, 0)
+    assert d["grid"] == [2, 3] and d["window"] == 3 and d["channels"] == 24
+
+
+@pytest.mark.parametrize(
+    "query,needle",
+    [
+        ("heads=5", "heads must be one of"),
+        ("heads=0", "heads must be in"),
+        ("heads=four", "integer"),
+        ("cascade=2", "cascade must be 0 or 1"),
+        ("cascade=1&groups=0", "needs groups=1"),
+        ("seed=-1", "seed must be in"),
+        ("seed=1.5", "integer"),
+        ("heads=4&heads=2", "given 2 times"),
+        ("colour=red", "unknown parameter"),
+    ],
+)
+def test_cga_bad_parameters(server, query, needle):
+    status, d = get_json(server, f"/api/cga?{query}")
+    assert status == 400
+    assert needle in d["error"]
+
+
+# ------------------------------------------------------------------------------- static files
+@pytest.mark.parametrize(
+    "path,kind",
+    [("/", "text/html"), ("/static/index.html", "text/html"), ("/static/explorer.js", "text/javascript"), ("/static/explorer.css", "text/css")],
+)
+def test_static_files(server, path, kind):
+    status, headers, body = request(server, "GET", path)
+    assert status == 200 and headers["Content-Type"].startswith(kind) and body
+    assert "default-src 'self'" in headers["Content-Security-Policy"]
+    assert headers["X-Content-Type-Options"] == "nosniff"
+
+
+@pytest.mark.parametrize(
+    "path,status",
+    [
+        ("/static/../compute.py", 403),
+        ("/static/%2e%2e/server.py", 403),
+        ("/static/..%2f..%2fcli.py", 403),
+        ("/static/%2e%2e%2f%2e%2e%2f%2e%2e%2fpyproject.toml", 403),
+        ("/static//etc/passwd", 403),
+        ("/static/missing.js", 404),
+        ("/static/", 404),
+        ("/compute.py", 404),
+        ("/api/nothing", 404),
+    ],
+)
+def test_no_files_outside_the_page(server, path, status):
+    got, headers, body = request(server, "GET", path)
+    assert got == status
+    assert b"import" not in body and b"root:" not in body
+    assert "error" in json.loads(body)
+
+
+def test_page_loads_nothing_from_elsewhere():
+    """Every URL in the page's files is the server's own (the SVG namespace is a name, not a fetch)."""
+    for path in STATIC_DIR.iterdir():
+        text = path.read_text()
+        urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"')]*", text))
+        assert urls <= {"http://www.w3.org/2000/svg"}, (path.name, urls)
+
+
+# ------------------------------------------------------------------------------- uploads
+def test_oversized_upload_413(server):
+    status, d = get_json(server, "/api/image", "POST", b"\0" * (MAX_UPLOAD_BYTES + 1))
+    assert status == 413 and "limit" in d["error"]
+
+
+@pytest.mark.parametrize("body", [b"hello, not an image", png_bytes()[:60], b""])
+def test_non_image_upload_400(server, body):
+    status, d = get_json(server, "/api/image", "POST", body)
+    assert status == 400 and d["error"]
+
+
+def test_upload_needs_length(server):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    conn.putrequest("POST", "/api/image")
+    conn.endheaders()
+    res = conn.getresponse()
+    assert res.status == 411
+    conn.close()
+
+
+def test_image_attention(server):
+    status, up = get_json(server, "/api/image", "POST", png_bytes())
+    assert status == 200 and up["preview"].startswith("data:image/png;base64,")
+    image_id = up["image_id"]
+    images = server.images
+    info = images.info()
+    assert [b["grid"] for b in info["blocks"]] == [[14, 14], [7, 7], [7, 7], [4, 4], [4, 4], [4, 4]]
+
+    # stage 1 (14x14, four 7x7 windows): query token (9, 3) lives in the bottom-left window
+    status, d = get_json(server, f"/api/attention?image={image_id}&block=0&query={9 * 14 + 3}")
+    assert status == 200 and d["query_window"] == [7, 0, 7, 7]
+    grid = np.array([[[np.nan if v is None else v for v in row] for row in head] for head in d["maps"]])
+    assert np.isnan(grid[:, :7, :]).all() and np.isnan(grid[:, :, 7:]).all()
+    np.testing.assert_allclose(np.nansum(grid, axis=(1, 2)), 1.0, atol=1e-5)
+    # independently: the block's input, its bottom-left window cut by hand, through the block's attention
+    lwa = images.model.stages[0].blocks[0].mixer.m
+    seen = {}
+    hook = lwa.register_forward_pre_hook(lambda _, a: seen.setdefault("x", a[0]))
+    with torch.no_grad():
+        images.model.forward_features(images._images[image_id])
+        hook.remove()
+        maps = lwa.attn.head_attention_maps(seen["x"][:, :, 7:14, 0:7])
+    want = np.stack([m[0, (9 - 7) * 7 + 3].double().numpy().reshape(7, 7) for m in maps])
+    np.testing.assert_allclose(grid[:, 7:14, 0:7], want, atol=1e-6)
+    sim = np.array(d["similarity"])
+    np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-9)
+    np.testing.assert_allclose(sim, sim.T, atol=1e-12)
+
+    # mean over queries: every token has a value, each window's values sum to 1
+    _, m = get_json(server, f"/api/attention?image={image_id}&block=0&query=mean")
+    mg = np.array(m["maps"])
+    assert mg.shape == (4, 14, 14)
+    for y0, x0, h, w in m["windows"]:
+        np.testing.assert_allclose(mg[:, y0 : y0 + h, x0 : x0 + w].sum(axis=(1, 2)), 1.0, atol=1e-5)
+
+    for query, block, status in [("0", "6", 400), ("16", "3", 400), ("x", "0", 400), ("0", "-1", 400)]:
+        got, err = get_json(server, f"/api/attention?image={image_id}&block={block}&query={query}")
+        assert got == status and err["error"]
+    got, err = get_json(server, "/api/attention?image=0123456789abcdef&block=0")
+    assert got == 404 and "upload it again" in err["error"]
+
+
+# ------------------------------------------------------------------------------- model and command
+def test_checkpoint_model(tmp_path):
+    from cgavit import create_model, save_weights
+    from cgavit.weights import CheckpointError
+
+    src = randomize_(create_model("m0", num_classes=10, cascade=False), 3)
+    path = save_weights(src, tmp_path / "m0.safetensors")
+    model, about = build_model(path)
+    assert "m0.safetensors" in about and model.num_classes == 10 and model.cfg.cascade is False
+    for key, value in src.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError):
+        build_model(bad)
+    with pytest.raises(ValueError, match="records its own architecture"):
+        build_model(path, cascade=True)
+
+
+def test_random_model_says_so(server):
+    status, info = get_json(server, "/api/model")
+    assert status == 200 and "randomly initialised efficientvit_m0" in info["about"]
+    assert info["max_upload_bytes"] == MAX_UPLOAD_BYTES
+
+
+def test_command_serves_on_localhost():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cgavit", "explore", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert match, line
+        conn = http.client.HTTPConnection("127.0.0.1", int(match.group(1)), timeout=30)
+        conn.request("GET", "/api/cga?heads=2")
+        res = conn.getresponse()
+        assert res.status == 200 and len(json.loads(res.read())["maps"]) == 2
+        conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_command_rejects_bad_options(capsys):
+    from cgavit.cli import main
+
+    assert main(["explore", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_windows_with_padding():
+    """At 160 px stage 1 is 10x10 with window 7: padded to 14x14, the edge windows are cropped."""
+    images = ImageAttention(*build_model(img_size=160))
+    image_id = images.add_image(png_bytes())["image_id"]
+    d = images.attention(image_id, 0, 9 * 10 + 9)
+    assert d["windows"] == [[0, 0, 7, 7], [0, 7, 7, 3], [7, 0, 3, 7], [7, 7, 3, 3]]
+    assert d["query_window"] == [7, 7, 3, 3]
+    grid = np.array([[[np.nan if v is None else v for v in row] for row in head] for head in d["maps"]])
+    shown = np.nansum(grid, axis=(1, 2))
+    assert np.isfinite(grid[:, 7:, 7:]).all() and np.isnan(grid).sum() == 4 * 91
+    np.testing.assert_allclose(shown + np.array(d["padding_share"]), 1.0, atol=1e-6)
+    assert (np.array(d["padding_share"]) > 0).all()
+    m = np.array(images.attention(image_id, 0, None)["maps"])
+    np.testing.assert_allclose(m[:, :7, :7].sum(axis=(1, 2)), 1.0, atol=1e-5)  # the one uncropped window
+    assert (m[:, 7:, 7:].sum(axis=(1, 2)) < 1).all()

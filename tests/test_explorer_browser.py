@@ -1,0 +1,247 @@
+"""CGA Explorer in a real browser: Debian's chromium driven by playwright.
+
+The page must show the API's numbers after every control change. Screenshots go to
+``$CGAVIT_ARTIFACTS/explorer/`` when that variable names a folder, else to pytest's tmp_path.
+Without chromium these tests skip, unless ``CGAVIT_REQUIRE_BROWSER=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cgavit.explorer.compute import ImageAttention, build_model
+from cgavit.explorer.server import ExplorerServer
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+
+
+def _chromium_missing() -> str | None:
+    if not os.path.exists(CHROMIUM) and not shutil.which("chromium"):
+        return f"{CHROMIUM} not found (apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = _chromium_missing()
+    if missing:
+        if os.environ.get("CGAVIT_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"browser tests required (CGAVIT_REQUIRE_BROWSER=1) but {missing}")
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    path = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=LAUNCH_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ExplorerServer(("127.0.0.1", 0), ImageAttention(*build_model()))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def shots(tmp_path):
+    root = os.environ.get("CGAVIT_ARTIFACTS")
+    out = Path(root) / "explorer" if root else tmp_path
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def api(srv, path):
+    with urllib.request.urlopen(srv.url.rstrip("/") + path, timeout=30) as res:
+        return json.loads(res.read())
+
+
+def open_page(browser, srv, width=1280, height=800):
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.set_default_timeout(20000)
+    problems, foreign = [], []
+    page.on("pageerror", lambda err: problems.append(str(err)))
+    page.on("console", lambda msg: problems.append(msg.text) if msg.type == "error" else None)
+    page.on("request", lambda req: None if req.url.startswith((srv.url, "data:")) else foreign.append(req.url))
+    page.goto(srv.url)
+    return page, problems, foreign
+
+
+def wait_toy(page, query):
+    # attribute selectors, not JS predicates: the page's CSP forbids eval
+    page.wait_for_selector(f'#toy[data-state="{query}"][data-busy="0"]', state="attached")
+
+
+def shown_map(page):
+    """The heatmap as drawn: the numbers in the cells' data- attributes and the printed labels."""
+    cells = page.locator("#cells rect.cell").evaluate_all(
+        "els => els.map(e => [+e.dataset.q, +e.dataset.k, e.dataset.value])"
+    )
+    texts = page.locator("#cells text.cell-val").evaluate_all(
+        "els => els.map(e => [+e.dataset.q, +e.dataset.k, e.textContent])"
+    )
+    values = [[None] * 6 for _ in range(6)]
+    labels = [[None] * 6 for _ in range(6)]
+    for q, k, v in cells:
+        values[q][k] = float(v)
+    for q, k, t in texts:
+        labels[q][k] = t
+    return values, labels
+
+
+def shown_bars(page, svg="#simbars"):
+    pairs = page.locator(f"{svg} g.bar").evaluate_all("els => els.map(e => [e.dataset.pair, e.dataset.value])")
+    return {pair: float(v) for pair, v in pairs}
+
+
+def check_matches_api(page, srv, query, head):
+    d = api(srv, f"/api/cga?{query}")
+    values, labels = shown_map(page)
+    assert values == d["maps"][head]  # the exact numbers the API returned
+    assert labels == [[f"{v:.2f}" for v in row] for row in d["maps"][head]]
+    assert page.locator("#map-head").text_content() == str(head + 1)
+    h = d["heads"]
+    want = {f"{i + 1}-{j + 1}": d["similarity"][i][j] for i in range(h) for j in range(i + 1, h)}
+    assert shown_bars(page) == want
+    assert page.locator("#slices g.headbox").count() == h
+    assert page.locator("#slices .cascade-arrow").count() == (h - 1 if d["cascade"] else 0)
+    return d
+
+
+def test_controls_update_panels(browser, server, shots):
+    page, problems, foreign = open_page(browser, server)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    check_matches_api(page, server, "heads=4&cascade=1&groups=1&seed=0", 0)
+    page.screenshot(path=str(shots / "explorer_default.png"))
+
+    page.click("#heads button[data-value='6']")
+    wait_toy(page, "heads=6&cascade=1&groups=1&seed=0")
+    check_matches_api(page, server, "heads=6&cascade=1&groups=1&seed=0", 0)
+
+    page.click("#cascade-wrap")
+    wait_toy(page, "heads=6&cascade=0&groups=1&seed=0")
+    check_matches_api(page, server, "heads=6&cascade=0&groups=1&seed=0", 0)
+
+    page.click("#head-pick button[data-value='4']")  # H5
+    check_matches_api(page, server, "heads=6&cascade=0&groups=1&seed=0", 4)
+    assert page.locator("#head-pick button[data-value='4']").get_attribute("aria-pressed") == "true"
+    page.screenshot(path=str(shots / "explorer_h6_nocascade_head5.png"))
+
+    page.click("#slices g.headbox[data-head='1']")  # clicking a head in panel 1 selects it too
+    check_matches_api(page, server, "heads=6&cascade=0&groups=1&seed=0", 1)
+
+    page.click("#cascade-wrap")
+    wait_toy(page, "heads=6&cascade=1&groups=1&seed=0")
+    page.fill("#seed", "42")
+    page.press("#seed", "Enter")
+    wait_toy(page, "heads=6&cascade=1&groups=1&seed=42")
+    check_matches_api(page, server, "heads=6&cascade=1&groups=1&seed=42", 1)
+    assert problems == [] and foreign == []
+    page.close()
+
+
+def test_groups_off_disables_cascade(browser, server, shots):
+    page, problems, _ = open_page(browser, server)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    page.click("label.switch:has(#groups)")
+    wait_toy(page, "heads=4&cascade=0&groups=0&seed=0")
+    assert page.locator("#cascade").is_disabled() and not page.locator("#cascade").is_checked()
+    assert "needs channel groups" in page.locator("#cascade-note").text_content()
+    check_matches_api(page, server, "heads=4&cascade=0&groups=0&seed=0", 0)
+    page.screenshot(path=str(shots / "explorer_groups_off.png"))
+    page.click("label.switch:has(#groups)")  # back on: the cascade the user had comes back
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    assert page.locator("#cascade").is_checked() and not page.locator("#cascade").is_disabled()
+    assert problems == []
+    page.close()
+
+
+def test_layout_is_stable_and_fits_narrow(browser, server, shots):
+    page, problems, _ = open_page(browser, server)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    panels = ["#toy .slices", "#toy .heat", "#toy .sim", "#toy .controls"]
+    before = [page.locator(p).bounding_box() for p in panels]
+    page.click("#heads button[data-value='8']")
+    wait_toy(page, "heads=8&cascade=1&groups=1&seed=0")
+    page.click("#head-pick button[data-value='7']")
+    after = [page.locator(p).bounding_box() for p in panels]
+    assert before == after  # no panel moves or resizes while numbers change
+
+    page.set_viewport_size({"width": 400, "height": 800})
+    page.wait_for_timeout(200)  # the debounced redraw for the new width
+    assert page.evaluate("() => document.scrollingElement.scrollWidth") <= 400
+    boxes = [page.locator(p).bounding_box() for p in ["#toy .controls", "#toy .slices", "#toy .heat", "#toy .sim"]]
+    for upper, lower in zip(boxes, boxes[1:]):
+        assert lower["y"] >= upper["y"] + upper["height"]  # stacked in reading order
+        assert upper["width"] <= 400
+    page.screenshot(path=str(shots / "explorer_narrow.png"), full_page=True)
+    assert problems == []
+    page.close()
+
+
+def test_image_attention_in_page(browser, server, shots, tmp_path):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (320, 240), (70, 120, 190))
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((30, 50, 150, 200), fill=(240, 200, 40))
+    draw.rectangle((190, 30, 300, 150), fill=(200, 60, 60))
+    path = tmp_path / "shapes.png"
+    img.save(path)
+
+    page, problems, foreign = open_page(browser, server)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    page.wait_for_selector("#block option", state="attached")
+    assert "randomly initialised" in page.locator("#about").text_content()
+    page.set_input_files("#upload", str(path))
+    page.wait_for_selector('#real[data-state^="image="][data-busy="0"]', state="attached")
+
+    def check():
+        query = page.locator("#real").get_attribute("data-state")
+        d = api(server, f"/api/attention?{query}")
+        figs = page.locator("#head-grid figure")
+        assert figs.count() == d["heads"]
+        for j in range(d["heads"]):
+            values = [v for row in d["maps"][j] for v in row if v is not None]
+            assert float(figs.nth(j).get_attribute("data-max")) == max(values)
+            assert float(figs.nth(j).get_attribute("data-sum")) == pytest.approx(sum(values), abs=1e-9)
+        h = d["heads"]
+        want = {f"{i + 1}-{j + 1}": d["similarity"][i][j] for i in range(h) for j in range(i + 1, h)}
+        assert shown_bars(page, "#real-sim") == want
+        return query
+
+    first = check()
+    assert first.endswith(f"block=0&query={7 * 14 + 7}")  # the centre token by default
+    page.screenshot(path=str(shots / "explorer_image.png"), full_page=True)
+
+    page.select_option("#block", "3")
+    page.wait_for_selector('#real[data-state$="block=3&query=10"][data-busy="0"]', state="attached")
+    check()
+    canvas = page.locator("#head-grid canvas").first
+    box = canvas.bounding_box()
+    canvas.click(position={"x": box["width"] * 0.1, "y": box["height"] * 0.9})  # token (3, 0) of 4x4
+    page.wait_for_selector('#real[data-state$="block=3&query=12"][data-busy="0"]', state="attached")
+    check()
+    page.click("#mode button[data-mode='mean']")
+    page.wait_for_selector('#real[data-state$="block=3&query=mean"][data-busy="0"]', state="attached")
+    check()
+    page.screenshot(path=str(shots / "explorer_image_mean.png"), full_page=True)
+    assert problems == [] and foreign == []
+    page.close()
