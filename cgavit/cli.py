@@ -15,6 +15,7 @@ import sys
 _COMMAND_MODULES = (
     "cgavit.info",
     "cgavit.explorer.server",
+    "cgavit.train.cli",
 )
 
 

@@ -1,0 +1,292 @@
+"""Evaluation and prediction with any checkpoint: one trained here (``best.pt``, ``last.pt``,
+``best.safetensors``), an official release file or a timm file.
+
+A checkpoint trained here carries its model name, dials, image size, normalisation and class names,
+so nothing else is needed; other files need ``--model`` (and the dials they were trained with) and
+get ImageNet-1k class names when they have 1000 outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..weights import CheckpointError, convert_state_dict, load_checkpoint, read_metadata, read_state_dict
+from .data import IMAGENET_MEAN, IMAGENET_STD, build_transform, load_image
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def imagenet_classes() -> list[tuple[str, str]]:
+    """The 1000 ImageNet-1k ``(synset, description)`` pairs in class-index order (package data built
+    from timm's ImageNet metadata)."""
+    text = resources.files(__package__).joinpath("imagenet_classes.txt").read_text()
+    return [tuple(line.split("\t", 1)) for line in text.splitlines() if line.strip()]
+
+
+@dataclass
+class ModelInfo:
+    """How to feed and read a loaded model."""
+
+    class_names: list[str]
+    img_size: int = 224
+    crop_pct: float = 0.875
+    interpolation: str = "bicubic"
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _names_for(num_classes: int, stored: list[str] | None) -> list[str]:
+    if stored and len(stored) == num_classes:
+        return list(stored)
+    if num_classes == 1000:
+        return [desc.split(",")[0] for _, desc in imagenet_classes()]
+    return [f"class {i}" for i in range(num_classes)]
+
+
+def _tupled(d: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def load_model(
+    path: str | Path | None,
+    model_name: str | None = None,
+    dials: dict | None = None,
+    *,
+    pretrained: bool = False,
+    use_ema: bool = False,
+    trust: bool = False,
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, ModelInfo]:
+    """Rebuild a network from a checkpoint and return it in eval mode with its :class:`ModelInfo`.
+
+    Args:
+        path: ``best.pt`` / ``last.pt`` (training checkpoints), ``*.safetensors`` written here, or an
+            official / timm file (then ``model_name`` is needed). None with ``pretrained``.
+        model_name: variant name for files that do not record it; for files that do, it must agree.
+        dials: design dials for files that do not record them.
+        pretrained: load the published ImageNet-1k weights of ``model_name`` (downloads once).
+        use_ema: take the EMA weights of a training checkpoint.
+        trust: allow pickled objects in third-party files (runs code from the file).
+        device: where to put the model.
+
+    Raises:
+        CheckpointError: unreadable file or one that does not fit.
+        ValueError: not enough information to build the model.
+    """
+    from ..factory import create_model
+
+    if path is None:
+        if not (pretrained and model_name):
+            raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
+        model = create_model(model_name, pretrained=True, **(dials or {}))
+        return model.eval().to(device), ModelInfo(_names_for(model.num_classes, None), source=f"{model_name} (published)")
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    meta = read_metadata(path)
+    if meta.get("format") == "cgavit" and "model" in meta:
+        return _from_safetensors(path, meta, model_name, device)
+    if not meta:
+        try:
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:
+            ck = None  # not a safe training checkpoint: fall through to the generic reader
+        if isinstance(ck, dict) and str(ck.get("format", "")).startswith("cgavit-train"):
+            return _from_training(path, ck, model_name, use_ema, device)
+    # official / timm / bare state dict
+    if not model_name:
+        raise ValueError(f"{path} does not record its architecture; pass --model NAME (and the dials it was trained with)")
+    sd = convert_state_dict(read_state_dict(path, trust=trust, prefer_ema=use_ema))
+    head = sd.get("head.linear.weight")
+    num_classes = int(head.shape[0]) if head is not None else 1000
+    model = create_model(model_name, num_classes=num_classes, distillation="head_dist.linear.weight" in sd, **(dials or {}))
+    load_checkpoint(model, sd)
+    return model.eval().to(device), ModelInfo(_names_for(num_classes, None), source=str(path))
+
+
+def _from_training(path: Path, ck: dict, model_name: str | None, use_ema: bool, device) -> tuple[nn.Module, ModelInfo]:
+    from ..factory import create_model
+
+    args = ck["args"]
+    if model_name and model_name.split(".")[0] not in (args["model"], f"efficientvit_{model_name}"):
+        log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, args["model"])
+    from argparse import Namespace
+
+    from ..dials import dials_from_args
+
+    classes = list(ck.get("classes") or [])
+    model = create_model(
+        args["model"],
+        num_classes=len(classes) or ck["model"]["head.linear.weight"].shape[0],
+        img_size=args["img_size"],
+        distillation=args.get("distillation_type", "none") != "none",
+        **dials_from_args(Namespace(**_tupled(args))),
+    )
+    sd = ck["model_ema"] if use_ema and ck.get("model_ema") is not None else ck["model"]
+    load_checkpoint(model, sd)
+    info = ModelInfo(
+        _names_for(model.num_classes, classes),
+        img_size=int(args["img_size"]),
+        crop_pct=float(args.get("crop_pct", 0.875)),
+        interpolation=args.get("interpolation", "bicubic"),
+        mean=tuple(args.get("mean") or IMAGENET_MEAN),
+        std=tuple(args.get("std") or IMAGENET_STD),
+        source=str(path),
+    )
+    return model.eval().to(device), info
+
+
+def _from_safetensors(path: Path, meta: dict, model_name: str | None, device) -> tuple[nn.Module, ModelInfo]:
+    from ..factory import create_model
+
+    classes = json.loads(meta.get("class_names", "[]"))
+    num_classes = int(meta.get("num_classes") or len(classes) or 1000)
+    model = create_model(
+        meta["model"],
+        num_classes=num_classes,
+        img_size=int(meta.get("img_size", 224)),
+        distillation=meta.get("distillation") == "True",
+        **_tupled(json.loads(meta.get("dials", "{}"))),
+    )
+    load_checkpoint(model, path)
+    info = ModelInfo(
+        _names_for(num_classes, classes),
+        img_size=int(meta.get("img_size", 224)),
+        crop_pct=float(meta.get("crop_pct", 0.875)),
+        interpolation=meta.get("interpolation", "bicubic"),
+        mean=tuple(json.loads(meta["mean"])) if "mean" in meta else IMAGENET_MEAN,
+        std=tuple(json.loads(meta["std"])) if "std" in meta else IMAGENET_STD,
+        source=str(path),
+    )
+    return model.eval().to(device), info
+
+
+def export_weights(checkpoint: str | Path, path: str | Path, use_ema: bool = False) -> Path:
+    """Write a training checkpoint's weights in the package's safetensors format, with the metadata
+    (model, dials, class names, input size, normalisation) that :func:`load_model` rebuilds from."""
+    from argparse import Namespace
+
+    from ..weights import save_weights
+    from .engine import _weights_metadata
+
+    ck = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    if not isinstance(ck, dict) or not str(ck.get("format", "")).startswith("cgavit-train"):
+        raise CheckpointError(f"{checkpoint} is not a training checkpoint written by cgavit train")
+    model, info = load_model(checkpoint, use_ema=use_ema)
+    args = Namespace(**_tupled(ck["args"]))
+    meta = _weights_metadata(args, info.class_names, int(ck["next_epoch"]) - 1, None)
+    return save_weights(model, path, meta)
+
+
+def evaluate_checkpoint(
+    data: str | Path,
+    checkpoint: str | Path | None,
+    model_name: str | None = None,
+    *,
+    split: str | None = None,
+    img_size: int | None = None,
+    crop_pct: float | None = None,
+    interpolation: str | None = None,
+    batch_size: int = 128,
+    workers: int = 4,
+    device: str = "auto",
+    dials: dict | None = None,
+    use_ema: bool = False,
+    pretrained: bool = False,
+    strict: bool = False,
+    trust: bool = False,
+) -> dict:
+    """Top-1, top-5 (percent) and loss of a checkpoint on an image folder; distributed under torchrun.
+
+    Args:
+        data: dataset root (its ``split``, default ``val``, is used when present) or a split folder.
+        checkpoint: any file :func:`load_model` reads.
+        img_size, crop_pct, interpolation: evaluation transform; default: what the checkpoint
+            records, else 224 / 0.875 / bicubic.
+        split: sub-folder of ``data`` to evaluate.
+
+    Returns:
+        ``{"top1", "top5", "loss", "n", "skipped", "img_size", "crop_pct", "checkpoint", "data"}``.
+    """
+    from .data import ImageFolderDataset, eval_sampler, list_split, make_loader
+    from .distributed import setup, teardown
+    from .engine import evaluate
+
+    env = setup(device)
+    try:
+        model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=env.device)
+        root = Path(data)
+        split_dir = root / (split or "val") if (root / (split or "val")).is_dir() or split else root
+        classes, samples = list_split(split_dir)
+        if len(classes) != model.num_classes:
+            raise ValueError(
+                f"{split_dir} has {len(classes)} class folders but the model predicts {model.num_classes} classes"
+            )
+        size = img_size or info.img_size
+        pct = crop_pct or info.crop_pct
+        interp = interpolation or info.interpolation
+        transform = build_transform(size, False, interpolation=interp, crop_pct=pct, mean=info.mean, std=info.std)
+        ds = ImageFolderDataset(samples, classes, transform, strict=strict)
+        loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers, pin_memory=env.device.type == "cuda")
+        res = evaluate(model, loader, env)
+        for p in res.pop("bad_paths"):
+            log.warning("skipped unreadable image %s", p)
+        res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir), world_size=env.world)
+        return res
+    finally:
+        teardown(env)
+
+
+@torch.no_grad()
+def predict(
+    images: list[str | Path],
+    checkpoint: str | Path | None,
+    model_name: str | None = None,
+    *,
+    topk: int = 5,
+    img_size: int | None = None,
+    crop_pct: float | None = None,
+    dials: dict | None = None,
+    use_ema: bool = False,
+    pretrained: bool = False,
+    trust: bool = False,
+    device: str = "cpu",
+) -> list[dict]:
+    """The ``topk`` classes of each image, any PIL mode (grayscale, RGBA, palette, CMYK, 16-bit,
+    float) and any size.
+
+    Returns:
+        One ``{"image", "top": [{"index", "name", "prob"}, ...]}`` per image, probabilities in [0, 1].
+
+    Raises:
+        BadImageError: an image file that cannot be decoded (named).
+    """
+    model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
+    size = img_size or info.img_size
+    transform = build_transform(size, False, interpolation=info.interpolation, crop_pct=crop_pct or info.crop_pct, mean=info.mean, std=info.std)
+    out = []
+    synsets = imagenet_classes() if model.num_classes == 1000 else None
+    for path in images:
+        x = transform(load_image(path)).unsqueeze(0).to(device)  # (1, 3, size, size)
+        prob = model(x).float().softmax(dim=1)[0]
+        k = min(topk, prob.numel())
+        p, i = prob.topk(k)
+        top = []
+        for pi, ii in zip(p.tolist(), i.tolist()):
+            row = {"index": ii, "name": info.class_names[ii], "prob": pi}
+            if synsets is not None and info.class_names[ii] == synsets[ii][1].split(",")[0]:
+                row["synset"] = synsets[ii][0]
+            top.append(row)
+        out.append({"image": str(path), "top": top})
+    return out

@@ -1,0 +1,111 @@
+"""What a run leaves behind besides checkpoints: ``metrics.jsonl`` (one line per epoch), the
+training-curve PNG, and progress reporting (a tqdm bar on a terminal, log lines otherwise)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ..weights import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+def append_metrics(path: Path, row: dict) -> None:
+    """Append one JSON line (the file is rewritten atomically, so a crash never leaves half a line)."""
+    old = path.read_text() if path.is_file() else ""
+    text = old + json.dumps(row) + "\n"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, next_epoch: int) -> None:
+    """Drop rows of epochs >= ``next_epoch`` (written after the checkpoint a run resumes from)."""
+    rows = [r for r in read_metrics(path) if r.get("epoch", -1) < next_epoch]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if path.is_file():
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def plot_curves(rows: list[dict], path: Path, title: str = "") -> Path | None:
+    """Loss, top-1 and learning rate per epoch, as a PNG (matplotlib, Agg backend)."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = [r["epoch"] + 1 for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax = axes[0]
+    ax.plot(ep, [r["train_loss"] for r in rows], "o-", ms=3, label="train (augmented)")
+    ax.plot(ep, [r["val_loss"] for r in rows], "o-", ms=3, label="validation")
+    ax.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(ep, [r["val_top1"] for r in rows], "o-", ms=3, label="top-1")
+    ax.plot(ep, [r["val_top5"] for r in rows], "o-", ms=3, label="top-5")
+    if any("ema_top1" in r for r in rows):
+        ax.plot([r["epoch"] + 1 for r in rows if "ema_top1" in r], [r["ema_top1"] for r in rows if "ema_top1" in r], "o--", ms=3, label="EMA top-1")
+    ax.set(xlabel="epoch", ylabel="%", title="validation accuracy")
+    ax.legend()
+    ax = axes[2]
+    ax.plot(ep, [r["lr"] for r in rows], "o-", ms=3)
+    ax.set(xlabel="epoch", ylabel="learning rate", title="learning rate (last update of the epoch)")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+
+    def write(tmp: str) -> None:
+        fig.savefig(tmp, dpi=110, format="png")
+
+    atomic_write(path, write)
+    plt.close(fig)
+    return path
+
+
+class Progress:
+    """Per-epoch progress: a tqdm bar (loss, lr, images/s, ETA) when ``bar``, else a log line every
+    ``interval`` updates. Silent on ranks other than 0."""
+
+    def __init__(self, total: int, epoch: int, epochs: int, enabled: bool, bar: bool | None, interval: int) -> None:
+        self.total, self.epoch, self.epochs, self.enabled, self.interval = total, epoch, epochs, enabled, max(1, interval)
+        self.bar = None
+        self.start = time.perf_counter()
+        self.images = 0
+        if enabled and (sys.stderr.isatty() if bar is None else bar):
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="it", dynamic_ncols=True, leave=True)
+
+    def update(self, step: int, images: int, loss: float | None, lr: float) -> None:
+        """Report update ``step`` (0-based) done; ``loss`` may be None between log points."""
+        self.images += images
+        if not self.enabled:
+            return
+        rate = self.images / max(time.perf_counter() - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.update(1)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}", refresh=False)
+        elif loss is not None and ((step + 1) % self.interval == 0 or step + 1 == self.total):
+            eta = (self.total - step - 1) * (time.perf_counter() - self.start) / max(step + 1, 1)
+            log.info(
+                "epoch %d/%d [%d/%d] loss %.4f lr %.2e %.0f img/s eta %.0fs",
+                self.epoch + 1, self.epochs, step + 1, self.total, loss, lr, rate, eta,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

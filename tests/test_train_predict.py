@@ -1,0 +1,130 @@
+"""Prediction on images of any mode and size, class names, export, and the demo's data loader."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cgavit import create_model
+from cgavit.cli import main
+from cgavit.train import load_model, predict, train
+from cgavit.train.data import to_rgb
+from cgavit.train.inference import imagenet_classes
+from cgavit.weights import save_weights
+
+from test_train import TINY, make_folder
+
+DIALS = dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3))
+
+
+def _odd_images(folder):
+    rng = np.random.default_rng(1)
+    rgb = (rng.random((37, 53, 3)) * 255).astype(np.uint8)
+    images = {
+        "gray.png": Image.fromarray(rgb[..., 0], "L"),
+        "la.png": Image.fromarray(rgb[..., 0], "L").convert("LA"),
+        "rgba.png": Image.fromarray(rgb).convert("RGBA"),
+        "palette.png": Image.fromarray(rgb).convert("P"),
+        "palette_alpha.gif": Image.fromarray(rgb).convert("P"),
+        "cmyk.jpg": Image.fromarray(rgb).convert("CMYK"),
+        "deep16.png": Image.fromarray((rng.random((300, 17)) * 65535).astype(np.uint16)),
+        "int32.tif": Image.fromarray((rng.random((20, 900)) * 4000).astype(np.int32), "I"),
+        "float.tif": Image.fromarray(rng.random((9, 9)).astype(np.float32), "F"),
+        "bilevel.png": Image.fromarray(rgb[..., 0] > 128),
+        "tiny.png": Image.fromarray(rgb[:3, :2]),
+    }
+    paths = []
+    for name, img in images.items():
+        kw = {"transparency": 0} if name == "palette_alpha.gif" else {}
+        img.save(folder / name, **kw)
+        paths.append(folder / name)
+    return paths
+
+
+def test_to_rgb_scales_deep_images():
+    deep = Image.fromarray(np.array([[0, 65535]], dtype=np.uint16))
+    assert np.asarray(to_rgb(deep)).tolist() == [[[0, 0, 0], [255, 255, 255]]]
+    clear = Image.new("RGBA", (2, 2), (10, 20, 30, 0))  # fully transparent -> white background
+    assert np.asarray(to_rgb(clear))[0, 0].tolist() == [255, 255, 255]
+    assert to_rgb(Image.new("CMYK", (3, 3))).mode == "RGB"
+
+
+def test_predict_any_mode_and_size_with_dataset_names(tmp_path, capsys):
+    data = make_folder(tmp_path / "ds", classes=3, train=4, val=1)
+    res = train([*TINY, "--data", str(data), "--epochs", "1", "--output", str(tmp_path / "run")])
+    paths = _odd_images(tmp_path)
+    for ckpt in ("best.pt", "best.safetensors"):
+        rows = predict(paths, tmp_path / "run" / ckpt, topk=5)
+        assert [r["image"] for r in rows] == [str(p) for p in paths]
+        for r in rows:
+            probs = [t["prob"] for t in r["top"]]
+            assert len(r["top"]) == 3  # only 3 classes
+            assert probs == sorted(probs, reverse=True) and abs(sum(probs) - 1) < 1e-5
+            assert {t["name"] for t in r["top"]} == set(res["classes"])
+    assert main(["predict", str(paths[0]), "--checkpoint", str(tmp_path / "run" / "best.safetensors")]) == 0
+    assert "class_" in capsys.readouterr().out
+    (tmp_path / "bad.png").write_bytes(b"nope")
+    assert main(["predict", str(tmp_path / "bad.png"), "--checkpoint", str(tmp_path / "run" / "best.pt")]) == 2
+    assert "bad.png" in capsys.readouterr().err
+
+
+def test_predict_imagenet_names_for_third_party_files(tmp_path, capsys):
+    assert len(imagenet_classes()) == 1000 and imagenet_classes()[0][0] == "n01440764"
+    model = create_model("m0", num_classes=1000, **DIALS).eval()
+    save_weights(model, tmp_path / "w.safetensors")  # no model name recorded: like a foreign file
+    with pytest.raises(ValueError, match="--model"):
+        load_model(tmp_path / "w.safetensors")
+    torch.save({"model": model.state_dict()}, tmp_path / "w.pth")
+    img = tmp_path / "x.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(img)
+    args = ["predict", str(img), "--checkpoint", str(tmp_path / "w.pth"), "--model", "m0", "--json"]
+    args += ["--embed-dim", "16,32,48", "--depth", "1,1,1", "--num-heads", "2,2,2", "--kernels", "3,3"]
+    assert main(args) == 0
+    top = json.loads(capsys.readouterr().out)[0]["top"]
+    names = [d.split(",")[0] for _, d in imagenet_classes()]
+    assert len(top) == 5 and all(t["name"] == names[t["index"]] and "synset" in t for t in top)
+    with torch.no_grad():  # the file's weights were used: same top-1 as the model itself
+        loaded, _ = load_model(tmp_path / "w.pth", "m0", DIALS)
+        for a, b in zip(loaded.state_dict().values(), model.state_dict().values()):
+            assert torch.equal(a, b)
+
+
+def test_demo_data_loader(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from cgavit.train.demo import IMG_SIZE, demo_argv, write_digits
+    from cgavit.train.distributed import DistEnv
+    from cgavit.train.engine import _build_data, build_parser
+    from cgavit.train.data import check_layout
+    from cgavit.train.recipe import finalize_args
+
+    split = write_digits(tmp_path / "digits")
+    assert (split["train"], split["val"]) == (1437, 360)
+    layout = check_layout(tmp_path / "digits")
+    assert layout["classes"] == [str(i) for i in range(10)]
+    # the held-out split is disjoint from the training split and keeps the class balance
+    train_ids = {p.rsplit("/", 1)[1] for p, _ in layout["train"]}
+    val_ids = {p.rsplit("/", 1)[1] for p, _ in layout["val"]}
+    assert not train_ids & val_ids and len(train_ids | val_ids) == 1797
+    counts = np.bincount([c for _, c in layout["val"]], minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 37
+    # pixels are the digits' 0..16 intensities scaled to 0..255
+    digits = load_digits()
+    path, label = layout["val"][0]
+    idx = int(path.rsplit("/", 1)[1][:4])
+    assert label == digits.target[idx]
+    np.testing.assert_array_equal(np.asarray(Image.open(path)), np.round(digits.images[idx] * 255 / 16).astype(np.uint8))
+
+    args, _ = finalize_args(build_parser().parse_args(demo_argv(tmp_path / "digits", tmp_path / "run") + ["--workers", "0"]))
+    loader_train, loader_val, _ = _build_data(args, DistEnv(), layout)
+    batch = next(iter(loader_val))
+    assert batch.images.shape == (64, 3, IMG_SIZE, IMG_SIZE) and batch.images.dtype == torch.float32
+    assert batch.labels.tolist() == [c for _, c in layout["val"][:64]]
+    loader_train.sampler.set_epoch(0)
+    batch = next(iter(loader_train))
+    assert batch.images.shape == (64, 3, IMG_SIZE, IMG_SIZE) and not batch.bad
+    assert len(loader_train) == 1437 // 64
