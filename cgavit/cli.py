@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "cgavit.info",
     "cgavit.explorer.server",
     "cgavit.train.cli",
+    "cgavit.detection.cli",
 )
 
 

@@ -1,0 +1,238 @@
+"""``cgavit detect train|eval|predict|shapes``: COCO-format detection from the command line.
+
+Every command runs alone or under ``torchrun`` (``train`` and ``eval`` split the work across the
+processes; only rank 0 writes or prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from ..dials import add_dial_args, dials_from_args
+
+log = logging.getLogger(__name__)
+
+
+def _data_paths(args: argparse.Namespace, train: bool) -> None:
+    """Fill the json/image paths from ``--data`` (the COCO 2017 folder layout) where not given."""
+    root = getattr(args, "data", None)
+    if not root:
+        return
+    root = Path(root)
+    if train:
+        args.train_json = args.train_json or str(root / "annotations" / "instances_train2017.json")
+        args.train_images = args.train_images or str(root / "train2017")
+    args.val_json = args.val_json or str(root / "annotations" / "instances_val2017.json")
+    args.val_images = args.val_images or str(root / "val2017")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .engine import TrainConfig, train
+
+    _data_paths(args, train=True)
+    cfg = TrainConfig(
+        train_json=args.train_json or "", train_images=args.train_images or "",
+        val_json=args.val_json, val_images=args.val_images, output=args.output, model=args.model,
+        backbone=args.backbone, dials=dials_from_args(args), model_kwargs=_model_args(args.model_arg), pretrained_backbone=args.pretrained_backbone,
+        trust_checkpoint=args.trust_checkpoint, freeze_bn=not args.train_bn, min_size=args.min_size, max_size=args.max_size,
+        epochs=args.epochs, lr_steps=tuple(args.lr_steps), warmup_iters=args.warmup_iters,
+        warmup_ratio=args.warmup_ratio, lr=args.lr, weight_decay=args.weight_decay, hflip=args.hflip, batch_size=args.batch_size,
+        workers=args.workers, seed=args.seed, eval_every=args.eval_every, resume=args.resume, strict=args.strict,
+        device=args.device, log_every=args.log_every,
+    )
+    metrics = train(cfg)
+    if metrics and _is_main():
+        shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("bbox_", "segm_")) or k == "loss"}
+        print(json.dumps(shown))
+        print(f"checkpoints, metrics.jsonl and loss.png in {cfg.output}")
+    return 0
+
+
+def _model_args(items: list[str]) -> dict:
+    """``["key=value", ...]`` as keyword arguments; values are read as JSON where they parse."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--model-arg expects KEY=VALUE (e.g. box_detections_per_img=300), got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _is_main() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .data import CocoDetection, check_coco
+    from .engine import evaluate, load_detector, setup_distributed, teardown_distributed
+
+    _data_paths(args, train=False)
+    if not args.val_json or not args.val_images:
+        raise ValueError("give the evaluation data: --val-json FILE --val-images DIR (or --data COCO_ROOT)")
+    env = setup_distributed(args.device)
+    try:
+        model, config = load_detector(args.checkpoint, env.device)
+        masks = config["kind"] == "maskrcnn"
+        check = check_coco(args.val_json, args.val_images, strict=args.strict, require_masks=masks)
+        if [c for c, _ in check.categories] != [c for c, _ in config["categories"]]:
+            raise ValueError(
+                f"{args.val_json} lists categories {[c for c, _ in check.categories]} but the model was trained on "
+                f"{[c for c, _ in config['categories']]}"
+            )
+        dataset = CocoDetection(check, args.val_images, masks=masks)
+        metrics, summary = evaluate(model, dataset, env, args.batch_size, args.workers)
+    finally:
+        teardown_distributed(env)
+    if env.is_main:
+        if not args.json:
+            print(summary)
+        print(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import torch
+    from PIL import Image
+    from torchvision.io import write_png
+    from torchvision.transforms.v2 import functional as TF
+
+    from .draw import draw_detections
+    from .engine import load_detector, setup_distributed
+
+    env = setup_distributed(args.device)
+    model, config = load_detector(args.checkpoint, env.device)
+    names = ["background"] + [n for _, n in config["categories"]]
+    images = [Path(p) for p in args.images]
+    for p in images:
+        if not p.is_file():
+            raise FileNotFoundError(f"image {p} does not exist")
+    out = Path(args.out) if args.out else None
+    if out is not None and len(images) > 1 and out.suffix:
+        raise ValueError(f"--out {out} looks like a file but {len(images)} images were given; pass a folder")
+    for p in images:
+        try:
+            pil = Image.open(p).convert("RGB")
+        except OSError as err:
+            raise ValueError(f"cannot read image {p}: {err}") from None
+        raw = TF.pil_to_tensor(pil)  # (3, H, W) uint8
+        with torch.no_grad():
+            output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
+        drawn = draw_detections(raw, output, names, args.score_threshold)
+        dst = out if out is not None and out.suffix else (out or Path(".")) / f"{p.stem}_pred.png"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_png(drawn, str(dst))
+        keep = output["scores"] >= args.score_threshold
+        print(f"{p}: {int(keep.sum())} detections >= {args.score_threshold} -> {dst}")
+        for box, label, score in zip(output["boxes"][keep].tolist(), output["labels"][keep].tolist(), output["scores"][keep].tolist()):
+            print(f"  {names[label]:<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
+    return 0
+
+
+def _shapes(args: argparse.Namespace) -> int:
+    from .shapes import write_shapes_dataset
+
+    for split, n, seed in (("train", args.num_train, args.seed), ("val", args.num_val, args.seed + 1)):
+        d, j = write_shapes_dataset(args.out, n, args.size, seed=seed, max_shapes=args.max_shapes, split=split)
+        print(f"{split}: {n} images in {d}, annotations {j}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (GPU of this process if any), cpu or cuda (default auto)")
+    p.add_argument("--batch-size", type=int, default=2, help="images per process and step (default 2; paper: 8 GPUs x 2)")
+    p.add_argument("--workers", type=int, default=4, help="data-loading processes per process (default 4)")
+    p.add_argument("--strict", action="store_true", help="refuse degenerate boxes (width or height <= 0, or outside the image) and masks (polygons under 3 points) instead of skipping them with a warning")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    det = sub.add_parser(
+        "detect",
+        help="object detection / instance segmentation: RetinaNet and Mask R-CNN with EfficientViT backbones",
+        description="RetinaNet and Mask R-CNN (torchvision) with an EfficientViT backbone and the paper's FPN, "
+        "trained and evaluated (pycocotools COCOeval) on COCO-format data: an image folder plus an instances JSON. "
+        "Multi-GPU: torchrun --nproc_per_node=N -m cgavit detect train ...",
+    )
+    cmds = det.add_subparsers(dest="detect_command", metavar="{train,eval,predict,shapes}")
+    det.set_defaults(func=lambda a: (det.print_help(), 2)[1])
+
+    t = cmds.add_parser(
+        "train", help="train on COCO-format data (paper's 1x recipe by default)",
+        description="Train RetinaNet or Mask R-CNN. Defaults are the paper's 1x COCO recipe: AdamW lr 1e-4, weight decay "
+        "0.05 (none on attention biases), 12 epochs, lr x0.1 after epochs 8 and 11, 500 linear warm-up iterations, "
+        "BatchNorm frozen, shorter side 800 (max 1333), random horizontal flips. Writes checkpoint.pth every epoch "
+        "(--resume), model.pth, metrics.jsonl and loss.png to --output.",
+    )
+    g = t.add_argument_group("data")
+    g.add_argument("--data", metavar="COCO_ROOT", help="a COCO 2017 folder (train2017/, val2017/, annotations/instances_*2017.json)")
+    g.add_argument("--train-json", help="training instances JSON")
+    g.add_argument("--train-images", help="folder of the training images")
+    g.add_argument("--val-json", help="validation instances JSON (evaluated with COCOeval)")
+    g.add_argument("--val-images", help="folder of the validation images")
+    m = t.add_argument_group("model")
+    m.add_argument("--model", choices=("retinanet", "maskrcnn"), default="retinanet", help="detector (default retinanet)")
+    m.add_argument("--backbone", default="efficientvit_m4", help="EfficientViT variant m0..m5 (default efficientvit_m4, as the paper)")
+    m.add_argument("--pretrained-backbone", metavar="PATH", help="ImageNet checkpoint for the backbone (official, timm or cgavit file), or 'imagenet' to download the official release")
+    m.add_argument("--train-bn", action="store_true",
+                   help="train the backbone's BatchNorm instead of freezing it (paper: frozen, with ImageNet weights); "
+                   "needed without --pretrained-backbone, since frozen zero-initialised BN scales keep a random backbone's residual branches at zero")
+    m.add_argument("--trust-checkpoint", action="store_true", help="allow pickled objects in --pretrained-backbone (only for files you trust)")
+    m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a torchvision detector setting, e.g. box_detections_per_img=300 or rpn_batch_size_per_image=128 (repeatable)")
+    m.add_argument("--min-size", type=int, default=800, help="resize so the shorter side is this (default 800)")
+    m.add_argument("--max-size", type=int, default=1333, help="... unless the longer side would exceed this (default 1333)")
+    add_dial_args(t)
+    r = t.add_argument_group("recipe")
+    r.add_argument("--epochs", type=int, default=12, help="default 12 (1x schedule)")
+    r.add_argument("--lr-steps", type=int, nargs="*", default=[8, 11], metavar="EPOCH", help="divide the lr by 10 after these epochs (default 8 11)")
+    r.add_argument("--warmup-iters", type=int, default=500, help="linear warm-up iterations (default 500)")
+    r.add_argument("--warmup-ratio", type=float, default=0.001, help="warm-up starts at this fraction of --lr (default 0.001)")
+    r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4, for 16 images per step)")
+    r.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay (default 0.05)")
+    r.add_argument("--hflip", type=float, default=0.5, help="horizontal-flip probability (default 0.5; 0 turns augmentation off)")
+    r.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    _common(t)
+    o = t.add_argument_group("output")
+    o.add_argument("--output", default="runs/detect", help="folder for checkpoints and metrics (default runs/detect)")
+    o.add_argument("--resume", metavar="CKPT", help="continue from a checkpoint.pth; 'auto' = --output's checkpoint.pth if present")
+    o.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (0: after the last only; default 1)")
+    o.add_argument("--log-every", type=int, default=20, help="iterations between metrics.jsonl lines (default 20)")
+    t.set_defaults(func=_train)
+
+    e = cmds.add_parser("eval", help="COCO bbox (and segm) mAP of a trained checkpoint",
+                        description="Evaluate a checkpoint with pycocotools COCOeval (bbox; segm too for Mask R-CNN).")
+    e.add_argument("--checkpoint", required=True, help="model.pth or checkpoint.pth written by `cgavit detect train`")
+    e.add_argument("--data", metavar="COCO_ROOT", help="a COCO 2017 folder (uses val2017)")
+    e.add_argument("--val-json", help="instances JSON")
+    e.add_argument("--val-images", help="image folder")
+    e.add_argument("--json", action="store_true", help="print only the metrics as JSON")
+    _common(e)
+    e.set_defaults(func=_eval)
+
+    p = cmds.add_parser("predict", help="draw a checkpoint's detections (boxes, labels, scores, masks) on images",
+                        description="Run a trained detector on images and save them with boxes, labels, scores and masks drawn.")
+    p.add_argument("images", nargs="+", help="image files")
+    p.add_argument("--checkpoint", required=True, help="model.pth or checkpoint.pth written by `cgavit detect train`")
+    p.add_argument("--out", help="output PNG (one image) or folder (default: <image name>_pred.png in the current folder)")
+    p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.set_defaults(func=_predict)
+
+    s = cmds.add_parser("shapes", help="write a small generated COCO-format dataset of coloured shapes (for trying the pipeline)",
+                        description="Generate coloured squares, circles and triangles on plain backgrounds with boxes and "
+                        "polygon/RLE masks, as train/ + train.json and val/ + val.json. A smoke test, not a benchmark.")
+    s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--num-train", type=int, default=200, help="training images (default 200)")
+    s.add_argument("--num-val", type=int, default=50, help="validation images (default 50)")
+    s.add_argument("--size", type=int, default=192, help="image side in pixels (default 192)")
+    s.add_argument("--max-shapes", type=int, default=4, help="at most this many shapes per image (default 4)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.set_defaults(func=_shapes)

@@ -1,0 +1,530 @@
+"""Training, COCO evaluation and checkpoints for the detectors, single process or under ``torchrun``.
+
+The recipe is the paper's 1x schedule (mmdetection): AdamW, learning rate 1e-4, weight decay 0.05
+(none on attention-bias tables), 12 epochs with the rate divided by 10 after epochs 8 and 11, and a
+linear warm-up over the first 500 iterations from 0.001 x the rate. Evaluation is pycocotools'
+COCOeval (bbox, and segm for Mask R-CNN).
+
+The same code runs alone or under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the
+environment): DistributedDataParallel with NCCL on GPUs or gloo on CPUs; only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+from torch import nn
+from tqdm import tqdm
+
+from ..weights import CheckpointError, atomic_write
+from .data import CocoDetection, check_coco, collate, train_transform
+from .models import KINDS, build_detector
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "cgavit-detection/1"
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+
+
+# ------------------------------------------------------------------------------------ distributed
+@dataclass
+class DistEnv:
+    """This process's ``rank`` among ``world`` processes and its ``device``."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str = "auto") -> DistEnv:
+    """Read the ``torchrun`` environment, choose the device, join the process group (NCCL on GPU,
+    gloo on CPU) when there is more than one process.
+
+    Args:
+        device: ``auto`` (this process's GPU if any, else CPU), ``cpu`` or ``cuda``.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but no GPU is visible; use --device cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start at most that "
+                "many processes per node (torchrun --nproc_per_node)"
+            )
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    elif device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    env = DistEnv(rank, world, local_rank, dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+        env.owns_group = True
+    return env
+
+
+def teardown_distributed(env: DistEnv) -> None:
+    """Leave the process group if :func:`setup_distributed` joined it."""
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+        env.owns_group = False
+
+
+def _reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
+    if env.world == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _gather(env: DistEnv, obj: Any) -> list:
+    if env.world == 1:
+        return [obj]
+    out: list = [None] * env.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(env: DistEnv, obj: Any) -> Any:
+    if env.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ----------------------------------------------------------------------------------------- recipe
+@dataclass
+class TrainConfig:
+    """A detection training run. Defaults are the paper's 1x COCO recipe (per process batch 2:
+    the paper trained with 8 GPUs x 2 images = 16).
+
+    Attributes mirror ``cgavit detect train --help``.
+    """
+
+    train_json: str = ""
+    train_images: str = ""
+    val_json: str | None = None
+    val_images: str | None = None
+    output: str = "runs/detect"
+    model: str = "retinanet"  # retinanet | maskrcnn
+    backbone: str = "efficientvit_m4"
+    dials: dict = field(default_factory=dict)
+    pretrained_backbone: str | None = None
+    trust_checkpoint: bool = False
+    freeze_bn: bool = True  # paper: frozen BatchNorm (set False to train a random backbone)
+    model_kwargs: dict = field(default_factory=dict)  # torchvision detector settings
+    min_size: int = 800
+    max_size: int = 1333
+    epochs: int = 12
+    lr_steps: tuple[int, ...] = (8, 11)  # epochs after which the rate is divided by 10
+    warmup_iters: int = 500
+    warmup_ratio: float = 0.001
+    lr: float = 1e-4
+    weight_decay: float = 0.05
+    hflip: float = 0.5  # horizontal-flip probability (the only augmentation of the 1x recipe)
+    batch_size: int = 2  # per process
+    workers: int = 4
+    seed: int = 0
+    eval_every: int = 1  # epochs; 0 evaluates only after the last one
+    resume: str | None = None  # checkpoint path, or "auto" (output/checkpoint.pth when present)
+    strict: bool = False  # refuse degenerate boxes instead of skipping them
+    device: str = "auto"
+    log_every: int = 20  # iterations between metrics.jsonl step lines
+
+
+def lr_factor(it: int, warmup_iters: int, warmup_ratio: float, milestones: Sequence[int]) -> float:
+    """Learning-rate multiplier at 0-based iteration ``it``: linear warm-up from ``warmup_ratio`` over
+    ``warmup_iters`` iterations, times 0.1 for every milestone (in iterations) already reached."""
+    warm = 1.0 if it >= warmup_iters else warmup_ratio + (1.0 - warmup_ratio) * it / warmup_iters
+    return warm * 0.1 ** sum(it >= m for m in milestones)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay everywhere except the attention-bias tables (official recipe)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name.endswith("attention_biases") else decay).append(p)
+    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
+    """``torch.save`` ``state`` to ``path`` atomically (a crash never leaves half a file)."""
+    return atomic_write(path, lambda tmp: torch.save(dict(state), tmp))
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A detection checkpoint written by :func:`save_checkpoint`, loaded with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: missing, unreadable, or not a cgavit detection checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated files, pickles with code, other formats
+        raise CheckpointError(f"cannot read {path} as a detection checkpoint: {str(err).splitlines()[0]}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"{path} is not a cgavit detection checkpoint (written by `cgavit detect train`); "
+            "for ImageNet backbone weights use --pretrained-backbone"
+        )
+    return ckpt
+
+
+def load_detector(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild a trained detector from its checkpoint, in eval mode.
+
+    Returns:
+        ``(model, config)``; ``config["categories"]`` lists ``[category_id, name]`` for labels 1..K.
+    """
+    ckpt = read_checkpoint(path)
+    config = ckpt["config"]
+    model = build_detector(config)
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), config
+
+
+# ------------------------------------------------------------------------------------- evaluation
+def to_coco_results(
+    image_id: int, output: Mapping[str, torch.Tensor], label_to_cat: Sequence[int], mask_threshold: float = 0.5
+) -> tuple[list[dict], list[dict]]:
+    """One image's detections as COCO result entries: ``(bbox results, segm results)``.
+
+    Args:
+        image_id: COCO image id.
+        output: torchvision detector output for the image (boxes xyxy in original pixels, labels,
+            scores, optional masks ``(N, 1, H, W)`` probabilities).
+        label_to_cat: ``label_to_cat[label]`` is the COCO category id (index 0 unused).
+        mask_threshold: probability above which a pixel belongs to the mask.
+    """
+    boxes = output["boxes"].detach().cpu().double()
+    xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], 1).tolist()
+    scores = output["scores"].detach().cpu().tolist()
+    cats = [int(label_to_cat[int(l)]) for l in output["labels"].cpu()]
+    bbox = [dict(image_id=image_id, category_id=c, bbox=b, score=s) for b, c, s in zip(xywh, cats, scores)]
+    segm = []
+    if "masks" in output and len(cats):
+        masks = (output["masks"][:, 0] > mask_threshold).cpu().numpy().astype(np.uint8)  # (N, H, W)
+        rles = mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0)))
+        for rle, c, s in zip(rles, cats, scores):
+            rle["counts"] = rle["counts"].decode("ascii")
+            segm.append(dict(image_id=image_id, category_id=c, segmentation=rle, score=s))
+    return bbox, segm
+
+
+def coco_metrics(coco_gt: COCO, results: list[dict], iou_type: str, image_ids: Iterable[int] | None = None) -> tuple[dict[str, float], str]:
+    """COCOeval of ``results`` against ``coco_gt``.
+
+    Returns:
+        ``({"AP": .., "AP50": .., ..., "ARl": ..}, summary table text)``; values in [0, 1], -1 where
+        the ground truth has no object of that size (COCOeval's convention). No detections give 0.
+    """
+    if not results:
+        return {k: 0.0 for k in STAT_NAMES}, f"{iou_type}: no detections"
+    with contextlib.redirect_stdout(io.StringIO()) as text:
+        coco_dt = coco_gt.loadRes(results)
+        ev = COCOeval(coco_gt, coco_dt, iou_type)
+        if image_ids is not None:
+            ev.params.imgIds = sorted(image_ids)
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    summary = text.getvalue()
+    summary = summary[summary.find(" Average Precision"):] if " Average Precision" in summary else summary
+    return {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}, f"{iou_type}:\n{summary}"
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    dataset: CocoDetection,
+    env: DistEnv | None = None,
+    batch_size: int = 2,
+    workers: int = 0,
+    progress: bool = True,
+) -> tuple[dict[str, float], str]:
+    """Run ``model`` over ``dataset`` (split across processes) and score it with COCOeval.
+
+    Returns:
+        ``(metrics, summary)`` on every rank: metrics keyed ``bbox_AP``, ``bbox_AP50``, ... and, for
+        models with masks, ``segm_AP`` ...; summary is COCOeval's text table.
+    """
+    env = env or DistEnv()
+    was_training = model.training
+    model.eval()
+    shard = torch.utils.data.Subset(dataset, range(env.rank, len(dataset), env.world))
+    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, num_workers=workers, collate_fn=collate)
+    label_to_cat = [0] + [cid for cid, _ in dataset.categories]
+    bbox, segm = [], []
+    for images, targets in tqdm(loader, desc="eval", disable=not (progress and env.is_main), leave=False):
+        outputs = model([im.to(env.device) for im in images])
+        for target, output in zip(targets, outputs):
+            b, s = to_coco_results(int(target["image_id"]), output, label_to_cat)
+            bbox += b
+            segm += s
+    model.train(was_training)
+    gathered = _gather(env, (bbox, segm))
+    metrics, summary = {}, ""
+    if env.is_main:
+        bbox = [r for part in gathered for r in part[0]]
+        segm = [r for part in gathered for r in part[1]]
+        kinds = [("bbox", bbox)] + ([("segm", segm)] if dataset.masks else [])
+        for kind, res in kinds:
+            values, text = coco_metrics(dataset.coco, res, kind, dataset.ids)
+            metrics.update({f"{kind}_{k}": v for k, v in values.items()})
+            summary += text
+    return _broadcast(env, (metrics, summary))
+
+
+# --------------------------------------------------------------------------------------- training
+def model_config(cfg: TrainConfig, categories: Sequence[tuple[int, str]]) -> dict[str, Any]:
+    """The plain dict that rebuilds the run's detector (stored in every checkpoint)."""
+    if cfg.model not in KINDS:
+        raise ValueError(f"unknown --model {cfg.model!r}; choose one of {', '.join(KINDS)}")
+    return dict(
+        kind=cfg.model,
+        backbone=cfg.backbone,
+        num_classes=len(categories) + 1,
+        categories=[[int(c), str(n)] for c, n in categories],
+        freeze_bn=cfg.freeze_bn,
+        dials=dict(cfg.dials),
+        min_size=cfg.min_size,
+        max_size=cfg.max_size,
+        model_kwargs=dict(cfg.model_kwargs),
+    )
+
+
+def _append_jsonl(path: Path, row: Mapping[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def plot_losses(metrics_file: str | Path, out: str | Path) -> Path | None:
+    """Plot the step losses and learning rate of a ``metrics.jsonl`` to ``out`` (PNG); None if empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(l) for l in Path(metrics_file).read_text().splitlines() if l.strip()]
+    steps = [r for r in rows if r.get("type") == "step"]
+    if not steps:
+        return None
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(3, 1))
+    keys = [k for k in steps[-1] if k not in ("type", "epoch", "iter", "lr")]  # total and its parts
+    for k in keys:
+        ax.plot([r["iter"] for r in steps], [r.get(k, float("nan")) for r in steps], label=k, lw=1.5 if k == "loss" else 1)
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax_lr.plot([r["iter"] for r in steps], [r["lr"] for r in steps], color="k")
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("iteration")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return out
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train a detector on COCO-format data; return the final metrics (evaluated if ``val_json``).
+
+    Writes to ``cfg.output`` (rank 0 only): ``checkpoint.pth`` after every epoch (model, optimizer,
+    scheduler, epoch: what ``resume`` needs), ``model.pth`` at the end (weights and config, for
+    ``eval``/``predict``), ``metrics.jsonl`` (one line per ``log_every`` iterations and per epoch)
+    and ``loss.png``.
+
+    Raises:
+        ValueError: bad data (every offending annotation named), bad options, diverged loss.
+    """
+    env = setup_distributed(cfg.device)
+    try:
+        return _train(cfg, env)
+    finally:
+        teardown_distributed(env)
+
+
+def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
+    if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.lr <= 0 or cfg.warmup_iters < 0:
+        raise ValueError("--epochs and --batch-size must be >= 1, --lr > 0 and --warmup-iters >= 0")
+    masks = cfg.model == "maskrcnn"
+    if not cfg.train_json or not cfg.train_images:
+        raise ValueError("give the training data: --train-json FILE --train-images DIR (or --data COCO_ROOT)")
+    train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks)
+    val_set = None
+    if cfg.val_json:
+        if not cfg.val_images:
+            raise ValueError("--val-json needs --val-images")
+        val_check = check_coco(cfg.val_json, cfg.val_images, strict=cfg.strict, require_masks=masks)
+        if [c for c, _ in val_check.categories] != [c for c, _ in train_check.categories]:
+            raise ValueError(
+                f"the validation categories {val_check.categories} differ from the training ones "
+                f"{train_check.categories}; both files must list the same categories"
+            )
+        val_set = CocoDetection(val_check, cfg.val_images, masks=masks)
+    train_set = CocoDetection(train_check, cfg.train_images, masks=masks, transforms=train_transform(cfg.hflip))
+    if len(train_set) == 0:
+        raise ValueError(f"{cfg.train_json} lists no images")
+    config = model_config(cfg, train_check.categories)
+
+    out = Path(cfg.output)
+    ckpt_path, metrics_path = out / "checkpoint.pth", out / "metrics.jsonl"
+    resume = cfg.resume
+    if resume == "auto":
+        resume = str(ckpt_path) if ckpt_path.is_file() else None
+    ckpt = read_checkpoint(resume) if resume else None
+    if ckpt is not None:
+        old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
+        new = {k: config[k] for k in old}
+        if old != new:
+            raise ValueError(f"{resume} was trained with {old}, this run asks for {new}; they must match to resume")
+
+    if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
+        log.warning(
+            "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
+            "residual FFN and attention branch at zero. Give --pretrained-backbone (ImageNet weights) or --train-bn"
+        )
+    torch.manual_seed(cfg.seed)
+    model = build_detector(config, None if ckpt else cfg.pretrained_backbone, trust=cfg.trust_checkpoint)
+    model.to(env.device)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
+        persistent_workers=cfg.workers > 0,
+    )
+    iters_per_epoch = len(loader)
+    milestones = [e * iters_per_epoch for e in cfg.lr_steps]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda it: lr_factor(it, cfg.warmup_iters, cfg.warmup_ratio, milestones)
+    )
+    start_epoch = 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start_epoch = int(ckpt["epoch"])
+        if env.is_main:
+            log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
+    elif env.is_main and metrics_path.exists():
+        log.warning("%s exists: appending to it (use --resume auto to continue that run)", metrics_path)
+    raw_model = model
+    if env.world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        log.info(
+            "%s on %s: %d images (%d categories), %d process(es) x batch %d, %d iterations/epoch, epochs %d..%d",
+            cfg.model, cfg.backbone, len(train_set), len(train_check.categories), env.world, cfg.batch_size,
+            iters_per_epoch, start_epoch + 1, cfg.epochs,
+        )
+
+    metrics: dict[str, Any] = {}
+    step = start_epoch * iters_per_epoch
+    for epoch in range(start_epoch, cfg.epochs):
+        # every epoch's randomness (order, flips, RPN/RoI sampling) depends on (seed, epoch, rank)
+        # alone, so a resumed run continues exactly as an uninterrupted one
+        torch.manual_seed(cfg.seed + 1009 * epoch + env.rank)
+        sampler.set_epoch(epoch)
+        model.train()
+        sums: dict[str, float] = {}
+        t0 = time.time()
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
+        for images, targets in bar:
+            images = [im.to(env.device) for im in images]
+            targets = [{k: v.to(env.device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
+            losses = model(images, targets)
+            loss = sum(losses.values())
+            if not math.isfinite(loss.item()):
+                raise ValueError(
+                    f"the loss became {loss.item()} at iteration {step} ({ {k: round(v.item(), 4) for k, v in losses.items()} }); "
+                    "lower --lr, lengthen --warmup-iters, or check the annotations"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            step += 1
+            values = {"loss": loss.item(), **{k: v.item() for k, v in losses.items()}}
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v
+            bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{lr:.2e}")
+            if cfg.log_every and step % cfg.log_every == 0:
+                keys = sorted(values)
+                avg = _reduce_sum(env, [values[k] for k in keys])
+                if env.is_main:
+                    _append_jsonl(metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
+        keys = sorted(sums)
+        totals = _reduce_sum(env, [sums[k] for k in keys] + [float(iters_per_epoch)])
+        row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=optimizer.param_groups[0]["lr"], time_s=round(time.time() - t0, 2))
+        row.update({k: v / totals[-1] for k, v in zip(keys, totals)})
+        last = epoch + 1 == cfg.epochs
+        if val_set is not None and (last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0)):
+            metrics, summary = evaluate(raw_model, val_set, env, cfg.batch_size, cfg.workers)
+            row.update(metrics)
+            if env.is_main:
+                log.info("epoch %d COCO evaluation\n%s", epoch + 1, summary)
+        if env.is_main:
+            _append_jsonl(metrics_path, row)
+            state = dict(
+                format=CHECKPOINT_FORMAT, config=config, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+                scheduler=scheduler.state_dict(), epoch=epoch + 1, iteration=step, train_config=_plain(asdict(cfg)),
+            )
+            save_checkpoint(ckpt_path, state)
+            log.info("epoch %d: loss %.4f (%s), checkpoint %s", epoch + 1, row["loss"], f"{row['time_s']:.0f} s", ckpt_path)
+        metrics = {**row, **metrics}
+    if env.is_main:
+        save_checkpoint(out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=raw_model.state_dict(), epoch=cfg.epochs))
+        if metrics_path.exists():
+            plot_losses(metrics_path, out / "loss.png")
+    if env.world > 1:
+        dist.barrier()
+    return metrics
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with tuples as lists (a form ``torch.load(weights_only=True)`` always accepts)."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj

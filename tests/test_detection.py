@@ -1,0 +1,355 @@
+"""Detection: the paper's pyramid on EfficientViT, ImageNet weights, COCO data checks, training,
+resume, COCOeval, the ``cgavit detect`` commands and ``torchrun``.
+
+Everything runs on a generated COCO-format dataset of coloured shapes at 128 px with the smallest
+backbone (m0), one intra-op thread.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cgavit
+from cgavit.attention import CascadedGroupAttention
+from cgavit.cli import main
+from cgavit.testing import randomize_, rel_err
+from cgavit.weights import resize_bias_table, save_weights
+
+pytest.importorskip("torchvision")
+pytest.importorskip("pycocotools")
+
+from pycocotools import mask as mask_utils  # noqa: E402
+from torchvision.models.detection import MaskRCNN, RetinaNet  # noqa: E402
+from torchvision.ops import FrozenBatchNorm2d  # noqa: E402
+
+from cgavit.detection import (  # noqa: E402
+    CocoDetection,
+    TrainConfig,
+    check_coco,
+    detection_body,
+    evaluate,
+    freeze_batchnorm,
+    load_detector,
+    maskrcnn,
+    retinanet,
+    train,
+    write_shapes_dataset,
+)
+from cgavit.detection.engine import coco_metrics, lr_factor, param_groups, read_checkpoint, to_coco_results  # noqa: E402
+
+SIZE = 128
+SMALL_RCNN = dict(box_batch_size_per_image=32, rpn_batch_size_per_image=64, rpn_post_nms_top_n_train=200, box_detections_per_img=10)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    train_dir, train_json = write_shapes_dataset(root, 2, SIZE, seed=0, split="train")
+    val_dir, val_json = write_shapes_dataset(root, 3, SIZE, seed=1, split="val")
+    return dict(root=root, train_images=str(train_dir), train_json=str(train_json), val_images=str(val_dir), val_json=str(val_json))
+
+
+def _config(shapes, out, **kw):
+    base = dict(
+        train_json=shapes["train_json"], train_images=shapes["train_images"], output=str(out), model="retinanet",
+        backbone="efficientvit_m0", freeze_bn=False, min_size=SIZE, max_size=SIZE, warmup_iters=0, lr=2e-4,
+        lr_steps=(), batch_size=2, workers=0, log_every=1, device="cpu",
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _epoch_rows(out):
+    return [r for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if r["type"] == "epoch"]
+
+
+# ----------------------------------------------------------------------------------- model / backbone
+def _conv_out(n, times):
+    for _ in range(times):
+        n = (n - 1) // 2 + 1
+    return n
+
+
+@pytest.mark.parametrize("hw", [(333, 500), (64, 97), (32, 32)])
+def test_pyramid_levels_at_any_size(hw):
+    for build, names, finer in ((retinanet, ("p3", "p4", "p5", "p6", "p7"), 1), (maskrcnn, ("p2", "p3", "p4", "p5", "p6"), 2)):
+        model = build("efficientvit_m0", num_classes=3).eval()
+        fpn = model.backbone
+        assert fpn.out_channels == 256 and fpn.level_names == names
+        with torch.no_grad():
+            feats = fpn(torch.randn(1, 3, *hw))
+        assert tuple(feats) == names
+        s16 = [_conv_out(n, 4) for n in hw]  # the backbone's stride-16 map
+        expect = [[n * 2**k for n in s16] for k in range(finer, 0, -1)] + [s16, [_conv_out(n, 1) for n in s16], [_conv_out(n, 2) for n in s16]]
+        if build is retinanet:
+            expect.append([_conv_out(n, 3) for n in s16])
+        for (name, f), want in zip(feats.items(), expect):
+            assert f.shape == (1, 256, *want), name
+
+
+def test_detectors_are_torchvision_models_with_7x7_windows_and_frozen_bn():
+    rn = retinanet("efficientvit_m0", num_classes=5, min_size=150, max_size=200)
+    mr = maskrcnn("efficientvit_m0", num_classes=5)
+    assert isinstance(rn, RetinaNet) and isinstance(mr, MaskRCNN)
+    for model in (rn, mr):
+        body = model.backbone.body
+        windows = [m.window for m in body.modules() if isinstance(m, CascadedGroupAttention)]
+        assert windows and set(windows) == {7}
+        assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in body.modules())
+        assert any(isinstance(m, FrozenBatchNorm2d) for m in body.modules())
+        assert isinstance(body.head, nn.Identity)
+    # anchors: RetinaNet 4*stride*2^(i/3) x 3 ratios on strides 8..128; Mask R-CNN RPN 8*stride on 4..64
+    assert [s[0] for s in rn.anchor_generator.sizes] == [32, 64, 128, 256, 512]
+    assert rn.anchor_generator.num_anchors_per_location() == [9] * 5
+    assert [s[0] for s in mr.rpn.anchor_generator.sizes] == [32, 64, 128, 256, 512]
+    assert mr.roi_heads.box_roi_pool.featmap_names == ["p2", "p3", "p4", "p5"]
+    # anchors sit at multiples of each level's stride whatever the padded size (here 160x224)
+    rn.eval()
+    images, _ = rn.transform([torch.rand(3, 150, 200)])
+    assert tuple(images.tensors.shape[-2:]) == (160, 224)  # padded to a multiple of 32 only
+    feats = list(rn.backbone(images.tensors).values())
+    anchors = rn.anchor_generator(images, feats)[0]
+    start = 0
+    for stride, f in zip(rn.backbone.strides, feats):
+        n = f.shape[-2] * f.shape[-1] * 9
+        centres = (anchors[start:start + n, :2] + anchors[start:start + n, 2:]) / 2
+        start += n
+        assert torch.allclose(centres.unique(), torch.arange(0, max(f.shape[-2:]) * stride, stride).float()[: len(centres.unique())])
+        assert centres.max() == (max(f.shape[-2:]) - 1) * stride
+
+
+def test_freeze_batchnorm_keeps_the_function_and_drops_the_parameters():
+    model = cgavit.create_model("efficientvit_m0", num_classes=0, img_size=128)
+    randomize_(model, seed=3)
+    model.eval()
+    x = torch.randn(2, 3, 128, 96)
+    with torch.no_grad():
+        ref = model.forward_intermediates(x)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_bn = sum(2 * m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    frozen = freeze_batchnorm(model).train()  # train mode: frozen BN still uses the stored statistics
+    with torch.no_grad():
+        out = frozen.forward_intermediates(x)
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(out, ref))
+    assert sum(p.numel() for p in frozen.parameters()) == n_params - n_bn
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pth"])
+def test_imagenet_checkpoint_loads_into_the_detection_backbone(tmp_path, fmt):
+    cls = cgavit.create_model("efficientvit_m0", num_classes=1000)  # built at 224: last-stage window 4
+    randomize_(cls, seed=1)
+    if fmt == "safetensors":
+        path = save_weights(cls, tmp_path / "m0.safetensors")
+    else:
+        path = tmp_path / "m0.pth"
+        torch.save({"model": cls.state_dict(), "epoch": 300}, path)
+    body = detection_body("efficientvit_m0", pretrained=path)
+    got, src = body.state_dict(), cls.state_dict()
+    resized = []
+    for key, value in src.items():
+        if key.startswith("head") or key.endswith("num_batches_tracked"):
+            assert key not in got
+            continue
+        if key.endswith("attention_biases") and value.shape != got[key].shape:
+            resized.append(key)
+            assert torch.allclose(got[key], resize_bias_table(value, 7))
+            assert got[key].shape[1] == 49
+        else:
+            assert torch.equal(got[key], value), key
+    assert resized and all(k.startswith("stages.2.") for k in resized)  # only the 4x4 last stage
+
+
+def test_inference_at_800x1333_and_333x500():
+    model = retinanet("efficientvit_m0", num_classes=4).eval()  # default resize: 800 / 1333
+    with torch.no_grad():
+        (out,) = model([torch.rand(3, 800, 1333)])
+    assert set(out) == {"boxes", "scores", "labels"} and out["boxes"].shape[1] == 4
+    model = maskrcnn("efficientvit_m0", num_classes=4, min_size=333, max_size=500, box_detections_per_img=10).eval()
+    with torch.no_grad():
+        (out,) = model([torch.rand(3, 333, 500)])  # processed at its own size (padded to 352x512)
+    assert out["masks"].shape[1:] == (1, 333, 500) and len(out["masks"]) == len(out["boxes"])
+
+
+# ------------------------------------------------------------------------------------------- recipe
+def test_schedule_and_weight_decay_groups():
+    milestones = [8 * 100, 11 * 100]
+    assert lr_factor(0, 500, 0.001, milestones) == pytest.approx(0.001)
+    assert lr_factor(250, 500, 0.001, milestones) == pytest.approx(0.5005)
+    assert lr_factor(500, 500, 0.001, milestones) == 1.0
+    assert lr_factor(799, 500, 0.001, milestones) == 1.0
+    assert lr_factor(800, 500, 0.001, milestones) == pytest.approx(0.1)
+    assert lr_factor(1100, 500, 0.001, milestones) == pytest.approx(0.01)
+    model = retinanet("efficientvit_m0", num_classes=3)
+    decay, no_decay = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert no_decay["weight_decay"] == 0 and decay["weight_decay"] == 0.05
+    assert no_decay["params"] and all(names[id(p)].endswith("attention_biases") for p in no_decay["params"])
+
+
+# -------------------------------------------------------------------------------------- data checks
+def _bad_json(shapes, tmp_path, edit):
+    data = json.loads(Path(shapes["train_json"]).read_text())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_bad_annotations_are_named(shapes, tmp_path, capsys):
+    def edit(d):
+        anns = d["annotations"]
+        anns[0]["image_id"] = 999  # no such image
+        anns[1]["category_id"] = 42  # no such category
+        d["images"].append(dict(id=50, file_name="gone.png", height=SIZE, width=SIZE))
+        anns.append(dict(id=77, image_id=50, category_id=1, bbox=[1, 1, 5, 5], iscrowd=0, area=25, segmentation=[[1, 1, 6, 1, 6, 6]]))
+
+    path = _bad_json(shapes, tmp_path, edit)
+    a0, a1 = (a["id"] for a in json.loads(path.read_text())["annotations"][:2])
+    with pytest.raises(ValueError) as err:
+        check_coco(path, shapes["train_images"])
+    text = str(err.value)
+    assert f"annotation {a0} (image 999)" in text
+    assert f"annotation {a1} (image" in text and "category_id 42" in text
+    assert "image 50: gone.png" in text and "annotation 77 (image 50 gone.png)" in text
+    code = main(["detect", "train", "--train-json", str(path), "--train-images", shapes["train_images"], "--output", str(tmp_path / "o")])
+    assert code == 2
+    assert "category_id 42" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_degenerate_boxes_skipped_with_warning_or_refused_with_strict(shapes, tmp_path, caplog):
+    def edit(d):
+        d["annotations"][0]["bbox"][2] = 0  # zero width
+        d["annotations"][1]["bbox"] = [SIZE + 5, 3, 10, 10]  # outside the image
+
+    path = _bad_json(shapes, tmp_path, edit)
+    anns = json.loads(path.read_text())["annotations"]
+    with caplog.at_level(logging.WARNING):
+        check = check_coco(path, shapes["train_images"])
+    assert len(check.dataset["annotations"]) == len(anns) - 2
+    assert f"annotation {anns[0]['id']} " in caplog.text and f"annotation {anns[1]['id']} " in caplog.text
+    assert "width or height <= 0" in caplog.text and "outside the" in caplog.text
+    with pytest.raises(ValueError, match=f"annotation {anns[0]['id']} .*width or height <= 0"):
+        check_coco(path, shapes["train_images"], strict=True)
+    # Mask R-CNN needs masks: none at all is an error, a two-point polygon is degenerate
+    missing = _bad_json(shapes, tmp_path, lambda d: d["annotations"][0].pop("segmentation"))
+    with pytest.raises(ValueError, match=f"annotation {anns[0]['id']} .*no segmentation"):
+        check_coco(missing, shapes["train_images"], require_masks=True)
+    line = _bad_json(shapes, tmp_path, lambda d: d["annotations"][0].update(segmentation=[[1, 1, 9, 9]]))
+    assert len(check_coco(line, shapes["train_images"], require_masks=True).skipped) == 1
+    with pytest.raises(ValueError, match=f"annotation {anns[0]['id']} .*polygon with 4 coordinates"):
+        check_coco(line, shapes["train_images"], require_masks=True, strict=True)
+
+
+# --------------------------------------------------------------------------------------- evaluation
+def test_coco_metrics_of_the_ground_truth_is_perfect(shapes):
+    ds = CocoDetection(check_coco(shapes["val_json"], shapes["val_images"], require_masks=True), shapes["val_images"], masks=True)
+    label_to_cat = [0] + [c for c, _ in ds.categories]
+    exact, shifted = [[], []], [[], []]
+    for i in range(len(ds)):
+        _, t = ds[i]
+        n = len(t["labels"])
+        out = dict(boxes=t["boxes"], labels=t["labels"], scores=torch.linspace(1, 0.5, n), masks=t["masks"][:, None].float())
+        for acc, o in ((exact, out), (shifted, {**out, "boxes": out["boxes"] + 6.0, "masks": out["masks"].roll(6, -1)})):
+            b, s = to_coco_results(t["image_id"], o, label_to_cat)
+            acc[0] += b
+            acc[1] += s
+    assert {r["category_id"] for r in exact[0]} <= {1, 3, 7}  # COCO ids, not contiguous labels
+    for kind, k in (("bbox", 0), ("segm", 1)):
+        good, table = coco_metrics(ds.coco, exact[k], kind)
+        assert good["AP"] == pytest.approx(1.0) and good["AP50"] == pytest.approx(1.0), table
+        bad, _ = coco_metrics(ds.coco, shifted[k], kind)
+        assert bad["AP"] < 0.9 and set(bad) >= {"AP", "AP50", "AP75", "APs", "APm", "APl"}
+    none, text = coco_metrics(ds.coco, [], "bbox")
+    assert none["AP"] == 0 and "no detections" in text
+
+
+# ----------------------------------------------------------------------------------------- training
+def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path):
+    out = tmp_path / "run"
+    metrics = train(_config(shapes, out, epochs=8, hflip=0.0, val_json=shapes["val_json"], val_images=shapes["val_images"], eval_every=0))
+    losses = [r["loss"] for r in _epoch_rows(out)]
+    assert len(losses) == 8
+    assert sum(losses[-3:]) / 3 < 0.75 * losses[0], losses
+    assert {"bbox_AP", "bbox_AP50", "bbox_AP75", "bbox_APs"} <= set(metrics)
+    assert (out / "loss.png").stat().st_size > 0
+    model, config = load_detector(out / "model.pth")
+    assert config["categories"] == [[1, "square"], [3, "circle"], [7, "triangle"]] and config["num_classes"] == 4
+    ds = CocoDetection(check_coco(shapes["val_json"], shapes["val_images"]), shapes["val_images"])
+    again, _ = evaluate(model, ds, progress=False)
+    assert again["bbox_AP"] == pytest.approx(metrics["bbox_AP"])
+
+
+def test_resume_continues_exactly(shapes, tmp_path):
+    kw = dict(batch_size=1, lr_steps=(1,), warmup_iters=1, hflip=0.5)  # flips, warm-up and an lr step across the cut
+    train(_config(shapes, tmp_path / "straight", epochs=2, **kw))
+    train(_config(shapes, tmp_path / "cut", epochs=1, **kw))
+    ckpt = read_checkpoint(tmp_path / "cut" / "checkpoint.pth")
+    assert ckpt["epoch"] == 1 and ckpt["iteration"] == 2
+    train(_config(shapes, tmp_path / "cut", epochs=2, resume="auto", **kw))
+    a = read_checkpoint(tmp_path / "straight" / "checkpoint.pth")
+    b = read_checkpoint(tmp_path / "cut" / "checkpoint.pth")
+    assert a["iteration"] == b["iteration"] == 4
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert [r["loss"] for r in _epoch_rows(tmp_path / "straight")] == [r["loss"] for r in _epoch_rows(tmp_path / "cut")]
+    with pytest.raises(ValueError, match="must match to resume"):
+        train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", backbone="efficientvit_m1"))
+
+
+def test_maskrcnn_train_eval_predict_commands(shapes, tmp_path, capsys):
+    out = tmp_path / "mr"
+    args = ["detect", "train", "--model", "maskrcnn", "--backbone", "m0", "--train-bn", "--device", "cpu",
+            "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+            "--val-json", shapes["val_json"], "--val-images", shapes["val_images"],
+            "--min-size", str(SIZE), "--max-size", str(SIZE), "--epochs", "1", "--workers", "0", "--output", str(out)]
+    args += [f"--model-arg={k}={v}" for k, v in SMALL_RCNN.items()]
+    assert main(args) == 0
+    (row,) = _epoch_rows(out)
+    assert {"loss_mask", "loss_objectness", "bbox_AP", "segm_AP", "segm_AP50"} <= set(row)
+    capsys.readouterr()
+    assert main(["detect", "eval", "--checkpoint", str(out / "model.pth"), "--val-json", shapes["val_json"],
+                 "--val-images", shapes["val_images"], "--workers", "0", "--device", "cpu", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["segm_AP"] == pytest.approx(row["segm_AP"], abs=1e-4)
+    image = Path(shapes["val_images"]) / "val_00000.png"
+    dst = tmp_path / "pred.png"
+    assert main(["detect", "predict", str(image), "--checkpoint", str(out / "checkpoint.pth"), "--out", str(dst),
+                 "--score-threshold", "0", "--device", "cpu"]) == 0
+    from torchvision.io import read_image
+
+    drawn, original = read_image(str(dst)), read_image(str(image))
+    assert drawn.shape == original.shape and not torch.equal(drawn, original)
+    assert "detections >= 0.0" in capsys.readouterr().out
+    assert main(["detect", "eval", "--checkpoint", str(shapes["train_json"]), "--val-json", shapes["val_json"],
+                 "--val-images", shapes["val_images"]]) == 2
+
+
+def test_torchrun_two_processes(shapes, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cgavit",
+           "detect", "train", "--backbone", "m0", "--train-bn", "--device", "cpu", "--batch-size", "1",
+           "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+           "--val-json", shapes["val_json"], "--val-images", shapes["val_images"],
+           "--min-size", str(SIZE), "--max-size", str(SIZE), "--epochs", "1", "--workers", "0", "--warmup-iters", "0",
+           "--log-every", "1", "--output", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["type"] for r in rows] == ["step", "epoch"]  # 2 images / (2 ranks x 1): one step, written once
+    assert "bbox_AP" in rows[-1] and read_checkpoint(out / "checkpoint.pth")["iteration"] == 1
