@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "cgavit.explorer.server",
     "cgavit.train.cli",
     "cgavit.detection.cli",
+    "cgavit.analysis.cli",
 )
 
 

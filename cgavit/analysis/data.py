@@ -1,0 +1,129 @@
+"""Small image inputs for the analyses: a folder (class sub-folders or flat) or a list of files."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | None, list[str] | None]:
+    """Image files and, for a folder of class sub-folders, their labels.
+
+    Args:
+        sources: one folder, or image files. A folder whose sub-folders hold the images is read as
+            ``DIR/<class>/<image>`` (classes sorted by name, as timm and torchvision do); a folder
+            of images without sub-folders, or a list of files, has no labels.
+
+    Returns:
+        ``(paths, labels, class_names)``; ``labels`` and ``class_names`` are None without classes.
+
+    Raises:
+        FileNotFoundError: a source does not exist.
+        ValueError: no images found, or a folder mixed with files.
+    """
+    paths = [Path(s) for s in sources]
+    if not paths:
+        raise ValueError("give a data folder (--data DIR) or image files")
+    for p in paths:
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist")
+    if len(paths) == 1 and paths[0].is_dir():
+        root = paths[0]
+        classes = sorted(d.name for d in root.iterdir() if d.is_dir() and _images_in(d))
+        if classes:
+            files, labels = [], []
+            for i, name in enumerate(classes):
+                found = _images_in(root / name)
+                files += found
+                labels += [i] * len(found)
+            return files, labels, classes
+        files = _images_in(root)
+        if not files:
+            raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {root}")
+        return files, None, None
+    if any(p.is_dir() for p in paths):
+        raise ValueError("give either one folder or image files, not a mix")
+    bad = [str(p) for p in paths if p.suffix.lower() not in IMAGE_EXTENSIONS]
+    if bad:
+        raise ValueError(f"not image files (expected {', '.join(IMAGE_EXTENSIONS)}): {', '.join(bad)}")
+    return paths, None, None
+
+
+def balanced_subset(labels: Sequence[int] | None, count: int, n: int, seed: int = 0) -> list[int]:
+    """Indices of ``n`` items out of ``count``: the same number per class when labelled, seeded.
+
+    With ``n <= 0`` or ``n >= count`` all indices are returned (in order).
+    """
+    if n <= 0 or n >= count:
+        return list(range(count))
+    rng = random.Random(seed)
+    if labels is None:
+        return sorted(rng.sample(range(count), n))
+    by_class: dict[int, list[int]] = {}
+    for i, y in enumerate(labels):
+        by_class.setdefault(y, []).append(i)
+    classes = sorted(by_class)
+    per, extra = divmod(n, len(classes))
+    out = []
+    for j, c in enumerate(classes):
+        idx = by_class[c]
+        take = min(len(idx), per + (1 if j < extra else 0))
+        out += rng.sample(idx, take)
+    return sorted(out)
+
+
+def eval_transform(img_size: int, crop_pct: float = 0.875, mean=None, std=None):
+    """Resize (bicubic), centre-crop ``crop_pct``, normalise (ImageNet statistics unless given), via timm."""
+    from timm.data import create_transform
+    from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    return create_transform(
+        img_size, is_training=False, interpolation="bicubic", crop_pct=crop_pct,
+        mean=tuple(mean or IMAGENET_DEFAULT_MEAN), std=tuple(std or IMAGENET_DEFAULT_STD),
+    )
+
+
+class ImageList(Dataset):
+    """``(image tensor, label)`` pairs over image files; label -1 where there are no labels."""
+
+    def __init__(self, paths: Sequence[Path], labels: Sequence[int] | None, transform) -> None:
+        self.paths = list(paths)
+        self.labels = list(labels) if labels is not None else None
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.paths[i]) as im:
+            x = self.transform(im.convert("RGB"))
+        return x, (self.labels[i] if self.labels is not None else -1)
+
+
+def load_images(
+    sources: Sequence[str | Path], img_size: int, num_images: int = 64, crop_pct: float = 0.875, seed: int = 0, mean=None, std=None
+) -> tuple[torch.Tensor, torch.Tensor | None, list[str] | None]:
+    """Read up to ``num_images`` images (balanced over classes) into one batch.
+
+    Returns:
+        ``(images (B, 3, S, S), labels (B,) or None, class names or None)``.
+    """
+    paths, labels, classes = list_images(sources)
+    keep = balanced_subset(labels, len(paths), num_images, seed)
+    ds = ImageList([paths[i] for i in keep], [labels[i] for i in keep] if labels else None, eval_transform(img_size, crop_pct, mean, std))
+    items = [ds[i] for i in range(len(ds))]
+    x = torch.stack([t for t, _ in items])
+    y = torch.tensor([lab for _, lab in items]) if labels else None
+    return x, y, classes

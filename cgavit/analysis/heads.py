@@ -1,0 +1,196 @@
+"""Head redundancy (seed chapter 3): cosine similarity between the heads' attention maps.
+
+For every attention block, each head's softmax map ``(N, N)`` of a window is flattened and compared
+with every other head's by cosine similarity; the ``h x h`` matrices are averaged over all images and
+windows. Values near 1 mean heads that attend alike (redundant), lower values diverse heads. The maps
+come from :meth:`~cgavit.attention.CascadedGroupAttention.head_attention_maps`, the same arithmetic as
+the forward pass, captured by a forward hook on each attention module, so windows, padding and every
+dial combination are exactly what the model computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attention import CascadedGroupAttention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockSimilarity:
+    """Head similarity of one attention block.
+
+    Attributes:
+        name: module path of the attention, e.g. ``stages.1.blocks.0.mixer.m.attn``.
+        stage: stage index (0-2), or -1 for a module outside ``stages``.
+        block: block index within the stage.
+        matrix: ``(h, h)`` mean cosine similarity between heads (1 on the diagonal).
+        windows: how many (image, window) pairs were averaged.
+        tokens: tokens per window (N).
+    """
+
+    name: str
+    stage: int
+    block: int
+    matrix: torch.Tensor
+    windows: int
+    tokens: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.matrix.shape[0]
+
+    @property
+    def mean_off_diagonal(self) -> float:
+        """Mean similarity over head pairs (NaN with one head)."""
+        h = self.num_heads
+        if h < 2:
+            return float("nan")
+        return float((self.matrix.sum() - self.matrix.diagonal().sum()) / (h * (h - 1)))
+
+    def to_dict(self) -> dict:
+        return dict(
+            name=self.name,
+            stage=self.stage,
+            block=self.block,
+            num_heads=self.num_heads,
+            tokens=self.tokens,
+            windows=self.windows,
+            mean_off_diagonal=self.mean_off_diagonal,
+            matrix=[[round(float(v), 6) for v in row] for row in self.matrix],
+        )
+
+
+def cosine_similarity_matrix(maps: torch.Tensor) -> torch.Tensor:
+    """Pairwise cosine similarity of heads, per window.
+
+    Args:
+        maps: ``(h, W, N, N)`` attention maps of ``h`` heads over ``W`` windows (or any trailing
+            shape after the window axis: everything past dim 1 is flattened).
+
+    Returns:
+        ``(W, h, h)`` similarities; a head with an all-zero map has similarity 0 with every head.
+    """
+    h, w = maps.shape[:2]
+    flat = maps.reshape(h, w, -1).transpose(0, 1).double()  # (W, h, N*N)
+    flat = flat / flat.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return flat @ flat.transpose(1, 2)  # (W, h, h)
+
+
+def _stage_block(name: str) -> tuple[int, int]:
+    parts = name.split(".")
+    try:
+        if parts[0] == "stages" and parts[2] == "blocks":
+            return int(parts[1]), int(parts[3])
+    except (IndexError, ValueError):
+        pass
+    return -1, -1
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, CascadedGroupAttention]]:
+    """``(name, module)`` of every cascaded group attention in ``model``, in forward order."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, CascadedGroupAttention)]
+    if not found:
+        raise ValueError("the model has no CascadedGroupAttention modules to analyse")
+    return found
+
+
+@torch.no_grad()
+def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tensor]) -> list[BlockSimilarity]:
+    """For every attention block, the ``h x h`` cosine similarity of its heads' attention maps.
+
+    Args:
+        model: an EfficientViT (any dials; fused or not) or any module containing
+            :class:`~cgavit.attention.CascadedGroupAttention`. Evaluated in eval mode (restored after).
+        images: an image batch ``(B, 3, H, W)`` or an iterable of batches, already normalised.
+
+    Returns:
+        One :class:`BlockSimilarity` per attention module, in forward order, each averaged over every
+        image and window.
+    """
+    modules = attention_modules(model)
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+
+    def hook(name: str):
+        def fn(module: CascadedGroupAttention, inputs, output) -> None:
+            maps = torch.stack(module.head_attention_maps(inputs[0]))  # (h, B*windows, N, N)
+            sim = cosine_similarity_matrix(maps)  # (B*windows, h, h)
+            sums[name] = sums.get(name, 0) + sim.sum(0)
+            counts[name] = counts.get(name, 0) + sim.shape[0]
+            tokens[name] = maps.shape[-1]
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules]
+    was_training = model.training
+    model.eval()
+    try:
+        batches = [images] if isinstance(images, torch.Tensor) else images
+        seen = 0
+        for x in batches:
+            model(x)
+            seen += x.shape[0]
+        if not seen:
+            raise ValueError("no images given to head_similarity")
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    out = []
+    for name, _ in modules:
+        if name not in counts:
+            log.warning("attention %s was not run by the forward pass; skipped", name)
+            continue
+        stage, block = _stage_block(name)
+        out.append(
+            BlockSimilarity(name, stage, block, (sums[name] / counts[name]).float(), counts[name], tokens[name])
+        )
+    return out
+
+
+def mean_similarity(blocks: list[BlockSimilarity]) -> float:
+    """Mean off-diagonal similarity over all blocks with at least two heads and two tokens.
+
+    Blocks whose window holds one token are left out: every head's map is then ``[[1.0]]``.
+    """
+    vals = [b.mean_off_diagonal for b in blocks if b.num_heads > 1 and b.tokens > 1]
+    return float(sum(vals) / len(vals)) if vals else float("nan")
+
+
+def plot_similarity(blocks: list[BlockSimilarity], out_dir, title: str = "") -> list:
+    """Write ``heads_<block>.png`` heatmaps (one figure, a panel per block) and ``heads_mean.png``.
+
+    Returns:
+        Paths written.
+    """
+    from pathlib import Path
+
+    from .plots import bar_chart, heatmap_grid
+
+    out_dir = Path(out_dir)
+    labels = [f"s{b.stage + 1}.b{b.block + 1}" if b.stage >= 0 else b.name for b in blocks]
+    paths = [
+        heatmap_grid(
+            [b.matrix.numpy() for b in blocks],
+            [f"{lab} ({b.tokens} tok)" for lab, b in zip(labels, blocks)],
+            out_dir / "heads_matrices.png",
+            title=f"head attention-map cosine similarity {title}".strip(),
+        ),
+        bar_chart(
+            {"mean off-diagonal": [b.mean_off_diagonal for b in blocks]},
+            labels,
+            out_dir / "heads_mean.png",
+            ylabel="mean cosine similarity between heads",
+            title=f"head similarity per block {title}".strip(),
+            ylim=(0, 1),
+        ),
+    ]
+    return paths

@@ -1,0 +1,120 @@
+"""The ablation ladder: rung definitions, parameter matching, and `cgavit ablate` end to end with resume."""
+
+import json
+
+import numpy as np
+import pytest
+
+import cgavit.train
+from cgavit import create_model
+from cgavit.analysis.ablation import RUNGS, build_ladder, dials_to_argv, rung_dials
+from cgavit.cli import main
+from cgavit.dials import add_dial_args, dials_from_args
+
+ARCH = dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2), depth=(1, 1, 1), window_size=(7, 7, 7), kernels=(5, 5, 5, 5))
+
+
+def test_rung_dials_follow_the_ladder():
+    d = {r: rung_dials(r, ARCH) for r in RUNGS}
+    assert d["standard"]["ffn_per_side"] == (0, 1) and d["sandwich"]["ffn_per_side"] == (1, 1)
+    assert d["standard"]["key_dim"] == (8, 12, 16) and d["standard"]["attn_ratio"] == 1.0  # tied: C/h
+    assert [d[r]["group_split"] for r in RUNGS] == [False, False, True, True, True]
+    assert [d[r]["cascade"] for r in RUNGS] == [False, False, False, True, True]
+    assert [d[r]["ffn_ratio"] for r in RUNGS] == [4.0, 4.0, 4.0, 4.0, 2.0]
+    assert d["realloc"]["key_dim"] == (16, 16, 16) and "attn_ratio" not in d["realloc"]
+    # each rung builds, and its value width is C/h throughout
+    for r in RUNGS:
+        m = create_model("m0", num_classes=2, img_size=64, **d[r])
+        attn = m.stages[2].blocks[0].mixer.m.attn
+        assert attn.value_dim == 16 and attn.cascade == d[r]["cascade"]
+    with pytest.raises(ValueError, match="unknown rung"):
+        rung_dials("nope", ARCH)
+
+
+def test_dials_round_trip_through_the_command_line():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_dial_args(p)
+    for r in RUNGS:
+        d = rung_dials(r, ARCH)
+        back = dials_from_args(p.parse_args(dials_to_argv(d)))
+        assert create_model("m0", num_classes=3, **back).cfg == create_model("m0", num_classes=3, **d).cfg
+
+
+def test_rung_one_is_matched_in_parameters():
+    variants, note = build_ladder("m0", dict(embed_dim=(48, 96, 144), num_heads=(3, 3, 3)), 10, 80)
+    assert [v.rung for v in variants] == list(RUNGS)
+    depth = tuple(note["standard_depth"])
+    assert all(a >= b for a, b in zip(depth, note["base_depth"])) and list(depth) == sorted(depth)
+    assert abs(note["standard_params"] - note["sandwich_params"]) / note["sandwich_params"] < 0.03
+    n = [sum(p.numel() for p in create_model("m0", num_classes=10, img_size=80, **v.dials).parameters()) for v in variants]
+    assert n[0] == note["standard_params"] and n[1] == note["sandwich_params"]
+    assert n[2] < n[1] and n[3] == n[2] and n[4] < n[3]  # groups shrink Q/K/V; cascade is free; reallocation shrinks
+
+
+def _dataset(root, per_class=20, held=5):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", per_class), ("test", held)):
+        for c in range(2):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                a = rng.integers(0, 100, (32, 32, 3), dtype=np.uint8)
+                a[..., c] += 150  # red vs green: learnable
+                Image.fromarray(a).save(d / f"{i}.png")
+    return root
+
+
+def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch):
+    data = _dataset(tmp_path / "data")
+    out = tmp_path / "study"
+    calls = []
+    real_train = cgavit.train.train
+
+    def spy(argv):
+        run = argv[argv.index("--output") + 1]
+        calls.append((run.split("/runs/")[1], "--resume" in argv))
+        if run.endswith("sandwich/seed0") and not any("--resume" == a for a in argv):
+            argv = argv + ["--interrupt-after", "1"]  # as if stopped (SIGTERM) after one update
+        return real_train(argv)
+
+    monkeypatch.setattr(cgavit.train, "train", spy)
+    common = [
+        "ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--embed-dim", "16,24,32",
+        "--num-heads", "2,2,2", "--depth", "1,1,1", "--img-size", "32", "--batch-size", "8", "--heads-images", "4",
+        "--speed-rounds", "1", "--speed-seconds", "0.02",
+        "--train-args", "--workers 0 --aa none --mixup 0 --cutmix 0 --reprob 0 --warmup-epochs 0 --no-model-ema --crop-pct 1.0",
+    ]
+    # a first invocation stopped inside the second variant
+    assert main([*common, "--rungs", "standard", "sandwich"]) == 130
+    assert calls == [("standard/seed0", False), ("sandwich/seed0", False)]
+    assert (out / "runs/standard/seed0/result.json").exists()
+    assert (out / "runs/sandwich/seed0/last.pt").exists() and not (out / "runs/sandwich/seed0/result.json").exists()
+    done = (out / "runs/standard/seed0/result.json").read_text()
+    # the same command for the whole ladder: standard is not retrained, sandwich resumes, the rest train
+    calls.clear()
+    assert main(common) == 0
+    assert calls == [("sandwich/seed0", True), ("groups/seed0", False), ("cascade/seed0", False), ("realloc/seed0", False)]
+    assert (out / "runs/standard/seed0/result.json").read_text() == done
+    rep = json.loads((out / "ablation.json").read_text())
+    assert [r["rung"] for r in rep["rows"]] == list(RUNGS)
+    for r in rep["rows"]:
+        assert 0 <= r["top1_mean"] <= 100 and r["throughput"]["img_s"] > 0 and r["params"] > 0 and r["macs"] > 0
+        assert 0 < r["head_similarity_mean"] <= 1 + 1e-6
+    res = json.loads((out / "runs/realloc/seed0/result.json").read_text())
+    assert res["val_images"] == 10 and res["dials"]["cascade"] is True
+    assert len((out / "ablation_table.md").read_text().strip().splitlines()) == 2 + len(RUNGS)
+    for name in ("ablation_top1.png", "ablation_heads.png", "ablation_speed_accuracy.png"):
+        assert (out / name).stat().st_size > 0
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["subset.json", "train", "val"]  # test/ linked as val
+    # a finished study is only re-summarised; other settings in the same folder are refused
+    calls.clear()
+    assert main([*common, "--no-throughput"]) == 0 and calls == []
+    assert main([*common[:6], "2", *common[7:]]) == 2
+    # the analyses read a checkpoint of the study with its architecture and preprocessing
+    assert main(["analyze", "heads", "--checkpoint", str(out / "runs/cascade/seed0/last.pt"), "--data", str(data / "test"), "--output", str(tmp_path / "h")]) == 0
+    rep = json.loads((tmp_path / "h" / "heads.json").read_text())
+    assert rep["img_size"] == 32 and rep["config"]["cascade"] is True and rep["num_images"] == 10

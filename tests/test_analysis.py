@@ -1,0 +1,196 @@
+"""Head similarity and Taylor importance: exact cases, every dial combination, and the commands."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cgavit import create_model
+from cgavit.analysis import cosine_similarity_matrix, head_similarity, taylor_importance
+from cgavit.analysis.heads import mean_similarity
+from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fraction, pruning_order
+from cgavit.attention import CascadedGroupAttention, LocalWindowAttention
+from cgavit.cli import main
+from cgavit.testing import randomize_
+
+TINY = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
+
+
+# ----------------------------------------------------------------------------- head similarity
+def test_cosine_matrix_identical_and_orthogonal():
+    a = torch.rand(3, 5, 4, 4)
+    same = cosine_similarity_matrix(torch.stack([a[0], a[0], a[0]]))
+    assert torch.allclose(same, torch.ones(5, 3, 3, dtype=torch.float64))
+    eye = torch.eye(4).expand(2, 4, 4)  # head 0: attends to itself
+    shift = torch.roll(torch.eye(4), 1, dims=1).expand(2, 4, 4)  # head 1: to its neighbour
+    sim = cosine_similarity_matrix(torch.stack([eye, shift]))
+    assert torch.allclose(sim, torch.eye(2, dtype=torch.float64).expand(2, 2, 2))
+    # a partial overlap: cos = <a,b>/(|a||b|) by hand
+    half = torch.stack([torch.tensor([[1.0, 1.0], [0, 0]]), torch.tensor([[1.0, 0.0], [0, 0]])])[:, None]
+    assert cosine_similarity_matrix(half)[0, 0, 1].item() == pytest.approx(1 / 2**0.5)
+
+
+def _identical_heads_attention() -> CascadedGroupAttention:
+    attn = CascadedGroupAttention(16, key_dim=4, num_heads=4, window=4, cascade=False, group_split=False)
+    randomize_(attn)
+    with torch.no_grad():
+        for m in list(attn.qkvs)[1:]:
+            m.load_state_dict(attn.qkvs[0].state_dict())
+        for m in list(attn.dws)[1:]:
+            m.load_state_dict(attn.dws[0].state_dict())
+        attn.attention_biases.copy_(attn.attention_biases[:1].expand_as(attn.attention_biases))
+    return attn
+
+
+def test_identical_heads_give_one():
+    net = nn.Sequential(LocalWindowAttention(16, 4, key_dim=4, num_heads=4, cascade=False, group_split=False))
+    net[0].attn = _identical_heads_attention()
+    (blk,) = head_similarity(net, torch.randn(3, 16, 8, 8))  # 8x8 map: four 4x4 windows per image
+    assert blk.windows == 12 and blk.tokens == 16
+    assert torch.allclose(blk.matrix, torch.ones(4, 4), atol=1e-6)
+    assert blk.mean_off_diagonal == pytest.approx(1.0, abs=1e-6)
+
+
+def test_constructed_disjoint_heads_give_zero():
+    # scores = bias only (zero Q/K weights): head 0 attends to itself, head 1 to the token one column away
+    attn = CascadedGroupAttention(8, key_dim=4, num_heads=2, window=3, cascade=False, group_split=True)
+    with torch.no_grad():
+        for m in attn.qkvs:
+            m.conv.weight.zero_()
+            m.bn.bias.zero_()
+        attn.attention_biases.fill_(-60.0)
+        attn.attention_biases[0, 0] = 60.0  # offset (0, 0)
+        attn.attention_biases[1, 1] = 60.0  # offset (|dy|, |dx|) = (0, 1)
+    (blk,) = head_similarity(attn, torch.randn(2, 8, 1, 2))  # two tokens side by side
+    assert blk.matrix[0, 1].item() == pytest.approx(0.0, abs=1e-12)
+    assert blk.matrix[0, 0].item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "dials",
+    [dict(), dict(cascade=False), dict(cascade=False, group_split=False), dict(ffn_per_side=(0, 1), key_dim=8, attn_ratio=1.0, cascade=False)],
+)
+def test_head_similarity_every_dial_combination(dials):
+    model = randomize_(create_model("m0", num_classes=3, img_size=64, **TINY, **dials))
+    model.train()
+    blocks = head_similarity(model, [torch.randn(2, 3, 64, 64), torch.randn(1, 3, 64, 64)])
+    assert model.training  # mode restored
+    assert [b.name for b in blocks] == [f"stages.{i}.blocks.0.mixer.m.attn" for i in range(3)]
+    assert [b.tokens for b in blocks] == [16, 4, 1]
+    for b in blocks:
+        assert b.windows == 3 and b.matrix.shape == (2, 2)
+        assert torch.allclose(b.matrix.diagonal(), torch.ones(2), atol=1e-5)
+        assert torch.allclose(b.matrix, b.matrix.T, atol=1e-6)
+        assert 0 < b.mean_off_diagonal <= 1 + 1e-6
+    assert blocks[2].mean_off_diagonal == pytest.approx(1.0)  # one token: every map is [[1]]
+    # the one-token block is left out of the summary
+    assert mean_similarity(blocks) == pytest.approx((blocks[0].mean_off_diagonal + blocks[1].mean_off_diagonal) / 2)
+
+
+def test_head_similarity_matches_forward_maps():
+    # the hook sees exactly the maps of the window the forward pass attends (no re-implementation)
+    model = randomize_(create_model("m0", num_classes=3, img_size=64, **TINY)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    blocks = head_similarity(model, x)
+    attn = model.stages[0].blocks[0].mixer.m.attn
+    feats = model.stages[0].blocks[0].pre(model.patch_embed(x))
+    maps = torch.stack(attn.head_attention_maps(feats))
+    want = cosine_similarity_matrix(maps).mean(0).float()
+    assert torch.allclose(blocks[0].matrix, want, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- Taylor importance
+def test_channel_importance_by_hand():
+    conv = nn.Conv2d(2, 2, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.copy_(torch.tensor([[1.0, -2.0], [3.0, 0.5]]).view(2, 2, 1, 1))
+    x = torch.tensor([1.0, 2.0]).view(1, 2, 1, 1)
+    conv(x).sum().backward()  # dL/dw[o, i] = x[i]
+    # channel 0: |1*1| + |-2*2| = 5; channel 1: |3*1| + |0.5*2| = 4
+    assert channel_importance(conv.weight).tolist() == [5.0, 4.0]
+
+
+def test_taylor_importance_splits_qkv_and_matches_autograd():
+    model = randomize_(create_model("m0", num_classes=4, img_size=64, **TINY)).double()  # float64: no rounding noise
+    x, y = torch.randn(4, 3, 64, 64, dtype=torch.float64), torch.tensor([0, 1, 3, 2])
+    blocks = taylor_importance(model, [(x[:2], y[:2]), (x[2:], y[2:])])
+    assert all(p.grad is None for p in model.parameters())  # gradients cleared
+    assert len(blocks) == 3
+    b = blocks[1]
+    attn = model.stages[1].blocks[0].mixer.m.attn
+    assert [t.numel() for t in b.q] == [attn.key_dim] * 2 and [t.numel() for t in b.v] == [attn.value_dim] * 2
+    assert b.proj.numel() == 24 and [t.numel() for t in b.ffn] == [48, 48]
+    # the same quantity from one batch of four, by autograd directly
+    model.eval()
+    nn.functional.cross_entropy(model(x), y).backward()
+    w = attn.qkvs[1].conv.weight
+    ref = (w * w.grad).abs().flatten(1).sum(1).double()
+    got = torch.cat([b.q[1], b.k[1], b.v[1]])
+    assert torch.allclose(got, ref, rtol=1e-9, atol=1e-15)
+
+
+def test_taylor_predictions_as_targets():
+    model = randomize_(create_model("m0", num_classes=4, img_size=64, **TINY, cascade=False, group_split=False))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        pred = model.eval()(x).argmax(1)
+    a = taylor_importance(model, [(x, None)])
+    b = taylor_importance(model, [(x, pred)])
+    assert torch.equal(a[0].channels()["ffn"], b[0].channels()["ffn"])
+
+
+def test_pruning_order_and_kept_fraction():
+    blk = BlockImportance("stages.0.blocks.0", 0, 0)
+    blk.q = [torch.tensor([1.0, 2.0], dtype=torch.float64)]
+    blk.k = [torch.tensor([3.0, 4.0], dtype=torch.float64)]
+    blk.v = [torch.tensor([5.0, 6.0], dtype=torch.float64)]
+    blk.ffn = [torch.tensor([7.0, 8.0], dtype=torch.float64)]
+    order = pruning_order([blk])
+    assert [r["kind"] for r in order] == ["q", "q", "k", "k", "v", "v", "ffn", "ffn"]
+    assert order[0]["score"] == pytest.approx(1.0 / 4.5)  # normalised by the block mean 4.5
+    kept = kept_fraction([blk], 0.25)
+    assert kept["kept"][0] == {"q": 0.0, "k": 1.0, "v": 1.0, "ffn": 1.0}
+    with pytest.raises(ValueError, match="prune ratio"):
+        kept_fraction([blk], 1.5)
+
+
+# ----------------------------------------------------------------------------- commands
+def _image_folder(root, classes=2, per_class=3, size=40):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        d = root / f"class{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    return root
+
+
+def test_analyze_commands(tmp_path, capsys):
+    data = _image_folder(tmp_path / "data")
+    dials = ["--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2", "--img-size", "64"]
+    assert main(["analyze", "heads", "--data", str(data), "--output", str(tmp_path / "h"), "--num-images", "4", *dials]) == 0
+    rep = json.loads((tmp_path / "h" / "heads.json").read_text())
+    assert rep["num_images"] == 4 and len(rep["blocks"]) == 3
+    assert (tmp_path / "h" / "heads_matrices.png").stat().st_size > 0 and (tmp_path / "h" / "heads_mean.png").exists()
+    files = [str(p) for p in sorted((data / "class0").iterdir())]
+    assert main(["analyze", "taylor", *files, "--output", str(tmp_path / "t"), "--prune-ratio", "0.5", *dials]) == 0
+    rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
+    assert rep["loss_targets"] == "predictions" and rep["num_images"] == 3
+    assert rep["pruned_count"] > 0 and set(rep["kept_fraction"]) == {"1", "2", "3"}
+    assert (tmp_path / "t" / "taylor_spread.png").exists() and (tmp_path / "t" / "taylor_pruning.png").exists()
+    # a labelled folder with as many classes as the model: labels are used
+    assert main(["analyze", "taylor", "--data", str(data), "--num-classes", "2", "--output", str(tmp_path / "t2"), *dials]) == 0
+    assert json.loads((tmp_path / "t2" / "taylor.json").read_text())["loss_targets"] == "labels"
+    assert "folder labels" in capsys.readouterr().out
+
+
+def test_analyze_bad_input(tmp_path, capsys):
+    assert main(["analyze", "heads", "--data", str(tmp_path / "missing"), "--output", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["analyze", "heads", "--data", str(tmp_path / "empty"), "--output", str(tmp_path)]) == 2
+    assert "no images" in capsys.readouterr().err
