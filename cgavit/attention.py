@@ -35,6 +35,22 @@ def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tenso
     return dy * window + dx  # (N, N)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    torch 2.14's BatchNorm2d backward is wrong for a batch of one when the incoming gradient is
+    channels-last-strided, which is what the score matmul sends back to the query's Conv-BN.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class CascadedGroupAttention(nn.Module):
     """Cascaded group attention over one window of tokens.
 
@@ -115,6 +131,8 @@ class CascadedGroupAttention(nn.Module):
             feat = qkv(feat)  # (B, 2*kd + vd, H, W)
             q, k, v = feat.view(B, -1, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
             q = self.dws[i](q)
+            if q.requires_grad:
+                q = _ContiguousGrad.apply(q)
             q, k, v = q.flatten(2), k.flatten(2), v.flatten(2)  # (B, kd|vd, N)
             attn = (q.transpose(-2, -1) @ k) * self.scale + bias[i]  # (B, N, N)
             attn = attn.softmax(dim=-1)

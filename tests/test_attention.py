@@ -76,3 +76,13 @@ def test_padding_crops_back():
     lwa = randomize_(LocalWindowAttention(16, window=4, key_dim=4, num_heads=2)).eval()
     with torch.no_grad():
         assert lwa(torch.randn(1, 16, 5, 9)).shape == (1, 16, 5, 9)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("train", [True, False])
+def test_gradients_exact_at_batch_one(batch, train):
+    # torch 2.14.1's BatchNorm2d backward is wrong for a batch of 1 when the incoming gradient is
+    # channels-last-strided, which is what q's depthwise Conv-BN receives from the score matmul
+    attn = randomize_(CascadedGroupAttention(8, key_dim=2, num_heads=2, window=3)).double().train(train)
+    x = torch.randn(batch, 8, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(attn, (x,), eps=1e-6, atol=1e-5)
