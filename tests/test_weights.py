@@ -205,3 +205,15 @@ def test_timm_state_dict_file_at_another_window_resizes_bias(tmp_path):
     report = load_checkpoint(model, path)
     assert report["resized"] and all(".stages.2." in f".{k}" for k in report["resized"])
     assert model.stages[2].blocks[0].mixer.m.attn.attention_biases.shape == (4, 49)
+
+
+def test_atomic_write_keeps_the_usual_file_mode(tmp_path):
+    import os
+
+    from cgavit.weights import atomic_write
+
+    path = atomic_write(tmp_path / "f.txt", lambda tmp: open(tmp, "w").write("x"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temporary file left behind
