@@ -2,7 +2,7 @@
 
 from .attention import CascadedGroupAttention, LocalWindowAttention
 from .factory import create_model, list_models
-from .deploy import fuse
+from .deploy import fuse, optimize
 from .model import EfficientViT
 from .variants import VARIANTS, EfficientViTConfig
 from .weights import load_checkpoint, save_weights
@@ -17,6 +17,7 @@ __all__ = [
     "VARIANTS",
     "create_model",
     "fuse",
+    "optimize",
     "load_checkpoint",
     "save_weights",
     "list_models",

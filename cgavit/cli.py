@@ -14,10 +14,13 @@ import sys
 
 _COMMAND_MODULES = (
     "cgavit.info",
-    "cgavit.explorer.server",
     "cgavit.train.cli",
-    "cgavit.detection.cli",
+    "cgavit.explorer.server",
     "cgavit.analysis.cli",
+    "cgavit.detection.cli",
+    "cgavit.bench",
+    "cgavit.deploy",
+    "cgavit.analysis.roofline",
 )
 
 

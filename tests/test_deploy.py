@@ -1,0 +1,118 @@
+"""The fast inference paths against the plain model (random inputs, randomised BatchNorm)."""
+
+import os
+
+import pytest
+import torch
+
+import cgavit
+from cgavit.deploy import TOLERANCE, OnnxModule, export_onnx, optimize, quantize_onnx
+from cgavit.fast import FastWindowAttention
+from cgavit.testing import randomize_, rel_err
+
+TINY = dict(embed_dim=(32, 48, 64), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(5, 3))
+
+
+def tiny(img_size=64, seed=0):
+    return randomize_(cgavit.create_model("efficientvit_m0", img_size=img_size, **TINY), seed=seed).eval()
+
+
+def test_fuse_matches_plain_model():
+    model = tiny()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert rel_err(cgavit.fuse(model)(x), model(x)) <= 1e-5
+    assert any(m.training for m in model.modules()) is False  # untouched, still eval
+
+
+@pytest.mark.parametrize("size", [64, 160, 224])
+def test_fast_path_without_compile_matches(size):
+    """Maps within the window (64), padded and partitioned (160: 10x10 -> 14x14), partitioned (224)."""
+    model = tiny(img_size=224)
+    x = torch.randn(2, 3, size, size)
+    fast = optimize(model, x, backend="torch", compile=False)
+    assert fast.rel_err is not None and fast.rel_err <= TOLERANCE["fp32"]
+    assert any(isinstance(m, FastWindowAttention) for m in fast.modules())
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) <= 1e-5
+        y = torch.randn(3, 3, size, size)  # another batch size works too
+        assert rel_err(fast(y), model(y)) <= 1e-5
+
+
+def test_optimize_compiled_matches():
+    """The one torch.compile test (inductor with freezing), on a tiny model and input."""
+    model = tiny()
+    x = torch.randn(2, 3, 64, 64)
+    fast = optimize(model, x, backend="torch")
+    with torch.no_grad():
+        out = fast(x)
+        assert out.dtype == torch.float32
+        assert rel_err(out, model(x)) <= 1e-5
+
+
+def test_default_optimize_runs_onnxruntime_and_matches():
+    model = tiny()
+    x = torch.randn(2, 3, 64, 64)
+    fast = optimize(model, x)  # auto: ONNX Runtime for fp32 on the CPU
+    assert isinstance(fast, OnnxModule) and fast.rel_err <= 1e-5
+    y = torch.randn(5, 3, 64, 64)  # batch is dynamic
+    with torch.no_grad():
+        assert rel_err(fast(y), model(y)) <= 1e-5
+
+
+def test_bf16_within_tolerance():
+    model = tiny()
+    x = torch.randn(4, 3, 64, 64)
+    fast = optimize(model, x, "bf16", backend="torch", compile=False)
+    with torch.no_grad():
+        err = rel_err(fast(x), model(x))
+    assert 0 < err <= TOLERANCE["bf16"]  # reduced precision really ran, within its stated tolerance
+
+
+def test_optimize_rejects_bad_arguments():
+    model = tiny()
+    with pytest.raises(ValueError, match="precision"):
+        optimize(model, torch.randn(1, 3, 64, 64), "fp16")
+    with pytest.raises(ValueError, match="example_input"):
+        optimize(model, torch.randn(3, 64, 64))
+    with pytest.raises(ValueError, match="backend"):
+        optimize(model, torch.randn(1, 3, 64, 64), "bf16", backend="onnxruntime")
+    with pytest.raises(ValueError, match="backend"):
+        optimize(model, torch.randn(1, 3, 64, 64), backend="tensorrt")
+
+
+def test_onnx_export_matches_pytorch_at_batch_1_and_16(tmp_path):
+    model = tiny(img_size=112)
+    path = export_onnx(model, tmp_path / "m.onnx", (112, 112))
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]  # no temporary file left behind
+    ort = OnnxModule(path)
+    fused = cgavit.fuse(model)
+    for batch in (1, 16):
+        x = torch.randn(batch, 3, 112, 112)
+        with torch.no_grad():
+            assert rel_err(ort(x), fused(x)) <= 1e-4
+
+
+def test_int8_onnx_within_tolerance(tmp_path):
+    model = tiny()
+    fp32 = export_onnx(model, tmp_path / "m.onnx", (64, 64))
+    calib = [torch.randn(4, 3, 64, 64) for _ in range(2)]
+    q = quantize_onnx(fp32, tmp_path / "m.int8.onnx", calib)
+    assert q.stat().st_size < fp32.stat().st_size  # weights really stored in int8
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        err = rel_err(OnnxModule(q)(x), cgavit.fuse(model)(x))
+    assert err <= TOLERANCE["int8"]
+
+
+def test_export_cli(tmp_path, capsys):
+    from cgavit.cli import main
+
+    out = tmp_path / "m0.onnx"
+    assert main(["export", "--model", "m0", "--output", str(out), "--img-size", "64", "--embed-dim", "32,48,64",
+                 "--depth", "1,1,1", "--num-heads", "2"]) == 0
+    text = capsys.readouterr().out
+    assert out.exists() and "batch 16" in text and "TOO LARGE" not in text
+    assert main(["export", "--model", "m0", "--output", str(out), "--dynamic-size"]) == 2
+    assert "export once per size" in capsys.readouterr().err
+    assert main(["export", "--model", "m0", "--output", os.fspath(tmp_path / "missing" / "m.onnx")]) == 2

@@ -1,0 +1,62 @@
+"""Roofline: the analytic model on the seed's worked example, and a smoke run."""
+
+import pytest
+import torch
+
+import cgavit
+from cgavit.analysis.roofline import (
+    attention_costs,
+    elementwise_cost,
+    matmul_cost,
+    profile_model,
+    summarize,
+)
+
+
+def test_seed_worked_example():
+    """T=196 tokens, C=192 channels, fp16: score matmul ~64 FLOP/byte, softmax ~1.3 (seed chapter 1)."""
+    costs = attention_costs(196, 192, 2)
+    score, softmax = costs["score matmul Q·Kᵀ"], costs["softmax"]
+    assert score.flops == pytest.approx(14.7e6, rel=0.01)
+    assert score.bytes == pytest.approx(0.23e6, rel=0.02)
+    assert score.intensity == pytest.approx(64, rel=0.03)
+    assert softmax.flops == pytest.approx(0.19e6, rel=0.02)
+    assert softmax.intensity == pytest.approx(1.3, abs=0.06)
+    assert score.intensity / softmax.intensity == pytest.approx(50, rel=0.06)  # "~50x more arithmetic per byte"
+
+
+def test_cost_formulas():
+    assert matmul_cost(2, 3, 4, 4).flops == 2 * 2 * 3 * 4
+    assert matmul_cost(2, 3, 4, 4).bytes == (8 + 12 + 6) * 4
+    add = elementwise_cost(100, 1, 4, reads=2)
+    assert add.bytes == 1200 and add.intensity == pytest.approx(100 / 1200)
+
+
+def test_profile_model_verdicts():
+    model = cgavit.fuse(cgavit.create_model("m0", img_size=64, embed_dim=(32, 48, 64), depth=(1, 1, 1),
+                                            num_heads=(2, 2, 2)))
+    peaks = dict(flops=50e9, bandwidth=10e9, ridge=5.0)  # fixed, so the verdicts are deterministic
+    rows = profile_model(model, torch.randn(2, 3, 64, 64), peaks, repeats=1)
+    by_op = {}
+    for r in rows:
+        by_op.setdefault(r.op, []).append(r)
+    assert all(r.bound == "memory" for r in by_op["aten::add"])  # one FLOP per 12 bytes
+    assert all(r.bound == "memory" for r in by_op["aten::_softmax"])
+    assert any(r.bound == "compute" for r in by_op["aten::convolution"])
+    assert all(r.bound == "view" and r.bytes == 0 for r in by_op.get("aten::view", []))
+    assert all(r.time_s > 0 for r in rows if r.bound != "view")  # every call measured by the profiler
+    s = summarize(rows)
+    assert 0 < s["memory_share"] < 1 and s["flops"] > 0
+    from cgavit.info import count_macs
+
+    flop_sum = sum(r.flops for r in rows if r.op in ("aten::convolution", "aten::addmm", "aten::bmm"))
+    assert flop_sum == pytest.approx(2 * count_macs(model, (64, 64)) * 2, rel=0.01)  # batch 2, 2 FLOPs per MAC
+
+
+def test_roofline_cli(capsys):
+    from cgavit.cli import main
+
+    assert main(["roofline", "--model", "m0", "--compare", "", "--batch", "1", "--img-size", "64", "--repeats", "1",
+                 "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "ridge point" in out and "memory-bound" in out and "aten::convolution" in out
