@@ -25,7 +25,6 @@ from cgavit.weights import resize_bias_table, save_weights
 pytest.importorskip("torchvision")
 pytest.importorskip("pycocotools")
 
-from pycocotools import mask as mask_utils  # noqa: E402
 from torchvision.models.detection import MaskRCNN, RetinaNet  # noqa: E402
 from torchvision.ops import FrozenBatchNorm2d  # noqa: E402
 

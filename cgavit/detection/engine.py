@@ -12,12 +12,10 @@ environment): DistributedDataParallel with NCCL on GPUs or gloo on CPUs; only ra
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,13 +24,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 from torch import nn
 from tqdm import tqdm
 
+from ..train.distributed import DistEnv, barrier, broadcast_object, gather_objects, reduce_sum
+from ..train.distributed import setup as setup_distributed
+from ..train.distributed import teardown as teardown_distributed
 from ..weights import CheckpointError, atomic_write
 from .data import CocoDetection, check_coco, collate, train_transform
 from .models import KINDS, build_detector
@@ -41,86 +41,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "cgavit-detection/1"
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
-
-
-# ------------------------------------------------------------------------------------ distributed
-@dataclass
-class DistEnv:
-    """This process's ``rank`` among ``world`` processes and its ``device``."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-    owns_group: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: str = "auto") -> DistEnv:
-    """Read the ``torchrun`` environment, choose the device, join the process group (NCCL on GPU,
-    gloo on CPU) when there is more than one process.
-
-    Args:
-        device: ``auto`` (this process's GPU if any, else CPU), ``cpu`` or ``cuda``.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but no GPU is visible; use --device cpu")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start at most that "
-                "many processes per node (torchrun --nproc_per_node)"
-            )
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
-        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
-    env = DistEnv(rank, world, local_rank, dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
-        env.owns_group = True
-    return env
-
-
-def teardown_distributed(env: DistEnv) -> None:
-    """Leave the process group if :func:`setup_distributed` joined it."""
-    if env.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-        env.owns_group = False
-
-
-def _reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
-    if env.world == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=env.device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def _gather(env: DistEnv, obj: Any) -> list:
-    if env.world == 1:
-        return [obj]
-    out: list = [None] * env.world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast(env: DistEnv, obj: Any) -> Any:
-    if env.world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # ----------------------------------------------------------------------------------------- recipe
@@ -298,7 +218,7 @@ def evaluate(
             bbox += b
             segm += s
     model.train(was_training)
-    gathered = _gather(env, (bbox, segm))
+    gathered = gather_objects(env, (bbox, segm))
     metrics, summary = {}, ""
     if env.is_main:
         bbox = [r for part in gathered for r in part[0]]
@@ -308,7 +228,7 @@ def evaluate(
             values, text = coco_metrics(dataset.coco, res, kind, dataset.ids)
             metrics.update({f"{kind}_{k}": v for k, v in values.items()})
             summary += text
-    return _broadcast(env, (metrics, summary))
+    return broadcast_object(env, (metrics, summary))
 
 
 # --------------------------------------------------------------------------------------- training
@@ -490,11 +410,11 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{lr:.2e}")
             if cfg.log_every and step % cfg.log_every == 0:
                 keys = sorted(values)
-                avg = _reduce_sum(env, [values[k] for k in keys])
+                avg = reduce_sum(env, [values[k] for k in keys])
                 if env.is_main:
                     _append_jsonl(metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
         keys = sorted(sums)
-        totals = _reduce_sum(env, [sums[k] for k in keys] + [float(iters_per_epoch)])
+        totals = reduce_sum(env, [sums[k] for k in keys] + [float(iters_per_epoch)])
         row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=optimizer.param_groups[0]["lr"], time_s=round(time.time() - t0, 2))
         row.update({k: v / totals[-1] for k, v in zip(keys, totals)})
         last = epoch + 1 == cfg.epochs
@@ -516,8 +436,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         save_checkpoint(out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=raw_model.state_dict(), epoch=cfg.epochs))
         if metrics_path.exists():
             plot_losses(metrics_path, out / "loss.png")
-    if env.world > 1:
-        dist.barrier()
+    barrier(env)
     return metrics
 
 

@@ -62,8 +62,10 @@ def setup(device: str = "auto") -> DistEnv:
             )
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-    else:
+    elif device == "cpu":
         dev = torch.device("cpu")
+    else:
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     env = DistEnv(rank=rank, world=world, local_rank=local_rank, device=dev)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
