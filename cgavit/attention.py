@@ -35,6 +35,19 @@ def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tenso
     return dy * window + dx  # (N, N)
 
 
+def window_bias(bias_full: torch.Tensor, window: int, h: int, w: int) -> torch.Tensor:
+    """The ``(heads, h*w, h*w)`` block of a full-window bias ``(heads, window**2, window**2)`` for an
+    ``h x w`` map (``h, w <= window``): the biases depend only on offsets, so the map's tokens take
+    the top-left ``h x w`` corner of the window grid."""
+    if h == window and w == window:
+        return bias_full
+    ys, xs = torch.meshgrid(
+        torch.arange(h, device=bias_full.device), torch.arange(w, device=bias_full.device), indexing="ij"
+    )
+    pos = (ys * window + xs).flatten()
+    return bias_full[:, pos][:, :, pos]
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient.
 
@@ -177,15 +190,7 @@ class FusedCascadedGroupAttention(CascadedGroupAttention):
     bias_full: torch.Tensor
 
     def attention_bias(self, h: int, w: int) -> torch.Tensor:
-        if h == self.window and w == self.window:
-            return self.bias_full
-        ys, xs = torch.meshgrid(
-            torch.arange(h, device=self.bias_full.device),
-            torch.arange(w, device=self.bias_full.device),
-            indexing="ij",
-        )
-        pos = (ys * self.window + xs).flatten()  # the h x w corner of the window grid
-        return self.bias_full[:, pos][:, :, pos]
+        return window_bias(self.bias_full, self.window, h, w)
 
     def fuse(self) -> "FusedCascadedGroupAttention":
         return copy.deepcopy(self)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import FusedCascadedGroupAttention, LocalWindowAttention
+from .attention import FusedCascadedGroupAttention, LocalWindowAttention, window_bias
+from .layers import conv_like
 
 
 class FastCascadedGroupAttention(nn.Module):
@@ -43,19 +44,10 @@ class FastCascadedGroupAttention(nn.Module):
         self.proj = _copy_conv(fused.proj[1])
         self.register_buffer("bias_full", fused.bias_full.detach().clone())  # (heads, N, N) of the full window
 
-    def _bias(self, h: int, w: int) -> torch.Tensor:
-        if h == self.window and w == self.window:
-            return self.bias_full
-        ys, xs = torch.meshgrid(
-            torch.arange(h, device=self.bias_full.device), torch.arange(w, device=self.bias_full.device), indexing="ij"
-        )
-        pos = (ys * self.window + xs).flatten()  # the h x w corner of the window grid
-        return self.bias_full[:, pos][:, :, pos]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x.shape
         N = H * W
-        bias = self._bias(H, W)  # (heads, N, N)
+        bias = window_bias(self.bias_full, self.window, H, W)  # (heads, N, N)
         groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
         outs = []
         feat = groups[0]
@@ -104,21 +96,9 @@ class FastWindowAttention(nn.Module):
         return x
 
 
-@torch.no_grad()
 def _copy_conv(conv: nn.Conv2d, scale: float = 1.0) -> nn.Conv2d:
-    out = nn.Conv2d(
-        conv.in_channels,
-        conv.out_channels,
-        conv.kernel_size,
-        conv.stride,
-        conv.padding,
-        dilation=conv.dilation,
-        groups=conv.groups,
-        bias=True,
-    ).to(device=conv.weight.device, dtype=conv.weight.dtype)
-    out.weight.copy_(conv.weight * scale)
-    out.bias.copy_(conv.bias * scale if conv.bias is not None else torch.zeros_like(out.bias))
-    return out
+    bias = conv.bias if conv.bias is not None else torch.zeros(conv.out_channels, device=conv.weight.device)
+    return conv_like(conv, conv.weight * scale, bias * scale)
 
 
 def swap_fast_modules(model: nn.Module) -> nn.Module:

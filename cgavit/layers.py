@@ -44,19 +44,26 @@ class ConvBN(nn.Sequential):
         """Return one ``nn.Conv2d`` computing what this module computes in eval mode."""
         conv, bn = self.conv, self.bn
         scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)  # (out,)
-        fused = nn.Conv2d(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            conv.stride,
-            conv.padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            bias=True,
-        ).to(device=conv.weight.device, dtype=conv.weight.dtype)
-        fused.weight.copy_(conv.weight * scale[:, None, None, None])
-        fused.bias.copy_(bn.bias - bn.running_mean * scale)
-        return fused
+        return conv_like(conv, conv.weight * scale[:, None, None, None], bn.bias - bn.running_mean * scale)
+
+
+@torch.no_grad()
+def conv_like(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> nn.Conv2d:
+    """A biased ``nn.Conv2d`` with ``conv``'s geometry (stride, padding, groups, ...) and the given
+    ``weight`` and ``bias``, on ``conv``'s device and dtype."""
+    out = nn.Conv2d(
+        conv.in_channels,
+        conv.out_channels,
+        conv.kernel_size,
+        conv.stride,
+        conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        bias=True,
+    ).to(device=conv.weight.device, dtype=conv.weight.dtype)
+    out.weight.copy_(weight)
+    out.bias.copy_(bias)
+    return out
 
 
 class BNLinear(nn.Sequential):
