@@ -17,7 +17,8 @@ def list_models(pattern: str = "") -> list[str]:
     return sorted(n for n in VARIANTS if pattern in n)
 
 
-def _resolve(name: str) -> str:
+def resolve_name(name: str) -> str:
+    """The registered variant for ``name`` (``m4``, timm tags accepted); ValueError with a suggestion."""
     key = name.split(".")[0].lower().replace("-", "_")  # accept timm tags: efficientvit_m0.r224_in1k
     if key not in VARIANTS and f"efficientvit_{key}" in VARIANTS:  # "m4"
         key = f"efficientvit_{key}"
@@ -59,7 +60,7 @@ def create_model(
     Raises:
         ValueError: unknown name, or a dial combination that cannot work.
     """
-    info = VARIANTS[_resolve(name)]
+    info = VARIANTS[resolve_name(name)]
     cfg = info.cfg.with_dials(**dials) if dials else info.cfg
     model = EfficientViT(
         cfg,

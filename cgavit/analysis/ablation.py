@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..dials import _DIALS
-from ..factory import _resolve, create_model
+from ..dials import dial_flags
+from ..factory import resolve_name, create_model
 from ..variants import VARIANTS
 from ..weights import atomic_write
 
@@ -55,7 +55,7 @@ ARCH_FIELDS = ("embed_dim", "depth", "num_heads", "window_size", "kernels")
 # ------------------------------------------------------------------------------------ the ladder
 def _base_arch(model: str, overrides: dict) -> dict:
     """The base architecture fields (widths, depths, heads, windows, kernels) with overrides."""
-    cfg = VARIANTS[_resolve(model)].cfg.with_dials(**overrides)
+    cfg = VARIANTS[resolve_name(model)].cfg.with_dials(**overrides)
     return {f: tuple(getattr(cfg, f)) for f in ARCH_FIELDS}
 
 
@@ -144,7 +144,7 @@ def build_ladder(model_name: str, arch_overrides: dict, num_classes: int, img_si
 # ------------------------------------------------------------------------------------ measuring
 def dials_to_argv(dials: dict) -> list[str]:
     """The ``cgavit`` command-line spelling of ``dials`` (see :mod:`cgavit.dials`)."""
-    flags = {dest: flag for flag, dest, _, _ in _DIALS}
+    flags = dial_flags()
     argv = []
     for k, v in dials.items():
         if k not in flags:

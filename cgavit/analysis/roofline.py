@@ -231,11 +231,11 @@ def format_rows(rows: list[OpRow], peaks: dict[str, float], top: int = 20) -> st
 
 def build(name: str, img_size: int) -> nn.Module:
     """A fused cgavit variant, or a timm model (random weights) for any other name."""
-    from ..factory import _resolve, create_model
+    from ..factory import resolve_name, create_model
     from ..deploy import fuse
 
     try:
-        key = _resolve(name)
+        key = resolve_name(name)
     except ValueError:
         key = None
     if key is not None:

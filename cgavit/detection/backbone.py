@@ -21,7 +21,7 @@ from torch import nn
 from torchvision.ops import FeaturePyramidNetwork, FrozenBatchNorm2d
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock
 
-from ..factory import _resolve, create_model
+from ..factory import resolve_name, create_model
 from ..model import EfficientViT
 from ..variants import VARIANTS
 from ..weights import convert_state_dict, download_release, load_checkpoint, read_state_dict
@@ -82,13 +82,13 @@ def detection_body(
     Returns:
         An :class:`~cgavit.model.EfficientViT` with ``num_classes=0``.
     """
-    cfg = VARIANTS[_resolve(name)].cfg
+    cfg = VARIANTS[resolve_name(name)].cfg
     cfg = cfg.with_dials(**dials) if dials else cfg
     build_size = max(512, 64 * max(cfg.window_size))  # stage 3 is at stride 64: res >= window
     body = create_model(name, num_classes=0, img_size=build_size, **dials)
     if pretrained is not None:
         if isinstance(pretrained, str) and pretrained == "imagenet":
-            pretrained = download_release(VARIANTS[_resolve(name)].url)
+            pretrained = download_release(VARIANTS[resolve_name(name)].url)
         raw = dict(pretrained) if isinstance(pretrained, Mapping) else read_state_dict(pretrained, trust=trust)
         sd = {k: v for k, v in convert_state_dict(raw).items() if not k.startswith(("head.", "head_dist."))}
         report = load_checkpoint(body, sd)

@@ -294,7 +294,7 @@ def build_teacher(args: argparse.Namespace, num_classes: int, device: torch.devi
     ``--teacher-weights`` (read safely; nothing is downloaded)."""
     from pathlib import Path
 
-    from ..factory import _resolve
+    from ..factory import resolve_name
     from ..weights import load_checkpoint, read_state_dict
 
     if Path(args.teacher).is_file():
@@ -305,7 +305,7 @@ def build_teacher(args: argparse.Namespace, num_classes: int, device: torch.devi
         if not args.teacher_weights:
             raise ValueError(f"--teacher {args.teacher} needs --teacher-weights FILE (weights are never downloaded)")
         try:
-            name = _resolve(args.teacher)
+            name = resolve_name(args.teacher)
         except ValueError:
             name = None
         if name is not None:
