@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..dials import dial_flags
-from ..factory import resolve_name, create_model
+from ..dials import dials_to_argv
+from ..factory import create_model, resolve_name
 from ..variants import VARIANTS
 from ..weights import atomic_write
 
@@ -142,23 +142,6 @@ def build_ladder(model_name: str, arch_overrides: dict, num_classes: int, img_si
 
 
 # ------------------------------------------------------------------------------------ measuring
-def dials_to_argv(dials: dict) -> list[str]:
-    """The ``cgavit`` command-line spelling of ``dials`` (see :mod:`cgavit.dials`)."""
-    flags = dial_flags()
-    argv = []
-    for k, v in dials.items():
-        if k not in flags:
-            raise ValueError(f"dial {k!r} has no command-line flag")
-        if isinstance(v, bool):
-            text = "on" if v else "off"
-        elif isinstance(v, (tuple, list)):
-            text = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
-        else:
-            text = f"{v:g}" if isinstance(v, float) else str(v)
-        argv += [flags[k], text]
-    return argv
-
-
 @torch.no_grad()
 def measure_throughput(models: dict[str, torch.nn.Module], img_size: int, batch: int = 16, rounds: int = 5, seconds: float = 1.0) -> dict[str, dict]:
     """CPU images/s of each model, fused (BatchNorm folded) and traced, one thread, fp32.
