@@ -424,7 +424,7 @@ def plot(results: list[Result], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from .weights import atomic_write
+    from .io import atomic_write
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     colors = {"ours": "tab:red", "timm-port": "tab:gray", "peer": "tab:blue"}
@@ -527,7 +527,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"training (forward+backward, batch {r['batch']}, train mode): {r['model']} cgavit "
                   f"{r['cgavit_ips']:.1f} img/s, timm {r['timm_ips']:.1f} img/s, ratio {r['ratio']:.2f}")
     if args.out and results:
-        from .weights import atomic_write
+        from .io import atomic_write
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -238,7 +238,7 @@ def export_onnx(
     """
     import warnings
 
-    from .weights import atomic_write
+    from .io import atomic_write
 
     path = Path(path)
     if not path.parent.exists():
@@ -293,7 +293,7 @@ def quantize_onnx(
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from .weights import atomic_write
+    from .io import atomic_write
 
     class Reader(CalibrationDataReader):
         def __init__(self, batches):
@@ -320,7 +320,7 @@ def quantize_onnx(
 
 # ------------------------------------------------------------------------------------------ CLI
 def _export(args: argparse.Namespace) -> int:
-    from .dials import dials_from_args
+    from .cli.common import dials_from_args
     from .factory import create_model
     from .testing import rel_err
 
@@ -347,7 +347,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .dials import add_dial_args
+    from .cli.common import add_dial_args
 
     p = sub.add_parser(
         "export",

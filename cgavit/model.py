@@ -93,7 +93,7 @@ class Stage(nn.Module):
         return self.blocks(self.downsample(x))
 
 
-def _stage_resolution(size: int, stage: int) -> int:
+def stage_resolution(size: int, stage: int) -> int:
     """Feature-map side after the patch embedding and ``stage`` stride-2 subsamples."""
     r = size
     for _ in range(4):  # four 3x3 stride-2 convs, padding 1
@@ -158,7 +158,7 @@ class EfficientViT(nn.Module):
         rates = [drop_path_rate * i / max(total_blocks - 1, 1) for i in range(total_blocks)]
         stages, self.feature_info = [], []
         for i in range(3):
-            res = min(_stage_resolution(s, i) for s in img_hw)
+            res = min(stage_resolution(s, i) for s in img_hw)
             window = min(cfg.window_size[i], res)
             stages.append(
                 Stage(

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field, replace
 
 from .attention import check_attention_dims
 
+#: ImageNet normalisation, the same numbers as ``timm.data.IMAGENET_DEFAULT_MEAN/STD`` (a test checks);
+#: kept here so the model core depends on torch alone.
+IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
+
 RELEASE_URL = "https://github.com/xinyuliu-jeffrey/EfficientViT_Model_Zoo/releases/download/v1.0/{name}.pth"
 
 
@@ -117,6 +122,32 @@ class VariantInfo:
     top5: float
     v100_img_s: int  # V100, batch 2048, AMP
     url: str = field(default="")
+
+
+def pretrained_cfg(name: str, num_classes: int = 1000, img_size: tuple[int, int] = (224, 224), in_chans: int = 3) -> dict:
+    """timm-style ``pretrained_cfg`` of a model: how its weights expect to be fed.
+
+    The keys are timm's, so ``timm.data.resolve_data_config({}, model=m)`` and ``create_transform``
+    give this package's preprocessing: bicubic resize to ``img_size / crop_pct``, centre crop,
+    ImageNet mean/std (the official evaluation uses crop_pct 0.875).
+    """
+    info = VARIANTS.get(name)
+    return dict(
+        url=info.url if info else "",
+        architecture=name,
+        tag="r224_in1k" if info else "",
+        input_size=(in_chans, *img_size),
+        fixed_input_size=False,
+        interpolation="bicubic",
+        crop_pct=0.875,
+        crop_mode="center",
+        mean=IMAGENET_DEFAULT_MEAN,
+        std=IMAGENET_DEFAULT_STD,
+        num_classes=num_classes,
+        first_conv="patch_embed.conv1.conv",
+        classifier="head.linear",
+        license="mit",
+    )
 
 
 def _variant(name, embed_dim, depth, num_heads, kernels, params, macs, top1, top5, v100) -> VariantInfo:

@@ -7,18 +7,22 @@ checks every key and shape against the model before copying anything into it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .io import atomic_write
+from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, EfficientViTConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,11 @@ _WRAPPER_KEYS = ("model_ema", "state_dict_ema", "model", "state_dict", "module")
 
 class CheckpointError(ValueError):
     """A file that is not a usable checkpoint for the model at hand."""
+
+
+class _OptionsRecord(SimpleNamespace):
+    """Stands in for the ``argparse.Namespace`` of options that DeiT-style training checkpoints
+    (the official code's among them) pickle beside the weights: read as plain data, never run."""
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -53,7 +62,7 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False, prefer_ema: bo
         except Exception as err:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {err}") from None
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([(_OptionsRecord, "argparse.Namespace")]):
             obj = torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as err:
         text = str(err)
@@ -136,6 +145,18 @@ def convert_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             key = _rename_parts(key)
         elif fmt == "timm":
             key = _rename_parts(key)
+        out[key] = value
+    return out
+
+
+def to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This package's names to timm's ``efficientvit_msra`` names: the inverse of
+    :func:`convert_state_dict` on a timm file (only the sandwich parts are named differently)."""
+    theirs = {ours: name for name, ours in _BLOCK_PARTS.items()}
+    out = {}
+    for key, value in sd.items():
+        for ours, name in theirs.items():
+            key = key.replace(f".{ours}.", f".{name}.")
         out[key] = value
     return out
 
@@ -227,32 +248,15 @@ def load_checkpoint(
 
 
 # ------------------------------------------------------------------------------------------- saving
-def atomic_write(path: str | os.PathLike, write) -> Path:
-    """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves a partial file there."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file open()'s usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def save_weights(model: nn.Module, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+def save_weights(
+    model: nn.Module, path: str | os.PathLike, metadata: "WeightsMeta | Mapping[str, str] | None" = None
+) -> Path:
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
-    The model's config and class count go into the metadata, so :func:`read_metadata` can rebuild it.
+    The model's config and class count always go into the metadata; a :class:`WeightsMeta` adds
+    the preprocessing and class names that :func:`read_weights_meta` gives back. A plain mapping of
+    strings is stored as given, for notes of your own.
     """
-    from dataclasses import asdict
-
     from safetensors.torch import save_file
 
     meta = {"format": "cgavit"}
@@ -260,20 +264,235 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: Mapping[st
     if cfg is not None:
         meta["config"] = json.dumps(asdict(cfg))
         meta["num_classes"] = str(getattr(model, "num_classes", ""))
-    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    if isinstance(metadata, WeightsMeta):
+        meta.update(metadata.to_strings())
+    else:
+        meta.update({k: str(v) for k, v in (metadata or {}).items()})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """Metadata of a cgavit safetensors file ({} for other files)."""
+    """The raw string metadata of a safetensors file ({} for other files)."""
     path = Path(path)
     if not path.is_file() or not _is_safetensors(path):
         return {}
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {err}") from None
+
+
+# ------------------------------------------------------------------------------------ metadata
+#: Bounds on what a file's metadata may ask for, checked before anything is allocated.
+MAX_CLASSES = 100_000
+IMG_SIZE_RANGE = (32, 4096)
+CROP_PCT_RANGE = (0.2, 1.0)
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
+_CONFIG_BOUNDS = {  # field -> largest value per entry
+    "embed_dim": 2048, "depth": 32, "num_heads": 64, "window_size": 64, "kernels": 31, "key_dim": 512,
+}
+
+
+@dataclass(frozen=True)
+class WeightsMeta:
+    """What a weights file records beside its tensors, so it can be rebuilt and fed correctly.
+
+    Written by :func:`save_weights`, read and validated by :func:`read_weights_meta`.
+
+    Args:
+        model: registered variant name the network was built from (e.g. ``efficientvit_m0``).
+        config: the full architecture, dials included.
+        num_classes: classifier outputs.
+        img_size: the training / evaluation image size (pixels).
+        crop_pct: evaluation centre-crop fraction.
+        interpolation: resize interpolation.
+        mean, std: input normalisation.
+        class_names: one name per class, or None.
+        distillation: the network has a distillation head.
+        extra: further notes, e.g. ``{"epoch": "14", "val_top1": "97.8"}``.
+    """
+
+    model: str | None
+    config: EfficientViTConfig
+    num_classes: int
+    img_size: int = 224
+    crop_pct: float = 0.875
+    interpolation: str = "bicubic"
+    mean: tuple[float, ...] = IMAGENET_DEFAULT_MEAN
+    std: tuple[float, ...] = IMAGENET_DEFAULT_STD
+    class_names: tuple[str, ...] | None = None
+    distillation: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def to_strings(self) -> dict[str, str]:
+        """The safetensors metadata (string to string) for this record."""
+        out = {
+            "format": "cgavit",
+            "config": json.dumps(asdict(self.config)),
+            "num_classes": str(self.num_classes),
+            "img_size": str(self.img_size),
+            "crop_pct": str(self.crop_pct),
+            "interpolation": self.interpolation,
+            "mean": json.dumps(list(self.mean)),
+            "std": json.dumps(list(self.std)),
+            "distillation": str(bool(self.distillation)),
+        }
+        if self.model:
+            out["model"] = self.model
+        if self.class_names is not None:
+            out["class_names"] = json.dumps(list(self.class_names))
+        out.update({str(k): str(v) for k, v in self.extra.items()})
+        return out
+
+    def dials(self) -> dict:
+        """The config as keyword arguments for :func:`cgavit.create_model`."""
+        return {f.name: getattr(self.config, f.name) for f in fields(self.config)}
+
+
+_KNOWN_KEYS = {"format", "config", "dials", "model", "num_classes", "img_size", "crop_pct", "interpolation",
+               "mean", "std", "class_names", "distillation"}
+
+
+def read_weights_meta(path: str | os.PathLike) -> WeightsMeta | None:
+    """The validated :class:`WeightsMeta` of a cgavit safetensors file; None for any other file.
+
+    Every field is checked for type and bounds, and the architecture against the file's tensor
+    shapes, before anything is built from it.
+
+    Raises:
+        CheckpointError: metadata that is malformed, out of bounds, or disagrees with the tensors.
+    """
+    raw = read_metadata(path)
+    if raw.get("format") != "cgavit" or not ("config" in raw or "model" in raw):
+        return None
+    try:
+        meta = _parse_meta(raw)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{path}: bad metadata: {err}") from None
+    _check_meta_against_tensors(meta, path)
+    return meta
+
+
+def _json(raw: dict, key: str, default=None):
+    if key not in raw:
+        return default
+    try:
+        return json.loads(raw[key])
+    except json.JSONDecodeError:
+        raise ValueError(f"{key!r} is not valid JSON: {raw[key][:80]!r}") from None
+
+
+def _bounded_int(value, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {v}")
+    return v
+
+
+def _floats(value, name: str, n: int, lo: float, hi: float) -> tuple[float, ...]:
+    if not isinstance(value, list) or len(value) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{name} must be a list of {n} numbers, got {value!r}")
+    if not all(math.isfinite(v) and lo <= v <= hi for v in value):
+        raise ValueError(f"{name} values must be in [{lo}, {hi}], got {value}")
+    return tuple(float(v) for v in value)
+
+
+def _parse_config(raw: dict) -> EfficientViTConfig:
+    from .variants import VARIANTS
+
+    names = {f.name for f in fields(EfficientViTConfig)}
+    if "config" in raw:
+        cfg = _json(raw, "config")
+        if not isinstance(cfg, dict):
+            raise ValueError("'config' must be a JSON object")
+        unknown = set(cfg) - names
+        if unknown:
+            raise ValueError(f"'config' has unknown keys {sorted(unknown)}; allowed: {sorted(names)}")
+        base = None
+    else:  # the older training layout: a variant name plus the dials that changed it
+        cfg = _json(raw, "dials", {})
+        if not isinstance(cfg, dict):
+            raise ValueError("'dials' must be a JSON object")
+        unknown = set(cfg) - names
+        if unknown:
+            raise ValueError(f"'dials' has unknown keys {sorted(unknown)}; allowed: {sorted(names)}")
+        model = raw.get("model", "")
+        key = model if model in VARIANTS else f"efficientvit_{model}"
+        if key not in VARIANTS:
+            raise ValueError(f"unknown model {model!r}")
+        base = VARIANTS[key].cfg
+    for key, hi in _CONFIG_BOUNDS.items():
+        vals = cfg.get(key)
+        if vals is None:
+            continue
+        vals = vals if isinstance(vals, list) else [vals]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= hi for v in vals):
+            raise ValueError(f"config {key} must be integers in 1..{hi}, got {cfg[key]!r}")
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}
+    if base is not None:
+        return base.with_dials(**cfg) if cfg else base
+    missing = {"embed_dim", "depth", "num_heads"} - set(cfg)
+    if missing:
+        raise ValueError(f"'config' lacks {sorted(missing)}")
+    defaults = EfficientViTConfig(cfg["embed_dim"], cfg["depth"], cfg["num_heads"])
+    return defaults.with_dials(**{k: v for k, v in cfg.items() if k not in ("embed_dim", "depth", "num_heads")})
+
+
+def _parse_meta(raw: dict) -> WeightsMeta:
+    config = _parse_config(raw)
+    names = _json(raw, "class_names")
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise ValueError("'class_names' must be a list of strings")
+    num_classes = _bounded_int(raw.get("num_classes") or (len(names) if names else 1000), "num_classes", 0, MAX_CLASSES)
+    if names is not None and len(names) != num_classes:
+        raise ValueError(f"{len(names)} class names for {num_classes} classes")
+    img = raw.get("img_size", "224")
+    img_size = _bounded_int(img, "img_size", *IMG_SIZE_RANGE)
+    try:
+        crop_pct = float(raw.get("crop_pct", 0.875))
+    except ValueError:
+        raise ValueError(f"crop_pct must be a number, got {raw.get('crop_pct')!r}") from None
+    if not (math.isfinite(crop_pct) and CROP_PCT_RANGE[0] <= crop_pct <= CROP_PCT_RANGE[1]):
+        raise ValueError(f"crop_pct must be in [{CROP_PCT_RANGE[0]}, {CROP_PCT_RANGE[1]}], got {crop_pct}")
+    interpolation = raw.get("interpolation", "bicubic")
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+    mean = _floats(_json(raw, "mean", list(IMAGENET_DEFAULT_MEAN)), "mean", 3, 0.0, 1.0)
+    std = _floats(_json(raw, "std", list(IMAGENET_DEFAULT_STD)), "std", 3, 1e-3, 10.0)
+    distillation = raw.get("distillation", "False")
+    if distillation not in ("True", "False"):
+        raise ValueError(f"distillation must be True or False, got {distillation!r}")
+    extra = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
+    return WeightsMeta(
+        model=raw.get("model") or None, config=config, num_classes=num_classes, img_size=img_size,
+        crop_pct=crop_pct, interpolation=interpolation, mean=mean, std=std,
+        class_names=tuple(names) if names is not None else None, distillation=distillation == "True", extra=extra,
+    )
+
+
+def _check_meta_against_tensors(meta: WeightsMeta, path) -> None:
+    """The recorded architecture must match the stored tensor shapes (read from the header only)."""
+    from safetensors import safe_open
+
+    c = meta.config
+    expect = {
+        "patch_embed.conv4.conv.weight": lambda s: s[0] == c.embed_dim[0],
+        "head.linear.weight": lambda s: tuple(s) == (meta.num_classes, c.embed_dim[-1]),
+    }
     with safe_open(str(path), "pt") as f:
-        return dict(f.metadata() or {})
+        keys = set(f.keys())
+        for key, ok in expect.items():
+            if key in keys and not ok(f.get_slice(key).get_shape()):
+                raise CheckpointError(
+                    f"{path}: the metadata (num_classes={meta.num_classes}, embed_dim={list(c.embed_dim)}) "
+                    f"disagrees with the tensor {key!r} of shape {f.get_slice(key).get_shape()}; the file is damaged"
+                )
 
 
 # ----------------------------------------------------------------------------------------- download

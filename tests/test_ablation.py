@@ -9,7 +9,7 @@ import cgavit.train
 from cgavit import create_model
 from cgavit.analysis.ablation import RUNGS, build_ladder, rung_dials
 from cgavit.cli import main
-from cgavit.dials import add_dial_args, dials_from_args, dials_to_argv
+from cgavit.cli.common import add_dial_args, dials_from_args, dials_to_argv
 
 ARCH = dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2), depth=(1, 1, 1), window_size=(7, 7, 7), kernels=(5, 5, 5, 5))
 

@@ -6,7 +6,7 @@ from torch import nn
 
 import cgavit
 from cgavit.info import count_macs
-from cgavit.model import _stage_resolution
+from cgavit.model import stage_resolution
 from cgavit.testing import randomize_
 
 ALL = cgavit.list_models()
@@ -133,7 +133,7 @@ def test_any_input_size_features_and_strides(build):
         for h, w in SIZES:
             maps = model.forward_intermediates(torch.randn(1, 3, h, w))
             for i, (m, info) in enumerate(zip(maps, model.feature_info)):
-                assert m.shape == (1, info["num_chs"], _stage_resolution(h, i), _stage_resolution(w, i))
+                assert m.shape == (1, info["num_chs"], stage_resolution(h, i), stage_resolution(w, i))
                 assert torch.isfinite(m).all()
             assert model(torch.randn(1, 3, h, w)).shape == (1, 1000)
 

@@ -210,7 +210,7 @@ def test_timm_state_dict_file_at_another_window_resizes_bias(tmp_path):
 def test_atomic_write_keeps_the_usual_file_mode(tmp_path):
     import os
 
-    from cgavit.weights import atomic_write
+    from cgavit.io import atomic_write
 
     path = atomic_write(tmp_path / "f.txt", lambda tmp: open(tmp, "w").write("x"))
     umask = os.umask(0)

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from ..dials import dials_to_argv
+from ..cli.common import dials_to_argv
 from ..factory import create_model, resolve_name
 from ..variants import VARIANTS
-from ..weights import atomic_write
+from ..io import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..dials import add_dial_args, dials_from_args
+from ..cli.common import add_dial_args, dials_from_args
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _header(args, model, img_size, n) -> dict:
 
 
 def _run_heads(args: argparse.Namespace) -> int:
-    from ..weights import atomic_write
+    from ..io import atomic_write
     from .heads import head_similarity, mean_similarity, plot_similarity
 
     model, img_size, batches, _, _ = _prepare(args)
@@ -115,7 +115,7 @@ def _run_heads(args: argparse.Namespace) -> int:
 
 
 def _run_taylor(args: argparse.Namespace) -> int:
-    from ..weights import atomic_write
+    from ..io import atomic_write
     from .taylor import kept_fraction, plot_importance, taylor_importance
 
     model, img_size, batches, y, classes = _prepare(args)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..weights import atomic_write
+from ..io import atomic_write
 
 
 def _plt():

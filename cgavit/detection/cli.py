@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..dials import add_dial_args, dials_from_args
+from ..cli.common import add_dial_args, dials_from_args
 
 log = logging.getLogger(__name__)
 

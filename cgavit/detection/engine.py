@@ -33,7 +33,8 @@ from tqdm import tqdm
 from ..train.distributed import DistEnv, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
-from ..weights import CheckpointError, atomic_write
+from ..io import atomic_write
+from ..weights import CheckpointError
 from .data import CocoDetection, check_coco, collate, train_transform
 from .models import KINDS, build_detector
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..attention import CascadedGroupAttention, LocalWindowAttention
 from ..factory import create_model
-from ..model import EfficientViT, _stage_resolution
+from ..model import EfficientViT, stage_resolution
 from ..testing import randomize_
 from ..variants import EfficientViTConfig
 
@@ -234,7 +234,7 @@ class ImageAttention:
         """The model description and one entry per block (stage, width, heads, window, map size)."""
         rows = []
         for k, (i, j, lwa) in enumerate(self._blocks):
-            h, w = (_stage_resolution(s, i) for s in self.img_size)
+            h, w = (stage_resolution(s, i) for s in self.img_size)
             rows.append(
                 dict(
                     index=k,

@@ -282,7 +282,7 @@ def make_server(host: str = "127.0.0.1", port: int = 0, images: ImageAttention |
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..dials import dials_from_args
+    from ..cli.common import dials_from_args
     from .compute import build_model
 
     if not 0 <= args.port <= 65535:
@@ -309,7 +309,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..dials import add_dial_args
+    from ..cli.common import add_dial_args
 
     p = sub.add_parser(
         "explore",

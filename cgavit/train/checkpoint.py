@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..weights import CheckpointError, atomic_write
+from ..io import atomic_write
+from ..weights import CheckpointError
 
 log = logging.getLogger(__name__)
 

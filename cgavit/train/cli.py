@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..dials import add_dial_args, dials_from_args
+from ..cli.common import add_dial_args, dials_from_args
 
 
 def _train(args: argparse.Namespace) -> int:

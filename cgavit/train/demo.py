@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..weights import atomic_write
+from ..io import atomic_write
 
 log = logging.getLogger(__name__)
 

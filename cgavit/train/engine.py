@@ -446,7 +446,7 @@ def _forced_stop(args, state: _State) -> bool:
 def _weights_metadata(args, classes: list[str], epoch: int, val: dict | None) -> dict:
     import json
 
-    from ..dials import dials_from_args
+    from ..cli.common import dials_from_args
 
     meta = {
         "model": args.model,

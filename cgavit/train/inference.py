@@ -123,7 +123,7 @@ def _from_training(path: Path, ck: dict, model_name: str | None, use_ema: bool, 
         log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, args["model"])
     from argparse import Namespace
 
-    from ..dials import dials_from_args
+    from ..cli.common import dials_from_args
 
     classes = list(ck.get("classes") or [])
     model = create_model(

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dials import add_dial_args, dials_from_args
+from ..cli.common import add_dial_args, dials_from_args
 
 log = logging.getLogger(__name__)
 

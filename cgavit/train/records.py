@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..weights import atomic_write
+from ..io import atomic_write
 
 log = logging.getLogger(__name__)
 

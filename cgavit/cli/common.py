@@ -77,3 +77,19 @@ def dials_to_argv(dials: dict) -> list[str]:
             text = f"{v:g}" if isinstance(v, float) else str(v)
         argv += [flags[k], text]
     return argv
+
+
+#: Image sizes the commands accept unless a command says otherwise (pixels per side).
+MIN_IMG_SIZE, MAX_IMG_SIZE = 32, 4096
+
+
+def image_size(values: int | list[int] | tuple[int, ...], flag: str = "--img-size") -> tuple[int, int]:
+    """``N`` or ``H W`` from the command line as ``(H, W)``, each within 32..4096 pixels."""
+    vals = [values] if isinstance(values, int) else list(values)
+    if len(vals) not in (1, 2):
+        raise ValueError(f"{flag} takes N or H W, got {len(vals)} values")
+    hw = (vals[0], vals[0]) if len(vals) == 1 else (vals[0], vals[1])
+    for v in hw:
+        if not MIN_IMG_SIZE <= v <= MAX_IMG_SIZE:
+            raise ValueError(f"{flag} must be between {MIN_IMG_SIZE} and {MAX_IMG_SIZE} pixels, got {v}")
+    return hw

@@ -1,0 +1,93 @@
+"""File writing that never leaves a half-written file where a good one was.
+
+Every file the package writes (weights, training checkpoints, records, plots, exports) goes through
+:func:`atomic_write`: the content is written to a temporary file in the destination folder and then
+renamed over the destination, so a crash, a full disk or ``kill -9`` leaves either the old file or
+the new one, never a torn one. A crash can leave the temporary file behind (``.NAME.*.tmp``);
+:func:`remove_stale_temporaries` clears those at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+TMP_SUFFIX = ".tmp"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """Call ``write(tmp_path)`` then rename the result onto ``path``; returns ``path``.
+
+    The parent folder is created if needed. The file gets the mode ``open()`` would give it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file open()'s usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_json(path: str | os.PathLike, obj, indent: int | None = 1) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically."""
+    return write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def save_torch(path: str | os.PathLike, obj) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically."""
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a JSON-lines file ([] when it does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
+    """Write ``rows`` as JSON lines, atomically."""
+    return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def append_jsonl(path: str | os.PathLike, row: dict) -> Path:
+    """Append one JSON line; the file is rewritten atomically, so a crash never leaves half a line."""
+    path = Path(path)
+    old = path.read_text() if path.is_file() else ""
+    return write_text(path, old + json.dumps(row) + "\n")
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete temporary files that an interrupted :func:`atomic_write` left in ``folder``.
+
+    Only call this on a folder no other process is writing into (e.g. under a run lock).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    gone = []
+    for p in folder.glob(f".*{TMP_SUFFIX}"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
