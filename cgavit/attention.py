@@ -7,6 +7,7 @@ queries and keys are ``(B, key_dim, N)`` with ``N = h * w`` tokens.
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -64,8 +65,70 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-class CascadedGroupAttention(nn.Module):
-    """Cascaded group attention over one window of tokens.
+class CascadedHeads(nn.Module, ABC):
+    """The per-head loop shared by :class:`CascadedGroupAttention` and its inference form.
+
+    Head ``j`` reads its own slice of the channels (``group_split``), plus the output of head
+    ``j-1`` (``cascade``); projects it with ``qkvs[j]`` to a query and key of ``key_dim`` and a value
+    of ``value_dim``; refines the query with ``dws[j]``; attends with the relative-position bias of
+    :meth:`attention_bias`; the concatenated head outputs go through ``proj`` (ReLU, 1x1 conv).
+    Subclasses provide the modules and :meth:`attention_bias`.
+    """
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    window: int
+    cascade: bool
+    group_split: bool
+    scale: float
+    qkvs: nn.ModuleList
+    dws: nn.ModuleList
+    proj: nn.Sequential
+
+    @abstractmethod
+    def attention_bias(self, h: int, w: int) -> torch.Tensor:
+        """The ``(heads, h*w, h*w)`` bias for an ``h x w`` window (``h, w <= self.window``); each
+        subclass stores its biases in its own form."""
+
+    def _run_heads(self, x: torch.Tensor, maps: list[torch.Tensor] | None) -> torch.Tensor:
+        B, C, H, W = x.shape
+        bias = self.attention_bias(H, W)  # (heads, N, N)
+        groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
+        outs = []
+        feat = groups[0]
+        for i, qkv in enumerate(self.qkvs):
+            if i > 0:
+                feat = feat + groups[i] if self.cascade else groups[i]
+            feat = qkv(feat)  # (B, 2*kd + vd, H, W)
+            q, k, v = feat.view(B, -1, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
+            q = self.dws[i](q)
+            if q.requires_grad:
+                q = _ContiguousGrad.apply(q)
+            q, k, v = q.flatten(2), k.flatten(2), v.flatten(2)  # (B, kd|vd, N)
+            attn = (q.transpose(-2, -1) @ k) * self.scale + bias[i]  # (B, N, N)
+            attn = attn.softmax(dim=-1)
+            if maps is not None:
+                maps.append(attn)
+            feat = (v @ attn.transpose(-2, -1)).view(B, self.value_dim, H, W)
+            outs.append(feat)
+        return self.proj(torch.cat(outs, 1))  # (B, C, H, W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run_heads(x, None)
+
+    def head_attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each head's softmax attention for ``x`` ``(B, C, H, W)``: ``num_heads`` x ``(B, N, N)``.
+
+        The same arithmetic as :meth:`forward` (used by the head-similarity analysis).
+        """
+        maps: list[torch.Tensor] = []
+        self._run_heads(x, maps)
+        return maps
+
+
+class CascadedGroupAttention(CascadedHeads):
+    """Cascaded group attention over one window of tokens (the trainable form).
 
     Head ``j`` reads its own slice of the channels (``group_split``), plus the output of head
     ``j-1`` (``cascade``); projects it with one 1x1 Conv-BN to a query and key of ``key_dim`` and a
@@ -132,67 +195,47 @@ class CascadedGroupAttention(nn.Module):
             idx = relative_bias_index(h, w, self.window, self.attention_biases.device)
         return self.attention_biases[:, idx]
 
-    def _run_heads(self, x: torch.Tensor, maps: list[torch.Tensor] | None) -> torch.Tensor:
-        B, C, H, W = x.shape
-        bias = self.attention_bias(H, W)  # (heads, N, N)
-        groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
-        outs = []
-        feat = groups[0]
-        for i, qkv in enumerate(self.qkvs):
-            if i > 0:
-                feat = feat + groups[i] if self.cascade else groups[i]
-            feat = qkv(feat)  # (B, 2*kd + vd, H, W)
-            q, k, v = feat.view(B, -1, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
-            q = self.dws[i](q)
-            if q.requires_grad:
-                q = _ContiguousGrad.apply(q)
-            q, k, v = q.flatten(2), k.flatten(2), v.flatten(2)  # (B, kd|vd, N)
-            attn = (q.transpose(-2, -1) @ k) * self.scale + bias[i]  # (B, N, N)
-            attn = attn.softmax(dim=-1)
-            if maps is not None:
-                maps.append(attn)
-            feat = (v @ attn.transpose(-2, -1)).view(B, self.value_dim, H, W)
-            outs.append(feat)
-        return self.proj(torch.cat(outs, 1))  # (B, C, H, W)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run_heads(x, None)
-
     @torch.no_grad()
     def fuse(self) -> "FusedCascadedGroupAttention":
         """Inference copy: every Conv-BN folded to a Conv2d, the bias gathered once into a buffer."""
-        fused = copy.deepcopy(self)
-        fused.__class__ = FusedCascadedGroupAttention
-        fused.qkvs = nn.ModuleList(m.fuse() for m in self.qkvs)
-        fused.dws = nn.ModuleList(m.fuse() for m in self.dws)
-        fused.proj = nn.Sequential(nn.ReLU(), self.proj[1].fuse())
-        full = self.attention_biases[:, self.attention_bias_idxs].detach().clone()  # (heads, N, N)
-        del fused.attention_biases
-        fused.register_buffer("bias_full", full)
-        return fused
-
-    def head_attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each head's softmax attention for ``x`` ``(B, C, H, W)``: ``num_heads`` x ``(B, N, N)``.
-
-        The same arithmetic as :meth:`forward` (used by the head-similarity analysis).
-        """
-        maps: list[torch.Tensor] = []
-        self._run_heads(x, maps)
-        return maps
+        return FusedCascadedGroupAttention(self)
 
 
-class FusedCascadedGroupAttention(CascadedGroupAttention):
-    """Inference form of :class:`CascadedGroupAttention` made by its ``fuse()``.
+class FusedCascadedGroupAttention(CascadedHeads):
+    """Inference form of :class:`CascadedGroupAttention`, built by its ``fuse()``.
 
-    Holds the window's bias expanded to ``bias_full`` ``(heads, N, N)``, so no lookup runs per call.
+    Every Conv-BN is one biased ``nn.Conv2d`` and the window's bias is expanded once into
+    ``bias_full`` ``(heads, window**2, window**2)``, so no lookup runs per call. The source module is
+    not modified.
+
+    Args:
+        attn: the trained attention to fold (eval-mode statistics are used).
     """
 
     bias_full: torch.Tensor
 
+    @torch.no_grad()
+    def __init__(self, attn: CascadedGroupAttention) -> None:
+        super().__init__()
+        for name in ("dim", "num_heads", "key_dim", "value_dim", "window", "cascade", "group_split", "scale"):
+            setattr(self, name, getattr(attn, name))
+        self.qkvs = nn.ModuleList(m.fuse() for m in attn.qkvs)
+        self.dws = nn.ModuleList(m.fuse() for m in attn.dws)
+        self.proj = nn.Sequential(nn.ReLU(), attn.proj[1].fuse())
+        full = attn.attention_biases[:, attn.attention_bias_idxs].detach().clone()  # (heads, N, N)
+        self.register_buffer("bias_full", full)
+
     def attention_bias(self, h: int, w: int) -> torch.Tensor:
         return window_bias(self.bias_full, self.window, h, w)
 
+    @torch.no_grad()
+    def set_bias_table(self, table: torch.Tensor) -> None:
+        """Replace the bias with the one a ``(heads, window**2)`` offset table gives."""
+        idx = relative_bias_index(self.window, self.window, self.window, self.bias_full.device)
+        self.bias_full.copy_(table.to(self.bias_full)[:, idx])
+
     def fuse(self) -> "FusedCascadedGroupAttention":
+        """Already fused: a copy."""
         return copy.deepcopy(self)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .model import EfficientViT
 from .variants import VARIANTS
+from .weights import download_release, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def create_model(
     Raises:
         ValueError: unknown name, or a dial combination that cannot work.
     """
-    info = VARIANTS[resolve_name(name)]
+    key = resolve_name(name)
+    info = VARIANTS[key]
     cfg = info.cfg.with_dials(**dials) if dials else info.cfg
     model = EfficientViT(
         cfg,
@@ -69,12 +71,11 @@ def create_model(
         img_size=img_size,
         distillation=distillation,
         drop_path_rate=drop_path_rate,
+        name=key,
     )
     if pretrained and checkpoint_path is not None:
         raise ValueError("give either pretrained=True or checkpoint_path, not both")
     if pretrained or checkpoint_path is not None:
-        from .weights import download_release, load_checkpoint
-
         if pretrained:
             if dials:
                 log.warning("loading published weights into a model with changed dials %s", sorted(dials))

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import LocalWindowAttention
 from .layers import FFN, BNLinear, ConvBN, PatchMerging, Residual
-from .variants import EfficientViTConfig
+from .variants import EfficientViTConfig, pretrained_cfg
 
 PATCH_SIZE = 16
 MIN_INPUT_SIZE = 32
@@ -88,9 +91,37 @@ class Stage(nn.Module):
                 for i in range(depth)
             ]
         )
+        self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.downsample(x))
+        if not (self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
+            return self.blocks(self.downsample(x))
+        for part in (self.downsample, *self.blocks):
+            # keep only this part's input; recompute its inside during backward
+            x = checkpoint(part, x, use_reentrant=False, context_fn=lambda p=part: (_nothing(), _bn_stats_frozen(p)))
+        return x
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _bn_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """While a checkpointed part is recomputed for backward, its BatchNorms must not count the batch
+    a second time: momentum 0 leaves the running statistics as the forward pass left them."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
 
 
 def stage_resolution(size: int, stage: int) -> int:
@@ -101,6 +132,59 @@ def stage_resolution(size: int, stage: int) -> int:
     for _ in range(stage):
         r = (r - 1) // 2 + 1
     return r
+
+
+def _check_build_args(
+    cfg: EfficientViTConfig, num_classes: int, in_chans: int, img_size, drop_path_rate: float
+) -> tuple[int, int]:
+    """Raise ``ValueError`` for arguments the network cannot be built with; returns ``(H, W)``."""
+    cfg.validate()
+    if num_classes < 0:
+        raise ValueError(f"num_classes must be >= 0, got {num_classes}")
+    if in_chans < 1:
+        raise ValueError(f"in_chans must be >= 1, got {in_chans}")
+    if not 0.0 <= drop_path_rate < 1.0:
+        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+    img_hw = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+    if len(img_hw) != 2 or min(img_hw) < MIN_INPUT_SIZE:
+        raise ValueError(f"img_size must be an int or (H, W) of at least {MIN_INPUT_SIZE}, got {img_size}")
+    return img_hw
+
+
+def _patch_embed(in_chans: int, dim: int) -> nn.Sequential:
+    """Four 3x3 stride-2 Conv-BN (C/8, C/4, C/2, C) with ReLU between: 16x down."""
+    return nn.Sequential(
+        OrderedDict(
+            conv1=ConvBN(in_chans, dim // 8, 3, 2, 1),
+            relu1=nn.ReLU(),
+            conv2=ConvBN(dim // 8, dim // 4, 3, 2, 1),
+            relu2=nn.ReLU(),
+            conv3=ConvBN(dim // 4, dim // 2, 3, 2, 1),
+            relu3=nn.ReLU(),
+            conv4=ConvBN(dim // 2, dim, 3, 2, 1),
+        )
+    )
+
+
+def _stage(cfg: EfficientViTConfig, i: int, img_hw: tuple[int, int], drop_paths: list[float]) -> Stage:
+    """Stage ``i`` with the official window ``min(window_size, stage resolution)``."""
+    res = min(stage_resolution(s, i) for s in img_hw)
+    return Stage(
+        in_dim=cfg.embed_dim[max(i - 1, 0)],
+        dim=cfg.embed_dim[i],
+        depth=cfg.depth[i],
+        window=min(cfg.window_size[i], res),
+        downsample=i > 0,
+        ffn_ratio=cfg.ffn_ratio,
+        drop_paths=drop_paths,
+        ffn_per_side=cfg.ffn_per_side,
+        key_dim=cfg.key_dim[i],
+        num_heads=cfg.num_heads[i],
+        value_dim=cfg.value_dim(i),
+        kernels=cfg.kernels,
+        cascade=cfg.cascade,
+        group_split=cfg.group_split,
+    )
 
 
 class EfficientViT(nn.Module):
@@ -115,6 +199,12 @@ class EfficientViT(nn.Module):
             Any other size >= 32 px also runs. Default 224.
         distillation: add a DeiT-style distillation head (outputs averaged in eval mode).
         drop_path_rate: stochastic depth, rising linearly over the sandwich blocks. Default 0.
+        name: the registered variant it was built from (recorded in ``pretrained_cfg``).
+
+    Attributes:
+        pretrained_cfg: timm's per-model preprocessing record (input size, mean, std, crop_pct,
+            interpolation, classes), so ``timm.data.resolve_data_config({}, model=m)`` works.
+        feature_info: channels and stride of each stage, for feature extraction.
     """
 
     def __init__(
@@ -125,68 +215,30 @@ class EfficientViT(nn.Module):
         img_size: int | tuple[int, int] = 224,
         distillation: bool = False,
         drop_path_rate: float = 0.0,
+        name: str = "",
     ) -> None:
         super().__init__()
-        cfg.validate()
-        if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0, got {num_classes}")
-        if in_chans < 1:
-            raise ValueError(f"in_chans must be >= 1, got {in_chans}")
-        if not 0.0 <= drop_path_rate < 1.0:
-            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-        img_hw = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        if len(img_hw) != 2 or min(img_hw) < MIN_INPUT_SIZE:
-            raise ValueError(f"img_size must be an int or (H, W) of at least {MIN_INPUT_SIZE}, got {img_size}")
+        img_hw = _check_build_args(cfg, num_classes, in_chans, img_size, drop_path_rate)
         self.cfg = cfg
         self.img_size = img_hw
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_features = cfg.embed_dim[-1]
-        d0 = cfg.embed_dim[0]
-        self.patch_embed = nn.Sequential(
-            OrderedDict(
-                conv1=ConvBN(in_chans, d0 // 8, 3, 2, 1),
-                relu1=nn.ReLU(),
-                conv2=ConvBN(d0 // 8, d0 // 4, 3, 2, 1),
-                relu2=nn.ReLU(),
-                conv3=ConvBN(d0 // 4, d0 // 2, 3, 2, 1),
-                relu3=nn.ReLU(),
-                conv4=ConvBN(d0 // 2, d0, 3, 2, 1),
-            )
-        )
+        self.patch_embed = _patch_embed(in_chans, cfg.embed_dim[0])
         total_blocks = sum(cfg.depth)
         rates = [drop_path_rate * i / max(total_blocks - 1, 1) for i in range(total_blocks)]
-        stages, self.feature_info = [], []
-        for i in range(3):
-            res = min(stage_resolution(s, i) for s in img_hw)
-            window = min(cfg.window_size[i], res)
-            stages.append(
-                Stage(
-                    in_dim=cfg.embed_dim[max(i - 1, 0)],
-                    dim=cfg.embed_dim[i],
-                    depth=cfg.depth[i],
-                    window=window,
-                    downsample=i > 0,
-                    ffn_ratio=cfg.ffn_ratio,
-                    drop_paths=rates[sum(cfg.depth[:i]) : sum(cfg.depth[: i + 1])],
-                    ffn_per_side=cfg.ffn_per_side,
-                    key_dim=cfg.key_dim[i],
-                    num_heads=cfg.num_heads[i],
-                    value_dim=cfg.value_dim(i),
-                    kernels=cfg.kernels,
-                    cascade=cfg.cascade,
-                    group_split=cfg.group_split,
-                )
-            )
-            self.feature_info.append(
-                dict(num_chs=cfg.embed_dim[i], reduction=PATCH_SIZE * 2**i, module=f"stages.{i}")
-            )
+        stages = [_stage(cfg, i, img_hw, rates[sum(cfg.depth[:i]) : sum(cfg.depth[: i + 1])]) for i in range(3)]
+        self.feature_info = [
+            dict(num_chs=cfg.embed_dim[i], reduction=PATCH_SIZE * 2**i, module=f"stages.{i}") for i in range(3)
+        ]
         self.stages = nn.Sequential(*stages)
         self.distillation = distillation
         self.head = BNLinear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.head_dist = (
             BNLinear(self.num_features, num_classes) if distillation and num_classes > 0 else None
         )
+        self.pretrained_cfg = pretrained_cfg(name, num_classes, img_hw, in_chans)
+        self.default_cfg = self.pretrained_cfg  # the older timm name of the same dict
 
     # ----------------------------------------------------------------------------- interface
     def check_input(self, x: torch.Tensor) -> None:
@@ -246,8 +298,15 @@ class EfficientViT(nn.Module):
                 maps.append(x)
         return maps if intermediates_only else (x, maps)
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Pool a stage-3 map ``(B, C3, h, w)`` and classify; ``pre_logits`` returns ``(B, C3)``."""
+    def forward_head(
+        self, x: torch.Tensor, pre_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Pool a stage-3 map ``(B, C3, h, w)`` and classify.
+
+        Returns the logits ``(B, classes)``; ``(B, C3)`` pooled features with ``pre_logits``; and,
+        for a model with a distillation head in training mode, the pair ``(class logits,
+        distillation logits)`` (averaged into one tensor in eval mode).
+        """
         x = x.mean((2, 3))  # (B, C3)
         if pre_logits:
             return x
@@ -258,11 +317,33 @@ class EfficientViT(nn.Module):
             return out, out_dist
         return (out + out_dist) / 2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``(B, classes)``; the pair of heads' logits when distilling in training mode."""
         return self.forward_head(self.forward_features(x))
 
     def get_classifier(self) -> nn.Module:
+        """The classifier head (BatchNorm1d + Linear), or Identity without classes."""
         return self.head
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter-name patterns grouping the network into stem and blocks, as timm's layer-wise
+        learning-rate decay expects (coarse: one group per stage; fine: each stage's subsample block,
+        then each sandwich block)."""
+        if coarse:
+            return dict(stem=r"^patch_embed", blocks=r"^stages\.(\d+)")
+        return dict(
+            stem=r"^patch_embed",
+            blocks=[(r"^stages\.(\d+)\.downsample", (0,)), (r"^stages\.(\d+)\.blocks\.(\d+)", None)],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing: keep only each subsample and sandwich block's input during the
+        forward pass and recompute the block in backward. Same gradients and BatchNorm statistics,
+        less memory, about one more forward pass of compute."""
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the classifier (and distillation head) with fresh ones for ``num_classes``."""
@@ -271,6 +352,8 @@ class EfficientViT(nn.Module):
         if num_classes < 0:
             raise ValueError(f"num_classes must be >= 0, got {num_classes}")
         self.num_classes = num_classes
+        self.pretrained_cfg = dict(self.pretrained_cfg, num_classes=num_classes)
+        self.default_cfg = self.pretrained_cfg
         device = next(self.parameters()).device
         self.head = (BNLinear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()).to(device)
         self.head_dist = (

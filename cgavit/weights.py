@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .io import atomic_write
-from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, EfficientViTConfig
+from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, EfficientViTConfig
 
 log = logging.getLogger(__name__)
 
@@ -404,8 +404,6 @@ def _floats(value, name: str, n: int, lo: float, hi: float) -> tuple[float, ...]
 
 
 def _parse_config(raw: dict) -> EfficientViTConfig:
-    from .variants import VARIANTS
-
     names = {f.name for f in fields(EfficientViTConfig)}
     if "config" in raw:
         cfg = _json(raw, "config")

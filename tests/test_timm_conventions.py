@@ -1,0 +1,155 @@
+"""timm's model conventions on cgavit models, so they drop into existing pipelines."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import timm.data
+import torch
+from timm.layers import resize_rel_pos_bias_table_levit
+from timm.models import group_parameters
+from timm.optim import create_optimizer_v2, param_groups_layer_decay
+
+import cgavit
+from cgavit.attention import CascadedGroupAttention, FusedCascadedGroupAttention
+from cgavit.testing import randomize_, rel_err
+from cgavit.variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from cgavit.weights import resize_bias_table
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3))
+
+
+def test_pretrained_cfg_gives_our_preprocessing_through_timm():
+    model = cgavit.create_model("m4", num_classes=10, img_size=256)
+    cfg = timm.data.resolve_data_config({}, model=model)
+    assert cfg == dict(input_size=(3, 256, 256), interpolation="bicubic", mean=IMAGENET_DEFAULT_MEAN,
+                       std=IMAGENET_DEFAULT_STD, crop_pct=0.875, crop_mode="center")
+    assert model.pretrained_cfg["architecture"] == "efficientvit_m4" and model.pretrained_cfg["num_classes"] == 10
+    t = timm.data.create_transform(**cfg)
+    assert "Resize(size=292" in repr(t) and "CenterCrop(size=(256, 256))" in repr(t)  # 256 / 0.875
+    model.reset_classifier(3)
+    assert model.pretrained_cfg["num_classes"] == 3 and model.get_classifier().linear.out_features == 3
+
+
+def test_core_constants_equal_timms():
+    assert IMAGENET_DEFAULT_MEAN == timm.data.IMAGENET_DEFAULT_MEAN
+    assert IMAGENET_DEFAULT_STD == timm.data.IMAGENET_DEFAULT_STD
+
+
+def test_group_matcher_drives_timm_layer_decay():
+    model = cgavit.create_model("m0")
+    groups = param_groups_layer_decay(model, weight_decay=0.05, layer_decay=0.75, no_weight_decay_list=model.no_weight_decay())
+    scales = sorted({g["lr_scale"] for g in groups})
+    # the same layers as timm's port: stem, then blocks (a stage's subsample joins its first block), head
+    port = timm.create_model("efficientvit_m0")
+    assert len(scales) == len(group_parameters(port, port.group_matcher())) == 8 and scales[-1] == 1.0
+    stem = {id(p) for p in model.patch_embed.parameters()}
+    assert all(g["lr_scale"] == scales[0] for g in groups if any(id(p) in stem for p in g["params"]))
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    coarse = model.group_matcher(coarse=True)
+    assert coarse["stem"] == r"^patch_embed"
+    opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.025)
+    no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    biases = [p for n, p in model.named_parameters() if n.endswith("attention_biases")]
+    assert biases and all(id(p) in no_decay for p in biases)
+
+
+def test_forward_head_types():
+    model = cgavit.create_model("m0", num_classes=5, distillation=True, **SMALL)
+    x = torch.randn(2, 3, 64, 64)
+    out = model.train()(x)
+    assert isinstance(out, tuple) and len(out) == 2 and out[0].shape == (2, 5)
+    assert model.eval()(x).shape == (2, 5)
+    assert model.forward_head(model.forward_features(x), pre_logits=True).shape == (2, 48)
+
+
+def test_grad_checkpointing_gives_the_same_gradients_and_statistics():
+    torch.manual_seed(0)
+    plain = randomize_(cgavit.create_model("m0", num_classes=10, drop_path_rate=0.2)).train()
+    ckpt = copy.deepcopy(plain)
+    ckpt.set_grad_checkpointing(True)
+    x, y = torch.randn(3, 3, 96, 128), torch.randint(0, 10, (3,))
+    for net in (plain, ckpt):
+        torch.manual_seed(1)  # same drop-path draws
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+        assert torch.equal(a, b), f"{name}: recomputation changed a BatchNorm statistic"
+    with torch.no_grad():  # off in inference
+        torch.testing.assert_close(ckpt.eval()(x), plain.eval()(x))
+
+
+_MEASURE = """
+import resource, sys, torch, cgavit
+torch.set_num_threads(1)
+model = cgavit.create_model("m0", num_classes=10).train()
+model.set_grad_checkpointing(sys.argv[1] == "1")
+model(torch.randn(2, 3, 64, 64)).sum().backward()  # warm the allocator and autograd once
+model.zero_grad(set_to_none=True)
+x = torch.randn(8, 3, 448, 448)
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+model(x).sum().backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_grad_checkpointing_lowers_peak_training_memory():
+    """Peak resident memory of one training step above the memory before it, in a fresh process each
+    (glibc told to return large blocks to the system at once, so resident memory follows live tensors)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(REPO))
+    peak = {}
+    for flag in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", _MEASURE, flag], env=env, capture_output=True, text=True, check=True)
+        peak[flag] = int(out.stdout.split()[-1])
+    assert peak["1"] < 0.75 * peak["0"], peak
+
+
+def test_hubconf_local_entry_points():
+    spec = importlib.util.spec_from_file_location("hubconf", REPO / "hubconf.py")
+    hub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hub)
+    assert hub.dependencies == ["torch"] and all(callable(getattr(hub, f"efficientvit_m{i}")) for i in range(6))
+    model = torch.hub.load(str(REPO), "efficientvit_m4", source="local", num_classes=7, img_size=128)
+    assert isinstance(model, cgavit.EfficientViT) and model.num_classes == 7 and model.img_size == (128, 128)
+
+
+def test_fused_attention_is_its_own_class_and_can_be_randomised():
+    attn = randomize_(CascadedGroupAttention(32, key_dim=8, num_heads=4, window=5)).eval()
+    fused = attn.fuse()
+    assert type(fused) is FusedCascadedGroupAttention and not isinstance(fused, CascadedGroupAttention)
+    assert not hasattr(fused, "attention_biases") and isinstance(attn.attention_biases, torch.nn.Parameter)
+    x = torch.randn(2, 32, 5, 4)
+    with torch.no_grad():
+        assert rel_err(fused(x), attn(x)) < 1e-5
+    model = cgavit.fuse(randomize_(cgavit.create_model("m0", **SMALL)))
+    before = [m.bias_full.clone() for m in model.modules() if isinstance(m, FusedCascadedGroupAttention)]
+    randomize_(model, seed=3)
+    after = [m.bias_full for m in model.modules() if isinstance(m, FusedCascadedGroupAttention)]
+    assert before and all(not torch.equal(a, b) for a, b in zip(before, after))
+    # still an offset table: pairs with the same (|dy|, |dx|) share a bias
+    b = after[0][0]
+    w = model.stages[0].blocks[0].mixer.m.window
+    assert torch.equal(b[0, 1], b[1, 0]) and (w < 2 or torch.equal(b[0, w], b[w, 0]))
+
+
+def test_bias_table_resize_matches_timms_levit_resize_without_antialias():
+    """Ours is the official (Cream) resize: bicubic, no antialias. timm's LeViT helper defaults to
+    antialias=True, which changes the cubic kernel even when upsampling, so it differs there."""
+    torch.manual_seed(0)
+    for n, window in ((16, 7), (49, 4), (49, 7)):
+        table = torch.randn(4, n)
+        ours = resize_bias_table(table, window)
+        theirs = resize_rel_pos_bias_table_levit(table.T, (window * window, 4), antialias=False).T
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    table = torch.randn(4, 16)
+    assert (resize_bias_table(table, 7) - resize_rel_pos_bias_table_levit(table.T, (49, 4)).T).abs().max() > 1e-2
