@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,6 +19,49 @@ from pathlib import Path
 import torch
 
 TMP_SUFFIX = ".tmp"
+
+
+class UnreadableFileError(ValueError):
+    """A path that cannot be read as a file: missing, a folder, a FIFO or device, empty, or not
+    permitted. The message names the path and says what to do."""
+
+
+def check_readable_file(path: str | os.PathLike, what: str = "file", allow_empty: bool = False) -> Path:
+    """Return ``path`` if it is a regular, readable, non-empty file; raise
+    :class:`UnreadableFileError` otherwise, without ever opening a FIFO or device (which could block).
+    """
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UnreadableFileError(f"{what} {path} does not exist; check the path") from None
+    except PermissionError:
+        raise UnreadableFileError(f"{what} {path} cannot be reached: permission denied on a folder of its path") from None
+    except OSError as err:
+        raise UnreadableFileError(f"{what} {path} cannot be read ({err.strerror or err})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UnreadableFileError(f"{what} {path} is a folder; give a file inside it")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnreadableFileError(f"{what} {path} is not a regular file (a pipe, socket or device); give a file")
+    if st.st_size == 0 and not allow_empty:
+        raise UnreadableFileError(f"{what} {path} is empty (0 bytes): an interrupted copy or download? Copy it again")
+    if not os.access(path, os.R_OK):
+        raise UnreadableFileError(f"{what} {path} is not readable by this user (permission denied); fix its permissions")
+    return path
+
+
+def sniff_format(path: str | os.PathLike) -> str:
+    """What a weights file is by its first bytes: ``"safetensors"``, ``"zip"`` (``torch.save``),
+    ``"pickle"`` (the legacy ``torch.save`` format) or ``"unknown"``."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+        return "safetensors"  # 8-byte little-endian header length, then a JSON object
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    if head[:1] == b"\x80":
+        return "pickle"
+    return "unknown"
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:

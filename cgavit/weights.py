@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .io import atomic_write
+from .io import UnreadableFileError, atomic_write, check_readable_file, sniff_format
 from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, EfficientViTConfig
 
 log = logging.getLogger(__name__)
@@ -51,16 +51,18 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False, prefer_ema: bo
     Raises:
         CheckpointError: missing, truncated, unsafe or non-checkpoint file.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
-    if _is_safetensors(path):
-        from safetensors.torch import load_file
-
+    path = _checked(path)
+    kind = sniff_format(path)
+    if kind == "safetensors":
         try:
-            return load_file(str(path))
+            return _safetensors().torch.load_file(str(path))
         except Exception as err:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {err}") from None
+            raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {_first_line(err)}") from None
+    if kind == "unknown":
+        raise CheckpointError(
+            f"cannot read {path}: its first bytes are neither safetensors nor a PyTorch checkpoint "
+            "(not a PyTorch checkpoint or safetensors file); is it the right file, or a truncated download?"
+        )
     try:
         with torch.serialization.safe_globals([(_OptionsRecord, "argparse.Namespace")]):
             obj = torch.load(path, map_location="cpu", weights_only=not trust)
@@ -72,17 +74,30 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False, prefer_ema: bo
                 "refused. If you trust its source, opt in with load_checkpoint(..., trust=True) "
                 "(command line: --trust-checkpoint)."
             ) from None
-        raise CheckpointError(f"cannot read {path}: truncated or not a PyTorch checkpoint ({text.splitlines()[0]})") from None
+        raise CheckpointError(f"cannot read {path}: truncated or not a PyTorch checkpoint ({_first_line(err)})") from None
     return unwrap_state_dict(obj, path, prefer_ema)
 
 
-def _is_safetensors(path: Path) -> bool:
-    if path.suffix == ".safetensors":
-        return True
-    with open(path, "rb") as f:
-        head = f.read(9)
-    # safetensors: 8-byte little-endian header length, then a JSON object
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
+def _checked(path: str | os.PathLike) -> Path:
+    try:
+        return check_readable_file(path, "checkpoint")
+    except UnreadableFileError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _safetensors():
+    """The ``safetensors`` package, imported here and only here: the model core needs torch alone,
+    safetensors comes with ``pip install 'cgavit[weights]'``."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise CheckpointError("reading or writing .safetensors files needs pip install 'cgavit[weights]'") from None
+    return safetensors
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def unwrap_state_dict(obj, source="checkpoint", prefer_ema: bool = False) -> dict[str, torch.Tensor]:
@@ -257,8 +272,6 @@ def save_weights(
     the preprocessing and class names that :func:`read_weights_meta` gives back. A plain mapping of
     strings is stored as given, for notes of your own.
     """
-    from safetensors.torch import save_file
-
     meta = {"format": "cgavit"}
     cfg = getattr(model, "cfg", None)
     if cfg is not None:
@@ -269,21 +282,19 @@ def save_weights(
     else:
         meta.update({k: str(v) for k, v in (metadata or {}).items()})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return atomic_write(path, lambda tmp: _safetensors().torch.save_file(tensors, tmp, metadata=meta))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The raw string metadata of a safetensors file ({} for other files)."""
-    path = Path(path)
-    if not path.is_file() or not _is_safetensors(path):
+    path = _checked(path)
+    if sniff_format(path) != "safetensors":
         return {}
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), "pt") as f:
+        with _safetensors().safe_open(str(path), "pt") as f:
             return dict(f.metadata() or {})
     except Exception as err:  # safetensors raises its own error types
-        raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {err}") from None
+        raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {_first_line(err)}") from None
 
 
 # ------------------------------------------------------------------------------------ metadata
@@ -476,14 +487,12 @@ def _parse_meta(raw: dict) -> WeightsMeta:
 
 def _check_meta_against_tensors(meta: WeightsMeta, path) -> None:
     """The recorded architecture must match the stored tensor shapes (read from the header only)."""
-    from safetensors import safe_open
-
     c = meta.config
     expect = {
         "patch_embed.conv4.conv.weight": lambda s: s[0] == c.embed_dim[0],
         "head.linear.weight": lambda s: tuple(s) == (meta.num_classes, c.embed_dim[-1]),
     }
-    with safe_open(str(path), "pt") as f:
+    with _safetensors().safe_open(str(path), "pt") as f:
         keys = set(f.keys())
         for key, ok in expect.items():
             if key in keys and not ok(f.get_slice(key).get_shape()):
