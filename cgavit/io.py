@@ -9,8 +9,10 @@ the new one, never a torn one. A crash can leave the temporary file behind (``.N
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable
@@ -19,6 +21,11 @@ from pathlib import Path
 import torch
 
 TMP_SUFFIX = ".tmp"
+
+
+class WriteError(OSError):
+    """A file could not be written (disk full, permission, ...); whatever stood at the path before is
+    untouched. The message says which file and why."""
 
 
 class UnreadableFileError(ValueError):
@@ -68,10 +75,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
     """Call ``write(tmp_path)`` then rename the result onto ``path``; returns ``path``.
 
     The parent folder is created if needed. The file gets the mode ``open()`` would give it.
+
+    Raises:
+        WriteError: the folder or file could not be written (the old file, if any, is kept).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    except OSError as err:
+        raise WriteError(err.errno, f"cannot write {path}: {err.strerror or err}; choose another folder") from None
     os.close(fd)
     try:
         write(tmp)
@@ -79,11 +92,30 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file open()'s usual mode
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        _remove(tmp)
+        raise WriteError(errno.EIO, _write_failure(path, err)) from None
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove(tmp)
         raise
     return path
+
+
+def _remove(tmp: str) -> None:
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+
+
+def _write_failure(path: Path, err: BaseException) -> str:
+    kept = "the previous file is untouched" if path.exists() else "nothing was written"
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < 64 * 2**20):
+        return f"cannot write {path}: the disk is full ({kept}); free some space and run again"
+    reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0][:200]
+    return f"cannot write {path}: {reason} ({kept})"
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -17,7 +17,12 @@ import importlib
 import logging
 import sys
 
+from ..io import WriteError
 from ..weights import CheckpointError
+
+#: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
+#: bug in cgavit and keeps its traceback.
+USER_ERRORS = (ValueError, CheckpointError, WriteError, FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)
 
 #: (module, extra that provides its dependencies, sub-commands it registers)
 COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -60,7 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
             for name in names:
                 p = sub.add_parser(name, help=f"(needs pip install 'cgavit[{extra or 'all'}]')", add_help=False)
                 p.set_defaults(func=_missing_extra(module, extra, err))
+    for p in _all_subparsers(sub):  # --debug also after the command name
+        if "--debug" not in p._option_string_actions:
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
+
+
+def _all_subparsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    out = []
+    for p in dict.fromkeys(sub.choices.values()):
+        out.append(p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out += _all_subparsers(action)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, CheckpointError, PermissionError, IsADirectoryError) as err:
+    except USER_ERRORS as err:
         if args.debug:
             raise
         print(f"cgavit {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"cgavit {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _one_line(err: BaseException) -> str:
