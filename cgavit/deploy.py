@@ -9,34 +9,62 @@ bf16 and int8 CPU paths.
 * :func:`export_onnx` -- a fused model to an ONNX file (batch dynamic, image size fixed),
   written atomically; :class:`OnnxModule` runs such a file through ONNX Runtime like a module.
 * :func:`quantize_onnx` -- int8 static quantisation (QDQ, per-channel weights) of an exported file.
+
+ONNX Runtime (the ``cgavit[deploy]`` extra) is imported in one place, :func:`_onnxruntime`, on first
+use: it is optional and slow to import, and ``import cgavit`` must not need it.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import importlib.util
 import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from .attention import CascadedGroupAttention
+from .fast import swap_fast_modules
+from .io import atomic_write
 from .layers import BNLinear, ConvBN
+from .testing import rel_err
 
 log = logging.getLogger(__name__)
 
 _FUSABLE = (ConvBN, BNLinear, CascadedGroupAttention)
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 #: Relative error (``||a-b|| / ||b||`` of the logits) each precision is held to by ``optimize(check=True)``.
 #: fp32 is the issue's contract; bf16 (8-bit mantissa) and int8 are the reduced paths' stated tolerances,
 #: their real test is top-1 agreement (BENCHMARKS.md).
 TOLERANCE = {"fp32": 1e-5, "bf16": 0.1, "int8": 0.25}
 PRECISIONS = tuple(TOLERANCE)
+BACKENDS = ("auto", "torch", "onnxruntime")
+
+
+def _onnxruntime(quantization: bool = False) -> ModuleType:
+    """The one place ONNX Runtime is imported (lazily: an optional extra, about a second to import).
+
+    With ``quantization`` its ``quantization`` and ``quantization.shape_inference`` submodules are
+    loaded too (they pull in ``onnx``).
+    """
+    import onnxruntime
+
+    if quantization:
+        import onnxruntime.quantization.shape_inference  # noqa: F401  (sets the submodule attributes)
+    return onnxruntime
+
+
+def onnxruntime_available() -> bool:
+    """Whether ONNX Runtime is installed (checked without importing it)."""
+    return importlib.util.find_spec("onnxruntime") is not None
 
 
 def _swap_fused(module: nn.Module) -> None:
@@ -65,7 +93,7 @@ def fuse(model: nn.Module) -> nn.Module:
         fused = fused.fuse().eval()
     else:
         _swap_fused(fused)
-    left = [n for n, m in fused.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    left = [n for n, m in fused.named_modules() if isinstance(m, _BATCHNORMS)]
     if left:
         raise ValueError(f"these BatchNorm layers have no conv/linear to fold into: {left}")
     for p in fused.parameters():
@@ -75,7 +103,8 @@ def fuse(model: nn.Module) -> nn.Module:
 
 # ------------------------------------------------------------------------------------- fast path
 class OptimizedModel(nn.Module):
-    """What :func:`optimize` returns: call it like the model, on float32 ``(B, 3, H, W)`` images.
+    """What :func:`optimize` returns on the torch backend: call it like the model, on float32
+    ``(B, 3, H, W)`` images.
 
     Converts the input to the inner module's memory format and dtype, runs it without autograd, and
     returns float32 logits. ``rel_err`` holds the check made at build time (``None`` if skipped).
@@ -102,6 +131,28 @@ class OptimizedModel(nn.Module):
         return out.float()
 
 
+def choose_backend(precision: str, backend: str = "auto", device: torch.device | str = "cpu") -> str:
+    """The backend :func:`optimize` uses: ``"torch"`` or ``"onnxruntime"``.
+
+    ``"auto"`` picks ONNX Runtime for int8, and for fp32 on the CPU when it is installed; torch
+    otherwise.
+
+    Raises:
+        ValueError: unknown precision or backend, or a combination no backend offers.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'torch' or 'onnxruntime', got {backend!r}")
+    if backend == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        ort_fp32 = precision == "fp32" and on_cpu and onnxruntime_available()
+        return "onnxruntime" if precision == "int8" or ort_fp32 else "torch"
+    if (backend, precision) in (("torch", "int8"), ("onnxruntime", "bf16")):
+        raise ValueError(f"precision {precision} is not offered by the {backend} backend; use backend='auto'")
+    return backend
+
+
 def optimize(
     model: nn.Module,
     example_input: torch.Tensor,
@@ -113,7 +164,7 @@ def optimize(
     fast_attention: bool = True,
     check: bool = True,
     calibration: Iterable[torch.Tensor] | None = None,
-) -> nn.Module:
+) -> OptimizedModel | OnnxModule:
     """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
 
     Two backends. ``"torch"``: :func:`fuse`, then the inference attention of :mod:`cgavit.fast`
@@ -124,7 +175,7 @@ def optimize(
     size) and run by ONNX Runtime on the CPU; fp32, or int8 statically quantised (QDQ, per-channel
     weights, calibrated on ``calibration`` or on ``example_input``). ``"auto"`` (default) picks
     ONNX Runtime on the CPU for fp32 and int8 when it is installed (it was the faster of the two in
-    every same-run measurement in BENCHMARKS.md), torch otherwise.
+    every same-run measurement in BENCHMARKS.md), torch otherwise (:func:`choose_backend`).
 
     ``model`` is not modified. The result returns float32 logits for float32 images.
 
@@ -145,69 +196,68 @@ def optimize(
         ValueError: unknown precision or backend, a combination no backend offers, a bad example.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4:
         raise ValueError("example_input must be an image batch tensor (B, C, H, W), e.g. torch.randn(16, 3, 224, 224)")
-    if backend == "auto":
-        try:
-            import onnxruntime  # noqa: F401
-
-            has_ort = True
-        except ImportError:
-            has_ort = False
-        on_cpu = example_input.device.type == "cpu"
-        backend = "onnxruntime" if precision == "int8" or (precision == "fp32" and has_ort and on_cpu) else "torch"
-    if backend not in ("torch", "onnxruntime"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'onnxruntime', got {backend!r}")
-    if (backend, precision) in (("torch", "int8"), ("onnxruntime", "bf16")):
-        raise ValueError(f"precision {precision} is not offered by the {backend} backend; use backend='auto'")
+    backend = choose_backend(precision, backend, example_input.device)  # also checks the precision
     example_input = example_input.float()
     fused = fuse(model)
     if check:
         with torch.no_grad():
-            ref = fused(example_input)  # before the fast path rewrites ``fused`` in place
+            reference = fused(example_input)  # before the fast path rewrites ``fused`` in place
     if backend == "onnxruntime":
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = export_onnx(fused, Path(tmp) / "model.onnx", tuple(example_input.shape[2:]))
-            if precision == "int8":
-                batches = list(calibration) if calibration is not None else [example_input]
-                path = quantize_onnx(path, Path(tmp) / "model.int8.onnx", batches)
-            result: nn.Module = OnnxModule(path)
-        log.info("optimize: ONNX Runtime %s path ready in %.1f s", precision, time.perf_counter() - start)
+        result = _onnxruntime_path(fused, example_input, precision, calibration)
     else:
-        inner = fused
-        if fast_attention:
-            from .fast import swap_fast_modules
-
-            inner = swap_fast_modules(inner)
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        inner = inner.to(dtype=dtype)
-        if channels_last:
-            inner = inner.to(memory_format=torch.channels_last)
-        if compile:
-            inner = torch.compile(inner, options={"freezing": True})
-        result = OptimizedModel(inner, dtype, channels_last, precision).eval()
-        start = time.perf_counter()
-        result(example_input)  # compiles now, not on the user's first call
-        log.info("optimize: %s path ready in %.1f s", precision, time.perf_counter() - start)
+        result = _torch_path(fused, example_input, precision, compile, channels_last, fast_attention)
     if check:
-        with torch.no_grad():
-            err = _rel_err(result(example_input), ref)
-        result.rel_err = err
-        log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
-        if err > TOLERANCE[precision]:
-            raise RuntimeError(
-                f"the {precision} path differs from the plain model by {err:.2e} (relative), above its "
-                f"tolerance {TOLERANCE[precision]:.0e}; run optimize(..., check=False) to keep it anyway"
-            )
+        result.rel_err = _check(result, example_input, reference, precision)
     return result
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+def _onnxruntime_path(
+    fused: nn.Module, example_input: torch.Tensor, precision: str, calibration: Iterable[torch.Tensor] | None
+) -> OnnxModule:
+    """``fused`` exported for the example's image size (int8: quantised) and loaded into ONNX Runtime."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_onnx(fused, Path(tmp) / "model.onnx", tuple(example_input.shape[2:]))
+        if precision == "int8":
+            batches = list(calibration) if calibration is not None else [example_input]
+            path = quantize_onnx(path, Path(tmp) / "model.int8.onnx", batches)
+        result = OnnxModule(path)  # reads the file into memory: the folder may go
+    log.info("optimize: ONNX Runtime %s path ready in %.1f s", precision, time.perf_counter() - start)
+    return result
+
+
+def _torch_path(
+    fused: nn.Module, example_input: torch.Tensor, precision: str, compile: bool, channels_last: bool,
+    fast_attention: bool,
+) -> OptimizedModel:
+    """``fused`` with the fast modules, in the precision's dtype and memory format, compiled on the example."""
+    inner = swap_fast_modules(fused) if fast_attention else fused
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    inner = inner.to(dtype=dtype)
+    if channels_last:
+        inner = inner.to(memory_format=torch.channels_last)
+    if compile:
+        inner = torch.compile(inner, options={"freezing": True})
+    result = OptimizedModel(inner, dtype, channels_last, precision).eval()
+    start = time.perf_counter()
+    result(example_input)  # compiles now, not on the user's first call
+    log.info("optimize: %s path ready in %.1f s", precision, time.perf_counter() - start)
+    return result
+
+
+def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tensor, precision: str) -> float:
+    """Relative error of ``result`` against the fused model's ``reference`` logits; raises above tolerance."""
+    with torch.no_grad():
+        err = rel_err(result(example_input), reference)
+    log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
+    if err > TOLERANCE[precision]:
+        raise RuntimeError(
+            f"the {precision} path differs from the plain model by {err:.2e} (relative), above its "
+            f"tolerance {TOLERANCE[precision]:.0e}; run optimize(..., check=False) to keep it anyway"
+        )
+    return err
 
 
 # ------------------------------------------------------------------------------------------ ONNX
@@ -236,10 +286,6 @@ def export_onnx(
     Raises:
         ValueError: when the parent folder does not exist.
     """
-    import warnings
-
-    from .io import atomic_write
-
     path = Path(path)
     if not path.parent.exists():
         raise ValueError(f"output folder {path.parent} does not exist; create it first")
@@ -267,8 +313,7 @@ class OnnxModule(nn.Module):
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
         super().__init__()
-        import onnxruntime as ort
-
+        ort = _onnxruntime()
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
@@ -282,6 +327,16 @@ class OnnxModule(nn.Module):
         return torch.from_numpy(out)
 
 
+class _CalibrationReader:
+    """Feeds image batches to ONNX Runtime's calibration (its ``CalibrationDataReader`` interface)."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.it = iter([{"images": b.float().numpy()} for b in batches])
+
+    def get_next(self) -> dict | None:
+        return next(self.it, None)
+
+
 def quantize_onnx(
     src: str | os.PathLike, dst: str | os.PathLike, calibration: Iterable[torch.Tensor]
 ) -> Path:
@@ -290,76 +345,19 @@ def quantize_onnx(
     Weights per channel, activations per tensor (QDQ format), ranges from ``calibration`` (image
     batches ``(B, C, H, W)`` preprocessed like the model's input; use real images).
     """
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from .io import atomic_write
-
-    class Reader(CalibrationDataReader):
-        def __init__(self, batches):
-            self.it = iter([{"images": b.float().numpy()} for b in batches])
-
-        def get_next(self):
-            return next(self.it, None)
-
     batches = list(calibration)
     if not batches:
         raise ValueError("int8 calibration needs at least one image batch")
+    quant = _onnxruntime(quantization=True).quantization
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        quant.shape_inference.quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
 
-        def write(tmp_out: Path) -> None:
-            quantize_static(
-                str(pre), str(tmp_out), Reader(batches), quant_format=QuantFormat.QDQ, per_channel=True,
-                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, op_types_to_quantize=["Conv"],
+        def write(tmp_out: str) -> None:
+            quant.quantize_static(
+                str(pre), tmp_out, _CalibrationReader(batches), quant_format=quant.QuantFormat.QDQ,
+                per_channel=True, activation_type=quant.QuantType.QUInt8, weight_type=quant.QuantType.QInt8,
+                op_types_to_quantize=["Conv"],
             )
 
         return atomic_write(dst, write)
-
-
-# ------------------------------------------------------------------------------------------ CLI
-def _export(args: argparse.Namespace) -> int:
-    from .cli.common import dials_from_args
-    from .factory import create_model
-    from .testing import rel_err
-
-    size = tuple(args.img_size) if len(args.img_size) == 2 else (args.img_size[0],) * 2
-    if args.format != "onnx":
-        raise ValueError(f"only --format onnx is supported, got {args.format}")
-    model = create_model(args.model, checkpoint_path=args.checkpoint, img_size=size, **dials_from_args(args))
-    if args.dynamic_size:
-        raise ValueError(
-            "--dynamic-size is not supported: the window attention pads and partitions each stage "
-            "differently for different image sizes, so one ONNX graph cannot serve them all; export "
-            "once per size with --img-size H W"
-        )
-    out = export_onnx(model, args.output, size)
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB), batch dynamic, size {size[0]}x{size[1]} fixed")
-    ort_model = OnnxModule(out)
-    fused = fuse(model)
-    for batch in (1, 16):
-        x = torch.randn(batch, 3, *size)
-        with torch.no_grad():
-            err = rel_err(ort_model(x), fused(x))
-        print(f"ONNX Runtime vs PyTorch, batch {batch}: relative error {err:.1e} {'ok' if err <= 1e-4 else 'TOO LARGE'}")
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from .cli.common import add_dial_args
-
-    p = sub.add_parser(
-        "export",
-        help="export a model to ONNX (batch dynamic) and check ONNX Runtime against PyTorch",
-        description="Fuse BatchNorm, export to ONNX with a dynamic batch dimension, then run ONNX Runtime "
-        "at batch 1 and 16 and print its relative error against PyTorch (must be <= 1e-4).",
-    )
-    p.add_argument("--model", required=True, help="variant name, e.g. efficientvit_m0")
-    p.add_argument("--checkpoint", help="weights file (official, timm or cgavit format); default random weights")
-    p.add_argument("--format", default="onnx", choices=["onnx"], help="export format (default onnx)")
-    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx (written atomically)")
-    p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N", help="input size N or H W (default 224)")
-    p.add_argument("--dynamic-size", action="store_true", help="not supported (explains why): export once per size")
-    add_dial_args(p)
-    p.set_defaults(func=_export)

@@ -1,28 +1,36 @@
 """`cgavit bench` smoke runs (tiny sizes, few repeats; no timing assertions)."""
 
 import json
+import tarfile
 
+import pytest
 import torch
 
 import cgavit
 from cgavit.bench import (
     PEERS_TOP1,
-    _to_timm_state_dict,
+    BenchConfig,
+    Result,
     fit_linear_probe,
     format_table,
+    load_cifar,
     recalibrate_batchnorm,
+    resolve_protocol,
+    run_bench,
     sample_photos,
     timm_port,
 )
 from cgavit.cli import main
 from cgavit.testing import randomize_, rel_err
+from cgavit.timing import Timings, iqr, round_robin
+from cgavit.weights import to_timm_state_dict
 
 
 def test_timm_port_gets_our_weights():
     model = randomize_(cgavit.create_model("m0", img_size=64)).eval()
     port = timm_port(model, "efficientvit_m0", (64, 64))  # loads strictly: every key mapped
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in port.modules())  # timm fused it
-    assert "stages.0.blocks.0.dw0.m.conv.weight" in _to_timm_state_dict(model.state_dict())
+    assert "stages.0.blocks.0.dw0.m.conv.weight" in to_timm_state_dict(model.state_dict())
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(port(x), model(x)) <= 1e-5
@@ -73,9 +81,71 @@ def test_photos_probe_and_recalibration():
 
 
 def test_format_table_lists_every_result():
-    from cgavit.bench import Result
-
     rows = [Result("a", "timm-port", "efficientvit_m0", 63.2, [10.0, 12.0], ratio_to_timm=1.0),
             Result("b", "ours", "efficientvit_m0", 63.2, [20.0], rel_err_vs_timm=1e-7, ratio_to_timm=1.8)]
     text = format_table(rows)
     assert "1.80" in text and "11.0" in text and "1e-07" in text
+
+
+def test_round_robin_warms_up_then_calls_in_turn():
+    calls = []
+    timings = round_robin({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=2, repeats=3)
+    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3  # warm-up per candidate, then one call each per round
+    assert list(timings) == ["a", "b"] and all(len(t.seconds) == 3 for t in timings.values())
+    assert all(s >= 0 for t in timings.values() for s in t.seconds)
+    with pytest.raises(ValueError, match="repeats"):
+        round_robin({"a": lambda: None}, warmup=0, repeats=0)
+
+
+def test_timings_statistics():
+    t = Timings([0.5, 0.25, 0.125, 1.0])  # 2, 4, 8 and 1 items/s for 1 item per call
+    assert t.per_second(2) == [4.0, 8.0, 16.0, 2.0]
+    assert t.median_rate(1) == 3.0
+    assert t.iqr_rate(1) == iqr([2.0, 4.0, 8.0, 1.0]) == (1.75, 5.0)
+    assert iqr([7.0]) == (7.0, 7.0)
+
+
+def test_run_bench_typed_config(tmp_path):
+    cfg = BenchConfig(models=("m0",), peers=(), img_size=(64, 64), batch=2, warmup=0, repeats=1, compile=False,
+                      onnx=False, out=tmp_path)
+    sections = []
+    report = run_bench(cfg, on_section=lambda name, rep: sections.append((name, len(rep.results))))
+    assert sections == [("table", 3)]
+    assert [r.kind for r in report.results] == ["timm-port", "ours", "ours"]  # port, fuse, optimize torch eager
+    assert all(len(r.ips) == 1 and r.median > 0 for r in report.results)
+    assert report.protocol.threads == 1 and report.protocol.precision == "fp32"
+    assert [p.name for p in report.files] == ["bench.csv", "bench.json", "accuracy_vs_throughput.png"]
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(report.record()))
+    skipped = run_bench(BenchConfig(models=("m0",), peers=(), skip_table=True, out=tmp_path / "none"))
+    assert skipped.results == [] and skipped.files == [] and not (tmp_path / "none").exists()
+
+
+def test_bench_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve_protocol(BenchConfig(models=("m9",)))
+    with pytest.raises(ValueError, match="unknown peer"):
+        resolve_protocol(BenchConfig(peers=("resnet50",)))
+    with pytest.raises(ValueError, match="amp"):
+        resolve_protocol(BenchConfig(precision="amp"))
+    with pytest.raises(ValueError, match="--repeats"):
+        resolve_protocol(BenchConfig(repeats=0))
+    assert resolve_protocol(BenchConfig(models=("m4", "efficientvit_m4"))).models == ("efficientvit_m4",)
+
+
+def test_load_cifar_from_tarball(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for c in range(10):
+            folder = tmp_path / "cifar10" / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (32, 32), (25 * c, 10 * i, 0)).save(folder / f"{i:04d}.jpg")
+    with tarfile.open(tmp_path / "cifar10.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "cifar10", arcname="cifar10")
+    data = load_cifar(tmp_path / "cifar10.tgz", (32, 32), per_class=1)  # the first image of each class
+    assert data["cifar"].shape == data["train"].shape == (10, 3, 32, 32)
+    assert data["cifar_labels"].tolist() == data["train_labels"].tolist() == list(range(10))
+    assert load_cifar(tmp_path / "cifar10", (32, 32), per_class=2)["train"].shape[0] == 20  # the folder works too
+    with pytest.raises(FileNotFoundError, match="CIFAR-10"):
+        load_cifar(tmp_path / "missing.tgz", (32, 32))

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.deploy import TOLERANCE, OnnxModule, export_onnx, optimize, quantize_onnx
+from cgavit.deploy import (
+    TOLERANCE,
+    OnnxModule,
+    choose_backend,
+    export_onnx,
+    onnxruntime_available,
+    optimize,
+    quantize_onnx,
+)
 from cgavit.fast import FastWindowAttention
 from cgavit.testing import randomize_, rel_err
 
@@ -79,6 +87,18 @@ def test_optimize_rejects_bad_arguments():
         optimize(model, torch.randn(1, 3, 64, 64), "bf16", backend="onnxruntime")
     with pytest.raises(ValueError, match="backend"):
         optimize(model, torch.randn(1, 3, 64, 64), backend="tensorrt")
+
+
+def test_choose_backend():
+    assert choose_backend("int8") == "onnxruntime"
+    assert choose_backend("bf16") == "torch"
+    assert choose_backend("fp32", device="cuda") == "torch"
+    assert choose_backend("fp32") == ("onnxruntime" if onnxruntime_available() else "torch")
+    assert choose_backend("fp32", "torch") == "torch"
+    with pytest.raises(ValueError, match="not offered by the torch backend"):
+        choose_backend("int8", "torch")
+    with pytest.raises(ValueError, match="precision"):
+        choose_backend("fp8")
 
 
 def test_onnx_export_matches_pytorch_at_batch_1_and_16(tmp_path):

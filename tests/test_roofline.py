@@ -7,6 +7,8 @@ import cgavit
 from cgavit.analysis.roofline import (
     attention_costs,
     elementwise_cost,
+    format_summary,
+    given_peaks,
     matmul_cost,
     profile_model,
     summarize,
@@ -30,6 +32,15 @@ def test_cost_formulas():
     assert matmul_cost(2, 3, 4, 4).bytes == (8 + 12 + 6) * 4
     add = elementwise_cost(100, 1, 4, reads=2)
     assert add.bytes == 1200 and add.intensity == pytest.approx(100 / 1200)
+
+
+def test_given_peaks_replace_measured_ones():
+    measured = dict(flops=50e9, bandwidth=10e9, ridge=5.0)
+    assert given_peaks(measured, peak_gflops=100) == dict(flops=100e9, bandwidth=10e9, ridge=10.0)
+    assert given_peaks(measured, bandwidth_gbs=25) == dict(flops=50e9, bandwidth=25e9, ridge=2.0)
+    assert given_peaks(measured) == measured
+    text = format_summary({"m0": dict(flops=2e9, bytes=1e8, total_s=0.01, memory_share=0.5, view_share=0.1)})
+    assert text.splitlines()[1].split() == ["m0", "2.00", "100.0", "20.0", "10.0", "50.0%", "10.0%"]
 
 
 def test_profile_model_verdicts():

@@ -12,15 +12,18 @@ its own ``record_function`` range (so the time is that call's alone, not a guess
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode  # torch's only home of the dispatch-mode base
 from torch.utils.flop_counter import flop_registry
+
+from ..deploy import fuse
+from ..factory import create_model, resolve_name
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +148,6 @@ class _Recorder(TorchDispatchMode):
         self.records: list[tuple[str, tuple, OpCost]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.profiler import record_function
-
         kwargs = kwargs or {}
         with record_function(f"roofline#{len(self.records)}"):
             out = func(*args, **kwargs)
@@ -178,8 +179,6 @@ class OpRow:
 
 def profile_model(model: nn.Module, x: torch.Tensor, peaks: dict[str, float], repeats: int = 3) -> list[OpRow]:
     """Per-operator roofline rows of ``model(x)``: analytic cost, profiler time, verdict."""
-    from torch.profiler import ProfilerActivity, profile
-
     model.eval()
     with torch.no_grad():
         for _ in range(2):
@@ -229,81 +228,50 @@ def format_rows(rows: list[OpRow], peaks: dict[str, float], top: int = 20) -> st
     return "\n".join(lines)
 
 
+def given_peaks(
+    peaks: dict[str, float], peak_gflops: float | None = None, bandwidth_gbs: float | None = None
+) -> dict[str, float]:
+    """``peaks`` with the given fp32 peak (GFLOP/s) and/or bandwidth (GB/s, read+write) in place of the
+    measured ones (e.g. figures measured on a quiet machine), and the ridge point recomputed."""
+    flops = peak_gflops * 1e9 if peak_gflops else peaks["flops"]
+    bandwidth = bandwidth_gbs * 1e9 if bandwidth_gbs else peaks["bandwidth"]
+    return dict(peaks, flops=flops, bandwidth=bandwidth, ridge=flops / bandwidth)
+
+
+def format_summary(summaries: dict[str, dict[str, float]]) -> str:
+    """One line per model: total FLOPs and bytes, intensity, operator time, memory-bound and view shares."""
+    lines = [f"{'model':<26}{'GFLOP':>8}{'MB moved':>10}{'FLOP/B':>8}{'op time ms':>11}{'memory-bound':>14}{'views':>8}"]
+    for name, s in summaries.items():
+        lines.append(f"{name:<26}{s['flops'] / 1e9:>8.2f}{s['bytes'] / 1e6:>10.1f}{s['flops'] / s['bytes']:>8.1f}"
+                     f"{s['total_s'] * 1e3:>11.1f}{100 * s['memory_share']:>13.1f}%{100 * s['view_share']:>7.1f}%")
+    return "\n".join(lines)
+
+
 def build(name: str, img_size: int) -> nn.Module:
     """A fused cgavit variant, or a timm model (random weights) for any other name."""
-    from ..factory import resolve_name, create_model
-    from ..deploy import fuse
-
     try:
         key = resolve_name(name)
     except ValueError:
-        key = None
-    if key is not None:
-        return fuse(create_model(key, img_size=img_size))
-    import timm
+        return _timm_model(name, img_size)
+    return fuse(create_model(key, img_size=img_size))
+
+
+def _timm_model(name: str, img_size: int) -> nn.Module:
+    """A timm model with random weights and explicit attention (Q·Kᵀ, softmax, A·V, as the paper's
+    analysis and our model compute it). The one place timm is imported here: lazily, since the
+    roofline of our own variants needs no timm."""
+    try:
+        import timm
+    except ImportError as err:
+        raise ValueError(f"{name!r} is not a cgavit variant, and timm models need timm: "
+                         "pip install 'cgavit[bench]'") from err
 
     kwargs = {"img_size": img_size} if name.startswith(("deit", "vit", "levit")) else {}
     try:
         model = timm.create_model(name, pretrained=False, **kwargs).eval()
     except RuntimeError as err:
         raise ValueError(f"unknown model {name!r}: neither a cgavit variant nor a timm model ({err})") from err
-    for m in model.modules():  # explicit Q·Kᵀ, softmax, A·V, as the paper's analysis (and our model) computes
+    for m in model.modules():
         if hasattr(m, "fused_attn"):
             m.fused_attn = False
     return model
-
-
-def _run(args: argparse.Namespace) -> int:
-    import json
-
-    torch.set_num_threads(args.threads)
-    peaks = measure_peaks(seconds=args.peak_seconds)
-    if args.peak_gflops or args.bandwidth_gbs:  # e.g. figures measured on a quiet machine
-        peaks["flops"] = (args.peak_gflops or peaks["flops"] / 1e9) * 1e9
-        peaks["bandwidth"] = (args.bandwidth_gbs or peaks["bandwidth"] / 1e9) * 1e9
-        peaks["ridge"] = peaks["flops"] / peaks["bandwidth"]
-        print("peaks given on the command line replace the measured ones where given")
-    print(f"machine ({args.threads} thread(s)): fp32 matmul peak {peaks['flops'] / 1e9:.1f} GFLOP/s, copy bandwidth "
-          f"{peaks['bandwidth'] / 1e9:.1f} GB/s (read+write), ridge point {peaks['ridge']:.1f} FLOP/byte")
-    summaries = {}
-    for name in [args.model, args.compare] if args.compare else [args.model]:
-        model = build(name, args.img_size)
-        x = torch.randn(args.batch, 3, args.img_size, args.img_size)
-        rows = profile_model(model, x, peaks, repeats=args.repeats)
-        s = summarize(rows)
-        summaries[name] = s
-        print(f"\n{name}: batch {args.batch}, {args.img_size}px, fp32 — top operators by measured time")
-        print(format_rows(rows, peaks, args.top))
-    print(f"\n{'model':<26}{'GFLOP':>8}{'MB moved':>10}{'FLOP/B':>8}{'op time ms':>11}{'memory-bound':>14}{'views':>8}")
-    for name, s in summaries.items():
-        print(f"{name:<26}{s['flops'] / 1e9:>8.2f}{s['bytes'] / 1e6:>10.1f}{s['flops'] / s['bytes']:>8.1f}"
-              f"{s['total_s'] * 1e3:>11.1f}{100 * s['memory_share']:>13.1f}%{100 * s['view_share']:>7.1f}%")
-    print("memory-bound: share of measured operator time in operators below the ridge point; views: share in "
-          "operators that move no data (pure per-call overhead). Bytes assume every tensor is read and written "
-          "once (caches ignored); times include each call's dispatch and profiler overhead.")
-    if args.json:
-        print(json.dumps(dict(peaks=peaks, summaries=summaries), indent=1))
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "roofline",
-        help="per-operator FLOPs, bytes, intensity, time and compute/memory-bound verdict",
-        description="Measure this machine's peak FLOP/s and bandwidth, then profile one forward pass: per "
-        "operator FLOPs, bytes moved, arithmetic intensity, measured time (torch.profiler) and whether it is "
-        "compute- or memory-bound; the summary compares the memory-bound share with a standard ViT.",
-    )
-    p.add_argument("--model", default="efficientvit_m4", help="cgavit variant or timm model (default efficientvit_m4)")
-    p.add_argument("--compare", default="deit_tiny_patch16_224",
-                   help="second model side by side (default deit_tiny_patch16_224; '' for none)")
-    p.add_argument("--batch", type=int, default=16, help="batch (default 16)")
-    p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
-    p.add_argument("--threads", type=int, default=1, help="threads (default 1)")
-    p.add_argument("--repeats", type=int, default=3, help="profiled forward passes (default 3)")
-    p.add_argument("--top", type=int, default=20, help="operator rows to print (default 20)")
-    p.add_argument("--json", action="store_true", help="also print the summary as JSON")
-    p.add_argument("--peak-seconds", type=float, default=1.0, help="seconds per peak micro-benchmark (default 1; best rate kept)")
-    p.add_argument("--peak-gflops", type=float, help="use this fp32 peak (GFLOP/s) instead of the measured one")
-    p.add_argument("--bandwidth-gbs", type=float, help="use this bandwidth (GB/s, read+write) instead of the measured one")
-    p.set_defaults(func=_run)

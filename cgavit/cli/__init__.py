@@ -32,7 +32,7 @@ COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("cgavit.cli.analyze", "train", ("analyze",)),
     ("cgavit.cli.ablate", "train", ("ablate",)),
     ("cgavit.cli.detect", "detect", ("detect",)),
-    ("cgavit.cli.bench", "train", ("bench",)),
+    ("cgavit.cli.bench", "bench", ("bench",)),
     ("cgavit.cli.export", "deploy", ("export",)),
     ("cgavit.cli.roofline", "", ("roofline",)),
 )

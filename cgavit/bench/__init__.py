@@ -1,0 +1,81 @@
+"""``cgavit bench``: the paper's throughput protocol, our models beside timm's port and peers, same run.
+
+Protocol (the official speed test): BatchNorm fused, grad off, warm-up, then timed repeats.
+CPU: 1 thread, batch 16, fp32. GPU: batch 2048, AMP (fp16 autocast), CUDA-event timing.
+Every candidate is timed round-robin (:func:`cgavit.timing.round_robin`: one batch each, in turn)
+so that load from other processes hits all of them alike; the table reports the median and the
+interquartile range over repeats, and each EfficientViT row's ratio to timm's traced port of the
+same variant with the same weights.
+
+One module per job:
+
+- ``candidates``: the main table's inference paths (ours, timm's port, timm's peers) and their timing.
+- ``photos``: real images (library sample photos, CIFAR-10) preprocessed for the model.
+- ``probe``: BatchNorm recalibration, the linear probe, the fp32/bf16/int8 precision check.
+- ``train_speed``: training-step throughput against timm's port.
+- ``report``: text tables, the environment record, bench.csv/json and the plot.
+- ``run``: :class:`BenchConfig` -> :func:`run_bench` -> :class:`BenchReport`.
+- ``optional``: the one place the heavy optional dependencies (timm, matplotlib, scikit-image,
+  scikit-learn) are imported, on first use.
+
+Example::
+
+    from cgavit.bench import BenchConfig, run_bench
+
+    report = run_bench(BenchConfig(models=("m0",), peers=(), repeats=10, out=None))
+    for r in report.results:
+        print(r.name, r.median)
+"""
+
+from .candidates import PEERS_TOP1, Candidate, Result, build_candidates, peer_model, time_candidates, timm_port, trace
+from .photos import SKIMAGE_PHOTOS, load_cifar, sample_photos, to_model_input
+from .probe import PrecisionRow, fit_linear_probe, precision_report, recalibrate_batchnorm
+from .report import (
+    BATCH_NOTE,
+    PRECISION_NOTE,
+    TABLE_NOTE,
+    environment,
+    format_precision_table,
+    format_table,
+    format_training,
+    plot,
+    write_report,
+)
+from .run import BenchConfig, BenchProtocol, BenchReport, measure_table, resolve_protocol, run_bench
+from .train_speed import TrainingRow, train_throughput
+
+__all__ = [
+    "BATCH_NOTE",
+    "PEERS_TOP1",
+    "PRECISION_NOTE",
+    "SKIMAGE_PHOTOS",
+    "TABLE_NOTE",
+    "BenchConfig",
+    "BenchProtocol",
+    "BenchReport",
+    "Candidate",
+    "PrecisionRow",
+    "Result",
+    "TrainingRow",
+    "build_candidates",
+    "environment",
+    "fit_linear_probe",
+    "format_precision_table",
+    "format_table",
+    "format_training",
+    "load_cifar",
+    "measure_table",
+    "peer_model",
+    "plot",
+    "precision_report",
+    "recalibrate_batchnorm",
+    "resolve_protocol",
+    "run_bench",
+    "sample_photos",
+    "time_candidates",
+    "timm_port",
+    "to_model_input",
+    "trace",
+    "train_throughput",
+    "write_report",
+]

@@ -1,0 +1,161 @@
+"""The main throughput table: our inference paths, timm's port of the same variant, timm's peers.
+
+Every EfficientViT variant appears as timm's ``efficientvit_msra`` port with our weights (BatchNorm
+fused by timm, traced), our fused model, and our :func:`~cgavit.deploy.optimize` paths; each of ours
+is checked against the port on the benchmark input. The peers are timm models with random weights.
+All candidates are timed round-robin by :func:`cgavit.timing.round_robin`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..deploy import fuse, optimize
+from ..factory import create_model
+from ..testing import randomize_, rel_err
+from ..timing import iqr, round_robin
+from ..variants import VARIANTS
+from ..weights import to_timm_state_dict
+from .optional import create_timm_model, reparameterize
+
+log = logging.getLogger(__name__)
+
+#: Published ImageNet-1k top-1 (%) of the timm peers, from their papers (timm's own evaluation in
+#: brackets where it differs): MobileNetV3-Large 75.8 [timm 75.77], LeViT-128S 76.5, EfficientNet-B0
+#: 77.7 [timm 77.69], MobileViT-XXS 68.9 [timm 68.91], DeiT-Tiny 72.2.
+PEERS_TOP1 = {
+    "mobilenetv3_large_100": 75.8,
+    "levit_128s": 76.5,
+    "efficientnet_b0": 77.7,
+    "mobilevit_xxs": 68.9,
+    "deit_tiny_patch16_224": 72.2,
+}
+
+
+@dataclass
+class Result:
+    """One candidate's timings; ``ips`` = images per second of each timed round."""
+
+    name: str
+    kind: str  # "ours", "timm-port" or "peer"
+    variant: str  # the architecture (e.g. efficientvit_m0, levit_128s)
+    top1: float | None
+    ips: list[float] = field(default_factory=list)
+    rel_err_vs_timm: float | None = None
+    ratio_to_timm: float | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ips)
+
+    @property
+    def iqr(self) -> tuple[float, float]:
+        return iqr(self.ips)
+
+
+@dataclass
+class Candidate:
+    """One timed inference path: ``fn`` maps an image batch to logits."""
+
+    name: str
+    kind: str
+    variant: str
+    top1: float | None
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    rel_err_vs_timm: float | None = None
+
+
+def timm_port(model: nn.Module, name: str, img_size: tuple[int, int]) -> nn.Module:
+    """timm's ``efficientvit_msra`` model with ``model``'s weights, BatchNorm fused by timm itself."""
+    port = create_timm_model(name, img_size=img_size[0])
+    port.load_state_dict(to_timm_state_dict(model.state_dict()))
+    return reparameterize(port)
+
+
+def trace(module: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``torch.jit.trace(module, x)`` without autograd and without the tracer's warnings."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.jit.trace(module, x)
+
+
+def peer_model(name: str, img_size: tuple[int, int]) -> nn.Module:
+    """A timm peer with random weights in its inference form; ValueError for a name not in :data:`PEERS_TOP1`."""
+    if name not in PEERS_TOP1:
+        raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS_TOP1)} or 'none'")
+    kwargs = {"img_size": img_size} if name.startswith(("deit", "levit")) else {}  # the others are size-agnostic
+    return reparameterize(create_timm_model(name, **kwargs))
+
+
+def variant_candidates(
+    name: str, x: torch.Tensor, precision: str, device: torch.device, compile: bool = True, onnx: bool = False
+) -> list[Candidate]:
+    """timm's traced port of variant ``name``, then our paths of it, each checked against the port.
+
+    On the CPU ours are the fused model and ``optimize`` (torch; with ``onnx`` and fp32 also ONNX
+    Runtime); on a GPU the fused model eager and traced.
+    """
+    top1 = VARIANTS[name].top1
+    size = tuple(x.shape[2:])
+    model = randomize_(create_model(name, img_size=size), seed=0).eval()
+    port = timm_port(model, name, size).to(device)
+    model.to(device)
+    fused = fuse(model)
+    ours = {f"cgavit {name} fuse": fused}
+    if device.type == "cpu":
+        label = f"cgavit {name} optimize {precision} torch{'.compile' if compile else ' eager'}"
+        ours[label] = optimize(model, x, precision=precision, backend="torch", compile=compile)
+        if onnx and precision == "fp32":
+            ours[f"cgavit {name} optimize fp32 onnxruntime"] = optimize(model, x, precision="fp32", backend="onnxruntime")
+    else:
+        ours[f"cgavit {name} fuse, traced"] = trace(fused, x)
+    with torch.no_grad():
+        log.info("%s: fused vs timm port relative error %.1e", name, rel_err(fused(x), port(x)))
+        with torch.autocast(device.type, enabled=device.type == "cuda"):
+            errors = {label: rel_err(fn(x), port(x)) for label, fn in ours.items()}
+    cands = [Candidate(f"timm {name} (fused, traced)", "timm-port", name, top1, trace(port, x))]
+    cands += [Candidate(label, "ours", name, top1, fn, errors[label]) for label, fn in ours.items()]
+    return cands
+
+
+def build_candidates(
+    models: list[str],
+    peers: list[str],
+    x: torch.Tensor,
+    precision: str,
+    device: torch.device,
+    compile: bool = True,
+    onnx: bool = False,
+) -> list[Candidate]:
+    """Every variant's candidates (:func:`variant_candidates`), then the traced peers."""
+    cands = [c for name in models for c in variant_candidates(name, x, precision, device, compile, onnx)]
+    for peer in peers:
+        net = peer_model(peer, tuple(x.shape[2:])).to(device)
+        cands.append(Candidate(f"timm {peer} (traced)", "peer", peer, PEERS_TOP1[peer], trace(net, x)))
+    return cands
+
+
+def time_candidates(
+    cands: list[Candidate], x: torch.Tensor, warmup: int, repeats: int, device: torch.device
+) -> list[Result]:
+    """Time the candidates round-robin on ``x`` (autocast on a GPU); each row's ratio to its variant's port."""
+    calls = {c.name: partial(c.fn, x) for c in cands}
+    if len(calls) != len(cands):
+        raise ValueError("candidate names must be distinct (a model or peer given twice?)")
+    with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
+        timings = round_robin(calls, warmup, repeats, device=device, progress=True)
+    results = [Result(c.name, c.kind, c.variant, c.top1, timings[c.name].per_second(x.shape[0]), c.rel_err_vs_timm)
+               for c in cands]
+    ports = {r.variant: r.median for r in results if r.kind == "timm-port"}
+    for r in results:
+        if r.variant in ports:
+            r.ratio_to_timm = r.median / ports[r.variant]
+    return results

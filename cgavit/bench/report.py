@@ -1,0 +1,142 @@
+"""The bench's outputs: the text tables, the environment record, bench.csv, bench.json and the
+accuracy-against-throughput plot (all files written atomically)."""
+
+from __future__ import annotations
+
+import csv
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..io import atomic_write, write_json
+from .candidates import Result
+from .optional import matplotlib_agg, timm_version
+from .probe import PrecisionRow
+from .train_speed import TrainingRow
+
+BATCH_NOTE = (
+    "Batch size decides throughput: these are images/s at batch {batch}. Batch-1 latency and "
+    "batch-2048 GPU throughput measure different things; compare figures only at the same batch, "
+    "threads, precision and image size (the paper: CPU 1 thread batch 16 fp32; GPU batch 2048 AMP)."
+)
+TABLE_NOTE = (
+    "img/s: median over timed rounds; IQR: 25th-75th percentile; 'x timm port': ratio of medians to "
+    "timm's efficientvit_msra (BatchNorm fused by timm, torch.jit.trace) with the same weights, same run; "
+    "rel err: our output vs that port's."
+)
+PRECISION_NOTE = (
+    "top-1 agree / rel err: against the plain fused fp32 model in eager mode; x fp32: throughput ratio to the "
+    "first row.\n"
+    "top-1 agree: share of images whose top-1 class equals the plain fp32 model's. No pretrained weights offline: "
+    "random weights and BatchNorm affine, BatchNorm statistics recalibrated on real images; with --cifar "
+    "a linear-probe head fitted on CIFAR-10 train images (accuracy: on CIFAR-10 test images). "
+    "'classes': distinct fp32 top-1 classes among the images."
+)
+CSV_HEADER = ("model", "kind", "variant", "img_s_median", "iqr_low", "iqr_high", "min", "max",
+              "ratio_to_timm_port", "rel_err_vs_timm", "published_top1")
+PLOT_NAME = "accuracy_vs_throughput.png"
+
+
+def format_table(results: list[Result]) -> str:
+    """The main table: one line per candidate (an empty table for no results)."""
+    head = f"{'model':<52}{'img/s':>9}{'IQR':>17}{'x timm port':>12}{'rel err':>9}{'top-1':>7}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lo, hi = r.iqr
+        ratio = f"{r.ratio_to_timm:.2f}" if r.ratio_to_timm is not None else ""
+        err = f"{r.rel_err_vs_timm:.0e}" if r.rel_err_vs_timm is not None else ""
+        top1 = f"{r.top1:.1f}" if r.top1 is not None else ""
+        lines.append(f"{r.name:<52}{r.median:>9.1f}{f'{lo:.1f}-{hi:.1f}':>17}{ratio:>12}{err:>9}{top1:>7}")
+    return "\n".join(lines)
+
+
+def format_precision_table(rows: list[PrecisionRow]) -> str:
+    """The precision check: one line per model, path and image set."""
+    lines = [f"{'model':<17}{'path':<30}{'images':<8}{'n':>5}{'img/s':>8}{'x fp32':>7}{'top-1 agree':>12}"
+             f"{'rel err':>9}{'classes':>8}{'accuracy':>9}"]
+    for r in rows:
+        acc = "" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
+        lines.append(f"{r['model']:<17}{r['path']:<30}{r['images']:<8}{r['n']:>5}{r['img_s']:>8.1f}"
+                     f"{r['ratio_to_fp32']:>7.2f}{100 * r['top1_agreement']:>11.1f}%{r['rel_err']:>9.1e}"
+                     f"{r['fp32_distinct_classes']:>8}{acc:>9}")
+    return "\n".join(lines)
+
+
+def format_training(rows: list[TrainingRow]) -> str:
+    """The training comparison: one line per variant."""
+    return "\n".join(
+        f"training (forward+backward, batch {r['batch']}, train mode): {r['model']} cgavit "
+        f"{r['cgavit_ips']:.1f} img/s, timm {r['timm_ips']:.1f} img/s, ratio {r['ratio']:.2f}"
+        for r in rows
+    )
+
+
+def environment() -> dict[str, str]:
+    """CPU model, library versions and date, for the record."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return dict(cpu=cpu, torch=torch.__version__, timm=timm_version(), python=platform.python_version(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def write_csv(results: list[Result], path: str | Path) -> Path:
+    """bench.csv: one row per candidate (images/s median, IQR, range, ratio, error, published top-1)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(CSV_HEADER)
+            for r in results:
+                w.writerow([r.name, r.kind, r.variant, f"{r.median:.2f}", f"{r.iqr[0]:.2f}", f"{r.iqr[1]:.2f}",
+                            f"{min(r.ips):.2f}", f"{max(r.ips):.2f}",
+                            "" if r.ratio_to_timm is None else f"{r.ratio_to_timm:.3f}",
+                            "" if r.rel_err_vs_timm is None else f"{r.rel_err_vs_timm:.2e}", r.top1 or ""])
+
+    return atomic_write(path, write)
+
+
+def plot(results: list[Result], path: str | Path, title: str) -> Path:
+    """Published top-1 against measured images/s (log scale), one point per candidate; a PNG."""
+    mpl = matplotlib_agg()
+    fig, ax = mpl.pyplot.subplots(figsize=(8, 5.5))
+    colors = {"ours": "tab:red", "timm-port": "tab:gray", "peer": "tab:blue"}
+    kinds = (("ours", "cgavit (this package)"), ("timm-port", "timm efficientvit_msra port"), ("peer", "timm peers"))
+    for kind, legend in kinds:
+        pts = [r for r in results if r.kind == kind and r.top1 is not None]
+        if pts:
+            ax.scatter([r.median for r in pts], [r.top1 for r in pts], c=colors[kind], label=legend, s=40)
+            for r in pts:
+                label = r.name.replace("cgavit ", "").replace("timm ", "").replace("efficientvit_", "")
+                stacked = sum(1 for q in results if q.top1 == r.top1 and results.index(q) < results.index(r))
+                ax.annotate(label, (r.median, r.top1), fontsize=6, xytext=(4, 4 + 8 * stacked),
+                            textcoords="offset points", arrowprops=dict(arrowstyle="-", lw=0.3, color="0.6"))
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(mpl.ticker.ScalarFormatter())
+    ax.set_xlabel("measured throughput (images/s, log scale)")
+    ax.set_ylabel("published ImageNet-1k top-1 (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=130, format="png"))
+    mpl.pyplot.close(fig)
+    return Path(path)
+
+
+def write_report(out: str | Path, record: dict, results: list[Result], title: str) -> list[Path]:
+    """Write ``bench.json`` (``record``), ``bench.csv`` and the plot into folder ``out``; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        write_csv(results, out / "bench.csv"),
+        write_json(out / "bench.json", record),
+        plot(results, out / PLOT_NAME, title),
+    ]

@@ -1,0 +1,102 @@
+"""``cgavit bench``: throughput of our variants vs timm's port and peers, same run (the paper's protocol)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..bench import (
+    BATCH_NOTE,
+    PEERS_TOP1,
+    PRECISION_NOTE,
+    TABLE_NOTE,
+    BenchConfig,
+    BenchReport,
+    format_precision_table,
+    format_table,
+    format_training,
+    resolve_protocol,
+    run_bench,
+)
+from .common import image_size
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The typed config for the parsed ``cgavit bench`` flags."""
+    return BenchConfig(
+        device=args.device,
+        threads=args.threads,
+        batch=args.batch,
+        img_size=image_size(args.img_size),
+        precision=args.precision,
+        models=tuple(args.models),
+        peers=() if args.peers == ["none"] else tuple(args.peers),
+        warmup=args.warmup,
+        repeats=args.repeats,
+        compile=not args.no_compile,
+        onnx=args.onnx,
+        train=args.train,
+        precision_check=args.precision_check,
+        skip_table=args.skip_table,
+        cifar=args.cifar or None,
+        cifar_per_class=args.cifar_per_class,
+        train_batch=args.train_batch,
+        out=args.out or None,
+    )
+
+
+def print_section(section: str, report: BenchReport) -> None:
+    """Print one finished section of the report (``run_bench``'s ``on_section``)."""
+    if section == "table":
+        print(format_table(report.results))
+        print(TABLE_NOTE)
+        print(BATCH_NOTE.format(batch=report.protocol.batch))
+    elif section == "precision":
+        print("\n" + format_precision_table(report.precision))
+        print(PRECISION_NOTE)
+    elif section == "training" and report.training:
+        print(format_training(report.training))
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    print(resolve_protocol(cfg).describe())
+    report = run_bench(cfg, on_section=print_section)
+    if report.files:
+        print(f"wrote {', '.join(str(p) for p in report.files)}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="throughput of our variants vs timm's port and peers, same run (the paper's protocol)",
+        description="Time cgavit's inference paths, timm's efficientvit_msra port (same weights) and timm peers "
+        "round-robin in one process. Defaults are the paper's protocol: CPU 1 thread, batch 16, fp32; "
+        "GPU batch 2048, AMP. Random weights (throughput does not depend on them); published top-1 "
+        "figures are used for the accuracy-throughput plot.",
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: 1 on CPU, as the paper)")
+    p.add_argument("--batch", type=int, help="batch size (default: 16 on CPU, 2048 on GPU)")
+    p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N", help="N or H W (default 224)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "amp"],
+                   help="our optimize() precision (default fp32 on CPU, amp on GPU); baselines run fp32 on CPU")
+    p.add_argument("--models", nargs="+", default=["efficientvit_m0", "efficientvit_m4"], metavar="NAME",
+                   help="our variants (default efficientvit_m0 efficientvit_m4)")
+    p.add_argument("--peers", nargs="+", default=list(PEERS_TOP1), metavar="NAME",
+                   help=f"timm peers with random weights, or 'none' (default: {' '.join(PEERS_TOP1)})")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls per candidate (default 10)")
+    p.add_argument("--repeats", type=int, default=30, help="timed rounds, one batch per candidate each (default 30)")
+    p.add_argument("--no-compile", action="store_true", help="optimize() without torch.compile (quick runs)")
+    p.add_argument("--no-onnx", dest="onnx", action="store_false",
+                   help="skip optimize()'s ONNX Runtime backend (its default on CPU for fp32)")
+    p.add_argument("--train", action="store_true", help="also time training steps (forward+backward) vs timm's port")
+    p.add_argument("--precision-check", action="store_true",
+                   help="also compare fp32, bf16 and int8 paths: throughput and top-1 agreement on real photos")
+    p.add_argument("--skip-table", action="store_true", help="skip the main throughput table (e.g. with --precision-check)")
+    p.add_argument("--cifar", default="", help="CIFAR-10 JPEG tarball or folder for --precision-check (linear probe on "
+                   "train images, agreement and accuracy on test images)")
+    p.add_argument("--cifar-per-class", type=int, default=20, help="CIFAR-10 images per class and split (default 20)")
+    p.add_argument("--train-batch", type=int, default=64, help="batch of the training comparison (default 64)")
+    p.add_argument("--out", default="bench-results", help="folder for bench.csv, bench.json and the plot ('' = none)")
+    p.set_defaults(func=run)
