@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from cgavit import create_model
-from cgavit.analysis import cosine_similarity_matrix, head_similarity, taylor_importance
-from cgavit.analysis.heads import mean_similarity
+from cgavit.analysis import cosine_similarity_matrix, head_similarity, map_similarity, mean_off_diagonal, taylor_importance
+from cgavit.analysis.heads import BlockSimilarity, mean_similarity
+from cgavit.analysis.reports import AnalysisConfig, run_heads, run_taylor
 from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fraction, pruning_order
 from cgavit.attention import CascadedGroupAttention, LocalWindowAttention
 from cgavit.cli import main
@@ -101,6 +102,41 @@ def test_head_similarity_matches_forward_maps():
     assert torch.allclose(blocks[0].matrix, want, atol=1e-6)
 
 
+def test_map_similarity_one_head_identical_orthogonal():
+    """The one definition: per-window cosine of the flattened maps, averaged over windows."""
+    one = map_similarity(torch.rand(1, 5, 4, 4))
+    assert one.shape == (1, 1) and one.item() == pytest.approx(1.0)
+    assert mean_off_diagonal(one) is None  # one head: no pairs, None (never NaN)
+    a = torch.rand(5, 4, 4)
+    assert torch.allclose(map_similarity(torch.stack([a, a, a])), torch.ones(3, 3, dtype=torch.float64))
+    assert mean_off_diagonal(map_similarity(torch.stack([a, a]))) == pytest.approx(1.0)
+    eye = torch.eye(4).expand(2, 4, 4)
+    shift = torch.roll(torch.eye(4), 1, dims=1).expand(2, 4, 4)
+    orth = map_similarity(torch.stack([eye, shift]))
+    assert torch.allclose(orth, torch.eye(2, dtype=torch.float64)) and mean_off_diagonal(orth) == 0.0
+    # averaged per window, not one cosine over all windows concatenated
+    maps = torch.rand(3, 4, 9, 9)
+    assert torch.allclose(map_similarity(maps), cosine_similarity_matrix(maps).mean(0))
+
+
+def test_one_head_block_is_json_clean():
+    blk = BlockSimilarity("stages.0.blocks.0.mixer.m.attn", 0, 0, torch.ones(1, 1), windows=2, tokens=16)
+    assert blk.mean_off_diagonal is None
+    assert json.loads(json.dumps(blk.to_dict(), allow_nan=False))["mean_off_diagonal"] is None
+    assert mean_similarity([blk]) != mean_similarity([blk])  # no block with pairs: NaN summary
+
+
+def test_head_similarity_block_equals_map_similarity():
+    model = randomize_(create_model("m0", num_classes=3, img_size=64, **TINY)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    blocks = head_similarity(model, x)
+    attn = model.stages[0].blocks[0].mixer.m.attn
+    feats = model.stages[0].blocks[0].pre(model.patch_embed(x))
+    want = map_similarity(torch.stack(attn.head_attention_maps(feats)))
+    assert torch.allclose(blocks[0].matrix.double(), want, atol=1e-6)
+    assert blocks[0].mean_off_diagonal == pytest.approx(mean_off_diagonal(want), abs=1e-6)
+
+
 # ----------------------------------------------------------------------------- Taylor importance
 def test_channel_importance_by_hand():
     conv = nn.Conv2d(2, 2, 1, bias=False)
@@ -186,6 +222,25 @@ def test_analyze_commands(tmp_path, capsys):
     assert main(["analyze", "taylor", "--data", str(data), "--num-classes", "2", "--output", str(tmp_path / "t2"), *dials]) == 0
     assert json.loads((tmp_path / "t2" / "taylor.json").read_text())["loss_targets"] == "labels"
     assert "folder labels" in capsys.readouterr().out
+
+
+def test_analysis_runs_typed(tmp_path):
+    data = _image_folder(tmp_path / "data")
+    dials = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
+    cfg = AnalysisConfig(output=str(tmp_path / "h"), data=str(data), img_size=64, num_images=4, batch_size=3, dials=dials)
+    heads = run_heads(cfg)
+    assert heads.json_path == tmp_path / "h" / "heads.json" and all(p.exists() for p in heads.plots)
+    assert json.loads(heads.json_path.read_text()) == json.loads(json.dumps(heads.report))
+    assert heads.report["num_images"] == 4 and heads.report["dials"]["embed_dim"] == [16, 24, 32]
+    assert [b.windows for b in heads.blocks] == [4, 4, 4]  # two batches of two, one window each at 64 px
+    cfg = AnalysisConfig(output=str(tmp_path / "t"), data=str(data), img_size=64, num_images=4, num_classes=2, dials=dials)
+    taylor = run_taylor(cfg, prune_ratio=0.5, list_pruned=3)
+    assert taylor.targets == "labels" and len(taylor.report["pruned_first"]) == 3
+    assert run_taylor(cfg, targets="predictions").targets == "predictions"
+    with pytest.raises(ValueError, match="targets must be one of"):
+        run_taylor(cfg, targets="guess")
+    with pytest.raises(ValueError, match="not both"):
+        run_heads(AnalysisConfig(output=str(tmp_path), data=str(data), images=("a.png",)))
 
 
 def test_analyze_bad_input(tmp_path, capsys):

@@ -20,7 +20,7 @@ import cgavit
 from cgavit.attention import CascadedGroupAttention
 from cgavit.cli import main
 from cgavit.testing import randomize_, rel_err
-from cgavit.weights import resize_bias_table, save_weights
+from cgavit.weights import CheckpointError, resize_bias_table, save_weights
 
 pytest.importorskip("torchvision")
 pytest.importorskip("pycocotools")
@@ -34,13 +34,16 @@ from cgavit.detection import (  # noqa: E402
     check_coco,
     detection_body,
     evaluate,
+    evaluate_checkpoint,
     freeze_batchnorm,
     load_detector,
     maskrcnn,
+    predict_images,
     retinanet,
     train,
     write_shapes_dataset,
 )
+from cgavit.detection.coco import decode_masks, encode_masks, rle_box_area, segmentation_rle  # noqa: E402
 from cgavit.detection.engine import coco_metrics, lr_factor, param_groups, read_checkpoint, to_coco_results  # noqa: E402
 
 SIZE = 128
@@ -278,6 +281,32 @@ def test_coco_metrics_of_the_ground_truth_is_perfect(shapes):
     assert none["AP"] == 0 and "no detections" in text
 
 
+def test_rle_helpers_round_trip():
+    masks = torch.zeros(2, 12, 10, dtype=torch.uint8)
+    masks[0, 2:5, 3:8] = 1
+    masks[1, 6:12, 0:2] = 1
+    rles = encode_masks(masks.numpy())
+    assert all(isinstance(r["counts"], str) for r in rles)  # JSON-ready
+    assert json.loads(json.dumps(rles)) == rles
+    assert torch.equal(torch.from_numpy(decode_masks(rles)).permute(2, 0, 1), masks)
+    assert rle_box_area(rles[0]) == ([3.0, 2.0, 5.0, 3.0], 15.0)
+    square = segmentation_rle([[3, 2, 8, 2, 8, 5, 3, 5]], 12, 10)  # polygon -> RLE
+    assert rle_box_area(square)[0] == [3.0, 2.0, 5.0, 3.0]
+    assert segmentation_rle(rles[1], 12, 10) is rles[1]  # already compressed
+
+
+def test_predict_checks_inputs_first(shapes, tmp_path):
+    image = Path(shapes["val_images"]) / "val_00000.png"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        predict_images(tmp_path / "none.pth", [tmp_path / "missing.png"])
+    with pytest.raises(ValueError, match="looks like a file"):
+        predict_images(tmp_path / "none.pth", [image, image], out=tmp_path / "one.png")
+    with pytest.raises(CheckpointError):
+        predict_images(tmp_path / "none.pth", [image], device="cpu")
+    with pytest.raises(ValueError, match="give the evaluation data"):
+        evaluate_checkpoint(tmp_path / "none.pth", "", shapes["val_images"])
+
+
 # ----------------------------------------------------------------------------------------- training
 def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path):
     out = tmp_path / "run"
@@ -292,6 +321,15 @@ def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path):
     ds = CocoDetection(check_coco(shapes["val_json"], shapes["val_images"]), shapes["val_images"])
     again, _ = evaluate(model, ds, progress=False)
     assert again["bbox_AP"] == pytest.approx(metrics["bbox_AP"])
+    # the returned record is the last epoch's, with its evaluation
+    assert metrics["epoch"] == 8 and metrics["loss"] == pytest.approx(losses[-1])
+    # the typed entry points behind `detect eval` and `detect predict`
+    typed, summary = evaluate_checkpoint(out / "model.pth", shapes["val_json"], shapes["val_images"], workers=0, device="cpu")
+    assert typed["bbox_AP"] == pytest.approx(metrics["bbox_AP"]) and summary.startswith("bbox")
+    image = Path(shapes["val_images"]) / "val_00001.png"
+    (pred,) = predict_images(out / "model.pth", [image], tmp_path / "drawn", score_threshold=0.0, device="cpu")
+    assert pred.image == image and pred.drawn == tmp_path / "drawn" / "val_00001_pred.png" and pred.drawn.is_file()
+    assert len(pred.names) == len(pred.scores) == len(pred.boxes) and set(pred.names) <= {"square", "circle", "triangle"}
 
 
 def test_resume_continues_exactly(shapes, tmp_path):

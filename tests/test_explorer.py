@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from cgavit.analysis import head_similarity, map_similarity, mean_off_diagonal
 from cgavit.attention import CascadedGroupAttention
-from cgavit.explorer.compute import MAX_UPLOAD_BYTES, ImageAttention, build_model
+from cgavit.explorer.compute import MAX_UPLOAD_BYTES, ImageAttention, ToyCGA, build_model
 from cgavit.explorer.server import STATIC_DIR, ExplorerServer
 from cgavit.testing import randomize_
 
@@ -210,7 +211,7 @@ def test_image_attention(server):
     seen = {}
     hook = lwa.register_forward_pre_hook(lambda _, a: seen.setdefault("x", a[0]))
     with torch.no_grad():
-        images.model.forward_features(images._images[image_id])
+        images.model.forward_features(images.image(image_id))
         hook.remove()
         maps = lwa.attn.head_attention_maps(seen["x"][:, :, 7:14, 0:7])
     want = np.stack([m[0, (9 - 7) * 7 + 3].double().numpy().reshape(7, 7) for m in maps])
@@ -300,3 +301,34 @@ def test_windows_with_padding():
     m = np.array(images.attention(image_id, 0, None)["maps"])
     np.testing.assert_allclose(m[:, :7, :7].sum(axis=(1, 2)), 1.0, atol=1e-5)  # the one uncropped window
     assert (m[:, 7:, 7:].sum(axis=(1, 2)) < 1).all()
+
+
+# ------------------------------------------------------------------------------- one head similarity
+@pytest.mark.parametrize("heads,cascade,groups", [(4, True, True), (6, False, False), (1, True, True)])
+def test_toy_similarity_is_the_analysis_definition(heads, cascade, groups):
+    """The page's six-token similarity is what cgavit.analysis computes for the same module and tokens."""
+    toy = ToyCGA()
+    got = toy.run(heads, cascade, groups, seed=4)
+    (blk,) = head_similarity(toy.module(heads, cascade, groups, 4), toy.tokens(4))
+    np.testing.assert_allclose(np.array(got["similarity"]), blk.matrix.double().numpy(), atol=1e-6)
+    assert got["mean_similarity"] == (None if heads == 1 else pytest.approx(blk.mean_off_diagonal, abs=1e-6))
+    assert blk.mean_off_diagonal is None if heads == 1 else blk.mean_off_diagonal is not None
+
+
+def test_image_similarity_is_the_analysis_definition():
+    """Several windows per map: the explorer and cgavit.analysis.head_similarity agree block by block."""
+    images = ImageAttention(*build_model(img_size=160))  # stage 1: 10x10, four (partly padded) windows
+    image_id = images.add_image(png_bytes())["image_id"]
+    blocks = head_similarity(images.model, images.image(image_id))
+    assert len(blocks) == len(images.info()["blocks"])
+    for k, blk in enumerate(blocks):
+        d = images.attention(image_id, k, None)
+        np.testing.assert_allclose(np.array(d["similarity"]), blk.matrix.double().numpy(), atol=1e-6)
+        assert d["mean_similarity"] == pytest.approx(blk.mean_off_diagonal, abs=1e-6)
+    assert blocks[0].windows == 4
+
+
+def test_one_head_has_no_pairs():
+    maps = torch.rand(1, 3, 4, 4).softmax(-1)
+    sim = map_similarity(maps)
+    assert sim.tolist() == [[pytest.approx(1.0)]] and mean_off_diagonal(sim) is None

@@ -1,29 +1,25 @@
 """Analyses of the seed's claims: head similarity, Taylor channel importance, the ablation study.
 
-Submodules are imported on first use, so ``import cgavit.analysis`` stays cheap:
-
-- :func:`head_similarity` (``heads``): per-block cosine similarity of the heads' attention maps.
+- :func:`head_similarity` (``heads``): per-block cosine similarity of the heads' attention maps;
+  :func:`map_similarity` is the same definition for maps already in hand (the explorer uses it).
 - :func:`taylor_importance` (``taylor``): first-order Taylor importance of Q/K/V/FFN/projection channels.
+- ``reports``: the ``cgavit analyze`` runs as library calls (model, image sample, JSON and figures).
 - ``ablation``: the sandwich / channel-group / cascade / reallocation ladder, trained and measured.
+
+Importing this package needs torch only; ``reports`` and ``ablation`` need the ``train`` extra and
+are imported by name.
 """
 
-from __future__ import annotations
+from .heads import BlockSimilarity, cosine_similarity_matrix, head_similarity, map_similarity, mean_off_diagonal
+from .taylor import BlockImportance, pruning_order, taylor_importance
 
-import importlib
-
-_LAZY = {
-    "head_similarity": "heads",
-    "BlockSimilarity": "heads",
-    "cosine_similarity_matrix": "heads",
-    "taylor_importance": "taylor",
-    "BlockImportance": "taylor",
-    "pruning_order": "taylor",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "BlockImportance",
+    "BlockSimilarity",
+    "cosine_similarity_matrix",
+    "head_similarity",
+    "map_similarity",
+    "mean_off_diagonal",
+    "pruning_order",
+    "taylor_importance",
+]

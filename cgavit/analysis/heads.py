@@ -6,18 +6,32 @@ windows. Values near 1 mean heads that attend alike (redundant), lower values di
 come from :meth:`~cgavit.attention.CascadedGroupAttention.head_attention_maps`, the same arithmetic as
 the forward pass, captured by a forward hook on each attention module, so windows, padding and every
 dial combination are exactly what the model computes.
+
+This module holds the package's one head-similarity definition (the explorer uses it too):
+
+* :func:`map_similarity` -- for maps ``(h, W, N, N)``: the cosine similarity of every pair of heads'
+  flattened maps in each window, averaged over the windows. :func:`head_similarity` averages the
+  same quantity over every window of every image it runs.
+* :func:`mean_off_diagonal` -- the mean over head pairs. A single head has no pairs: the value is
+  None (never NaN, so it survives strict JSON), and its matrix is ``[[1.0]]``.
+
+Only torch is imported here; the figures (:func:`plot_similarity`) go through :mod:`.plots`, which
+imports matplotlib when a figure is drawn.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..attention import CascadedGroupAttention
+from .plots import bar_chart, heatmap_grid
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +61,12 @@ class BlockSimilarity:
         return self.matrix.shape[0]
 
     @property
-    def mean_off_diagonal(self) -> float:
-        """Mean similarity over head pairs (NaN with one head)."""
-        h = self.num_heads
-        if h < 2:
-            return float("nan")
-        return float((self.matrix.sum() - self.matrix.diagonal().sum()) / (h * (h - 1)))
+    def mean_off_diagonal(self) -> float | None:
+        """Mean similarity over head pairs; None with one head (see :func:`mean_off_diagonal`)."""
+        return mean_off_diagonal(self.matrix)
 
     def to_dict(self) -> dict:
+        """JSON-ready values (``mean_off_diagonal`` is null for one head)."""
         return dict(
             name=self.name,
             stage=self.stage,
@@ -81,6 +93,27 @@ def cosine_similarity_matrix(maps: torch.Tensor) -> torch.Tensor:
     flat = maps.reshape(h, w, -1).transpose(0, 1).double()  # (W, h, N*N)
     flat = flat / flat.norm(dim=-1, keepdim=True).clamp_min(1e-30)
     return flat @ flat.transpose(1, 2)  # (W, h, h)
+
+
+def map_similarity(maps: torch.Tensor) -> torch.Tensor:
+    """The head similarity of one block's maps: per-window cosine similarity, averaged over windows.
+
+    Args:
+        maps: ``(h, W, N, N)`` attention maps of ``h`` heads over ``W`` windows (one window:
+            ``maps[:, None]``); everything past dim 1 is flattened.
+
+    Returns:
+        ``(h, h)`` float64, ones on the diagonal (``[[1.0]]`` for one head).
+    """
+    return cosine_similarity_matrix(maps.detach()).mean(0)
+
+
+def mean_off_diagonal(matrix: torch.Tensor) -> float | None:
+    """Mean of an ``(h, h)`` similarity matrix over head pairs; None when ``h < 2`` (no pairs)."""
+    h = matrix.shape[0]
+    if h < 2:
+        return None
+    return float((matrix.sum() - matrix.diagonal().sum()) / (h * (h - 1)))
 
 
 def _stage_block(name: str) -> tuple[int, int]:
@@ -119,7 +152,7 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
     counts: dict[str, int] = {}
     tokens: dict[str, int] = {}
 
-    def hook(name: str):
+    def hook(name: str) -> Callable[..., None]:
         def fn(module: CascadedGroupAttention, inputs, output) -> None:
             maps = torch.stack(module.head_attention_maps(inputs[0]))  # (h, B*windows, N, N)
             sim = cosine_similarity_matrix(maps)  # (B*windows, h, h)
@@ -165,16 +198,12 @@ def mean_similarity(blocks: list[BlockSimilarity]) -> float:
     return float(sum(vals) / len(vals)) if vals else float("nan")
 
 
-def plot_similarity(blocks: list[BlockSimilarity], out_dir, title: str = "") -> list:
-    """Write ``heads_<block>.png`` heatmaps (one figure, a panel per block) and ``heads_mean.png``.
+def plot_similarity(blocks: list[BlockSimilarity], out_dir: str | os.PathLike, title: str = "") -> list[Path]:
+    """Write ``heads_matrices.png`` (one heatmap panel per block) and ``heads_mean.png``.
 
     Returns:
         Paths written.
     """
-    from pathlib import Path
-
-    from .plots import bar_chart, heatmap_grid
-
     out_dir = Path(out_dir)
     labels = [f"s{b.stage + 1}.b{b.block + 1}" if b.stage >= 0 else b.name for b in blocks]
     paths = [
@@ -185,7 +214,7 @@ def plot_similarity(blocks: list[BlockSimilarity], out_dir, title: str = "") -> 
             title=f"head attention-map cosine similarity {title}".strip(),
         ),
         bar_chart(
-            {"mean off-diagonal": [b.mean_off_diagonal for b in blocks]},
+            {"mean off-diagonal": [_or_nan(b.mean_off_diagonal) for b in blocks]},
             labels,
             out_dir / "heads_mean.png",
             ylabel="mean cosine similarity between heads",
@@ -194,3 +223,7 @@ def plot_similarity(blocks: list[BlockSimilarity], out_dir, title: str = "") -> 
         ),
     ]
     return paths
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value

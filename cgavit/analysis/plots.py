@@ -1,25 +1,48 @@
-"""Matplotlib figures of the analyses (Agg backend, written atomically as PNG)."""
+"""Matplotlib figures of the analyses and the detection runs (Agg backend, written atomically as PNG).
+
+This is the one place that imports matplotlib (:func:`matplotlib_api`), and only when a figure is
+drawn or a label font looked up, so the analyses, the explorer and detection import without it;
+matplotlib comes with the ``train`` and ``detect`` extras.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 from ..io import atomic_write
 
 
-def _plt():
+def matplotlib_api() -> ModuleType:
+    """``matplotlib`` on the Agg backend (no display needed), with ``pyplot`` and ``font_manager``
+    loaded: the package's one matplotlib import."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.font_manager
+    import matplotlib.pyplot
 
-    return plt
+    return matplotlib
+
+
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the Agg backend."""
+    return matplotlib_api().pyplot
+
+
+def label_font() -> str | None:
+    """Path of a TrueType font for drawn labels (matplotlib's DejaVu Sans), or None when matplotlib or
+    its font cache is unavailable (callers then use PIL's built-in bitmap font)."""
+    try:
+        return matplotlib_api().font_manager.findfont("DejaVu Sans", fallback_to_default=True)
+    except Exception:  # matplotlib missing or no font cache
+        return None
 
 
 def _save(fig, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return Path(path)
@@ -27,7 +50,7 @@ def _save(fig, path: Path) -> Path:
 
 def heatmap_grid(matrices: Sequence, titles: Sequence[str], path: Path, title: str = "") -> Path:
     """One panel per matrix (values 0..1), a shared colour bar."""
-    plt = _plt()
+    plt = pyplot()
     n = len(matrices)
     cols = min(n, 6)
     rows = math.ceil(n / cols)
@@ -64,7 +87,7 @@ def bar_chart(
     errors: Mapping[str, Sequence[float]] | None = None,
 ) -> Path:
     """Grouped bars: one group per label, one bar per series (optional error bars)."""
-    plt = _plt()
+    plt = pyplot()
     k = max(len(series), 1)
     width = 0.8 / k
     fig, ax = plt.subplots(figsize=(max(4.0, 0.55 * len(labels) * k + 1.5), 3.4))
@@ -89,7 +112,7 @@ def box_panels(
     panels: Sequence[Mapping[str, Sequence[float]]], titles: Sequence[str], path: Path, ylabel: str = "", title: str = "", log_y: bool = True
 ) -> Path:
     """One panel per entry, each a box plot of several named value sets."""
-    plt = _plt()
+    plt = pyplot()
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(3.4 * n, 3.4), squeeze=False, sharey=True)
     for ax, data, t in zip(axes.flat, panels, titles):
@@ -112,7 +135,7 @@ def scatter(
     xerr: Sequence[float] | None = None, yerr: Sequence[float] | None = None,
 ) -> Path:
     """Labelled points joined in order (a ladder), optional error bars."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 3.8))
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
@@ -128,3 +151,34 @@ def scatter(
         ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def training_curves(
+    steps: Sequence[Mapping[str, float]], path: Path, x: str = "iter", rate: str = "lr", skip: Sequence[str] = ()
+) -> Path:
+    """Losses over training (log scale, top) and the learning rate (bottom), from step records.
+
+    Args:
+        steps: one mapping per logged step, holding ``x``, ``rate`` and the loss values; every other
+            key of the last record (except ``skip``) is drawn, ``"loss"`` with a thicker line.
+        path: PNG to write.
+        x: key of the horizontal axis. rate: key of the learning rate. skip: keys not to draw.
+    """
+    plt = pyplot()
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(3, 1))
+    xs = [r[x] for r in steps]
+    keys = [k for k in steps[-1] if k not in (x, rate, *skip)]
+    for k in keys:
+        ax.plot(xs, [r.get(k, float("nan")) for r in steps], label=k, lw=1.5 if k == "loss" else 1)
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax_lr.plot(xs, [r[rate] for r in steps], color="k")
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("iteration")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return Path(path)

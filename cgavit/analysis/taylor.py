@@ -14,8 +14,10 @@ across the network for a pruning budget.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ from torch import nn
 
 from ..attention import CascadedGroupAttention
 from ..layers import FFN
-from .heads import _stage_block
+from .plots import bar_chart, box_panels
 
 KINDS = ("q", "k", "v", "proj", "ffn")
 
@@ -91,11 +93,12 @@ class BlockImportance:
         )
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _blocks(model: nn.Module) -> list[tuple[int, int, nn.Module]]:
+    """``(stage, block, module)`` of every sandwich block, in forward order."""
     stages = getattr(model, "stages", None)
     if stages is None:
         raise ValueError("taylor_importance needs an EfficientViT (a model with .stages[i].blocks)")
-    return [(f"stages.{i}.blocks.{j}", blk) for i, st in enumerate(stages) for j, blk in enumerate(st.blocks)]
+    return [(i, j, blk) for i, st in enumerate(stages) for j, blk in enumerate(st.blocks)]
 
 
 def taylor_importance(
@@ -128,27 +131,27 @@ def taylor_importance(
             # sum of per-image losses / all images = the mean over the whole sample
             loss = F.cross_entropy(logits, target, reduction="sum") / n_all
             loss.backward()
-        out = []
-        for name, blk in _blocks(model):
-            stage, index = _stage_block(name)
-            rec = BlockImportance(name, stage, index)
-            attn = [m for m in blk.modules() if isinstance(m, CascadedGroupAttention)]
-            for a in attn:
-                for qkv in a.qkvs:
-                    imp = channel_importance(_weight(qkv))
-                    q, k, v = imp.split([a.key_dim, a.key_dim, a.value_dim])
-                    rec.q.append(q)
-                    rec.k.append(k)
-                    rec.v.append(v)
-                rec.proj = channel_importance(_weight(a.proj[-1]))
-            for m in blk.modules():
-                if isinstance(m, FFN):
-                    rec.ffn.append(channel_importance(_weight(m.pw1)))
-            out.append(rec)
+        out = [_block_importance(stage, index, blk) for stage, index, blk in _blocks(model)]
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
     return out
+
+
+def _block_importance(stage: int, index: int, blk: nn.Module) -> BlockImportance:
+    """The importances of one block's channels, read from the gradients already accumulated."""
+    rec = BlockImportance(f"stages.{stage}.blocks.{index}", stage, index)
+    for a in (m for m in blk.modules() if isinstance(m, CascadedGroupAttention)):
+        for qkv in a.qkvs:
+            q, k, v = channel_importance(_weight(qkv)).split([a.key_dim, a.key_dim, a.value_dim])
+            rec.q.append(q)
+            rec.k.append(k)
+            rec.v.append(v)
+        rec.proj = channel_importance(_weight(a.proj[-1]))
+    for m in blk.modules():
+        if isinstance(m, FFN):
+            rec.ffn.append(channel_importance(_weight(m.pw1)))
+    return rec
 
 
 def pruning_order(blocks: list[BlockImportance], kinds: tuple[str, ...] = ("q", "k", "v", "ffn")) -> list[dict]:
@@ -208,13 +211,13 @@ def kept_fraction(blocks: list[BlockImportance], ratio: float, kinds: tuple[str,
     return {"kept": frac, "pruned": pruned}
 
 
-def plot_importance(blocks: list[BlockImportance], ratio: float, out_dir, title: str = "") -> list:
+def plot_importance(blocks: list[BlockImportance], ratio: float, out_dir: str | os.PathLike, title: str = "") -> list[Path]:
     """``taylor_spread.png`` (per stage: box plot of block-normalised Q, K, V, FFN importance) and
-    ``taylor_pruning.png`` (per stage: fraction of Q/K/V/FFN channels kept at the pruning budget)."""
-    from pathlib import Path
+    ``taylor_pruning.png`` (per stage: fraction of Q/K/V/FFN channels kept at the pruning budget).
 
-    from .plots import bar_chart, box_panels
-
+    Returns:
+        Paths written.
+    """
     out_dir = Path(out_dir)
     stages = sorted({b.stage for b in blocks})
     panels = []

@@ -1,35 +1,39 @@
 """Object detection and instance segmentation with EfficientViT backbones (torchvision + pycocotools).
 
-``retinanet(...)`` and ``maskrcnn(...)`` build the paper's detectors; ``cgavit detect`` trains,
-evaluates and draws them. The names below are imported on first use, so ``import cgavit.detection``
-(and the ``cgavit`` command) works without the ``detect`` extra installed.
+``retinanet(...)`` and ``maskrcnn(...)`` build the paper's detectors; :func:`train`,
+:func:`evaluate_checkpoint` and :func:`predict_images` are what ``cgavit detect train|eval|predict``
+run. Needs the ``detect`` extra (``pip install 'cgavit[detect]'``); pycocotools is imported on first
+use, in :mod:`.coco`.
 """
 
-from __future__ import annotations
+from timm.layers import freeze_batch_norm_2d as freeze_batchnorm  # timm's, under this package's older name
 
-import importlib
+from .backbone import EfficientViTFPN, detection_body
+from .data import CocoCheck, CocoDetection, check_coco
+from .draw import draw_detections
+from .engine import TrainConfig, evaluate, evaluate_checkpoint, load_detector, read_checkpoint, train
+from .models import build_detector, maskrcnn, retinanet
+from .predict import Prediction, predict_images
+from .shapes import write_shapes_dataset
 
-_EXPORTS = {
-    "EfficientViTFPN": "backbone",
-    "detection_body": "backbone",
-    "freeze_batchnorm": "backbone",
-    "build_detector": "models",
-    "maskrcnn": "models",
-    "retinanet": "models",
-    "TrainConfig": "engine",
-    "evaluate": "engine",
-    "load_detector": "engine",
-    "train": "engine",
-    "CocoDetection": "data",
-    "check_coco": "data",
-    "draw_detections": "draw",
-    "write_shapes_dataset": "shapes",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "CocoCheck",
+    "CocoDetection",
+    "EfficientViTFPN",
+    "Prediction",
+    "TrainConfig",
+    "build_detector",
+    "check_coco",
+    "detection_body",
+    "draw_detections",
+    "evaluate",
+    "evaluate_checkpoint",
+    "freeze_batchnorm",
+    "load_detector",
+    "maskrcnn",
+    "predict_images",
+    "read_checkpoint",
+    "retinanet",
+    "train",
+    "write_shapes_dataset",
+]

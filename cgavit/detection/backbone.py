@@ -18,7 +18,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import FeaturePyramidNetwork, FrozenBatchNorm2d
+from timm.layers import freeze_batch_norm_2d
+from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock
 
 from ..factory import resolve_name, create_model
@@ -30,27 +31,6 @@ log = logging.getLogger(__name__)
 
 DETECTION_WINDOW = 7  # the official detection code attends in 7x7 windows in every stage
 BACKBONE_STRIDES = (16, 32, 64)
-
-
-def freeze_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every ``BatchNorm2d`` inside ``module`` by a :class:`~torchvision.ops.FrozenBatchNorm2d`
-    holding the same statistics and affine parameters (no gradients, no running-stat updates).
-
-    Returns ``module`` (changed in place; a bare ``BatchNorm2d`` is returned converted).
-    """
-    if isinstance(module, nn.BatchNorm2d):
-        frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
-        with torch.no_grad():
-            frozen.weight.copy_(module.weight)
-            frozen.bias.copy_(module.bias)
-            frozen.running_mean.copy_(module.running_mean)
-            frozen.running_var.copy_(module.running_var)
-        return frozen.to(module.weight.device)
-    for name, child in module.named_children():
-        new = freeze_batchnorm(child)
-        if new is not child:
-            setattr(module, name, new)
-    return module
 
 
 def detection_body(
@@ -73,7 +53,8 @@ def detection_body(
             classifier is dropped and attention-bias tables of other windows (the 224-px models
             use 4x4 in the last stage) are resized bicubically. ``None``: random initialisation.
         trust: allow pickled objects in ``pretrained`` (only for files you trust).
-        freeze_bn: replace every BatchNorm by a :class:`~torchvision.ops.FrozenBatchNorm2d` (the
+        freeze_bn: replace every BatchNorm by a :class:`~torchvision.ops.FrozenBatchNorm2d` holding
+            the same statistics and affine parameters (:func:`timm.layers.freeze_batch_norm_2d`; the
             paper's setting, meant for ImageNet weights). False keeps ordinary, trained BatchNorm: needed
             to train a random backbone, whose zero-initialised BatchNorm scales (last BN of every
             residual FFN and attention branch) would otherwise keep those branches at zero.
@@ -97,7 +78,7 @@ def detection_body(
             "backbone weights from %s (classifier dropped; %d attention-bias tables resized to %dx%d windows)",
             source, len(report["resized"]), DETECTION_WINDOW, DETECTION_WINDOW,
         )
-    return freeze_batchnorm(body) if freeze_bn else body
+    return freeze_batch_norm_2d(body) if freeze_bn else body
 
 
 def _init_conv(m: nn.Module) -> None:

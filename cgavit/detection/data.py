@@ -9,26 +9,28 @@ RetinaNet and Mask R-CNN take (boxes ``xyxy`` in pixels, contiguous labels ``1..
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
-from pycocotools import mask as mask_utils
-from pycocotools.coco import COCO
 from torchvision import tv_tensors
 from torchvision.transforms import v2
+
+from .coco import coco_index, decode_masks, segmentation_rle
+
+if TYPE_CHECKING:
+    from .coco import COCO
 
 log = logging.getLogger(__name__)
 
 _SHOW = 12  # offending entries listed per problem before "... and N more"
+Problems = dict[str, list[str]]  # kind of problem -> offending entries
 
 
 def _listing(entries: list[str]) -> str:
@@ -53,11 +55,7 @@ class CocoCheck:
 
     def coco(self) -> COCO:
         """A pycocotools ``COCO`` index over :attr:`dataset` (its progress prints silenced)."""
-        coco = COCO()
-        coco.dataset = self.dataset
-        with contextlib.redirect_stdout(io.StringIO()):
-            coco.createIndex()
-        return coco
+        return coco_index(self.dataset)
 
 
 def _segmentation_problem(seg: Any) -> tuple[str, str] | None:
@@ -123,89 +121,14 @@ def check_coco(
         FileNotFoundError: ``ann_file`` or ``image_dir`` does not exist.
     """
     ann_file, image_dir = Path(ann_file), Path(image_dir)
-    if not ann_file.is_file():
-        raise FileNotFoundError(f"annotation file {ann_file} does not exist")
-    if not image_dir.is_dir():
-        raise FileNotFoundError(f"image folder {image_dir} does not exist")
-    try:
-        data = json.loads(ann_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{ann_file} is not valid JSON ({err}); is it a COCO instances file?") from None
-    if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
-        raise ValueError(f"{ann_file} is not a COCO instances file: it needs 'images' and 'categories' lists")
-    anns = data.get("annotations", [])
-    if not isinstance(anns, list):
-        raise ValueError(f"{ann_file}: 'annotations' must be a list")
-
-    problems: dict[str, list[str]] = defaultdict(list)
-    images: dict[int, dict] = {}
-    for img in data["images"]:
-        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
-            problems["images without an 'id' or 'file_name'"].append(repr(img)[:120])
-            continue
-        if img["id"] in images:
-            problems["duplicate image ids"].append(f"image {img['id']} ({img['file_name']})")
-        images[img["id"]] = img
-    missing_files = {i for i, img in images.items() if not (image_dir / img["file_name"]).is_file()}
-    for i in sorted(missing_files, key=str):
-        problems[f"image files missing from {image_dir}"].append(f"image {i}: {images[i]['file_name']}")
-
-    categories: dict[int, str] = {}
-    for cat in data["categories"]:
-        if not isinstance(cat, dict) or "id" not in cat:
-            problems["categories without an 'id'"].append(repr(cat)[:120])
-            continue
-        if cat["id"] in categories:
-            problems["duplicate category ids"].append(f"category {cat['id']}")
-        categories[cat["id"]] = str(cat.get("name", cat["id"]))
+    data = _read_instances(ann_file, image_dir)
+    problems: Problems = defaultdict(list)  # kind of problem -> offending entries, in reading order
+    images, missing_files = _check_images(data["images"], image_dir, problems)
+    categories = _check_categories(data["categories"], problems)
     if not categories and not problems:
         problems["no categories"].append(f"{ann_file} lists no categories")
-
-    def where(ann: dict) -> str:
-        img = images.get(ann.get("image_id"))
-        name = f" {img['file_name']}" if img else ""
-        return f"annotation {ann.get('id')} (image {ann.get('image_id')}{name})"
-
-    kept, skipped = [], []
-    ann_ids = Counter(a.get("id") for a in anns if isinstance(a, dict))
-    for ann in anns:
-        if not isinstance(ann, dict) or "id" not in ann:
-            problems["annotations without an 'id'"].append(repr(ann)[:120])
-            continue
-        if ann_ids[ann["id"]] > 1:
-            problems["duplicate annotation ids"].append(where(ann))
-            continue
-        if ann.get("image_id") not in images:
-            problems["annotations referring to an image id not in 'images'"].append(where(ann))
-            continue
-        if ann["image_id"] in missing_files:
-            problems["annotations on images whose file is missing"].append(where(ann))
-            continue
-        if ann.get("category_id") not in categories:
-            problems[f"annotations with an unknown category_id (known: {sorted(categories)})"].append(
-                f"{where(ann)}: category_id {ann.get('category_id')!r}"
-            )
-            continue
-        box = ann.get("bbox")
-        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in box)):
-            problems["annotations whose bbox is not [x, y, width, height] as four finite numbers"].append(
-                f"{where(ann)}: bbox {box!r}"
-            )
-            continue
-        why = None
-        if require_masks and not ann.get("iscrowd", 0):
-            problem = _segmentation_problem(ann["segmentation"]) if "segmentation" in ann else ("error", "no segmentation")
-            if problem and problem[0] == "error":
-                problems["annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)"].append(
-                    f"{where(ann)}: {problem[1]}"
-                )
-                continue
-            why = problem[1] if problem else None
-        why = why or _box_problem(box, images[ann["image_id"]])
-        if why:
-            skipped.append(f"{where(ann)}: {why}")
-            continue
-        kept.append(ann)
+    found = _Found(images, missing_files, categories, require_masks)
+    kept, skipped = _check_annotations(data["annotations"], found, problems)
     if strict and skipped:
         problems["degenerate boxes or masks (refused with --strict; drop --strict to skip them with a warning)"] = skipped
     if problems:
@@ -216,11 +139,115 @@ def check_coco(
         )
     if skipped:
         log.warning("%s: skipping %d degenerate annotations:%s", ann_file, len(skipped), _listing(skipped))
-    cats = sorted(categories.items())
     clean = dict(data)
     clean["annotations"] = kept
     clean["categories"] = [c for c in data["categories"] if isinstance(c, dict)]
-    return CocoCheck(clean, cats, skipped)
+    return CocoCheck(clean, sorted(categories.items()), skipped)
+
+
+@dataclass
+class _Found:
+    """What the images and categories of an instances file hold, for checking its annotations."""
+
+    images: dict[Any, dict]  # image id -> image entry
+    missing_files: set  # ids of images whose file is missing
+    categories: dict[Any, str]  # category id -> name
+    require_masks: bool
+
+    def where(self, ann: dict) -> str:
+        img = self.images.get(ann.get("image_id"))
+        name = f" {img['file_name']}" if img else ""
+        return f"annotation {ann.get('id')} (image {ann.get('image_id')}{name})"
+
+
+def _read_instances(ann_file: Path, image_dir: Path) -> dict[str, Any]:
+    """The JSON of an instances file, with ``images``, ``categories`` and ``annotations`` lists."""
+    if not ann_file.is_file():
+        raise FileNotFoundError(f"annotation file {ann_file} does not exist")
+    if not image_dir.is_dir():
+        raise FileNotFoundError(f"image folder {image_dir} does not exist")
+    try:
+        data = json.loads(ann_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{ann_file} is not valid JSON ({err}); is it a COCO instances file?") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
+        raise ValueError(f"{ann_file} is not a COCO instances file: it needs 'images' and 'categories' lists")
+    if not isinstance(data.get("annotations", []), list):
+        raise ValueError(f"{ann_file}: 'annotations' must be a list")
+    return {**data, "annotations": data.get("annotations", [])}
+
+
+def _check_images(entries: list, image_dir: Path, problems: Problems) -> tuple[dict[Any, dict], set]:
+    """``(id -> image entry, ids whose file is missing)``; malformed and duplicate entries noted."""
+    images: dict[Any, dict] = {}
+    for img in entries:
+        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
+            problems["images without an 'id' or 'file_name'"].append(repr(img)[:120])
+            continue
+        if img["id"] in images:
+            problems["duplicate image ids"].append(f"image {img['id']} ({img['file_name']})")
+        images[img["id"]] = img
+    missing_files = {i for i, img in images.items() if not (image_dir / img["file_name"]).is_file()}
+    for i in sorted(missing_files, key=str):
+        problems[f"image files missing from {image_dir}"].append(f"image {i}: {images[i]['file_name']}")
+    return images, missing_files
+
+
+def _check_categories(entries: list, problems: Problems) -> dict[Any, str]:
+    """``category id -> name``; entries without an id and duplicate ids noted."""
+    categories: dict[Any, str] = {}
+    for cat in entries:
+        if not isinstance(cat, dict) or "id" not in cat:
+            problems["categories without an 'id'"].append(repr(cat)[:120])
+            continue
+        if cat["id"] in categories:
+            problems["duplicate category ids"].append(f"category {cat['id']}")
+        categories[cat["id"]] = str(cat.get("name", cat["id"]))
+    return categories
+
+
+def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[list[dict], list[str]]:
+    """``(usable annotations, "<where>: <why>" of each degenerate one)``; errors go to ``problems``."""
+    kept, skipped = [], []
+    ann_ids = Counter(a.get("id") for a in anns if isinstance(a, dict))
+    for ann in anns:
+        if not isinstance(ann, dict) or "id" not in ann:
+            problems["annotations without an 'id'"].append(repr(ann)[:120])
+            continue
+        if ann_ids[ann["id"]] > 1:
+            problems["duplicate annotation ids"].append(found.where(ann))
+            continue
+        error, why = _annotation_problem(ann, found)
+        if error:
+            problems[error].append(why)
+        elif why:
+            skipped.append(f"{found.where(ann)}: {why}")
+        else:
+            kept.append(ann)
+    return kept, skipped
+
+
+def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | None]:
+    """``(kind of error, entry)`` for an unusable annotation, ``(None, why)`` for a degenerate one,
+    ``(None, None)`` for a good one."""
+    where = found.where(ann)
+    if ann.get("image_id") not in found.images:
+        return "annotations referring to an image id not in 'images'", where
+    if ann["image_id"] in found.missing_files:
+        return "annotations on images whose file is missing", where
+    if ann.get("category_id") not in found.categories:
+        known = sorted(found.categories)
+        return f"annotations with an unknown category_id (known: {known})", f"{where}: category_id {ann.get('category_id')!r}"
+    box = ann.get("bbox")
+    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in box)):
+        return "annotations whose bbox is not [x, y, width, height] as four finite numbers", f"{where}: bbox {box!r}"
+    why = None
+    if found.require_masks and not ann.get("iscrowd", 0):
+        problem = _segmentation_problem(ann["segmentation"]) if "segmentation" in ann else ("error", "no segmentation")
+        if problem and problem[0] == "error":
+            return "annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)", f"{where}: {problem[1]}"
+        why = problem[1] if problem else None
+    return None, why or _box_problem(box, found.images[ann["image_id"]])
 
 
 def train_transform(hflip: float = 0.5) -> v2.Transform | None:
@@ -288,8 +315,8 @@ class CocoDetection(torch.utils.data.Dataset):
             "image_id": image_id,
         }
         if self.masks:
-            rles = [_to_rle(a["segmentation"], h, w) for a in anns]
-            m = torch.from_numpy(mask_utils.decode(rles)).permute(2, 0, 1) if rles else torch.zeros(0, h, w)
+            rles = [segmentation_rle(a["segmentation"], h, w) for a in anns]
+            m = torch.from_numpy(decode_masks(rles)).permute(2, 0, 1) if rles else torch.zeros(0, h, w)
             target["masks"] = tv_tensors.Mask(m.to(torch.uint8))
         image = tv_tensors.Image(v2.functional.pil_to_tensor(img))
         if self.transforms is not None:
@@ -297,15 +324,6 @@ class CocoDetection(torch.utils.data.Dataset):
         image = v2.functional.to_dtype(image, torch.float32, scale=True).as_subclass(torch.Tensor)
         target = {k: v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v for k, v in target.items()}
         return image, target
-
-
-def _to_rle(seg: Any, h: int, w: int) -> dict:
-    """Any COCO segmentation (polygons, uncompressed or compressed RLE) as one compressed RLE."""
-    if isinstance(seg, list):
-        return mask_utils.merge(mask_utils.frPyObjects(seg, h, w))
-    if isinstance(seg.get("counts"), list):
-        return mask_utils.frPyObjects(seg, h, w)
-    return seg
 
 
 def collate(batch: list) -> tuple:

@@ -7,19 +7,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
+from ..analysis.plots import label_font
+
 PALETTE = (  # matplotlib's tab10
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
 )
-
-
-def _font() -> str | None:
-    """A TrueType font for the labels (matplotlib's DejaVu Sans), or None for PIL's default."""
-    try:
-        from matplotlib import font_manager
-
-        return font_manager.findfont("DejaVu Sans", fallback_to_default=True)
-    except Exception:  # matplotlib missing or no font cache: PIL's built-in bitmap font
-        return None
 
 
 def draw_detections(
@@ -55,5 +47,5 @@ def draw_detections(
     side = min(image.shape[-2:])
     return draw_bounding_boxes(
         image, output["boxes"].detach().cpu()[keep], labels=text, colors=colors,
-        width=max(1, round(side / 200)), font=_font(), font_size=max(10, round(side / 28)),
+        width=max(1, round(side / 200)), font=label_font(), font_size=max(10, round(side / 28)),
     )

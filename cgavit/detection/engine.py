@@ -7,41 +7,43 @@ COCOeval (bbox, and segm for Mask R-CNN).
 
 The same code runs alone or under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the
 environment): DistributedDataParallel with NCCL on GPUs or gloo on CPUs; only rank 0 writes files.
+Checkpoints and ``metrics.jsonl`` are written atomically (:mod:`cgavit.io`) and read back with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import logging
 import math
+import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from pycocotools import mask as mask_utils
-from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 from torch import nn
 from tqdm import tqdm
 
+from ..analysis.plots import training_curves
+from ..io import append_jsonl, read_jsonl, save_torch
 from ..train.distributed import DistEnv, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
-from ..io import atomic_write
 from ..weights import CheckpointError
-from .data import CocoDetection, check_coco, collate, train_transform
+from .coco import STAT_NAMES, coco_metrics, encode_masks
+from .data import CocoCheck, CocoDetection, check_coco, collate, train_transform
 from .models import KINDS, build_detector
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "cgavit-detection/1"
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+__all__ = [
+    "CHECKPOINT_FORMAT", "STAT_NAMES", "TrainConfig", "coco_metrics", "evaluate", "evaluate_checkpoint",
+    "load_detector", "lr_factor", "model_config", "param_groups", "plot_losses", "read_checkpoint",
+    "to_coco_results", "train",
+]
 
 
 # ----------------------------------------------------------------------------------------- recipe
@@ -101,13 +103,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
-    """``torch.save`` ``state`` to ``path`` atomically (a crash never leaves half a file)."""
-    return atomic_write(path, lambda tmp: torch.save(dict(state), tmp))
-
-
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A detection checkpoint written by :func:`save_checkpoint`, loaded with ``weights_only=True``.
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A detection checkpoint written by :func:`train`, loaded with ``weights_only=True``.
 
     Raises:
         CheckpointError: missing, unreadable, or not a cgavit detection checkpoint.
@@ -127,7 +124,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def load_detector(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+def load_detector(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a trained detector from its checkpoint, in eval mode.
 
     Returns:
@@ -160,34 +157,9 @@ def to_coco_results(
     bbox = [dict(image_id=image_id, category_id=c, bbox=b, score=s) for b, c, s in zip(xywh, cats, scores)]
     segm = []
     if "masks" in output and len(cats):
-        masks = (output["masks"][:, 0] > mask_threshold).cpu().numpy().astype(np.uint8)  # (N, H, W)
-        rles = mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0)))
-        for rle, c, s in zip(rles, cats, scores):
-            rle["counts"] = rle["counts"].decode("ascii")
-            segm.append(dict(image_id=image_id, category_id=c, segmentation=rle, score=s))
+        rles = encode_masks((output["masks"][:, 0] > mask_threshold).cpu().numpy())  # from (N, H, W)
+        segm = [dict(image_id=image_id, category_id=c, segmentation=r, score=s) for r, c, s in zip(rles, cats, scores)]
     return bbox, segm
-
-
-def coco_metrics(coco_gt: COCO, results: list[dict], iou_type: str, image_ids: Iterable[int] | None = None) -> tuple[dict[str, float], str]:
-    """COCOeval of ``results`` against ``coco_gt``.
-
-    Returns:
-        ``({"AP": .., "AP50": .., ..., "ARl": ..}, summary table text)``; values in [0, 1], -1 where
-        the ground truth has no object of that size (COCOeval's convention). No detections give 0.
-    """
-    if not results:
-        return {k: 0.0 for k in STAT_NAMES}, f"{iou_type}: no detections"
-    with contextlib.redirect_stdout(io.StringIO()) as text:
-        coco_dt = coco_gt.loadRes(results)
-        ev = COCOeval(coco_gt, coco_dt, iou_type)
-        if image_ids is not None:
-            ev.params.imgIds = sorted(image_ids)
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    summary = text.getvalue()
-    summary = summary[summary.find(" Average Precision"):] if " Average Precision" in summary else summary
-    return {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}, f"{iou_type}:\n{summary}"
 
 
 @torch.no_grad()
@@ -232,6 +204,47 @@ def evaluate(
     return broadcast_object(env, (metrics, summary))
 
 
+def evaluate_checkpoint(
+    checkpoint: str | os.PathLike,
+    val_json: str | os.PathLike,
+    val_images: str | os.PathLike,
+    *,
+    batch_size: int = 2,
+    workers: int = 4,
+    strict: bool = False,
+    device: str = "auto",
+) -> tuple[dict[str, float], str]:
+    """COCOeval of a checkpoint written by :func:`train` on COCO-format data (alone or under ``torchrun``).
+
+    Args:
+        checkpoint: ``model.pth`` or ``checkpoint.pth``.
+        val_json: instances JSON; its categories must be the ones the model was trained on.
+        val_images: image folder.
+        batch_size: images per process and step. workers: data-loading processes per process.
+        strict: refuse degenerate boxes and masks instead of skipping them.
+        device: ``auto``, ``cpu`` or ``cuda``.
+
+    Returns:
+        ``(metrics, summary)`` as :func:`evaluate`, on every rank.
+    """
+    if not val_json or not val_images:
+        raise ValueError("give the evaluation data: --val-json FILE --val-images DIR (or --data COCO_ROOT)")
+    env = setup_distributed(device)
+    try:
+        model, config = load_detector(checkpoint, env.device)
+        masks = config["kind"] == "maskrcnn"
+        check = check_coco(val_json, val_images, strict=strict, require_masks=masks)
+        if [c for c, _ in check.categories] != [c for c, _ in config["categories"]]:
+            raise ValueError(
+                f"{val_json} lists categories {[c for c, _ in check.categories]} but the model was trained on "
+                f"{[c for c, _ in config['categories']]}"
+            )
+        dataset = CocoDetection(check, val_images, masks=masks)
+        return evaluate(model, dataset, env, batch_size, workers)
+    finally:
+        teardown_distributed(env)
+
+
 # --------------------------------------------------------------------------------------- training
 def model_config(cfg: TrainConfig, categories: Sequence[tuple[int, str]]) -> dict[str, Any]:
     """The plain dict that rebuilds the run's detector (stored in every checkpoint)."""
@@ -250,43 +263,17 @@ def model_config(cfg: TrainConfig, categories: Sequence[tuple[int, str]]) -> dic
     )
 
 
-def _append_jsonl(path: Path, row: Mapping[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def plot_losses(metrics_file: str | Path, out: str | Path) -> Path | None:
+def plot_losses(metrics_file: str | os.PathLike, out: str | os.PathLike) -> Path | None:
     """Plot the step losses and learning rate of a ``metrics.jsonl`` to ``out`` (PNG); None if empty."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(l) for l in Path(metrics_file).read_text().splitlines() if l.strip()]
-    steps = [r for r in rows if r.get("type") == "step"]
+    steps = [r for r in read_jsonl(metrics_file) if r.get("type") == "step"]
     if not steps:
         return None
-    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(3, 1))
-    keys = [k for k in steps[-1] if k not in ("type", "epoch", "iter", "lr")]  # total and its parts
-    for k in keys:
-        ax.plot([r["iter"] for r in steps], [r.get(k, float("nan")) for r in steps], label=k, lw=1.5 if k == "loss" else 1)
-    ax.set_ylabel("training loss")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    ax_lr.plot([r["iter"] for r in steps], [r["lr"] for r in steps], color="k")
-    ax_lr.set_ylabel("lr")
-    ax_lr.set_xlabel("iteration")
-    ax_lr.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out)
-    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-    return out
+    return training_curves(steps, Path(out), x="iter", rate="lr", skip=("type", "epoch"))
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train a detector on COCO-format data; return the final metrics (evaluated if ``val_json``).
+    """Train a detector on COCO-format data; return the last epoch's record (with its evaluation
+    when ``val_json`` is given; empty when a resumed run had no epoch left).
 
     Writes to ``cfg.output`` (rank 0 only): ``checkpoint.pth`` after every epoch (model, optimizer,
     scheduler, epoch: what ``resume`` needs), ``model.pth`` at the end (weights and config, for
@@ -303,17 +290,86 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         teardown_distributed(env)
 
 
+@dataclass
+class _Run:
+    """What every epoch of one training run shares."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    config: dict[str, Any]  # model_config(): stored in every checkpoint
+    model: nn.Module  # wrapped in DistributedDataParallel with more than one process
+    raw_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: torch.utils.data.DistributedSampler
+    loader: torch.utils.data.DataLoader
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.output)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+
 def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
+    _check_options(cfg)
+    train_check, train_set, val_set = _datasets(cfg)
+    config = model_config(cfg, train_check.categories)
+    resume, ckpt = _resume_checkpoint(cfg, config)
+    if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
+        log.warning(
+            "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
+            "residual FFN and attention branch at zero. Give --pretrained-backbone (ImageNet weights) or --train-bn"
+        )
+    run = _setup(cfg, env, config, ckpt, train_set)
+    start_epoch = int(ckpt["epoch"]) if ckpt is not None else 0
+    if env.is_main:
+        if ckpt is not None:
+            log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
+        elif run.metrics_path.exists():
+            log.warning("%s exists: appending to it (use --resume auto to continue that run)", run.metrics_path)
+        run.out.mkdir(parents=True, exist_ok=True)
+        log.info(
+            "%s on %s: %d images (%d categories), %d process(es) x batch %d, %d iterations/epoch, epochs %d..%d",
+            cfg.model, cfg.backbone, len(train_set), len(train_check.categories), env.world, cfg.batch_size,
+            len(run.loader), start_epoch + 1, cfg.epochs,
+        )
+    row: dict[str, Any] = {}
+    step = start_epoch * len(run.loader)
+    for epoch in range(start_epoch, cfg.epochs):
+        row, step = _train_epoch(run, epoch, step)
+        last = epoch + 1 == cfg.epochs
+        if val_set is not None and (last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0)):
+            metrics, summary = evaluate(run.raw_model, val_set, env, cfg.batch_size, cfg.workers)
+            row.update(metrics)
+            if env.is_main:
+                log.info("epoch %d COCO evaluation\n%s", epoch + 1, summary)
+        if env.is_main:
+            _save_epoch(run, row, epoch, step)
+    if env.is_main:
+        save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=run.raw_model.state_dict(), epoch=cfg.epochs))
+        plot_losses(run.metrics_path, run.out / "loss.png")
+    barrier(env)
+    return row
+
+
+def _check_options(cfg: TrainConfig) -> None:
     if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.lr <= 0 or cfg.warmup_iters < 0:
         raise ValueError("--epochs and --batch-size must be >= 1, --lr > 0 and --warmup-iters >= 0")
-    masks = cfg.model == "maskrcnn"
     if not cfg.train_json or not cfg.train_images:
         raise ValueError("give the training data: --train-json FILE --train-images DIR (or --data COCO_ROOT)")
+    if cfg.val_json and not cfg.val_images:
+        raise ValueError("--val-json needs --val-images")
+
+
+def _datasets(cfg: TrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
+    """``(training check, training set, validation set or None)``, every file checked first."""
+    masks = cfg.model == "maskrcnn"
     train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks)
     val_set = None
     if cfg.val_json:
-        if not cfg.val_images:
-            raise ValueError("--val-json needs --val-images")
         val_check = check_coco(cfg.val_json, cfg.val_images, strict=cfg.strict, require_masks=masks)
         if [c for c, _ in val_check.categories] != [c for c, _ in train_check.categories]:
             raise ValueError(
@@ -324,25 +380,28 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     train_set = CocoDetection(train_check, cfg.train_images, masks=masks, transforms=train_transform(cfg.hflip))
     if len(train_set) == 0:
         raise ValueError(f"{cfg.train_json} lists no images")
-    config = model_config(cfg, train_check.categories)
+    return train_check, train_set, val_set
 
-    out = Path(cfg.output)
-    ckpt_path, metrics_path = out / "checkpoint.pth", out / "metrics.jsonl"
+
+def _resume_checkpoint(cfg: TrainConfig, config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    """``(path, checkpoint)`` to continue from (``"auto"``: the output's checkpoint.pth if present),
+    checked to describe the same detector and data; ``(None, None)`` for a fresh run."""
     resume = cfg.resume
     if resume == "auto":
-        resume = str(ckpt_path) if ckpt_path.is_file() else None
-    ckpt = read_checkpoint(resume) if resume else None
-    if ckpt is not None:
-        old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
-        new = {k: config[k] for k in old}
-        if old != new:
-            raise ValueError(f"{resume} was trained with {old}, this run asks for {new}; they must match to resume")
+        path = Path(cfg.output) / "checkpoint.pth"
+        resume = str(path) if path.is_file() else None
+    if not resume:
+        return None, None
+    ckpt = read_checkpoint(resume)
+    old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
+    new = {k: config[k] for k in old}
+    if old != new:
+        raise ValueError(f"{resume} was trained with {old}, this run asks for {new}; they must match to resume")
+    return resume, ckpt
 
-    if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
-        log.warning(
-            "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
-            "residual FFN and attention branch at zero. Give --pretrained-backbone (ImageNet weights) or --train-bn"
-        )
+
+def _setup(cfg: TrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | None, train_set: CocoDetection) -> _Run:
+    """Model, optimizer, schedule and loader of a run, restored from ``ckpt`` when resuming."""
     torch.manual_seed(cfg.seed)
     model = build_detector(config, None if ckpt else cfg.pretrained_backbone, trust=cfg.trust_checkpoint)
     model.to(env.device)
@@ -352,93 +411,79 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
         persistent_workers=cfg.workers > 0,
     )
-    iters_per_epoch = len(loader)
-    milestones = [e * iters_per_epoch for e in cfg.lr_steps]
+    milestones = [e * len(loader) for e in cfg.lr_steps]
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda it: lr_factor(it, cfg.warmup_iters, cfg.warmup_ratio, milestones)
     )
-    start_epoch = 0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        start_epoch = int(ckpt["epoch"])
-        if env.is_main:
-            log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
-    elif env.is_main and metrics_path.exists():
-        log.warning("%s exists: appending to it (use --resume auto to continue that run)", metrics_path)
-    raw_model = model
+    wrapped = model
     if env.world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        log.info(
-            "%s on %s: %d images (%d categories), %d process(es) x batch %d, %d iterations/epoch, epochs %d..%d",
-            cfg.model, cfg.backbone, len(train_set), len(train_check.categories), env.world, cfg.batch_size,
-            iters_per_epoch, start_epoch + 1, cfg.epochs,
-        )
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    return _Run(cfg, env, config, wrapped, model, optimizer, scheduler, sampler, loader)
 
-    metrics: dict[str, Any] = {}
-    step = start_epoch * iters_per_epoch
-    for epoch in range(start_epoch, cfg.epochs):
-        # every epoch's randomness (order, flips, RPN/RoI sampling) depends on (seed, epoch, rank)
-        # alone, so a resumed run continues exactly as an uninterrupted one
-        torch.manual_seed(cfg.seed + 1009 * epoch + env.rank)
-        sampler.set_epoch(epoch)
-        model.train()
-        sums: dict[str, float] = {}
-        t0 = time.time()
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
-        for images, targets in bar:
-            images = [im.to(env.device) for im in images]
-            targets = [{k: v.to(env.device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
-            losses = model(images, targets)
-            loss = sum(losses.values())
-            if not math.isfinite(loss.item()):
-                raise ValueError(
-                    f"the loss became {loss.item()} at iteration {step} ({ {k: round(v.item(), 4) for k, v in losses.items()} }); "
-                    "lower --lr, lengthen --warmup-iters, or check the annotations"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            lr = optimizer.param_groups[0]["lr"]
-            scheduler.step()
-            step += 1
-            values = {"loss": loss.item(), **{k: v.item() for k, v in losses.items()}}
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + v
-            bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{lr:.2e}")
-            if cfg.log_every and step % cfg.log_every == 0:
-                keys = sorted(values)
-                avg = reduce_sum(env, [values[k] for k in keys])
-                if env.is_main:
-                    _append_jsonl(metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
-        keys = sorted(sums)
-        totals = reduce_sum(env, [sums[k] for k in keys] + [float(iters_per_epoch)])
-        row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=optimizer.param_groups[0]["lr"], time_s=round(time.time() - t0, 2))
-        row.update({k: v / totals[-1] for k, v in zip(keys, totals)})
-        last = epoch + 1 == cfg.epochs
-        if val_set is not None and (last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0)):
-            metrics, summary = evaluate(raw_model, val_set, env, cfg.batch_size, cfg.workers)
-            row.update(metrics)
+
+def _train_epoch(run: _Run, epoch: int, step: int) -> tuple[dict[str, Any], int]:
+    """One epoch; returns its ``metrics.jsonl`` record (mean losses over all processes) and the step."""
+    cfg, env = run.cfg, run.env
+    # every epoch's randomness (order, flips, RPN/RoI sampling) depends on (seed, epoch, rank)
+    # alone, so a resumed run continues exactly as an uninterrupted one
+    torch.manual_seed(cfg.seed + 1009 * epoch + env.rank)
+    run.sampler.set_epoch(epoch)
+    run.model.train()
+    sums: dict[str, float] = {}
+    t0 = time.time()
+    bar = tqdm(run.loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
+    for images, targets in bar:
+        values, lr = _train_step(run, images, targets, step)
+        step += 1
+        for k, v in values.items():
+            sums[k] = sums.get(k, 0.0) + v
+        bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{lr:.2e}")
+        if cfg.log_every and step % cfg.log_every == 0:
+            keys = sorted(values)
+            avg = reduce_sum(env, [values[k] for k in keys])
             if env.is_main:
-                log.info("epoch %d COCO evaluation\n%s", epoch + 1, summary)
-        if env.is_main:
-            _append_jsonl(metrics_path, row)
-            state = dict(
-                format=CHECKPOINT_FORMAT, config=config, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(), epoch=epoch + 1, iteration=step, train_config=_plain(asdict(cfg)),
-            )
-            save_checkpoint(ckpt_path, state)
-            log.info("epoch %d: loss %.4f (%s), checkpoint %s", epoch + 1, row["loss"], f"{row['time_s']:.0f} s", ckpt_path)
-        metrics = {**row, **metrics}
-    if env.is_main:
-        save_checkpoint(out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=raw_model.state_dict(), epoch=cfg.epochs))
-        if metrics_path.exists():
-            plot_losses(metrics_path, out / "loss.png")
-    barrier(env)
-    return metrics
+                append_jsonl(run.metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
+    keys = sorted(sums)
+    totals = reduce_sum(env, [sums[k] for k in keys] + [float(len(run.loader))])
+    row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=run.optimizer.param_groups[0]["lr"], time_s=round(time.time() - t0, 2))
+    row.update({k: v / totals[-1] for k, v in zip(keys, totals)})
+    return row, step
+
+
+def _train_step(run: _Run, images: Sequence[torch.Tensor], targets: Sequence[dict], step: int) -> tuple[dict[str, float], float]:
+    """One optimizer step; returns the loss values and the learning rate it used."""
+    device = run.env.device
+    images = [im.to(device) for im in images]
+    targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
+    losses = run.model(images, targets)
+    loss = sum(losses.values())
+    if not math.isfinite(loss.item()):
+        raise ValueError(
+            f"the loss became {loss.item()} at iteration {step} ({ {k: round(v.item(), 4) for k, v in losses.items()} }); "
+            "lower --lr, lengthen --warmup-iters, or check the annotations"
+        )
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    run.optimizer.step()
+    lr = run.optimizer.param_groups[0]["lr"]
+    run.scheduler.step()
+    return {"loss": loss.item(), **{k: v.item() for k, v in losses.items()}}, lr
+
+
+def _save_epoch(run: _Run, row: dict[str, Any], epoch: int, step: int) -> None:
+    """Append the epoch's record and replace ``checkpoint.pth`` (rank 0)."""
+    append_jsonl(run.metrics_path, row)
+    ckpt_path = run.out / "checkpoint.pth"
+    state = dict(
+        format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+        scheduler=run.scheduler.state_dict(), epoch=epoch + 1, iteration=step, train_config=_plain(asdict(run.cfg)),
+    )
+    save_torch(ckpt_path, state)
+    log.info("epoch %d: loss %.4f (%s), checkpoint %s", epoch + 1, row["loss"], f"{row['time_s']:.0f} s", ckpt_path)
 
 
 def _plain(obj: Any) -> Any:

@@ -9,14 +9,15 @@ accuracy on natural images.
 from __future__ import annotations
 
 import colorsys
-import json
 import math
 import random
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from pycocotools import mask as mask_utils
+
+from ..io import write_json
+from .coco import encode_masks, rle_box_area, segmentation_rle
 
 SHAPE_CATEGORIES = ({"id": 1, "name": "square"}, {"id": 3, "name": "circle"}, {"id": 7, "name": "triangle"})
 
@@ -54,17 +55,15 @@ def draw_shapes_image(rng: random.Random, size: tuple[int, int], max_shapes: int
             draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=color)
             canvas = Image.new("L", (w, h), 0)
             ImageDraw.Draw(canvas).ellipse((cx - r, cy - r, cx + r, cy + r), fill=1)
-            rle = mask_utils.encode(np.asfortranarray(np.array(canvas, dtype=np.uint8)))
-            seg = {"size": [h, w], "counts": rle["counts"].decode("ascii")}
+            rle = encode_masks(np.array(canvas, dtype=np.uint8)[None])[0]
+            seg = {"size": [h, w], "counts": rle["counts"]}
         else:
             poly = _polygon(cat["name"], cx, cy, r, rng.uniform(0, 2 * math.pi))
             draw.polygon(poly, fill=color)
             seg = [[round(v, 2) for v in poly]]
-            rle = mask_utils.merge(mask_utils.frPyObjects(seg, h, w))
-        x, y, bw, bh = (float(v) for v in mask_utils.toBbox(rle))
-        anns.append(
-            dict(category_id=cat["id"], bbox=[x, y, bw, bh], segmentation=seg, area=float(mask_utils.area(rle)), iscrowd=0)
-        )
+            rle = segmentation_rle(seg, h, w)
+        box, area = rle_box_area(rle)
+        anns.append(dict(category_id=cat["id"], bbox=box, segmentation=seg, area=area, iscrowd=0))
     return img, anns
 
 
@@ -99,6 +98,5 @@ def write_shapes_dataset(
         images.append(dict(id=i + 1, file_name=name, height=hw[0], width=hw[1]))
         for a in anns:
             annotations.append(dict(id=len(annotations) + 1, image_id=i + 1, **a))
-    ann_file = root / f"{split}.json"
-    ann_file.write_text(json.dumps(dict(images=images, annotations=annotations, categories=list(SHAPE_CATEGORIES))))
+    ann_file = write_json(root / f"{split}.json", dict(images=images, annotations=annotations, categories=list(SHAPE_CATEGORIES)), indent=None)
     return image_dir, ann_file

@@ -2,9 +2,11 @@
 
 :mod:`.compute` turns requests into numbers with the package's own
 :class:`~cgavit.attention.CascadedGroupAttention`; :mod:`.server` serves them as JSON beside the
-static page in ``static/`` and registers the ``cgavit explore`` command.
+static page in ``static/``. ``cgavit explore`` (:mod:`cgavit.cli.explore`) starts it. Head
+similarity is :func:`cgavit.analysis.heads.map_similarity`, the analyses' own definition.
 """
 
-from .compute import ImageAttention, ToyCGA, head_similarity
+from .compute import ImageAttention, ToyCGA, build_model
+from .server import ExplorerServer, make_server
 
-__all__ = ["ImageAttention", "ToyCGA", "head_similarity"]
+__all__ = ["ExplorerServer", "ImageAttention", "ToyCGA", "build_model", "make_server"]

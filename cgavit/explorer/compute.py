@@ -9,8 +9,9 @@ Two sources:
   (a checkpoint, or a randomly initialised variant); the attention input of one block is captured
   with forward hooks and replayed through that block's own ``head_attention_maps``.
 
-Head similarity is the cosine similarity of two heads' flattened attention maps (all windows and
-queries), as in the seed's chapter 4.
+Head similarity is the package's one definition, :func:`cgavit.analysis.heads.map_similarity`:
+the cosine similarity of two heads' flattened maps in each window, averaged over the windows (the
+six tokens are one window). One head has no pairs: its ``mean_similarity`` is None.
 """
 
 from __future__ import annotations
@@ -18,47 +19,29 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+from PIL import Image, ImageOps
 
+from ..analysis.heads import map_similarity, mean_off_diagonal
 from ..attention import CascadedGroupAttention, LocalWindowAttention
 from ..factory import create_model
 from ..model import EfficientViT, stage_resolution
 from ..testing import randomize_
-from ..variants import EfficientViTConfig
+from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from ..weights import load_checkpoint, read_weights_meta
 
 log = logging.getLogger(__name__)
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 MAX_UPLOAD_BYTES = 5 * 1024 * 1024
 MAX_IMAGE_PIXELS = 40_000_000  # decoded size cap: a small file can still expand to a huge bitmap
-
-
-def head_similarity(maps: torch.Tensor) -> torch.Tensor:
-    """Pairwise cosine similarity of attention maps.
-
-    Args:
-        maps: ``(heads, ...)``: each head's maps, flattened over everything after dim 0.
-
-    Returns:
-        ``(heads, heads)`` float64 matrix with ones on the diagonal.
-    """
-    flat = F.normalize(maps.detach().double().flatten(1), dim=1)
-    return flat @ flat.T
-
-
-def _off_diagonal_mean(sim: torch.Tensor) -> float | None:
-    n = sim.shape[0]
-    if n < 2:
-        return None
-    return float(sim[~torch.eye(n, dtype=torch.bool)].mean())
 
 
 class ToyCGA:
@@ -110,7 +93,7 @@ class ToyCGA:
         randomize_(attn, seed)  # default BN statistics would make every head's map look alike
         return attn.eval()
 
-    def run(self, heads: int, cascade: bool, groups: bool, seed: int) -> dict:
+    def run(self, heads: int, cascade: bool, groups: bool, seed: int) -> dict[str, Any]:
         """Everything the page shows for one setting, as JSON-ready values.
 
         Returns:
@@ -122,7 +105,7 @@ class ToyCGA:
         with self._lock, torch.no_grad():  # fork_rng touches the global generator: one at a time
             attn = self.module(heads, cascade, groups, seed)
             maps = torch.stack([m[0] for m in attn.head_attention_maps(self.tokens(seed))])  # (h, 6, 6)
-        sim = head_similarity(maps)
+        sim = map_similarity(maps[:, None])  # one window
         width = self.channels // heads if groups else self.channels
         slices = [
             dict(
@@ -151,14 +134,14 @@ class ToyCGA:
             ),
             maps=maps.double().tolist(),
             similarity=sim.tolist(),
-            mean_similarity=_off_diagonal_mean(sim),
+            mean_similarity=mean_off_diagonal(sim),
             slices=slices,
         )
 
 
 # ----------------------------------------------------------------------------------- real model
 def build_model(
-    checkpoint: str | Path | None = None,
+    checkpoint: str | os.PathLike | None = None,
     model_name: str = "efficientvit_m0",
     img_size: int = 224,
     trust: bool = False,
@@ -166,15 +149,14 @@ def build_model(
 ) -> tuple[EfficientViT, str]:
     """The model whose attention the page shows, and an honest sentence about where it came from.
 
-    A cgavit checkpoint rebuilds its own architecture from its metadata; official and timm files are
-    loaded into ``model_name`` (with ``dials``). Without a checkpoint the model is randomly
-    initialised, with BatchNorm statistics and bias tables randomised (seed 0).
+    A cgavit checkpoint rebuilds its own architecture from its metadata (read and validated by
+    :func:`~cgavit.weights.read_weights_meta`); official and timm files are loaded into
+    ``model_name`` (with ``dials``). Without a checkpoint the model is randomly initialised, with
+    BatchNorm statistics and bias tables randomised (seed 0).
 
     Raises:
         ValueError: unknown model, impossible dials, or an unusable checkpoint (``CheckpointError``).
     """
-    from ..weights import load_checkpoint, read_metadata
-
     if checkpoint is None:
         model = create_model(model_name, img_size=img_size, **dials)
         randomize_(model, 0)
@@ -185,13 +167,11 @@ def build_model(
         )
         return model.eval(), about
     path = Path(checkpoint)
-    meta = read_metadata(path)
-    if "config" in meta:
+    meta = read_weights_meta(path)
+    if meta is not None:
         if dials:
             raise ValueError(f"{path} records its own architecture; drop the dial options ({sorted(dials)})")
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["config"]).items()}
-        num_classes = int(meta.get("num_classes") or 1000)
-        model = EfficientViT(EfficientViTConfig(**fields), num_classes=num_classes, img_size=img_size)
+        model = EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, distillation=meta.distillation)
         arch = "the architecture recorded in its metadata"
     else:
         model = create_model(model_name, img_size=img_size, **dials)
@@ -230,7 +210,7 @@ class ImageAttention:
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         """The model description and one entry per block (stage, width, heads, window, map size)."""
         rows = []
         for k, (i, j, lwa) in enumerate(self._blocks):
@@ -250,36 +230,25 @@ class ImageAttention:
             )
         return dict(about=self.about, img_size=list(self.img_size), blocks=rows, max_upload_bytes=MAX_UPLOAD_BYTES)
 
-    def add_image(self, data: bytes) -> dict:
+    def add_image(self, data: bytes) -> dict[str, Any]:
         """Validate and preprocess an uploaded image; returns its id and the model's view of it.
+
+        The image is resized (bicubic, shorter side) and centre-cropped to the model's size, then
+        normalised with the ImageNet mean and standard deviation.
 
         Raises:
             ValueError: not an image PIL can decode, or too many pixels.
         """
-        import numpy as np
-        from PIL import Image, ImageOps
-
-        try:
-            with Image.open(io.BytesIO(data)) as probe:
-                probe.verify()  # structure check without decoding
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise ValueError(
-                    f"the image is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS:,}: scale it down"
-                )
-            img = ImageOps.exif_transpose(img).convert("RGB")
-        except ValueError:
-            raise
-        except Exception as err:  # PIL raises many types for broken files
-            raise ValueError(f"the upload is not an image PIL can read ({type(err).__name__}); use a JPEG or PNG") from None
+        img = _decode_upload(data)
         orig = img.size
         H, W = self.img_size
         view = ImageOps.fit(img, (W, H), Image.BICUBIC)  # resize the short side, centre crop
         arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)  # (3, H, W)
-        x = (arr - torch.tensor(IMAGENET_MEAN)[:, None, None]) / torch.tensor(IMAGENET_STD)[:, None, None]
+        mean = torch.tensor(IMAGENET_DEFAULT_MEAN)[:, None, None]
+        std = torch.tensor(IMAGENET_DEFAULT_STD)[:, None, None]
         image_id = hashlib.sha256(data).hexdigest()[:16]
         with self._lock:
-            self._images[image_id] = x[None]
+            self._images[image_id] = ((arr - mean) / std)[None]  # (1, 3, H, W)
             self._images.move_to_end(image_id)
             while len(self._images) > self._cache_size:
                 self._images.popitem(last=False)
@@ -292,6 +261,15 @@ class ImageAttention:
         with self._lock:
             return image_id in self._images
 
+    def image(self, image_id: str) -> torch.Tensor:
+        """The model input ``(1, 3, H, W)`` (normalised) of a kept upload.
+
+        Raises:
+            KeyError: unknown image id (never uploaded, or evicted by later uploads).
+        """
+        with self._lock:
+            return self._images[image_id]
+
     def _capture(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """The windows ``(n_windows, C, h, w)`` that block ``block``'s attention sees, and the map size."""
         _, _, lwa = self._blocks[block]
@@ -300,10 +278,10 @@ class ImageAttention:
         class _Stop(Exception):
             pass
 
-        def grab_map(_, args):
+        def grab_map(_, args) -> None:
             seen["hw"] = tuple(args[0].shape[-2:])
 
-        def grab_windows(_, args):
+        def grab_windows(_, args) -> None:
             seen["windows"] = args[0].detach()
             raise _Stop  # nothing after this block is needed
 
@@ -317,7 +295,7 @@ class ImageAttention:
                 hook.remove()
         return seen["windows"], seen["hw"]
 
-    def attention(self, image_id: str, block: int, query: int | None) -> dict:
+    def attention(self, image_id: str, block: int, query: int | None) -> dict[str, Any]:
         """Each head's attention over the image in one block.
 
         Args:
@@ -329,8 +307,9 @@ class ImageAttention:
 
         Returns:
             dict with ``maps`` ``[heads][H][W]`` (None outside the query's window), ``similarity``
-            ``[heads][heads]``, the window boxes and the layout. Per window the values sum to 1 up
-            to the attention that falls on zero padding, which a map not divisible into windows
+            ``[heads][heads]`` (:func:`~cgavit.analysis.heads.map_similarity` of the block's maps
+            over all its windows), the window boxes and the layout. Per window the values sum to 1
+            up to the attention that falls on zero padding, which a map not divisible into windows
             gets at its bottom/right edge; for a query that share is ``padding_share`` per head.
 
         Raises:
@@ -338,61 +317,98 @@ class ImageAttention:
         """
         if not 0 <= block < len(self._blocks):
             raise ValueError(f"block must be in 0..{len(self._blocks) - 1}, got {block}")
+        stage, idx, lwa = self._blocks[block]
         with self._lock:
             x = self._images[image_id]
             self._images.move_to_end(image_id)
             with torch.no_grad():
                 windows, (H, W) = self._capture(x, block)
-                attn = self._blocks[block][2].attn
-                maps = torch.stack(attn.head_attention_maps(windows)).double()  # (heads, nwin, N, N)
+                maps = torch.stack(lwa.attn.head_attention_maps(windows)).double()  # (heads, nwin, N, N)
         if query is not None and not 0 <= query < H * W:
             raise ValueError(f"query must be a token index in 0..{H * W - 1} (y * {W} + x), got {query}")
-        ws = self._blocks[block][2].window
-        wh, ww = windows.shape[-2:]
-        n_cols = 1 if (H <= ws and W <= ws) else -(-W // ws)
-        boxes = []  # window k covers rows y0..y0+wh, cols x0..x0+ww (cropped to the map)
-        for k in range(windows.shape[0]):
-            y0, x0 = (k // n_cols) * wh, (k % n_cols) * ww
-            boxes.append([y0, x0, min(wh, H - y0), min(ww, W - x0)])
-        heads = maps.shape[0]
-        grid = [[[None] * W for _ in range(H)] for _ in range(heads)]
-        padding_share = None
+        win_hw = tuple(windows.shape[-2:])
+        boxes = _window_boxes(windows.shape[0], (H, W), win_hw, lwa.window)
+        padding_share = qbox = None
         if query is None:
-            for k, (y0, x0, bh, bw) in enumerate(boxes):
-                real = [n for n in range(wh * ww) if n // ww < bh and n % ww < bw]  # not zero padding
-                received = maps[:, k, real].mean(dim=1)  # (heads, N): mean over the window's real queries
-                for n in real:
-                    ty, tx = n // ww, n % ww
-                    for hd in range(heads):
-                        grid[hd][y0 + ty][x0 + tx] = float(received[hd, n])
-            qbox = None
+            grid = _received_grid(maps, boxes, (H, W), win_hw)
         else:
-            qy, qx = divmod(query, W)
-            k = next(i for i, (y0, x0, bh, bw) in enumerate(boxes) if y0 <= qy < y0 + bh and x0 <= qx < x0 + bw)
-            y0, x0, bh, bw = boxes[k]
-            row = (qy - y0) * ww + (qx - x0)
-            for n in range(wh * ww):
-                ty, tx = n // ww, n % ww
-                if ty < bh and tx < bw:
-                    for hd in range(heads):
-                        grid[hd][y0 + ty][x0 + tx] = float(maps[hd, k, row, n])
-            qbox = boxes[k]
+            grid, qbox = _query_grid(maps, boxes, (H, W), win_hw, query)
             padding_share = [1.0 - sum(v for row in g for v in row if v is not None) for g in grid]
-        sim = head_similarity(maps)
-        stage, idx, _ = self._blocks[block]
+        sim = map_similarity(maps)
         return dict(
             block=block,
             stage=stage + 1,
             block_in_stage=idx + 1,
-            heads=heads,
+            heads=maps.shape[0],
             grid=[H, W],
-            window=ws,
+            window=lwa.window,
             windows=boxes,
             query=query,
             query_window=qbox,
             padding_share=padding_share,
             maps=grid,
             similarity=sim.tolist(),
-            mean_similarity=_off_diagonal_mean(sim),
+            mean_similarity=mean_off_diagonal(sim),
         )
 
+
+def _decode_upload(data: bytes) -> Image.Image:
+    """The upload as an RGB image, EXIF orientation applied; ValueError for anything else."""
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            probe.verify()  # structure check without decoding
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"the image is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS:,}: scale it down"
+            )
+        return ImageOps.exif_transpose(img).convert("RGB")
+    except ValueError:
+        raise
+    except Exception as err:  # PIL raises many types for broken files
+        raise ValueError(f"the upload is not an image PIL can read ({type(err).__name__}); use a JPEG or PNG") from None
+
+
+Grid = list[list[list[float | None]]]  # [heads][H][W], None where nothing is shown
+
+
+def _window_boxes(n_windows: int, hw: tuple[int, int], win_hw: tuple[int, int], window: int) -> list[list[int]]:
+    """``[y0, x0, rows, cols]`` of each window in the ``H x W`` map, cropped to the map (padding cut)."""
+    (H, W), (wh, ww) = hw, win_hw
+    n_cols = 1 if (H <= window and W <= window) else -(-W // window)
+    boxes = []
+    for k in range(n_windows):
+        y0, x0 = (k // n_cols) * wh, (k % n_cols) * ww
+        boxes.append([y0, x0, min(wh, H - y0), min(ww, W - x0)])
+    return boxes
+
+
+def _received_grid(maps: torch.Tensor, boxes: list[list[int]], hw: tuple[int, int], win_hw: tuple[int, int]) -> Grid:
+    """For every token, the mean attention it receives from the real (not padding) queries of its window."""
+    heads, (H, W), ww = maps.shape[0], hw, win_hw[1]
+    grid: Grid = [[[None] * W for _ in range(H)] for _ in range(heads)]
+    for k, (y0, x0, bh, bw) in enumerate(boxes):
+        real = [n for n in range(win_hw[0] * ww) if n // ww < bh and n % ww < bw]  # not zero padding
+        received = maps[:, k, real].mean(dim=1)  # (heads, N): mean over the window's real queries
+        for n in real:
+            for hd in range(heads):
+                grid[hd][y0 + n // ww][x0 + n % ww] = float(received[hd, n])
+    return grid
+
+
+def _query_grid(
+    maps: torch.Tensor, boxes: list[list[int]], hw: tuple[int, int], win_hw: tuple[int, int], query: int
+) -> tuple[Grid, list[int]]:
+    """What token ``query`` attends to in its window (None elsewhere), and that window's box."""
+    heads, (H, W), (wh, ww) = maps.shape[0], hw, win_hw
+    grid: Grid = [[[None] * W for _ in range(H)] for _ in range(heads)]
+    qy, qx = divmod(query, W)
+    k = next(i for i, (y0, x0, bh, bw) in enumerate(boxes) if y0 <= qy < y0 + bh and x0 <= qx < x0 + bw)
+    y0, x0, bh, bw = boxes[k]
+    row = (qy - y0) * ww + (qx - x0)
+    for n in range(wh * ww):
+        ty, tx = n // ww, n % ww
+        if ty < bh and tx < bw:
+            for hd in range(heads):
+                grid[hd][y0 + ty][x0 + tx] = float(maps[hd, k, row, n])
+    return grid, boxes[k]

@@ -1,4 +1,6 @@
-"""``cgavit explore``: serve the CGA Explorer page and its JSON API (standard library HTTP server).
+"""The CGA Explorer's HTTP server: the page and its JSON API (standard library HTTP server).
+
+``cgavit explore`` (:mod:`cgavit.cli.explore`) starts it from the command line.
 
 Routes:
 
@@ -14,7 +16,6 @@ Errors are JSON ``{"error": "..."}`` with status 400 (bad parameter or file), 40
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import socket
@@ -23,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .compute import MAX_UPLOAD_BYTES, ImageAttention, ToyCGA
+from .compute import MAX_UPLOAD_BYTES, ImageAttention, ToyCGA, build_model
 
 log = logging.getLogger(__name__)
 
@@ -273,59 +274,11 @@ class ExplorerHandler(BaseHTTPRequestHandler):
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, images: ImageAttention | None = None) -> ExplorerServer:
-    """Build (not start) an explorer server; with ``images`` None it uses a random efficientvit_m0."""
-    if images is None:
-        from .compute import build_model
+    """Build (not start) an explorer server; with ``images`` None it uses a random efficientvit_m0.
 
+    Raises:
+        OSError: the address cannot be bound (port in use, unknown interface).
+    """
+    if images is None:
         images = ImageAttention(*build_model())
     return ExplorerServer((host, port), images)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ..cli.common import dials_from_args
-    from .compute import build_model
-
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    model, about = build_model(
-        args.checkpoint, args.model, args.img_size, trust=args.trust_checkpoint, **dials_from_args(args)
-    )
-    try:
-        server = ExplorerServer((args.host, args.port), ImageAttention(model, about))
-    except OSError as err:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port (0 = any free)") from None
-    print(f"CGA Explorer: {server.url}", flush=True)
-    print(f"image panel model: {about}", flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: listening on {args.host}, reachable from other machines", flush=True)
-    print("press Ctrl-C to stop", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli.common import add_dial_args
-
-    p = sub.add_parser(
-        "explore",
-        help="serve the CGA Explorer page (heads, cascade, groups; your image's attention)",
-        description=(
-            "Serve the CGA Explorer: six tokens through cascaded group attention with the heads, cascade "
-            "and channel groups you choose, and each head's attention over an image you upload, in a "
-            "real model (--checkpoint, or a randomly initialised --model). Listens on 127.0.0.1 only "
-            "unless --host says otherwise."
-        ),
-    )
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
-    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
-    p.add_argument("--checkpoint", type=Path, default=None, help="weights for the image panel (cgavit, official or timm file)")
-    p.add_argument("--model", default="efficientvit_m0", help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
-    p.add_argument("--img-size", type=int, default=224, help="side the uploaded image is resized and centre-cropped to (default 224)")
-    p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled objects in the checkpoint (runs code from it: only for files you trust)")
-    add_dial_args(p)
-    p.set_defaults(func=_run)

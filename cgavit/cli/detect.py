@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 from pathlib import Path
+from typing import Any
 
-from ..cli.common import add_dial_args, dials_from_args
+from ..detection import TrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
+from .common import add_dial_args, dials_from_args
 
-log = logging.getLogger(__name__)
 
-
-def _data_paths(args: argparse.Namespace, train: bool) -> None:
+def coco_paths(args: argparse.Namespace, train: bool) -> None:
     """Fill the json/image paths from ``--data`` (the COCO 2017 folder layout) where not given."""
     root = getattr(args, "data", None)
     if not root:
@@ -29,29 +29,7 @@ def _data_paths(args: argparse.Namespace, train: bool) -> None:
     args.val_images = args.val_images or str(root / "val2017")
 
 
-def _train(args: argparse.Namespace) -> int:
-    from .engine import TrainConfig, train
-
-    _data_paths(args, train=True)
-    cfg = TrainConfig(
-        train_json=args.train_json or "", train_images=args.train_images or "",
-        val_json=args.val_json, val_images=args.val_images, output=args.output, model=args.model,
-        backbone=args.backbone, dials=dials_from_args(args), model_kwargs=_model_args(args.model_arg), pretrained_backbone=args.pretrained_backbone,
-        trust_checkpoint=args.trust_checkpoint, freeze_bn=not args.train_bn, min_size=args.min_size, max_size=args.max_size,
-        epochs=args.epochs, lr_steps=tuple(args.lr_steps), warmup_iters=args.warmup_iters,
-        warmup_ratio=args.warmup_ratio, lr=args.lr, weight_decay=args.weight_decay, hflip=args.hflip, batch_size=args.batch_size,
-        workers=args.workers, seed=args.seed, eval_every=args.eval_every, resume=args.resume, strict=args.strict,
-        device=args.device, log_every=args.log_every,
-    )
-    metrics = train(cfg)
-    if metrics and _is_main():
-        shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("bbox_", "segm_")) or k == "loss"}
-        print(json.dumps(shown))
-        print(f"checkpoints, metrics.jsonl and loss.png in {cfg.output}")
-    return 0
-
-
-def _model_args(items: list[str]) -> dict:
+def model_args(items: list[str]) -> dict[str, Any]:
     """``["key=value", ...]`` as keyword arguments; values are read as JSON where they parse."""
     out = {}
     for item in items:
@@ -65,81 +43,58 @@ def _model_args(items: list[str]) -> dict:
     return out
 
 
-def _is_main() -> bool:
-    import os
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The ``detect train`` options as the library's config."""
+    coco_paths(args, train=True)
+    return TrainConfig(
+        train_json=args.train_json or "", train_images=args.train_images or "",
+        val_json=args.val_json, val_images=args.val_images, output=args.output, model=args.model,
+        backbone=args.backbone, dials=dials_from_args(args), model_kwargs=model_args(args.model_arg),
+        pretrained_backbone=args.pretrained_backbone, trust_checkpoint=args.trust_checkpoint, freeze_bn=not args.train_bn,
+        min_size=args.min_size, max_size=args.max_size, epochs=args.epochs, lr_steps=tuple(args.lr_steps),
+        warmup_iters=args.warmup_iters, warmup_ratio=args.warmup_ratio, lr=args.lr, weight_decay=args.weight_decay,
+        hflip=args.hflip, batch_size=args.batch_size, workers=args.workers, seed=args.seed, eval_every=args.eval_every,
+        resume=args.resume, strict=args.strict, device=args.device, log_every=args.log_every,
+    )
 
+
+def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _eval(args: argparse.Namespace) -> int:
-    from .data import CocoDetection, check_coco
-    from .engine import evaluate, load_detector, setup_distributed, teardown_distributed
+def run_train(args: argparse.Namespace) -> int:
+    cfg = train_config(args)
+    metrics = train(cfg)
+    if metrics and _is_main():
+        shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("bbox_", "segm_")) or k == "loss"}
+        print(json.dumps(shown))
+        print(f"checkpoints, metrics.jsonl and loss.png in {cfg.output}")
+    return 0
 
-    _data_paths(args, train=False)
-    if not args.val_json or not args.val_images:
-        raise ValueError("give the evaluation data: --val-json FILE --val-images DIR (or --data COCO_ROOT)")
-    env = setup_distributed(args.device)
-    try:
-        model, config = load_detector(args.checkpoint, env.device)
-        masks = config["kind"] == "maskrcnn"
-        check = check_coco(args.val_json, args.val_images, strict=args.strict, require_masks=masks)
-        if [c for c, _ in check.categories] != [c for c, _ in config["categories"]]:
-            raise ValueError(
-                f"{args.val_json} lists categories {[c for c, _ in check.categories]} but the model was trained on "
-                f"{[c for c, _ in config['categories']]}"
-            )
-        dataset = CocoDetection(check, args.val_images, masks=masks)
-        metrics, summary = evaluate(model, dataset, env, args.batch_size, args.workers)
-    finally:
-        teardown_distributed(env)
-    if env.is_main:
+
+def run_eval(args: argparse.Namespace) -> int:
+    coco_paths(args, train=False)
+    metrics, summary = evaluate_checkpoint(
+        args.checkpoint, args.val_json, args.val_images, batch_size=args.batch_size, workers=args.workers,
+        strict=args.strict, device=args.device,
+    )
+    if _is_main():
         if not args.json:
             print(summary)
         print(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
     return 0
 
 
-def _predict(args: argparse.Namespace) -> int:
-    import torch
-    from PIL import Image
-    from torchvision.io import write_png
-    from torchvision.transforms.v2 import functional as TF
-
-    from .draw import draw_detections
-    from .engine import load_detector, setup_distributed
-
-    env = setup_distributed(args.device)
-    model, config = load_detector(args.checkpoint, env.device)
-    names = ["background"] + [n for _, n in config["categories"]]
-    images = [Path(p) for p in args.images]
-    for p in images:
-        if not p.is_file():
-            raise FileNotFoundError(f"image {p} does not exist")
-    out = Path(args.out) if args.out else None
-    if out is not None and len(images) > 1 and out.suffix:
-        raise ValueError(f"--out {out} looks like a file but {len(images)} images were given; pass a folder")
-    for p in images:
-        try:
-            pil = Image.open(p).convert("RGB")
-        except OSError as err:
-            raise ValueError(f"cannot read image {p}: {err}") from None
-        raw = TF.pil_to_tensor(pil)  # (3, H, W) uint8
-        with torch.no_grad():
-            output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
-        drawn = draw_detections(raw, output, names, args.score_threshold)
-        dst = out if out is not None and out.suffix else (out or Path(".")) / f"{p.stem}_pred.png"
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        write_png(drawn, str(dst))
-        keep = output["scores"] >= args.score_threshold
-        print(f"{p}: {int(keep.sum())} detections >= {args.score_threshold} -> {dst}")
-        for box, label, score in zip(output["boxes"][keep].tolist(), output["labels"][keep].tolist(), output["scores"][keep].tolist()):
-            print(f"  {names[label]:<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
+def run_predict(args: argparse.Namespace) -> int:
+    threshold = args.score_threshold
+    for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
+        print(f"{pred.image}: {len(pred.scores)} detections >= {threshold} -> {pred.drawn}")
+        for name, score, box in zip(pred.names, pred.scores, pred.boxes):
+            print(f"  {name:<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
     return 0
 
 
-def _shapes(args: argparse.Namespace) -> int:
-    from .shapes import write_shapes_dataset
-
+def run_shapes(args: argparse.Namespace) -> int:
     for split, n, seed in (("train", args.num_train, args.seed), ("val", args.num_val, args.seed + 1)):
         d, j = write_shapes_dataset(args.out, n, args.size, seed=seed, max_shapes=args.max_shapes, split=split)
         print(f"{split}: {n} images in {d}, annotations {j}")
@@ -205,7 +160,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--resume", metavar="CKPT", help="continue from a checkpoint.pth; 'auto' = --output's checkpoint.pth if present")
     o.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (0: after the last only; default 1)")
     o.add_argument("--log-every", type=int, default=20, help="iterations between metrics.jsonl lines (default 20)")
-    t.set_defaults(func=_train)
+    t.set_defaults(func=run_train)
 
     e = cmds.add_parser("eval", help="COCO bbox (and segm) mAP of a trained checkpoint",
                         description="Evaluate a checkpoint with pycocotools COCOeval (bbox; segm too for Mask R-CNN).")
@@ -215,7 +170,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--val-images", help="image folder")
     e.add_argument("--json", action="store_true", help="print only the metrics as JSON")
     _common(e)
-    e.set_defaults(func=_eval)
+    e.set_defaults(func=run_eval)
 
     p = cmds.add_parser("predict", help="draw a checkpoint's detections (boxes, labels, scores, masks) on images",
                         description="Run a trained detector on images and save them with boxes, labels, scores and masks drawn.")
@@ -224,7 +179,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output PNG (one image) or folder (default: <image name>_pred.png in the current folder)")
     p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    p.set_defaults(func=_predict)
+    p.set_defaults(func=run_predict)
 
     s = cmds.add_parser("shapes", help="write a small generated COCO-format dataset of coloured shapes (for trying the pipeline)",
                         description="Generate coloured squares, circles and triangles on plain backgrounds with boxes and "
@@ -235,4 +190,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--size", type=int, default=192, help="image side in pixels (default 192)")
     s.add_argument("--max-shapes", type=int, default=4, help="at most this many shapes per image (default 4)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    s.set_defaults(func=_shapes)
+    s.set_defaults(func=run_shapes)

@@ -1,0 +1,222 @@
+"""The ``cgavit analyze`` runs as library calls: build the model and the image sample, run an
+analysis, write its JSON report and figures.
+
+:class:`AnalysisConfig` holds what both analyses share (its field names are the command's options);
+:func:`run_heads` and :func:`run_taylor` return what they computed and wrote, and print nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..factory import create_model
+from ..io import write_json
+from ..train import load_model
+from .data import load_images
+from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
+from .taylor import BlockImportance, kept_fraction, plot_importance, taylor_importance
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("auto", "labels", "predictions")
+
+
+@dataclass
+class AnalysisConfig:
+    """The model to analyse and the images to run it on.
+
+    Attributes:
+        output: folder for the JSON and PNG files.
+        model: variant (default: the checkpoint's, else ``efficientvit_m0``).
+        checkpoint: weights file; trained-here files record architecture and preprocessing.
+        pretrained: use the published ImageNet-1k weights of ``model``.
+        data: image folder, ``DIR/<class>/<img>`` (labelled) or ``DIR/<img>``; or give ``images``.
+        images: image files (instead of ``data``).
+        img_size: input size (default: the checkpoint's, else 224).
+        crop_pct: centre-crop fraction after resizing (default: the checkpoint's, else 0.875).
+        num_images: images used, balanced over classes (0 = all).
+        num_classes: classifier size of a randomly initialised model (default 1000).
+        batch_size: images per forward pass.
+        seed: seed of the image sample and of random weights.
+        dials: design dials for ``create_model`` (random models, or files without an architecture).
+    """
+
+    output: str
+    model: str | None = None
+    checkpoint: str | None = None
+    pretrained: bool = False
+    data: str | None = None
+    images: tuple[str, ...] = ()
+    img_size: int | None = None
+    crop_pct: float | None = None
+    num_images: int = 64
+    num_classes: int | None = None
+    batch_size: int = 32
+    seed: int = 0
+    dials: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AnalysisSample:
+    """A model and the image batches it is analysed on.
+
+    Attributes:
+        model: the network.
+        img_size: input side in pixels.
+        batches: ``(images (b, 3, S, S), labels (b,) or None)`` in near-equal batches.
+        labels: all labels ``(B,)``, or None for unlabelled images.
+        classes: class names of a labelled folder, or None.
+    """
+
+    model: nn.Module
+    img_size: int
+    batches: list[tuple[torch.Tensor, torch.Tensor | None]]
+    labels: torch.Tensor | None
+    classes: list[str] | None
+
+    @property
+    def num_images(self) -> int:
+        return sum(x.shape[0] for x, _ in self.batches)
+
+
+@dataclass
+class HeadsRun:
+    """What :func:`run_heads` computed and wrote (``report`` is the content of ``json_path``)."""
+
+    blocks: list[BlockSimilarity]
+    report: dict[str, Any]
+    json_path: Path
+    plots: list[Path]
+
+
+@dataclass
+class TaylorRun:
+    """What :func:`run_taylor` computed and wrote.
+
+    Attributes:
+        blocks: per-block importances. kept: :func:`~cgavit.analysis.taylor.kept_fraction`'s result.
+        targets: ``"labels"`` (folder labels) or ``"predictions"`` (the model's own arg-max).
+        report: the content of ``json_path``. plots: figures written.
+    """
+
+    blocks: list[BlockImportance]
+    kept: dict[str, Any]
+    targets: str
+    report: dict[str, Any]
+    json_path: Path
+    plots: list[Path]
+
+
+def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, int, float, tuple | None, tuple | None]:
+    """The model to analyse and how to feed it: ``(model, img_size, crop_pct, mean, std)``.
+
+    With ``checkpoint`` / ``pretrained`` the model is rebuilt as :func:`cgavit.train.load_model`
+    does (files trained here record their architecture, image size and preprocessing); otherwise a
+    randomly initialised ``model`` with the given dials is built (mean/std None: ImageNet's).
+    """
+    if cfg.checkpoint or cfg.pretrained:
+        if cfg.checkpoint and cfg.pretrained:
+            raise ValueError("give --checkpoint FILE or --pretrained, not both")
+        if cfg.num_classes is not None:
+            raise ValueError("--num-classes is for randomly initialised models; a checkpoint sets its own class count")
+        model, info = load_model(cfg.checkpoint, cfg.model, cfg.dials or None, pretrained=cfg.pretrained)
+        return model, cfg.img_size or info.img_size, cfg.crop_pct or info.crop_pct, info.mean, info.std
+    log.warning("no --checkpoint: analysing randomly initialised weights")
+    size = cfg.img_size or 224
+    model = create_model(cfg.model or "efficientvit_m0", num_classes=cfg.num_classes or 1000, img_size=size, **cfg.dials)
+    return model, size, cfg.crop_pct or 0.875, None, None
+
+
+def _sources(cfg: AnalysisConfig) -> list[str]:
+    if cfg.data and cfg.images:
+        raise ValueError("give either --data DIR or image files, not both")
+    if not cfg.data and not cfg.images:
+        raise ValueError("give --data DIR (class sub-folders or images) or image files")
+    return [cfg.data] if cfg.data else list(cfg.images)
+
+
+def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
+    """Seed, build the model, read up to ``num_images`` images and split them into batches."""
+    torch.manual_seed(cfg.seed)
+    model, img_size, crop_pct, mean, std = load_analysis_model(cfg)
+    x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, crop_pct, cfg.seed, mean, std)
+    n = max(1, -(-x.shape[0] // max(cfg.batch_size, 1)))  # near-equal batches (no trailing batch of one)
+    batches = list(zip(x.tensor_split(n), y.tensor_split(n) if y is not None else [None] * n))
+    return AnalysisSample(model, img_size, batches, y, classes)
+
+
+def plot_title(cfg: AnalysisConfig) -> str:
+    """What was analysed, for figure titles: the checkpoint's last path parts, or the variant."""
+    if cfg.checkpoint:
+        return "(" + "/".join(Path(cfg.checkpoint).parts[-3:]) + ")"
+    return f"({cfg.model or 'efficientvit_m0'}{', published' if cfg.pretrained else ', random weights'})"
+
+
+def report_header(cfg: AnalysisConfig, sample: AnalysisSample) -> dict[str, Any]:
+    """The fields every report starts with: model, architecture, weights, image size and count, dials, seed."""
+    return dict(
+        model=cfg.model,
+        config=asdict(sample.model.cfg),
+        checkpoint=cfg.checkpoint or ("published" if cfg.pretrained else None),
+        img_size=sample.img_size,
+        num_images=sample.num_images,
+        dials={k: list(v) if isinstance(v, tuple) else v for k, v in cfg.dials.items()},
+        seed=cfg.seed,
+    )
+
+
+def run_heads(cfg: AnalysisConfig) -> HeadsRun:
+    """Head similarity of every block; writes ``heads.json``, ``heads_matrices.png`` and ``heads_mean.png``."""
+    sample = load_sample(cfg)
+    blocks = head_similarity(sample.model, [x for x, _ in sample.batches])
+    out = Path(cfg.output)
+    report = report_header(cfg, sample)
+    report.update(mean_similarity=mean_similarity(blocks), blocks=[b.to_dict() for b in blocks])
+    json_path = write_json(out / "heads.json", report)
+    plots = plot_similarity(blocks, out, title=plot_title(cfg))
+    return HeadsRun(blocks, report, json_path, plots)
+
+
+def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 0.3, list_pruned: int = 50) -> TaylorRun:
+    """Taylor importance of every block's channels; writes ``taylor.json``, ``taylor_spread.png`` and
+    ``taylor_pruning.png``.
+
+    Args:
+        cfg: model and images.
+        targets: loss targets: ``labels`` (the folder's), ``predictions`` (the model's own), or
+            ``auto``: labels when the folder has as many classes as the model.
+        prune_ratio: pruning budget, the fraction of Q/K/V/FFN channels removed (least important first).
+        list_pruned: how many first-pruned channels the JSON lists.
+    """
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
+    sample = load_sample(cfg)
+    model, y, classes = sample.model, sample.labels, sample.classes
+    use_labels = targets == "labels" or (
+        targets == "auto" and y is not None and classes is not None and len(classes) == model.num_classes
+    )
+    if use_labels and y is None:
+        raise ValueError("--targets labels needs --data DIR with one sub-folder per class")
+    if use_labels and int(y.max()) >= model.num_classes:
+        raise ValueError(f"the data has {len(classes)} classes but the model {model.num_classes}; use --targets predictions or --num-classes")
+    blocks = taylor_importance(model, [(x, yy if use_labels else None) for x, yy in sample.batches])
+    kept = kept_fraction(blocks, prune_ratio)
+    out = Path(cfg.output)
+    report = report_header(cfg, sample)
+    report.update(
+        loss_targets="labels" if use_labels else "predictions",
+        prune_ratio=prune_ratio,
+        kept_fraction={str(s + 1): v for s, v in kept["kept"].items()},
+        pruned_first=kept["pruned"][:list_pruned],
+        pruned_count=len(kept["pruned"]),
+        blocks=[b.to_dict() for b in blocks],
+    )
+    json_path = write_json(out / "taylor.json", report)
+    plots = plot_importance(blocks, prune_ratio, out, title=plot_title(cfg))
+    return TaylorRun(blocks, kept, report["loss_targets"], report, json_path, plots)

@@ -1,0 +1,95 @@
+"""``cgavit analyze heads|taylor``: head similarity and Taylor channel importance of a model."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..analysis.reports import TARGETS, AnalysisConfig, run_heads, run_taylor
+from .common import add_dial_args, dials_from_args
+
+
+def analysis_config(args: argparse.Namespace) -> AnalysisConfig:
+    """The options both analyses share, as the library's config."""
+    return AnalysisConfig(
+        output=args.output, model=args.model, checkpoint=args.checkpoint, pretrained=args.pretrained,
+        data=args.data, images=tuple(args.images), img_size=args.img_size, crop_pct=args.crop_pct,
+        num_images=args.num_images, num_classes=args.num_classes, batch_size=args.batch_size, seed=args.seed,
+        dials=dials_from_args(args),
+    )
+
+
+def _similarity(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.3f}"  # one head: no pairs
+
+
+def run_heads_command(args: argparse.Namespace) -> int:
+    run = run_heads(analysis_config(args))
+    print(f"{'block':<30}{'heads':>6}{'tokens':>7}{'windows':>8}  mean off-diagonal similarity")
+    for b in run.blocks:
+        print(f"{b.name:<30}{b.num_heads:>6}{b.tokens:>7}{b.windows:>8}  {_similarity(b.mean_off_diagonal)}")
+    print(f"mean over blocks (more than one token): {run.report['mean_similarity']:.3f}")
+    print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))
+    return 0
+
+
+def run_taylor_command(args: argparse.Namespace) -> int:
+    run = run_taylor(analysis_config(args), args.targets, args.prune_ratio, args.list_pruned)
+    use_labels = run.targets == "labels"
+    print(f"loss: cross-entropy against the {'folder labels' if use_labels else 'model' + chr(39) + 's own predictions'}")
+    print(f"{'block':<22}{'Q':>10}{'K':>10}{'V':>10}{'FFN':>10}{'proj':>10}   mean |w*dL/dw| per channel")
+    for b in run.blocks:
+        m = b.to_dict()["mean"]
+        print(f"{b.name:<22}" + "".join(f"{m[k]:>10.3g}" if m[k] is not None else f"{'-':>10}" for k in ("q", "k", "v", "ffn", "proj")))
+    print(f"fraction kept after pruning the least important {args.prune_ratio:.0%} of Q/K/V/FFN channels:")
+    for s, fr in run.kept["kept"].items():
+        print(f"  stage {s + 1}: " + "  ".join(f"{k.upper()} {v:.2f}" for k, v in fr.items()))
+    print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="variant (default: the checkpoint's, else efficientvit_m0)")
+    p.add_argument("--checkpoint", help="weights: best.pt/last.pt/*.safetensors trained here (architecture and preprocessing read from the file), or an official/timm file (give --model and dials)")
+    p.add_argument("--pretrained", action="store_true", help="use the published ImageNet-1k weights of --model (downloaded once to the torch hub cache)")
+    p.add_argument("--data", help="image folder: DIR/<class>/<img> (labelled) or DIR/<img>")
+    p.add_argument("images", nargs="*", help="image files (instead of --data)")
+    p.add_argument("--output", required=True, help="folder for the JSON and PNG files")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: the checkpoint's, else 224)")
+    p.add_argument("--crop-pct", type=float, default=None, help="centre-crop fraction after resizing (default: the checkpoint's, else 0.875)")
+    p.add_argument("--num-images", type=int, default=64, help="images to use, balanced over classes (default 64; 0 = all)")
+    p.add_argument("--num-classes", type=int, default=None, help="classifier size (default: the checkpoint's, else 1000)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per forward pass (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the image sample and random weights (default 0)")
+    add_dial_args(p)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="head similarity and Taylor channel importance of a model",
+        description="Analyses of a (trained) model on a few images: how alike its heads attend, and which channels matter.",
+    )
+    asub = p.add_subparsers(dest="analysis", metavar="ANALYSIS")
+    h = asub.add_parser(
+        "heads",
+        help="cosine similarity between the heads' attention maps, per block",
+        description="For every attention block, the h x h cosine similarity of the heads' attention maps (flattened, averaged "
+        "over images and windows). Writes heads.json, heads_matrices.png (heatmaps) and heads_mean.png (mean "
+        "off-diagonal similarity per block).",
+    )
+    _common(h)
+    h.set_defaults(func=run_heads_command)
+    t = asub.add_parser(
+        "taylor",
+        help="first-order Taylor importance of Q/K/V/FFN/projection channels",
+        description="|w * dL/dw| summed per output channel over the images (eval mode, mean cross-entropy). Writes "
+        "taylor.json, taylor_spread.png (Q/K vs V vs FFN importance per stage) and taylor_pruning.png (channels kept "
+        "per stage and kind when the least important --prune-ratio of all are removed).",
+    )
+    _common(t)
+    t.add_argument("--targets", choices=TARGETS, default="auto",
+                   help="loss targets: folder labels, or the model's own predictions; auto = labels when the folder has as many classes as the model (default)")
+    t.add_argument("--prune-ratio", type=float, default=0.3, help="pruning budget: fraction of Q/K/V/FFN channels removed, least important first (default 0.3)")
+    t.add_argument("--list-pruned", type=int, default=50, help="how many first-pruned channels to list in the JSON (default 50)")
+    t.set_defaults(func=run_taylor_command)
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])

@@ -1,0 +1,56 @@
+"""``cgavit explore``: serve the CGA Explorer page until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..explorer import ImageAttention, build_model, make_server
+from .common import add_dial_args, dials_from_args
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    model, about = build_model(
+        args.checkpoint, args.model, args.img_size, trust=args.trust_checkpoint, **dials_from_args(args)
+    )
+    try:
+        server = make_server(args.host, args.port, ImageAttention(model, about))
+    except OSError as err:
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port (0 = any free)") from None
+    print(f"CGA Explorer: {server.url}", flush=True)
+    print(f"image panel model: {about}", flush=True)
+    if args.host not in LOCAL_HOSTS:
+        print(f"warning: listening on {args.host}, reachable from other machines", flush=True)
+    print("press Ctrl-C to stop", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "explore",
+        help="serve the CGA Explorer page (heads, cascade, groups; your image's attention)",
+        description=(
+            "Serve the CGA Explorer: six tokens through cascaded group attention with the heads, cascade "
+            "and channel groups you choose, and each head's attention over an image you upload, in a "
+            "real model (--checkpoint, or a randomly initialised --model). Listens on 127.0.0.1 only "
+            "unless --host says otherwise."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="weights for the image panel (cgavit, official or timm file)")
+    p.add_argument("--model", default="efficientvit_m0", help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
+    p.add_argument("--img-size", type=int, default=224, help="side the uploaded image is resized and centre-cropped to (default 224)")
+    p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled objects in the checkpoint (runs code from it: only for files you trust)")
+    add_dial_args(p)
+    p.set_defaults(func=run)
