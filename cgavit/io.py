@@ -28,6 +28,11 @@ class WriteError(OSError):
     untouched. The message says which file and why."""
 
 
+class DataError(ValueError):
+    """A dataset, annotation file or image that cannot be used as given; the message names the file
+    or item and says what to change."""
+
+
 class UnreadableFileError(ValueError):
     """A path that cannot be read as a file: missing, a folder, a FIFO or device, empty, or not
     permitted. The message names the path and says what to do."""
