@@ -1,15 +1,19 @@
 """The ablation ladder: rung definitions, parameter matching, and `cgavit ablate` end to end with resume."""
 
+import argparse
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-import cgavit.train
 from cgavit import create_model
-from cgavit.analysis.ablation import RUNGS, build_ladder, rung_dials
+from cgavit.analysis import ablation
+from cgavit.analysis.ablation import RUNGS, AblationConfig, build_ladder, rung_dials
 from cgavit.cli import main
-from cgavit.cli.common import add_dial_args, dials_from_args, dials_to_argv
+from cgavit.cli.ablate import train_args
+from cgavit.cli.train import add_train_args, config_from_args
+from cgavit.train import TrainConfig
 
 ARCH = dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2), depth=(1, 1, 1), window_size=(7, 7, 7), kernels=(5, 5, 5, 5))
 
@@ -32,14 +36,37 @@ def test_rung_dials_follow_the_ladder():
 
 
 def test_dials_round_trip_through_the_command_line():
-    import argparse
-
+    # each run records the `cgavit train` options that repeat it (result.json "train_argv")
     p = argparse.ArgumentParser()
-    add_dial_args(p)
+    add_train_args(p)
     for r in RUNGS:
         d = rung_dials(r, ARCH)
-        back = dials_from_args(p.parse_args(dials_to_argv(d)))
+        back = config_from_args(p.parse_args(TrainConfig(dials=d).to_argv())).dials
         assert create_model("m0", num_classes=3, **back).cfg == create_model("m0", num_classes=3, **d).cfg
+
+
+def test_ablation_config_and_train_args():
+    assert train_args("--workers 0 --no-model-ema --cascade off --scale 0.5 1") == {
+        "workers": 0, "model_ema": False, "scale": [0.5, 1.0], "dials": {"cascade": False},
+    }
+    assert train_args("") == {}
+    with pytest.raises(ValueError, match="--train-args"):
+        train_args("--no-such-option 3")
+    cfg = AblationConfig(data="d", output="o", epochs=1, seeds=[0, 1], train_args={"workers": 0})
+    assert cfg.seeds == (0, 1) and cfg.rungs == RUNGS
+    cfg.validate()
+    for bad, match in (
+        (dict(epochs=0), "--epochs"), (dict(rungs=("nope",)), "--rungs"), (dict(seeds=()), "--seeds"),
+        (dict(train_args={"nope": 1}), "--train-args"), (dict(speed_rounds=0), "--speed-rounds"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            replace(cfg, **bad).validate()
+    variant = build_ladder("m0", dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2)), 2, 32, rungs=["cascade"])[0][0]
+    options = ablation.train_options(
+        replace(cfg, train_args={"workers": 0, "dials": {"cascade": False}}), variant, 3, "data", "run"
+    )
+    assert options["seed"] == 3 and options["workers"] == 0 and options["output"] == "run"
+    assert options["dials"]["cascade"] is False and options["dials"]["group_split"] is True  # train_args win
 
 
 def test_rung_one_is_matched_in_parameters():
@@ -72,16 +99,16 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch):
     data = _dataset(tmp_path / "data")
     out = tmp_path / "study"
     calls = []
-    real_train = cgavit.train.train
+    real_train = ablation.train
 
-    def spy(argv):
-        run = argv[argv.index("--output") + 1]
-        calls.append((run.split("/runs/")[1], "--resume" in argv))
-        if run.endswith("sandwich/seed0") and not any("--resume" == a for a in argv):
-            argv = argv + ["--interrupt-after", "1"]  # as if stopped (SIGTERM) after one update
-        return real_train(argv)
+    def spy(cfg):
+        run = cfg.output
+        calls.append((run.split("/runs/")[1], cfg.resume is not None))
+        if run.endswith("sandwich/seed0") and cfg.resume is None:
+            cfg = replace(cfg, interrupt_after=1)  # as if stopped (SIGTERM) after one update
+        return real_train(cfg)
 
-    monkeypatch.setattr(cgavit.train, "train", spy)
+    monkeypatch.setattr(ablation, "train", spy)
     common = [
         "ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--embed-dim", "16,24,32",
         "--num-heads", "2,2,2", "--depth", "1,1,1", "--img-size", "32", "--batch-size", "8", "--heads-images", "4",

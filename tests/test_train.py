@@ -11,16 +11,21 @@ import pytest
 import torch
 from PIL import Image
 
-from cgavit.train import train
+from cgavit.train import TrainConfig, train
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train.data import BadImageError, check_layout
 from cgavit.weights import CheckpointError
 
-TINY = [
-    "--img-size", "32", "--embed-dim", "16,32,48", "--depth", "1,1,1", "--num-heads", "2,2,2", "--kernels", "3,3",
-    "--batch-size", "4", "--workers", "0", "--warmup-epochs", "1", "--lr", "3e-3", "--log-interval", "1000",
-    "--no-progress",
-]
+TINY = dict(
+    img_size=32, dials=dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3)),
+    batch_size=4, workers=0, warmup_epochs=1, lr=3e-3, log_interval=1000, progress=False,
+)
+TINY_ARGV = TrainConfig(**TINY).to_argv()  # the same options as `cgavit train` flags
+
+
+def tiny(**options) -> TrainConfig:
+    """A tiny, fast run: TINY with ``options`` over it."""
+    return TrainConfig(**{**TINY, **options})
 
 
 def make_folder(root: Path, classes: int = 3, train: int = 6, val: int = 3, size: int = 36, seed: int = 0) -> Path:
@@ -48,21 +53,21 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 def test_resume_equals_uninterrupted(data, tmp_path):
     # every RNG consumer on: RandAugment, random erasing, mixup/cutmix, drop path, EMA; a worker process
-    common = [*TINY, "--data", str(data), "--epochs", "3", "--drop-path", "0.1", "--seed", "3"]
-    full = train([*common, "--output", str(tmp_path / "full")])
-    assert full["epochs"] == 3 and not full["interrupted"]
+    common = dict(data=str(data), epochs=3, drop_path=0.1, seed=3)
+    full = train(tiny(**common, output=str(tmp_path / "full")))
+    assert full.epochs == 3 and not full.interrupted
     out = tmp_path / "resumed"
-    first = train([*common, "--output", str(out), "--interrupt-after", "4"])  # 4 updates = end of epoch 1
-    assert first["interrupted"] and first["epochs"] == 1
+    first = train(tiny(**common, output=str(out), interrupt_after=4))  # 4 updates = end of epoch 1
+    assert first.interrupted and first.epochs == 1
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (1, 0)
-    second = train(["--resume", str(out / "last.pt"), "--interrupt-after", "6", "--workers", "0"])  # mid-epoch 2
-    assert second["interrupted"]
+    second = train(TrainConfig.resume_from(out / "last.pt", interrupt_after=6, workers=0))  # mid-epoch 2
+    assert second.interrupted
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (1, 2)
     assert len(ck["rng"]) == 1 and ck["args"]["seed"] == 3
-    last = train(["--resume", str(out / "last.pt"), "--workers", "2"])  # any worker count gives the same
-    assert last["epochs"] == 3 and not last["interrupted"]
+    last = train(TrainConfig.resume_from(out / "last.pt", workers=2))  # any worker count gives the same
+    assert last.epochs == 3 and not last.interrupted
     a, b = _weights(tmp_path / "full" / "last.pt"), _weights(out / "last.pt")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -70,7 +75,7 @@ def test_resume_equals_uninterrupted(data, tmp_path):
     ema_b = torch.load(out / "last.pt", weights_only=True)["model_ema"]
     for key in ema_a:
         torch.testing.assert_close(ema_b[key], ema_a[key], rtol=1e-5, atol=1e-6)
-    assert abs(last["final_loss"] - full["final_loss"]) < 1e-5
+    assert abs(last.final_loss - full.final_loss) < 1e-5
     rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     assert len(rows) == 3  # one line per epoch, none duplicated by the resumes
     assert (out / "curves.png").stat().st_size > 1000
@@ -80,15 +85,15 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
     root = make_folder(tmp_path / "ds")
     (root / "train" / "class_0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
     (root / "val" / "class_1" / "cut.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 20)
-    args = [*TINY, "--data", str(root), "--epochs", "1", "--workers", "2", "--mixup", "0", "--cutmix", "0"]
+    args = dict(data=str(root), epochs=1, workers=2, mixup=0, cutmix=0)
     with caplog.at_level(logging.WARNING, logger="cgavit"):
-        res = train([*args, "--output", str(tmp_path / "run")])
-    assert res["skipped_images"] == 2
+        res = train(tiny(**args, output=str(tmp_path / "run")))
+    assert res.skipped_images == 2
     assert "broken.png" in caplog.text and "cut.jpg" in caplog.text
     row = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert '"skipped_images": 2' in row
     with pytest.raises(BadImageError, match="broken.png|cut.jpg"):
-        train([*args, "--output", str(tmp_path / "strict"), "--strict", "--workers", "0"])
+        train(tiny(**{**args, "workers": 0}, output=str(tmp_path / "strict"), strict=True))
 
 
 def test_layout_problems_reported_before_training(tmp_path):
@@ -98,7 +103,7 @@ def test_layout_problems_reported_before_training(tmp_path):
         check_layout(root)
     (root / "train" / "empty_class").rmdir()
     with pytest.raises(ValueError, match="does not exist"):
-        train([*TINY, "--data", str(root), "--val-split", "test", "--output", str(tmp_path / "r")])
+        train(tiny(data=str(root), val_split="test", output=str(tmp_path / "r")))
     assert not (tmp_path / "r").exists()
 
 
@@ -107,22 +112,22 @@ def test_corrupt_checkpoint_refused_and_left_alone(data, tmp_path):
     run.mkdir()
     (run / "run.lock").write_text(str(os.getpid()))  # a live run writes here
     with pytest.raises(ValueError, match="another run"):
-        train([*TINY, "--data", str(data), "--epochs", "1", "--output", str(run)])
+        train(tiny(data=str(data), epochs=1, output=str(run)))
     (run / "run.lock").write_text("999999999")  # left by a process that is gone: taken over
-    train([*TINY, "--data", str(data), "--epochs", "1", "--output", str(run)])
+    train(tiny(data=str(data), epochs=1, output=str(run)))
     assert not (run / "run.lock").exists()
     good = (run / "last.pt").read_bytes()
     (run / "last.pt").write_bytes(good[: len(good) // 2])  # truncated by a crash mid-copy
     before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
     with pytest.raises(CheckpointError, match="truncated|corrupt"):
-        train(["--resume", str(run / "last.pt")])
+        train(TrainConfig.resume_from(run / "last.pt"))
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
     (run / "garbage.pt").write_bytes(b"\x00" * 100)
     with pytest.raises(CheckpointError):
         ckpt_io.load(run / "garbage.pt")
     # a fresh run refuses to overwrite a folder that holds one
     with pytest.raises(ValueError, match="already holds a run"):
-        train([*TINY, "--data", str(data), "--epochs", "1", "--output", str(run)])
+        train(tiny(data=str(data), epochs=1, output=str(run)))
 
 
 def test_distillation_with_timm_teacher_and_finetune(data, tmp_path):
@@ -130,24 +135,24 @@ def test_distillation_with_timm_teacher_and_finetune(data, tmp_path):
 
     teacher = timm.create_model("resnet10t", num_classes=3)
     torch.save(teacher.state_dict(), tmp_path / "teacher.pth")
-    res = train([
-        *TINY, "--data", str(data), "--epochs", "1", "--output", str(tmp_path / "distil"),
-        "--distillation-type", "hard", "--teacher", "resnet10t", "--teacher-weights", str(tmp_path / "teacher.pth"),
-    ])
+    res = train(tiny(
+        data=str(data), epochs=1, output=str(tmp_path / "distil"),
+        distillation_type="hard", teacher="resnet10t", teacher_weights=str(tmp_path / "teacher.pth"),
+    ))
     sd = _weights(tmp_path / "distil" / "last.pt")
-    assert "head_dist.linear.weight" in sd and res["epochs"] == 1
+    assert "head_dist.linear.weight" in sd and res.epochs == 1
     # soft distillation from a checkpoint trained here
-    train([
-        *TINY, "--data", str(data), "--epochs", "1", "--output", str(tmp_path / "soft"),
-        "--distillation-type", "soft", "--teacher", str(tmp_path / "distil" / "best.safetensors"),
-    ])
+    train(tiny(
+        data=str(data), epochs=1, output=str(tmp_path / "soft"),
+        distillation_type="soft", teacher=str(tmp_path / "distil" / "best.safetensors"),
+    ))
     # fine-tune the distilled body onto a 2-class dataset
     two = make_folder(tmp_path / "two", classes=2, train=4, val=2)
-    res = train([
-        *TINY, "--data", str(two), "--epochs", "1", "--output", str(tmp_path / "ft"), "--lr", "1e-9",
-        "--warmup-lr", "1e-9", "--finetune", str(tmp_path / "distil" / "best.pt"), "--no-model-ema",
-    ])
+    res = train(tiny(
+        data=str(two), epochs=1, output=str(tmp_path / "ft"), lr=1e-9,
+        warmup_lr=1e-9, finetune=str(tmp_path / "distil" / "best.pt"), model_ema=False,
+    ))
     tuned = _weights(tmp_path / "ft" / "last.pt")
-    assert tuned["head.linear.weight"].shape[0] == 2 and res["classes"] == ["class_0", "class_1"]
+    assert tuned["head.linear.weight"].shape[0] == 2 and res.classes == ["class_0", "class_1"]
     w = "patch_embed.conv1.conv.weight"
     torch.testing.assert_close(tuned[w], sd[w], rtol=1e-4, atol=1e-5)  # body carried over (lr ~0)

@@ -16,7 +16,7 @@ import torch
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train import evaluate_checkpoint
 
-from test_train import TINY, make_folder
+from test_train import TINY_ARGV, make_folder
 
 
 def _free_port() -> int:
@@ -43,7 +43,7 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     # 3 classes x 5 val images: 15 does not split evenly over 2 ranks, so padding must be dropped
     data = make_folder(tmp_path / "ds", classes=3, train=6, val=5)
     out = tmp_path / "run"
-    proc = _torchrun("train", *TINY, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu")
+    proc = _torchrun("train", *TINY_ARGV, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1  # written once, by rank 0
@@ -68,7 +68,7 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
 def test_sigterm_saves_a_valid_checkpoint(tmp_path):
     data = make_folder(tmp_path / "ds", classes=2, train=8, val=2)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "cgavit", "train", *TINY, "--data", str(data), "--epochs", "500", "--output", str(out)]
+    cmd = [sys.executable, "-m", "cgavit", "train", *TINY_ARGV, "--data", str(data), "--epochs", "500", "--output", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.time() + 180

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,9 +15,9 @@ from cgavit.cli import main
 from cgavit.train import load_model, predict, train
 from cgavit.train.data import to_rgb
 from cgavit.train.inference import imagenet_classes
-from cgavit.weights import save_weights
+from cgavit.weights import read_weights_meta, save_weights
 
-from test_train import TINY, make_folder
+from test_train import make_folder, tiny
 
 DIALS = dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3))
 
@@ -55,7 +56,7 @@ def test_to_rgb_scales_deep_images():
 
 def test_predict_any_mode_and_size_with_dataset_names(tmp_path, capsys):
     data = make_folder(tmp_path / "ds", classes=3, train=4, val=1)
-    res = train([*TINY, "--data", str(data), "--epochs", "1", "--output", str(tmp_path / "run")])
+    res = train(tiny(data=str(data), epochs=1, output=str(tmp_path / "run")))
     paths = _odd_images(tmp_path)
     for ckpt in ("best.pt", "best.safetensors"):
         rows = predict(paths, tmp_path / "run" / ckpt, topk=5)
@@ -64,7 +65,10 @@ def test_predict_any_mode_and_size_with_dataset_names(tmp_path, capsys):
             probs = [t["prob"] for t in r["top"]]
             assert len(r["top"]) == 3  # only 3 classes
             assert probs == sorted(probs, reverse=True) and abs(sum(probs) - 1) < 1e-5
-            assert {t["name"] for t in r["top"]} == set(res["classes"])
+            assert {t["name"] for t in r["top"]} == set(res.classes)
+    meta = read_weights_meta(tmp_path / "run" / "best.safetensors")  # written with the run's WeightsMeta
+    assert meta.model == "efficientvit_m0" and meta.class_names == tuple(res.classes) and meta.img_size == 32
+    assert meta.config.embed_dim == (16, 32, 48) and meta.extra["epoch"] == "0" and "val_top1" in meta.extra
     assert main(["predict", str(paths[0]), "--checkpoint", str(tmp_path / "run" / "best.safetensors")]) == 0
     assert "class_" in capsys.readouterr().out
     (tmp_path / "bad.png").write_bytes(b"nope")
@@ -93,14 +97,30 @@ def test_predict_imagenet_names_for_third_party_files(tmp_path, capsys):
             assert torch.equal(a, b)
 
 
+def test_weights_in_the_older_training_layout_still_load(tmp_path):
+    from safetensors.torch import save_file
+
+    model = create_model("m0", num_classes=3, img_size=64, **DIALS).eval()
+    old = {  # what `cgavit train` wrote before WeightsMeta: the variant name and the dials it changed
+        "format": "cgavit", "model": "efficientvit_m0", "dials": json.dumps({k: list(v) for k, v in DIALS.items()}),
+        "class_names": json.dumps(["a", "b", "c"]), "img_size": "64", "crop_pct": "1.0", "interpolation": "bicubic",
+        "mean": json.dumps([0.3] * 3), "std": json.dumps([0.4] * 3), "distillation": "False", "epoch": "3",
+    }
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "old.safetensors"), metadata=old)
+    loaded, info = load_model(tmp_path / "old.safetensors")
+    assert loaded.cfg == model.cfg and info.class_names == ["a", "b", "c"]
+    assert (info.img_size, info.crop_pct, info.mean, info.std) == (64, 1.0, (0.3,) * 3, (0.4,) * 3)
+    for a, b in zip(loaded.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def test_demo_data_loader(tmp_path):
     from sklearn.datasets import load_digits
 
-    from cgavit.train.demo import IMG_SIZE, demo_argv, write_digits
+    from cgavit.train.demo import IMG_SIZE, demo_config, write_digits
     from cgavit.train.distributed import DistEnv
-    from cgavit.train.engine import _build_data, build_parser
     from cgavit.train.data import check_layout
-    from cgavit.train.recipe import finalize_args
+    from cgavit.train.recipe import build_loaders
 
     split = write_digits(tmp_path / "digits")
     assert (split["train"], split["val"]) == (1437, 360)
@@ -119,8 +139,9 @@ def test_demo_data_loader(tmp_path):
     assert label == digits.target[idx]
     np.testing.assert_array_equal(np.asarray(Image.open(path)), np.round(digits.images[idx] * 255 / 16).astype(np.uint8))
 
-    args, _ = finalize_args(build_parser().parse_args(demo_argv(tmp_path / "digits", tmp_path / "run") + ["--workers", "0"]))
-    loader_train, loader_val, _ = _build_data(args, DistEnv(), layout)
+    cfg = replace(demo_config(tmp_path / "digits", tmp_path / "run"), workers=0)
+    loaders = build_loaders(cfg, DistEnv(), layout)
+    loader_train, loader_val = loaders.train, loaders.val
     batch = next(iter(loader_val))
     assert batch.images.shape == (64, 3, IMG_SIZE, IMG_SIZE) and batch.images.dtype == torch.float32
     assert batch.labels.tolist() == [c for _, c in layout["val"][:64]]

@@ -12,32 +12,41 @@ Rungs, each adding one idea to the one before:
 5. ``realloc``: parameter reallocation: narrow Q/K (``key_dim=16``), wide V (the default
    ``value width = C/h``), FFN ratio 2. This is the paper's block.
 
-Every (rung, seed) trains in its own folder and writes ``result.json`` when measured; a study that is
-stopped continues where it was, and a run stopped mid-training resumes from its last checkpoint
-(the trainer's ``--resume``). The summary (``ablation.json``, ``ablation_table.md``, PNG plots) is
-rebuilt from the result files, with CPU throughput of all rungs measured together, interleaved.
+Every (rung, seed) trains in its own folder with :func:`cgavit.train.train` and writes ``result.json``
+when measured; a study that is stopped continues where it was, and a run stopped mid-training
+resumes from its last checkpoint (:meth:`cgavit.train.TrainConfig.resume_from`). The summary
+(``ablation.json``, ``ablation_table.md``, PNG plots) is rebuilt from the result files, with CPU
+throughput of all rungs measured together, round-robin (:func:`cgavit.timing.round_robin`).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
 import math
-import shlex
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from ..cli.common import dials_to_argv
+from ..deploy import fuse
 from ..factory import create_model, resolve_name
+from ..info import count_macs
+from ..io import write_json, write_text
+from ..timing import round_robin, time_call
+from ..train import TrainConfig, TrainResult, evaluate_checkpoint, load_model, train
+from ..train import checkpoint as train_checkpoint
+from ..train.config import train_defaults
+from ..train.data import list_split
+from ..train.records import read_metrics
 from ..variants import VARIANTS
-from ..io import atomic_write
+from .data import balanced_subset, list_images, load_images
+from .heads import head_similarity, mean_similarity
+from .plots import bar_chart, scatter
 
 log = logging.getLogger(__name__)
 
@@ -141,76 +150,136 @@ def build_ladder(model_name: str, arch_overrides: dict, num_classes: int, img_si
     return out, note
 
 
+# ------------------------------------------------------------------------------------ the options
+@dataclass
+class AblationConfig:
+    """One study; the fields are the ``cgavit ablate`` options.
+
+    Args:
+        data: dataset folder: ``DIR/train/<class>/<img>`` and ``DIR/val`` (or ``DIR/test``).
+        output: study folder (per-variant folders, results, table, plots).
+        epochs: training epochs of every variant.
+        model: base variant whose widths / heads / depths the ladder starts from.
+        embed_dim, num_heads, depth: base widths, heads, depths (three values each; default: the
+            variant's). Rung 1's depth is matched in parameters to rung 2's.
+        img_size: training and evaluation size (pixels).
+        batch_size: training batch size.
+        lr: peak learning rate (AdamW, cosine).
+        seeds: one training run per seed and variant.
+        rungs: which rungs to run (of :data:`RUNGS`).
+        train_subset, val_subset: use this many images, balanced per class (0 = all).
+        heads_images: validation images for the head-similarity measurement.
+        threads: torch threads for training.
+        train_args: further :class:`~cgavit.train.TrainConfig` fields for every run (dials under
+            ``"dials"``; they win over the rung's).
+        no_throughput: skip the CPU throughput measurement.
+        speed_rounds: interleaved timing rounds per variant (throughput: the median).
+        speed_seconds: seconds per timing round.
+    """
+
+    data: str
+    output: str
+    epochs: int
+    model: str = "efficientvit_m0"
+    embed_dim: tuple[int, ...] | None = None
+    num_heads: tuple[int, ...] | None = None
+    depth: tuple[int, ...] | None = None
+    img_size: int = 224
+    batch_size: int = 64
+    lr: float = 1e-3
+    seeds: tuple[int, ...] = (0,)
+    rungs: tuple[str, ...] = RUNGS
+    train_subset: int = 0
+    val_subset: int = 0
+    heads_images: int = 64
+    threads: int = 1
+    train_args: dict = field(default_factory=dict)
+    no_throughput: bool = False
+    speed_rounds: int = 5
+    speed_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.data, self.output = str(self.data), str(self.output)
+        for name in ("embed_dim", "num_heads", "depth"):
+            if getattr(self, name) is not None:
+                setattr(self, name, tuple(getattr(self, name)))
+        self.seeds, self.rungs = tuple(self.seeds), tuple(self.rungs)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for options that cannot work, naming the one to change."""
+        if self.epochs < 1:
+            raise ValueError(f"--epochs must be at least 1, got {self.epochs}")
+        if not self.seeds:
+            raise ValueError("--seeds needs at least one seed")
+        unknown = [r for r in self.rungs if r not in RUNGS]
+        if unknown or not self.rungs:
+            raise ValueError(f"--rungs must name some of {', '.join(RUNGS)}, got {list(self.rungs)}")
+        if self.speed_rounds < 1 or self.speed_seconds <= 0:
+            raise ValueError("--speed-rounds must be at least 1 and --speed-seconds positive")
+        bad = sorted(set(self.train_args) - set(train_defaults()))
+        if bad:
+            raise ValueError(f"--train-args names no training option {bad}")
+
+
+def ablation_defaults() -> dict[str, object]:
+    """``{option: default}`` of :class:`AblationConfig` (None for the required ones)."""
+    out: dict[str, object] = {}
+    for f in fields(AblationConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory() if f.default_factory is not MISSING else None
+    return out
+
+
 # ------------------------------------------------------------------------------------ measuring
 @torch.no_grad()
 def measure_throughput(models: dict[str, torch.nn.Module], img_size: int, batch: int = 16, rounds: int = 5, seconds: float = 1.0) -> dict[str, dict]:
     """CPU images/s of each model, fused (BatchNorm folded) and traced, one thread, fp32.
 
-    The models are timed round-robin, ``rounds`` times each for about ``seconds``, so load from
-    other processes hits all of them alike; the median round is reported with the spread.
-    """
-    from ..deploy import fuse
+    The models are timed round-robin (:func:`cgavit.timing.round_robin`): each round runs every
+    model for about ``seconds`` in turn, ``rounds`` rounds, so load from other processes hits all
+    of them alike; the median round is reported with the spread.
 
+    Returns:
+        ``{name: {"img_s" (median), "min", "max", "rounds", "batch"}}``.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         x = torch.randn(batch, 3, img_size, img_size)
-        traced = {}
+        calls, images = {}, {}
         for name, m in models.items():
-            f = fuse(m.eval())
-            with warnings.catch_warnings():  # tracer notes on shape checks: shapes are fixed here
-                warnings.simplefilter("ignore")
-                t = torch.jit.trace(f, x, check_trace=False)
-            for _ in range(3):
-                t(x)
-            traced[name] = t
-        rates: dict[str, list[float]] = {n: [] for n in models}
-        for _ in range(rounds):
-            for name, t in traced.items():
-                n, start = 0, time.perf_counter()
-                while True:
-                    t(x)
-                    n += 1
-                    el = time.perf_counter() - start
-                    if el >= seconds:
-                        break
-                rates[name].append(n * batch / el)
+            traced = _traced(m, x)
+            one = [time_call(lambda: traced(x)) for _ in range(3)][-1]  # the first calls warm up
+            repeats = max(1, round(seconds / max(one, 1e-9)))
+            calls[name] = _repeated(traced, x, repeats)
+            images[name] = repeats * batch
+        timings = round_robin(calls, warmup=0, repeats=rounds)
     finally:
         torch.set_num_threads(threads)
-    return {
-        n: dict(img_s=statistics.median(r), min=min(r), max=max(r), rounds=rounds, batch=batch) for n, r in rates.items()
-    }
+    out = {}
+    for name, t in timings.items():
+        rates = t.per_second(images[name])
+        out[name] = dict(img_s=t.median_rate(images[name]), min=min(rates), max=max(rates), rounds=rounds, batch=batch)
+    return out
+
+
+def _traced(model: torch.nn.Module, x: torch.Tensor) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():  # tracer notes on shape checks: shapes are fixed here
+        warnings.simplefilter("ignore")
+        return torch.jit.trace(fuse(model.eval()), x, check_trace=False)
+
+
+def _repeated(fn, x: torch.Tensor, repeats: int):
+    def call() -> None:
+        for _ in range(repeats):
+            fn(x)
+
+    return call
 
 
 # ------------------------------------------------------------------------------------ the study
-def _write_json(path: Path, obj) -> None:
-    atomic_write(path, lambda t: Path(t).write_text(json.dumps(obj, indent=1)))
-
-
-def add_ablate_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``cgavit ablate``."""
-    p.add_argument("--data", required=True, help="dataset folder: DIR/train/<class>/<img> and DIR/val (or DIR/test)")
-    p.add_argument("--output", required=True, help="study folder (per-variant folders, results, table, plots)")
-    p.add_argument("--epochs", type=int, required=True, help="training epochs of every variant")
-    p.add_argument("--model", default="efficientvit_m0", help="base variant whose widths/heads/depths the ladder starts from")
-    p.add_argument("--embed-dim", type=lambda s: tuple(int(v) for v in s.split(",")), help="base widths, three values (default: the variant's)")
-    p.add_argument("--num-heads", type=lambda s: tuple(int(v) for v in s.split(",")), help="base heads per stage (default: the variant's)")
-    p.add_argument("--depth", type=lambda s: tuple(int(v) for v in s.split(",")), help="base depths (rungs 2-5; rung 1 is matched)")
-    p.add_argument("--img-size", type=int, default=224, help="training and evaluation size")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one training run per seed and variant")
-    p.add_argument("--rungs", nargs="+", choices=RUNGS, default=list(RUNGS), help="which rungs to run")
-    p.add_argument("--train-subset", type=int, default=0, help="use this many training images, balanced per class (0 = all)")
-    p.add_argument("--val-subset", type=int, default=0, help="use this many validation images, balanced per class (0 = all)")
-    p.add_argument("--heads-images", type=int, default=64, help="validation images for the head-similarity measurement")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for training")
-    p.add_argument("--train-args", default="", help="extra options passed to the trainer, as one quoted string")
-    p.add_argument("--no-throughput", action="store_true", help="skip the CPU throughput measurement")
-    p.add_argument("--speed-rounds", type=int, default=5, help="interleaved timing rounds per variant (throughput: the median)")
-    p.add_argument("--speed-seconds", type=float, default=1.0, help="seconds per timing round")
-
-
 class StudyStopped(Exception):
     """A training run was stopped by a signal (its checkpoint is saved; the study can continue)."""
 
@@ -222,8 +291,6 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
     the held-out split is named ``test``, ``out/data/{train,val}/<class>/`` is filled with links to the
     chosen files (once; a later call with other sizes is refused).
     """
-    from .data import balanced_subset, list_images
-
     root = Path(data)
     if not root.is_dir():
         raise FileNotFoundError(f"data folder {root} does not exist")
@@ -248,47 +315,53 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
             link.parent.mkdir(parents=True, exist_ok=True)
             if not link.exists():
                 link.symlink_to(paths[i].resolve())
-    _write_json(marker, spec)
+    write_json(marker, spec)
     return dest
 
 
 def _trained_epochs(last: Path) -> int:
-    from ..train.checkpoint import load
-
-    return int(load(last)["next_epoch"]) if last.exists() else 0
+    return int(train_checkpoint.load(last)["next_epoch"]) if last.exists() else 0
 
 
-def run_variant(variant: Variant, seed: int, args: argparse.Namespace, data_dir: Path, out: Path, heads_batch: torch.Tensor) -> dict:
+def train_options(cfg: AblationConfig, variant: Variant, seed: int, data_dir: Path, run_dir: Path) -> dict:
+    """The :class:`~cgavit.train.TrainConfig` fields of one (variant, seed) run: the study's budget,
+    the rung's dials, then ``cfg.train_args`` (which win)."""
+    extra = dict(cfg.train_args)
+    dials = {**variant.dials, **extra.pop("dials", {})}
+    return dict(
+        data=str(data_dir), model=cfg.model, epochs=cfg.epochs, batch_size=cfg.batch_size, img_size=cfg.img_size,
+        lr=cfg.lr, seed=seed, output=str(run_dir), dials=dials, **extra,
+    )
+
+
+def _train_variant(cfg: AblationConfig, variant: Variant, seed: int, options: dict, last: Path) -> TrainResult | None:
+    """Train (or continue) one run; None when it had finished before."""
+    if _trained_epochs(last) >= cfg.epochs:
+        log.info("%s seed %d: training finished before, measuring", variant.rung, seed)
+        return None
+    if last.exists():
+        log.info("%s seed %d: resuming %s", variant.rung, seed, last)
+        run_cfg = TrainConfig.resume_from(last, **options)
+    else:
+        run_cfg = TrainConfig(**options)
+        log.info("%s seed %d: training  cgavit train %s", variant.rung, seed, " ".join(run_cfg.to_argv()))
+    summary = train(run_cfg)
+    if summary.interrupted:
+        raise StudyStopped(f"training of {variant.rung} seed {seed} was stopped; run the same command again to continue")
+    return summary
+
+
+def run_variant(variant: Variant, seed: int, cfg: AblationConfig, data_dir: Path, out: Path, heads_batch: torch.Tensor) -> dict:
     """Train (or continue) one (variant, seed) and measure it; returns and writes its ``result.json``."""
-    from ..info import count_macs
-    from ..train import evaluate_checkpoint, load_model, train
-    from ..train.records import read_metrics
-    from .heads import head_similarity, mean_similarity
-
     run_dir = out / "runs" / variant.rung / f"seed{seed}"
     result_file = run_dir / "result.json"
     if result_file.exists():
         log.info("%s seed %d: done before, reading %s", variant.rung, seed, result_file)
         return json.loads(result_file.read_text())
-    argv = [
-        "--data", str(data_dir), "--model", args.model, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-        "--img-size", str(args.img_size), "--lr", str(args.lr), "--seed", str(seed), "--output", str(run_dir),
-        *dials_to_argv(variant.dials), *shlex.split(args.train_args),
-    ]
+    options = train_options(cfg, variant, seed, data_dir, run_dir)
     last = run_dir / "last.pt"
-    if _trained_epochs(last) >= args.epochs:
-        log.info("%s seed %d: training finished before, measuring", variant.rung, seed)
-        summary = {}
-    else:
-        if last.exists():
-            log.info("%s seed %d: resuming %s", variant.rung, seed, last)
-            argv += ["--resume", str(last)]
-        else:
-            log.info("%s seed %d: training  cgavit train %s", variant.rung, seed, " ".join(argv))
-        summary = train(argv)
-        if summary.get("interrupted"):
-            raise StudyStopped(f"training of {variant.rung} seed {seed} was stopped; run the same command again to continue")
-    ev = evaluate_checkpoint(data_dir, last, batch_size=args.batch_size, workers=0, device="cpu")
+    summary = _train_variant(cfg, variant, seed, options, last)
+    ev = evaluate_checkpoint(data_dir, last, batch_size=cfg.batch_size, workers=0, device="cpu")
     model, _ = load_model(last, device="cpu")
     blocks = head_similarity(model, heads_batch)
     res = dict(
@@ -297,28 +370,19 @@ def run_variant(variant: Variant, seed: int, args: argparse.Namespace, data_dir:
         seed=seed,
         dials={k: list(v) if isinstance(v, tuple) else v for k, v in variant.dials.items()},
         params=sum(p.numel() for p in model.parameters()),
-        macs=count_macs(model, (args.img_size, args.img_size)),
+        macs=count_macs(model, (cfg.img_size, cfg.img_size)),
         top1=ev["top1"],
         top5=ev["top5"],
         val_loss=ev["loss"],
         val_images=ev["n"],
-        best_top1=summary.get("best_top1"),
+        best_top1=summary.best_top1 if summary is not None else None,
         head_similarity=mean_similarity(blocks),
         head_similarity_blocks=[b.to_dict() for b in blocks],
         train_epoch_s=round(sum(r.get("epoch_s", 0.0) for r in read_metrics(run_dir / "metrics.jsonl")), 1),
-        train_argv=[a for a in argv if a != "--resume" and a != str(last)],
+        train_argv=TrainConfig(**options).to_argv(),
     )
-    _write_json(result_file, res)
+    write_json(result_file, res)
     return res
-
-
-def _trainer_option(train_args: str, name: str):
-    """The value the trainer will use for option ``name`` given ``--train-args``."""
-    from ..train.engine import build_parser
-    from ..train.recipe import finalize_args
-
-    parsed, _ = finalize_args(build_parser().parse_args(["--data", "."] + shlex.split(train_args)))
-    return getattr(parsed, name)
 
 
 def _spread(vals: list[float]) -> float:
@@ -392,8 +456,6 @@ def table_markdown(rows: list[dict]) -> str:
 
 def plot_study(rows: list[dict], out: Path) -> list[Path]:
     """``ablation_top1.png``, ``ablation_speed_accuracy.png``, ``ablation_heads.png``."""
-    from .plots import bar_chart, scatter
-
     labels = [f"{RUNGS.index(r['rung']) + 1} {r['rung']}" for r in rows]
     stages = sorted({int(k) for r in rows for k in r["head_similarity_stages"]})
     sd = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731
@@ -422,59 +484,87 @@ def plot_study(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """``cgavit ablate``: train and measure every (rung, seed) not done yet, then write the summary."""
-    from ..train.data import list_split
-    from .data import load_images
+# ------------------------------------------------------------------------------------ the whole study
+@dataclass
+class StudySummary:
+    """What :func:`run_ablation` wrote: one row per rung, the markdown table, the depth matching of
+    rung 1, and the files."""
 
-    if args.epochs < 1:
-        raise ValueError(f"--epochs must be at least 1, got {args.epochs}")
-    torch.set_num_threads(max(1, args.threads))
-    out = Path(args.output)
-    t0 = time.perf_counter()
-    data_dir = prepare_data(args.data, out, args.train_subset, args.val_subset)
+    rows: list[dict]
+    table: str
+    matching: dict
+    json_path: Path
+    table_path: Path
+    plots: list[Path]
+
+
+@dataclass
+class _Study:
+    data_dir: Path
+    classes: list[str]
+    variants: list[Variant]
+    matching: dict
+    spec: dict
+
+
+def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
+    """Data, ladder and ``study.json``; refuses a folder that holds a study with other settings."""
+    data_dir = prepare_data(cfg.data, out, cfg.train_subset, cfg.val_subset)
     classes, _ = list_split(data_dir, "train")
-    overrides = {k: getattr(args, k) for k in ("embed_dim", "num_heads", "depth") if getattr(args, k) is not None}
-    variants, note = build_ladder(args.model, overrides, len(classes), args.img_size, rungs=[r for r in RUNGS if r in args.rungs])
-    spec = dict(
-        model=args.model, arch=overrides and {k: list(v) for k, v in overrides.items()}, epochs=args.epochs, batch_size=args.batch_size,
-        img_size=args.img_size, lr=args.lr, train_args=args.train_args, data=str(Path(args.data).resolve()),
-        train_subset=args.train_subset, val_subset=args.val_subset,
-    )
+    overrides = {k: getattr(cfg, k) for k in ("embed_dim", "num_heads", "depth") if getattr(cfg, k) is not None}
+    variants, note = build_ladder(cfg.model, overrides, len(classes), cfg.img_size, rungs=[r for r in RUNGS if r in cfg.rungs])
+    spec = json.loads(json.dumps(dict(
+        model=cfg.model, arch=overrides and {k: list(v) for k, v in overrides.items()}, epochs=cfg.epochs,
+        batch_size=cfg.batch_size, img_size=cfg.img_size, lr=cfg.lr, train_args=cfg.train_args,
+        data=str(Path(cfg.data).resolve()), train_subset=cfg.train_subset, val_subset=cfg.val_subset,
+    )))
     spec_file = out / "study.json"
     if spec_file.exists():
-        old = json.loads(spec_file.read_text())
-        if old["spec"] != json.loads(json.dumps(spec)):
-            changed = sorted(k for k in spec if old["spec"].get(k) != json.loads(json.dumps(spec))[k])
+        old = json.loads(spec_file.read_text())["spec"]
+        if old != spec:
+            changed = sorted(k for k in spec if old.get(k) != spec[k])
             raise ValueError(f"{out} holds a study with other settings ({', '.join(changed)}); use another --output or the same options")
-    _write_json(spec_file, dict(spec=spec, matching=note, variants=[dict(rung=v.rung, dials={k: list(x) if isinstance(x, tuple) else x for k, x in v.dials.items()}) for v in variants]))
-    crop = _trainer_option(args.train_args, "crop_pct")
-    heads_batch, _, _ = load_images([data_dir / "val"], args.img_size, args.heads_images, crop_pct=crop, seed=0)
-    results = []
-    try:
-        for seed in args.seeds:  # seed-major: a study cut short still has every rung for the first seeds
-            for v in variants:
-                results.append(run_variant(v, seed, args, data_dir, out, heads_batch))
-    except StudyStopped as err:
-        log.warning("%s", err)
-        return 130
+    variants_json = [
+        dict(rung=v.rung, dials={k: list(x) if isinstance(x, tuple) else x for k, x in v.dials.items()}) for v in variants
+    ]
+    write_json(spec_file, dict(spec=spec, matching=note, variants=variants_json))
+    return _Study(data_dir, classes, variants, note, spec)
+
+
+def run_ablation(cfg: AblationConfig) -> StudySummary:
+    """Train and measure every (rung, seed) not done yet, then write the summary.
+
+    Seed-major: a study cut short still has every rung for the first seeds.
+
+    Raises:
+        StudyStopped: a training run was stopped by a signal (run the same study again to continue).
+        ValueError: bad options, data, or a folder holding a study with other settings.
+    """
+    cfg.validate()
+    torch.set_num_threads(max(1, cfg.threads))
+    out = Path(cfg.output)
+    t0 = time.perf_counter()
+    study = _prepare_study(cfg, out)
+    crop = TrainConfig(**cfg.train_args).crop_pct
+    heads_batch, _, _ = load_images([study.data_dir / "val"], cfg.img_size, cfg.heads_images, crop_pct=crop, seed=0)
+    results = [run_variant(v, seed, cfg, study.data_dir, out, heads_batch) for seed in cfg.seeds for v in study.variants]
     throughput = None
-    if not args.no_throughput:
-        log.info("measuring CPU throughput of %d variants (interleaved)", len(variants))
-        models = {v.rung: create_model(args.model, num_classes=len(classes), img_size=args.img_size, **v.dials) for v in variants}
-        throughput = measure_throughput(models, args.img_size, rounds=args.speed_rounds, seconds=args.speed_seconds)
-    rows = summarize(results, throughput, [v.rung for v in variants])
+    if not cfg.no_throughput:
+        log.info("measuring CPU throughput of %d variants (interleaved)", len(study.variants))
+        models = {
+            v.rung: create_model(cfg.model, num_classes=len(study.classes), img_size=cfg.img_size, **v.dials)
+            for v in study.variants
+        }
+        throughput = measure_throughput(models, cfg.img_size, rounds=cfg.speed_rounds, seconds=cfg.speed_seconds)
+    rows = summarize(results, throughput, [v.rung for v in study.variants])
     table = table_markdown(rows)
     plots = plot_study(rows, out)
-    _write_json(
-        out / "ablation.json",
-        dict(spec=spec, matching=note, seeds=args.seeds, rows=rows, throughput_protocol="torch.set_num_threads(1), batch 16, fp32, BatchNorm fused, traced, random weights; "
-             f"{args.speed_rounds} interleaved rounds of ~{args.speed_seconds:g} s per variant, median", this_invocation_s=round(time.perf_counter() - t0, 1),
-             train_epoch_s_total=round(sum(x["train_epoch_s"] for x in results), 1)),
-    )
-    atomic_write(out / "ablation_table.md", lambda t: Path(t).write_text(table))
-    print(table)
-    print(f"parameter matching: rung 1 depth {note['standard_depth']} ({note['standard_params'] / 1e6:.3f} M) vs rung 2 depth "
-          f"{note['base_depth']} ({note['sandwich_params'] / 1e6:.3f} M)")
-    print(f"wrote {out / 'ablation.json'}, {out / 'ablation_table.md'}, " + ", ".join(map(str, plots)))
-    return 0
+    protocol = ("torch.set_num_threads(1), batch 16, fp32, BatchNorm fused, traced, random weights; "
+                f"{cfg.speed_rounds} interleaved rounds of ~{cfg.speed_seconds:g} s per variant, median")
+    json_path = write_json(out / "ablation.json", dict(
+        spec=study.spec, matching=study.matching, seeds=list(cfg.seeds), rows=rows, throughput_protocol=protocol,
+        this_invocation_s=round(time.perf_counter() - t0, 1),
+        train_epoch_s_total=round(sum(x["train_epoch_s"] for x in results), 1),
+    ))
+    table_path = write_text(out / "ablation_table.md", table)
+    return StudySummary(rows, table, study.matching, json_path, table_path, plots)

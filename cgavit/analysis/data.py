@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from PIL import Image
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from torch.utils.data import Dataset
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -84,9 +86,6 @@ def balanced_subset(labels: Sequence[int] | None, count: int, n: int, seed: int 
 
 def eval_transform(img_size: int, crop_pct: float = 0.875, mean=None, std=None):
     """Resize (bicubic), centre-crop ``crop_pct``, normalise (ImageNet statistics unless given), via timm."""
-    from timm.data import create_transform
-    from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-
     return create_transform(
         img_size, is_training=False, interpolation="bicubic", crop_pct=crop_pct,
         mean=tuple(mean or IMAGENET_DEFAULT_MEAN), std=tuple(std or IMAGENET_DEFAULT_STD),
@@ -105,8 +104,6 @@ class ImageList(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
         with Image.open(self.paths[i]) as im:
             x = self.transform(im.convert("RGB"))
         return x, (self.labels[i] if self.labels is not None else -1)

@@ -62,23 +62,6 @@ def dials_from_args(args: argparse.Namespace) -> dict:
     return out
 
 
-def dials_to_argv(dials: dict) -> list[str]:
-    """The command-line spelling of ``dials``: the inverse of :func:`dials_from_args`."""
-    flags = dial_flags()
-    argv = []
-    for k, v in dials.items():
-        if k not in flags:
-            raise ValueError(f"dial {k!r} has no command-line flag")
-        if isinstance(v, bool):
-            text = "on" if v else "off"
-        elif isinstance(v, (tuple, list)):
-            text = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
-        else:
-            text = f"{v:g}" if isinstance(v, float) else str(v)
-        argv += [flags[k], text]
-    return argv
-
-
 #: Image sizes the commands accept unless a command says otherwise (pixels per side).
 MIN_IMG_SIZE, MAX_IMG_SIZE = 32, 4096
 

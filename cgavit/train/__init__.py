@@ -2,14 +2,17 @@
 
 Python entry points:
 
-- :func:`train` ``(argv) -> dict``: one training run, exactly as ``cgavit train ARGV...``; safe to call
-  repeatedly in one process.
+- :func:`train` ``(TrainConfig) -> TrainResult``: one training run, as ``cgavit train``; safe to call
+  repeatedly in one process. :meth:`TrainConfig.resume_from` continues a stopped run.
 - :func:`evaluate_checkpoint`: top-1 / top-5 / loss of a checkpoint on an image folder.
+- :func:`evaluate`: the same metrics of a model over a loader (exact under ``torchrun``).
 - :func:`predict`: top-k classes with names for image files.
 - :func:`load_model`: rebuild a network from any checkpoint (trained here, official, timm).
 """
 
-from .engine import evaluate, train
+from .config import TrainConfig, TrainResult
+from .engine import train
+from .evaluation import evaluate
 from .inference import evaluate_checkpoint, load_model, predict
 
-__all__ = ["evaluate", "evaluate_checkpoint", "load_model", "predict", "train"]
+__all__ = ["TrainConfig", "TrainResult", "evaluate", "evaluate_checkpoint", "load_model", "predict", "train"]

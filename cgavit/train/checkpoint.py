@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import atomic_write
+from ..io import save_torch
 from ..weights import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def set_rng_state(state: dict, device: torch.device | None = None) -> None:
 def save(path: str | Path, ckpt: dict) -> Path:
     """Write ``ckpt`` to ``path`` atomically (a temporary file in the same folder, then rename)."""
     ckpt = {"format": FORMAT, **ckpt}
-    return atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+    return save_torch(path, ckpt)
 
 
 def load(path: str | Path) -> dict:

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data.auto_augment import posterize
+from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class BadImageError(ValueError):
@@ -231,13 +232,11 @@ def build_transform(
     hflip: float = 0.5,
     scale: tuple[float, float] = (0.08, 1.0),
     color_jitter: float = 0.4,
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
+    mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
+    std: Sequence[float] = IMAGENET_DEFAULT_STD,
 ) -> Callable:
     """timm's train (RandomResizedCrop, flip, RandAugment, random erasing) or eval (resize, center
     crop) transform, PIL image -> normalised tensor ``(3, img_size, img_size)``."""
-    from timm.data import create_transform
-
     if training:
         return _pillow_safe(create_transform(
             img_size,
@@ -260,8 +259,6 @@ def build_transform(
 
 def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
     """Posterize that keeps 0 bits as older Pillow did (a black image); Pillow >= 10 raises instead."""
-    from PIL import ImageOps
-
     if bits_to_keep >= 8:
         return img
     if bits_to_keep <= 0:
@@ -272,8 +269,6 @@ def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image
 def _pillow_safe(transform: Callable) -> Callable:
     """Patch the RandAugment ops of a timm transform (this instance only) so ``PosterizeIncreasing``
     at the top magnitude (``rand-m9-mstd0.5-inc1`` reaches it) does not raise on current Pillow."""
-    from timm.data.auto_augment import posterize
-
     for t in getattr(transform, "transforms", []):
         for op in getattr(t, "ops", []):
             if getattr(op, "aug_fn", None) is posterize:
@@ -356,8 +351,6 @@ class _SeededRepeatAug(Sampler[int]):
     the epoch alone, re-keyed here by the run's seed too."""
 
     def __init__(self, dataset, world: int, rank: int, repeats: int, seed: int) -> None:
-        from timm.data.distributed_sampler import RepeatAugSampler
-
         self.inner = RepeatAugSampler(dataset, num_replicas=world, rank=rank, shuffle=True, num_repeats=repeats)
         self.seed = seed
 

@@ -12,14 +12,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ..io import atomic_write
+from ..io import write_json, write_text
+from .config import TrainConfig, TrainResult
+from .engine import train
+from .inference import evaluate_checkpoint, export_weights, load_model
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +33,7 @@ IMG_SIZE = 64
 # a reduced efficientvit_m0: stage widths 32/48/64 (paper 64/128/192), one sandwich block per stage
 # (paper 1/2/3), two heads per stage (paper 4), query kernels 5,5. Cascade, group split, sandwich
 # layout and narrow Q/K (16) are the paper's.
-DEMO_DIALS = ["--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2,2,2", "--kernels", "5,5"]
+DEMO_DIALS = {"embed_dim": (32, 48, 64), "depth": (1, 1, 1), "num_heads": (2, 2, 2), "kernels": (5, 5)}
 DEMO_EPOCHS = 15
 DIGITS_MEAN = (0.3, 0.3, 0.3)
 DIGITS_STD = (0.4, 0.4, 0.4)
@@ -41,6 +47,7 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
     Returns:
         ``{"train": n_train, "val": n_val, "classes": ["0", ..., "9"]}``.
     """
+    # scikit-learn is imported here, its one place: it is slow to import and only the demo needs it
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -61,42 +68,26 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
             (root / split / c).mkdir(parents=True, exist_ok=True)
         for i in idx:
             Image.fromarray(images[i], mode="L").save(root / split / str(labels[i]) / f"{i:04d}.png")
-    atomic_write(marker, lambda tmp: Path(tmp).write_text(json.dumps(summary)))
+    write_text(marker, json.dumps(summary))
     return summary
 
 
-def demo_argv(data: str | Path, output: str | Path, epochs: int = DEMO_EPOCHS, seed: int = 0) -> list[str]:
-    """The ``cgavit train`` options the demo runs (the small-data recipe).
+def demo_config(
+    data: str | Path, output: str | Path, epochs: int = DEMO_EPOCHS, seed: int = 0, progress: bool | None = None
+) -> TrainConfig:
+    """The training the demo runs (the small-data recipe).
 
     Changes from the ImageNet recipe, for 1437 tiny grayscale images: 64 px; no horizontal flip
     (digits are not mirror-symmetric); crops of 60-100% of the area; a milder RandAugment (m6);
     no mixup/cutmix and no repeated augmentation; batch 64 at lr 2e-3 with a one-epoch warm-up,
     stepped every update; no EMA (0.99996 needs far more updates than 300); centre crop 1.0.
     """
-    return [
-        "--data", str(data),
-        "--output", str(output),
-        "--model", "efficientvit_m0", *DEMO_DIALS,
-        "--img-size", str(IMG_SIZE),
-        "--crop-pct", "1.0",
-        "--epochs", str(epochs),
-        "--batch-size", "64",
-        "--lr", "2e-3",
-        "--warmup-epochs", "1",
-        "--sched-on-updates",
-        "--aa", "rand-m6-mstd0.5",
-        "--hflip", "0",
-        "--scale", "0.6", "1.0",
-        "--reprob", "0.1",
-        "--mixup", "0", "--cutmix", "0",
-        "--aug-repeats", "0",
-        "--no-model-ema",
-        "--mean", *map(str, DIGITS_MEAN),
-        "--std", *map(str, DIGITS_STD),
-        "--seed", str(seed),
-        "--workers", "1",
-        "--log-interval", "10",
-    ]
+    return TrainConfig(
+        data=str(data), output=str(output), model="efficientvit_m0", dials=dict(DEMO_DIALS), img_size=IMG_SIZE,
+        crop_pct=1.0, epochs=epochs, batch_size=64, lr=2e-3, warmup_epochs=1, sched_on_updates=True,
+        aa="rand-m6-mstd0.5", hflip=0.0, scale=(0.6, 1.0), reprob=0.1, mixup=0.0, cutmix=0.0, aug_repeats=0,
+        model_ema=False, mean=DIGITS_MEAN, std=DIGITS_STD, seed=seed, workers=1, log_interval=10, progress=progress,
+    )
 
 
 def run_demo(
@@ -105,8 +96,9 @@ def run_demo(
     threads: int | None = None,
     seed: int = 0,
     progress: bool | None = None,
+    say: Callable[[str], object] = log.info,
 ) -> dict:
-    """Write the digits, train, evaluate, report. Returns the report dict (also in ``report.json``).
+    """Write the digits, train, evaluate, report.
 
     Args:
         output: folder for data, checkpoints, report and curves; an earlier demo there is replaced.
@@ -115,75 +107,85 @@ def run_demo(
             worker prepares batches beside the training).
         seed: seed for the split and the training.
         progress: progress bar (default: when stderr is a terminal).
-    """
-    from .engine import train
-    from .inference import evaluate_checkpoint, export_weights, load_model
+        say: where the line about the data goes before training starts (``print`` for a command).
 
+    Returns:
+        The report (also in ``report.json``), or, when the training was stopped by a signal, the
+        training's :meth:`~cgavit.train.TrainResult.to_dict` (``"interrupted"`` true; continue it
+        with ``cgavit train --resume`` its ``"last"``).
+    """
     output = Path(output)
     run_dir = output / "run"
     for name in ("last.pt", "best.pt", "best.safetensors", "metrics.jsonl", "curves.png", "train.log"):
         (run_dir / name).unlink(missing_ok=True)  # the demo owns this folder: start afresh
+    cfg = demo_config(output / "data", run_dir, epochs or DEMO_EPOCHS, seed, progress)
     old_threads = torch.get_num_threads()
     threads = threads or max(1, min(4, (os.cpu_count() or 2) - 1))
     torch.set_num_threads(threads)
     t0, cpu0, children0 = time.perf_counter(), time.process_time(), _children_cpu()
     try:
         split = write_digits(output / "data", seed=seed)
-        print(f"digits: {split['train']} train / {split['val']} held-out images, 10 classes -> {output / 'data'}")
-        argv = demo_argv(output / "data", run_dir, epochs or DEMO_EPOCHS, seed)
-        if progress is not None:
-            argv.append("--progress" if progress else "--no-progress")
-        result = train(argv)
-        if result["interrupted"]:
-            print(f"demo stopped; continue it with: cgavit train --resume {run_dir / 'last.pt'}")
-            return result
+        say(f"digits: {split['train']} train / {split['val']} held-out images, 10 classes -> {output / 'data'}")
+        result = train(cfg)
+        if result.interrupted:
+            return result.to_dict()
         weights = export_weights(run_dir / "last.pt", run_dir / "model.safetensors")
         held_out = evaluate_checkpoint(output / "data", run_dir / "last.pt", split="val", workers=0, device="cpu")
     finally:
         torch.set_num_threads(old_threads)
-    wall = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0 + _children_cpu() - children0  # this process + its loader workers
-    report = {
+    cost = {
+        "total_wall_s": round(time.perf_counter() - t0, 1),
+        "total_cpu_s": round(time.process_time() - cpu0 + _children_cpu() - children0, 1),  # with its loader workers
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": threads,
+    }
+    report = _report(cfg, split, result, held_out, weights, cost)
+    write_json(output / "report.json", report, indent=1)
+    write_text(output / "report.md", _markdown(report))
+    return report
+
+
+def _report(cfg: TrainConfig, split: dict, result: TrainResult, held_out: dict, weights: Path, cost: dict) -> dict:
+    run_dir = Path(cfg.output)
+    return {
         "dataset": "scikit-learn load_digits (UCI handwritten digits), 8x8 upscaled to 64x64",
         "split": split,
-        "model": "efficientvit_m0 with dials " + " ".join(DEMO_DIALS),
+        "model": "efficientvit_m0 with dials " + " ".join(TrainConfig(dials=DEMO_DIALS).to_argv()),
         "params": sum(p.numel() for p in load_model(weights)[0].parameters()),
-        "epochs": result["epochs"],
+        "epochs": result.epochs,
         "held_out_top1": held_out["top1"],
         "held_out_top5": held_out["top5"],
         "held_out_loss": held_out["loss"],
         "held_out_images": held_out["n"],
-        "best_epoch_top1": result["best_top1"],
-        "train_wall_s": result["wall_s"],
-        "total_wall_s": round(wall, 1),
-        "total_cpu_s": round(cpu, 1),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": threads,
+        "best_epoch_top1": result.best_top1,
+        "train_wall_s": result.wall_s,
+        **cost,
         "checkpoint": str(run_dir / "last.pt"),
         "weights": str(weights),
         "curves": str(run_dir / "curves.png"),
         "metrics": str(run_dir / "metrics.jsonl"),
-        "command": "cgavit train " + " ".join(demo_argv(output / "data", run_dir, epochs or DEMO_EPOCHS, seed)),
+        "command": "cgavit train " + " ".join(replace(cfg, progress=None).to_argv()),
     }
-    atomic_write(output / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
-    atomic_write(output / "report.md", lambda tmp: Path(tmp).write_text(_markdown(report)))
-    print(
+
+
+def summary_lines(report: dict, output: str | Path) -> list[str]:
+    """What ``cgavit demo`` prints after a finished demo: the held-out result and where the files are."""
+    output = Path(output)
+    lines = [
         f"\nheld-out top-1 {report['held_out_top1']:.2f}% ({report['held_out_images']} images never trained on, final "
         f"weights), top-5 {report['held_out_top5']:.2f}%, {report['epochs']} epochs in {report['train_wall_s']:.0f} s "
-        f"({report['total_cpu_s']:.0f} CPU-s)"
-    )
-    print(f"report:     {output / 'report.md'} (and report.json)")
-    print(f"curves:     {report['curves']}")
-    print(f"checkpoint: {report['checkpoint']} (training state), {weights} (weights + class names)")
+        f"({report['total_cpu_s']:.0f} CPU-s)",
+        f"report:     {output / 'report.md'} (and report.json)",
+        f"curves:     {report['curves']}",
+        f"checkpoint: {report['checkpoint']} (training state), {report['weights']} (weights + class names)",
+    ]
     example = sorted((output / "data" / "val" / "7").glob("*.png"))[:1]
     if example:
-        print(f"try:        cgavit predict {example[0]} --checkpoint {weights}")
-    return report
+        lines.append(f"try:        cgavit predict {example[0]} --checkpoint {report['weights']}")
+    return lines
 
 
 def _children_cpu() -> float:
-    import resource
-
     use = resource.getrusage(resource.RUSAGE_CHILDREN)
     return use.ru_utime + use.ru_stime
 

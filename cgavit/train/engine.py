@@ -9,7 +9,6 @@ with the weights of an uninterrupted run."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -17,92 +16,61 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from timm.data import Mixup
+from timm.scheduler import CosineLRScheduler
+from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
 from ..weights import CheckpointError, load_checkpoint, save_weights
 from . import checkpoint as ckpt_io
 from . import records
-from .data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ImageFolderDataset,
-    build_transform,
-    check_layout,
-    epoch_seed,
-    eval_sampler,
-    make_loader,
-    seed_all,
-    train_sampler,
-)
+from .config import TrainConfig, TrainResult
+from .data import Batch, check_layout, epoch_seed, seed_all
 from .distributed import DistEnv, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
+from .evaluation import evaluate
 from .recipe import (
     DistillationLoss,
-    add_train_args,
-    args_to_dict,
+    Loaders,
     build_base_loss,
+    build_loaders,
     build_mixup,
     build_model,
     build_optimizer,
     build_scheduler,
     build_teacher,
-    check_args,
-    finalize_args,
-    merge_resumed,
     peak_lr,
 )
 
 log = logging.getLogger("cgavit.train")
 
 
-def build_parser(prog: str = "cgavit train") -> argparse.ArgumentParser:
-    """The ``cgavit train`` argument parser (also used by :func:`train`)."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Train an EfficientViT on an image-folder dataset with the official recipe (timm utilities). "
-        "Runs alone or under torchrun.",
-    )
-    add_train_args(parser)
-    return parser
-
-
-def train(argv: list[str]) -> dict:
-    """Run one training exactly as ``cgavit train ARGV...`` would, and return its summary.
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run one training and return its summary (``cgavit train`` calls this).
 
     Safe to call repeatedly in one process: nothing global is left behind (signal handlers, log
     handlers and a process group it created are restored or removed; the global RNGs are re-seeded
-    from ``--seed``).
+    from ``cfg.seed``).
 
     Args:
-        argv: command-line options, e.g. ``["--data", "DIR", "--epochs", "10", "--output", "runs/a"]``.
-
-    Returns:
-        ``{"best_top1", "best_top5", "best_epoch", "final_top1", "final_top5", "final_loss",
-        "epochs" (epochs completed), "output" (run folder), "checkpoint" (best.pt), "weights"
-        (best.safetensors), "wall_s", "skipped_images", "interrupted", "world_size", "classes"}``.
-        Metrics are percentages on the validation split, from rank 0's view (identical on all ranks).
+        cfg: the options, e.g. ``TrainConfig(data="DIR", epochs=10, output="runs/a")``; to continue a
+            stopped run, ``TrainConfig.resume_from("runs/a/last.pt")``.
 
     Raises:
         ValueError: bad options or data layout (the message says what to change).
-        CheckpointError: an unreadable ``--resume`` or ``--finetune`` file.
+        CheckpointError: an unreadable ``resume`` or ``finetune`` file.
     """
-    args = build_parser().parse_args(argv)
-    return run(args)
-
-
-def run(args: argparse.Namespace) -> dict:
-    """:func:`train` on parsed arguments (the ``cgavit train`` command calls this)."""
-    args, given = finalize_args(args)
-    env = setup(args.device)
+    cfg.validate()
+    env = setup(cfg.device)
     stopper = _Stopper()
     try:
         stopper.install()
-        return _run(args, given, env, stopper)
+        return _run(cfg, env, stopper)
     finally:
         stopper.uninstall()
         teardown(env)
@@ -147,9 +115,50 @@ class _State:
     rng: list | None = None  # per-rank RNG states at a mid-epoch save
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (all devices)."""
-    seed_all(seed)
+@dataclass
+class _Run:
+    """The objects one run trains with."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    output: Path
+    classes: list[str]
+    model: nn.Module  # the network itself
+    net: nn.Module  # what the forward runs through: the model, or its DistributedDataParallel wrapper
+    criterion: DistillationLoss
+    optimizer: torch.optim.Optimizer
+    scheduler: CosineLRScheduler
+    scaler: torch.amp.GradScaler | None  # float16 AMP only
+    ema: ModelEmaV3 | None
+    mixup: Mixup | None
+    loaders: Loaders
+    lr: float  # peak learning rate
+    stopper: _Stopper
+    state: _State = field(default_factory=_State)
+
+
+@dataclass
+class _History:
+    """What the epochs of this invocation left: the metric rows (all of the run's, on rank 0), the
+    unreadable images seen, the last validation and whether the run was stopped early."""
+
+    rows: list[dict]
+    skipped: set[str] = field(default_factory=set)
+    last_val: dict = field(default_factory=dict)
+    interrupted: bool = False
+
+
+@dataclass
+class _EpochStats:
+    """One epoch's (or its trained part's) training figures, summed over ranks."""
+
+    loss: float
+    lr: float
+    img_per_s: float
+    epoch_s: float
+    bad: set[str]
+    interrupted: bool
+    next_step: int
 
 
 def _file_log(output: Path) -> logging.Handler:
@@ -159,42 +168,33 @@ def _file_log(output: Path) -> logging.Handler:
     return handler
 
 
-def _run(args, given, env: DistEnv, stopper: _Stopper) -> dict:
+def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
     t_start = time.perf_counter()
-    resumed = None
-    if args.resume:
-        resumed = ckpt_io.load(args.resume)
-        args = merge_resumed(args, given, resumed["args"])
-        if "output" not in given:  # the run folder is where the checkpoint is now, even if moved
-            args.output = str(Path(args.resume).parent)
-    check_args(args)
-    if not env.is_main:
-        # only rank 0 logs below warnings
-        quiet = logging.getLogger("cgavit")
+    resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
+    quiet = logging.getLogger("cgavit")
+    old_level = None
+    if not env.is_main:  # only rank 0 logs below warnings
         old_level = quiet.level
         quiet.setLevel(logging.WARNING)
-    else:
-        old_level = None
     handler = None
     try:
-        layout = check_layout(args.data, args.train_split, args.val_split)
-        classes = layout["classes"]
-        if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != classes:
-            raise ValueError(f"{args.data} has other classes than the run in {args.resume}; resume on the same dataset")
-        output = _choose_output(args, env, resumed is not None)
-        args.output = str(output)
+        layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
+        if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != layout["classes"]:
+            raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
+        output = _choose_output(cfg, env, resumed is not None)
+        cfg = replace(cfg, output=str(output))
         if env.is_main:
             output.mkdir(parents=True, exist_ok=True)
         with _RunLock(output, env):
             if env.is_main:
                 handler = _file_log(output)
-            return _train(args, env, stopper, layout, output, resumed, t_start)
+            return _train(cfg, env, stopper, layout, resumed, t_start)
     finally:
         if handler is not None:
-            logging.getLogger("cgavit").removeHandler(handler)
+            quiet.removeHandler(handler)
             handler.close()
         if old_level is not None:
-            logging.getLogger("cgavit").setLevel(old_level)
+            quiet.setLevel(old_level)
 
 
 class _RunLock:
@@ -249,12 +249,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _choose_output(args, env: DistEnv, resuming: bool) -> Path:
-    if args.output:
-        out = Path(args.output)
+def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
+    if cfg.output:
+        out = Path(cfg.output)
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / f"{args.model}-{stamp}"
+        out = Path("runs") / f"{cfg.model}-{stamp}"
     out = Path(broadcast_object(env, str(out)))
     taken = not resuming and env.is_main and (out / "last.pt").exists()
     if broadcast_object(env, taken):  # every rank raises, so none waits for the others
@@ -264,172 +264,145 @@ def _choose_output(args, env: DistEnv, resuming: bool) -> Path:
     return out
 
 
-def _build_data(args, env: DistEnv, layout: dict):
-    """Datasets, samplers and loaders for a run."""
-    mean = tuple(args.mean) if args.mean else IMAGENET_MEAN
-    std = tuple(args.std) if args.std else IMAGENET_STD
-    aa = None if str(args.aa).lower() in ("", "none", "off") else args.aa
-    t_train = build_transform(
-        args.img_size,
-        True,
-        auto_augment=aa,
-        interpolation=args.interpolation,
-        re_prob=args.reprob,
-        hflip=args.hflip,
-        scale=tuple(args.scale),
-        color_jitter=args.color_jitter,
-        mean=mean,
-        std=std,
-    )
-    t_eval = build_transform(args.img_size, False, interpolation=args.interpolation, crop_pct=args.crop_pct, mean=mean, std=std)
-    classes = layout["classes"]
-    ds_train = ImageFolderDataset(layout["train"], classes, t_train, strict=args.strict)
-    ds_val = ImageFolderDataset(layout["val"], classes, t_eval, strict=args.strict)
-    if len(ds_train) < args.batch_size * env.world:
-        raise ValueError(
-            f"the train split has {len(ds_train)} images, fewer than one batch of {args.batch_size} x {env.world} "
-            "process(es); lower --batch-size"
-        )
-    sampler = train_sampler(ds_train, env.world, env.rank, args.seed, args.aug_repeats)
-    generator = torch.Generator()
-    pin = env.device.type == "cuda"
-    loader_train = make_loader(ds_train, args.batch_size, sampler, args.workers, drop_last=True, pin_memory=pin, generator=generator)
-    loader_val = make_loader(ds_val, args.batch_size, eval_sampler(ds_val, env.world, env.rank), args.workers, pin_memory=pin)
-    return loader_train, loader_val, generator
-
-
-def _autocast(args, env: DistEnv):
-    if args.amp and env.device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16 if args.amp_dtype == "bfloat16" else torch.float16)
+def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
+    if cfg.amp and env.device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16 if cfg.amp_dtype == "bfloat16" else torch.float16)
     return contextlib.nullcontext()
 
 
-def _train(args, env: DistEnv, stopper: _Stopper, layout: dict, output: Path, resumed: dict | None, t_start: float) -> dict:
-    from timm.utils import ModelEmaV3, dispatch_clip_grad
-
+def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> _Run:
+    """Seed, then build the network (fine-tuned weights loaded), data, optimiser, schedule and losses."""
     classes = layout["classes"]
     num_classes = len(classes)
-    if args.amp and env.device.type != "cuda":
+    if cfg.amp and env.device.type != "cuda":
         log.warning("--amp works on GPU only; training in float32 on %s", env.device)
-    seed_everything(args.seed)
-    model = build_model(args, num_classes)
-    if args.finetune:
-        report = load_checkpoint(model, args.finetune)
-        log.info("fine-tuning from %s (%d classifier tensors re-initialised)", args.finetune, len(report["skipped"]))
+    seed_all(cfg.seed)
+    model = build_model(cfg, num_classes)
+    if cfg.finetune:
+        report = load_checkpoint(model, cfg.finetune)
+        log.info("fine-tuning from %s (%d classifier tensors re-initialised)", cfg.finetune, len(report["skipped"]))
     model.to(env.device)
-    loader_train, loader_val, generator = _build_data(args, env, layout)
-    steps_per_epoch = len(loader_train)
-    lr = peak_lr(args, env.world)
-    if lr < args.min_lr:
+    loaders = build_loaders(cfg, env, layout)
+    lr = peak_lr(cfg, env.world)
+    if lr < cfg.min_lr:
         log.warning("peak lr %.2e (from the total batch) is below --min-lr %.2e: the cosine will rise, not decay; "
-                    "give --lr or a lower --min-lr", lr, args.min_lr)
-    optimizer = build_optimizer(model, args, lr)
-    scheduler = build_scheduler(optimizer, args, steps_per_epoch)
-    mixup = build_mixup(args, num_classes)
-    teacher = build_teacher(args, num_classes, env.device) if args.distillation_type != "none" else None
-    criterion = DistillationLoss(build_base_loss(args, mixup), teacher, args.distillation_type, args.distillation_alpha, args.distillation_tau)
-    use_scaler = args.amp and env.device.type == "cuda" and args.amp_dtype == "float16"
-    scaler = torch.amp.GradScaler("cuda") if use_scaler else None
-    ema = ModelEmaV3(model, decay=args.model_ema_decay) if args.model_ema else None
+                    "give --lr or a lower --min-lr", lr, cfg.min_lr)
+    optimizer = build_optimizer(model, cfg, lr)
+    scheduler = build_scheduler(optimizer, cfg, len(loaders.train))
+    mixup = build_mixup(cfg, num_classes)
+    teacher = build_teacher(cfg, num_classes, env.device) if cfg.distillation_type != "none" else None
+    criterion = DistillationLoss(
+        build_base_loss(cfg, mixup), teacher, cfg.distillation_type, cfg.distillation_alpha, cfg.distillation_tau
+    )
+    use_scaler = cfg.amp and env.device.type == "cuda" and cfg.amp_dtype == "float16"
+    return _Run(
+        cfg=cfg, env=env, output=output, classes=classes, model=model, net=model, criterion=criterion,
+        optimizer=optimizer, scheduler=scheduler, scaler=torch.amp.GradScaler("cuda") if use_scaler else None,
+        ema=ModelEmaV3(model, decay=cfg.model_ema_decay) if cfg.model_ema else None,
+        mixup=mixup, loaders=loaders, lr=lr, stopper=stopper,
+    )
 
-    state = _State()
+
+def _train(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, resumed: dict | None, t_start: float) -> TrainResult:
+    output = Path(cfg.output)
+    run = _build_run(cfg, env, stopper, layout, output)
     if resumed is not None:
-        _restore(resumed, model, ema, optimizer, scheduler, scaler, state)
-        if state.rng and len(state.rng) == env.world:
-            ckpt_io.set_rng_state(state.rng[env.rank], env.device)
-        if env.is_main:
-            records.truncate_metrics(output / "metrics.jsonl", state.next_epoch)
-        log.info("resumed %s at epoch %d, update %d of it", args.resume, state.next_epoch + 1, state.next_step)
-    net: nn.Module = model
+        _resume(run, resumed)
     if env.distributed:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-
-    total_epochs = args.epochs + args.cooldown_epochs
+        run.net = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    total_epochs = cfg.epochs + cfg.cooldown_epochs
     if env.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
         log.info(
             "%s (%.2fM params), %d classes, %d train / %d val images, %d process(es) x batch %d, lr %.2e, %d epochs -> %s",
-            args.model, n_params / 1e6, num_classes, len(loader_train.dataset), len(loader_val.dataset), env.world,
-            args.batch_size, lr, total_epochs, output,
+            cfg.model, sum(p.numel() for p in run.model.parameters()) / 1e6, len(run.classes),
+            len(run.loaders.train.dataset), len(run.loaders.val.dataset), env.world, cfg.batch_size, run.lr,
+            total_epochs, output,
         )
-    skipped_paths: set[str] = set()
-    interrupted = False
-    last_val: dict = {}
-    rows = records.read_metrics(output / "metrics.jsonl") if env.is_main else []
-    for epoch in range(state.next_epoch, total_epochs):
-        start_step = state.next_step if epoch == state.next_epoch else 0
-        stats = _train_one_epoch(
-            args, env, net, model, criterion, optimizer, scheduler, scaler, ema, mixup, loader_train, generator,
-            epoch, total_epochs, start_step, state, stopper, dispatch_clip_grad,
-        )
-        bad = gather_objects(env, sorted(stats.pop("bad")))
-        _report_bad({p for paths in bad for p in paths}, skipped_paths)
-        if stats["interrupted"]:
-            _save(output / "last.pt", env, args, classes, model, ema, optimizer, scheduler, scaler, state, epoch, stats["next_step"], mid=True)
-            interrupted = True
-            log.warning("saved %s at epoch %d, update %d; continue with --resume %s", output / "last.pt", epoch + 1, stats["next_step"], output / "last.pt")
+    history = _History(rows=records.read_metrics(output / "metrics.jsonl") if env.is_main else [])
+    for epoch in range(run.state.next_epoch, total_epochs):
+        start_step = run.state.next_step if epoch == run.state.next_epoch else 0
+        stats = _train_one_epoch(run, epoch, total_epochs, start_step)
+        bad = gather_objects(env, sorted(stats.bad))
+        _report_bad({p for paths in bad for p in paths}, history.skipped)
+        if stats.interrupted:
+            _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
+            history.interrupted = True
+            log.warning("saved %s at epoch %d, update %d; continue with --resume %s", output / "last.pt", epoch + 1,
+                        stats.next_step, output / "last.pt")
             break
-        val = evaluate(model, loader_val, env, autocast=_autocast(args, env))
-        last_val = val
-        _report_bad(val["bad_paths"], skipped_paths)
-        row = {
-            "epoch": epoch,
-            "train_loss": stats["loss"],
-            "lr": stats["lr"],
-            "val_loss": val["loss"],
-            "val_top1": val["top1"],
-            "val_top5": val["top5"],
-            "img_per_s": stats["img_per_s"],
-            "epoch_s": stats["epoch_s"],
-            "skipped_images": len(skipped_paths),
-        }
-        if ema is not None and args.model_ema_eval:
-            ema_val = evaluate(ema.module, loader_val, env, autocast=_autocast(args, env))
-            row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"], ema_loss=ema_val["loss"])
-        is_best = val["top1"] > state.best_top1
-        if is_best:
-            state.best_top1, state.best_top5, state.best_epoch = val["top1"], val["top5"], epoch
-        log.info(
-            "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, top-5 %.2f%% (best %.2f%% at %d), %.0f img/s%s",
-            epoch + 1, total_epochs, stats["loss"], val["loss"], val["top1"], val["top5"], state.best_top1,
-            state.best_epoch + 1, stats["img_per_s"], f", {len(skipped_paths)} unreadable images skipped" if skipped_paths else "",
-        )
-        if env.is_main:
-            records.append_metrics(output / "metrics.jsonl", row)
-            rows.append(row)
-        _save(output / "last.pt", env, args, classes, model, ema, optimizer, scheduler, scaler, state, epoch + 1, 0, mid=False)
-        if is_best:
-            _save(output / "best.pt", env, args, classes, model, ema, optimizer, scheduler, scaler, state, epoch + 1, 0, mid=False)
-            if env.is_main:
-                save_weights(model, output / "best.safetensors", _weights_metadata(args, classes, epoch, val))
-        if stopper.signum is not None or _forced_stop(args, state):
-            interrupted = True
+        _finish_epoch(run, epoch, total_epochs, stats, history)
+        if stopper.signum is not None or _forced_stop(cfg, run.state):
+            history.interrupted = True
             log.warning("stopped after epoch %d; continue with --resume %s", epoch + 1, output / "last.pt")
             break
     barrier(env)
-    if env.is_main and rows:
-        records.plot_curves(rows, output / "curves.png", title=f"{args.model} on {args.data}")
-    result = {
-        "best_top1": state.best_top1 if state.best_epoch >= 0 else None,
-        "best_top5": state.best_top5 if state.best_epoch >= 0 else None,
-        "best_epoch": state.best_epoch if state.best_epoch >= 0 else None,
-        "final_top1": last_val.get("top1"),
-        "final_top5": last_val.get("top5"),
-        "final_loss": last_val.get("loss"),
-        "epochs": len(rows) if env.is_main else None,  # rank 0 keeps the record
-        "output": str(output),
-        "checkpoint": str(output / "best.pt"),
-        "last": str(output / "last.pt"),
-        "weights": str(output / "best.safetensors"),
-        "curves": str(output / "curves.png"),
-        "wall_s": round(time.perf_counter() - t_start, 2),
-        "skipped_images": len(skipped_paths),
-        "interrupted": interrupted,
-        "signal": stopper.signum,
-        "world_size": env.world,
-        "classes": classes,
+    if env.is_main and history.rows:
+        records.plot_curves(history.rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}")
+    return _result(run, history, t_start)
+
+
+def _finish_epoch(run: _Run, epoch: int, total_epochs: int, stats: _EpochStats, history: _History) -> None:
+    """Evaluate after a completed epoch, record it, and save ``last.pt`` (and the best files)."""
+    cfg, env, state = run.cfg, run.env, run.state
+    val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
+    history.last_val = val
+    _report_bad(val["bad_paths"], history.skipped)
+    row = {
+        "epoch": epoch,
+        "train_loss": stats.loss,
+        "lr": stats.lr,
+        "val_loss": val["loss"],
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "img_per_s": stats.img_per_s,
+        "epoch_s": stats.epoch_s,
+        "skipped_images": len(history.skipped),
     }
-    return result
+    if run.ema is not None and cfg.model_ema_eval:
+        ema_val = evaluate(run.ema.module, run.loaders.val, env, autocast=_autocast(cfg, env))
+        row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"], ema_loss=ema_val["loss"])
+    is_best = val["top1"] > state.best_top1
+    if is_best:
+        state.best_top1, state.best_top5, state.best_epoch = val["top1"], val["top5"], epoch
+    log.info(
+        "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, top-5 %.2f%% (best %.2f%% at %d), %.0f img/s%s",
+        epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], val["top5"], state.best_top1,
+        state.best_epoch + 1, stats.img_per_s,
+        f", {len(history.skipped)} unreadable images skipped" if history.skipped else "",
+    )
+    if env.is_main:
+        records.append_metrics(run.output / "metrics.jsonl", row)
+        history.rows.append(row)
+    _save(run, run.output / "last.pt", epoch + 1, 0, mid=False)
+    if is_best:
+        _save(run, run.output / "best.pt", epoch + 1, 0, mid=False)
+        if env.is_main:
+            meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
+            save_weights(run.model, run.output / "best.safetensors", meta)
+
+
+def _result(run: _Run, history: _History, t_start: float) -> TrainResult:
+    state, output, found = run.state, run.output, run.state.best_epoch >= 0
+    return TrainResult(
+        best_top1=state.best_top1 if found else None,
+        best_top5=state.best_top5 if found else None,
+        best_epoch=state.best_epoch if found else None,
+        final_top1=history.last_val.get("top1"),
+        final_top5=history.last_val.get("top5"),
+        final_loss=history.last_val.get("loss"),
+        epochs=len(history.rows) if run.env.is_main else None,  # rank 0 keeps the record
+        output=str(output),
+        checkpoint=str(output / "best.pt"),
+        last=str(output / "last.pt"),
+        weights=str(output / "best.safetensors"),
+        curves=str(output / "curves.png"),
+        wall_s=round(time.perf_counter() - t_start, 2),
+        skipped_images=len(history.skipped),
+        interrupted=history.interrupted,
+        signal=run.stopper.signum,
+        world_size=run.env.world,
+        classes=run.classes,
+    )
 
 
 def _report_bad(paths, seen: set[str]) -> None:
@@ -439,46 +412,25 @@ def _report_bad(paths, seen: set[str]) -> None:
         seen.add(path)
 
 
-def _forced_stop(args, state: _State) -> bool:
-    return args.interrupt_after is not None and state.global_step >= args.interrupt_after
+def _forced_stop(cfg: TrainConfig, state: _State) -> bool:
+    return cfg.interrupt_after is not None and state.global_step >= cfg.interrupt_after
 
 
-def _weights_metadata(args, classes: list[str], epoch: int, val: dict | None) -> dict:
-    import json
-
-    from ..cli.common import dials_from_args
-
-    meta = {
-        "model": args.model,
-        "dials": json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in dials_from_args(args).items()}),
-        "class_names": json.dumps(classes),
-        "img_size": str(args.img_size),
-        "crop_pct": str(args.crop_pct),
-        "interpolation": args.interpolation,
-        "mean": json.dumps(list(args.mean) if args.mean else list(IMAGENET_MEAN)),
-        "std": json.dumps(list(args.std) if args.std else list(IMAGENET_STD)),
-        "distillation": str(args.distillation_type != "none"),
-        "epoch": str(epoch),
-    }
-    if val is not None:
-        meta["val_top1"] = f"{val['top1']:.4f}"
-    return meta
-
-
-def _save(path, env, args, classes, model, ema, optimizer, scheduler, scaler, state: _State, next_epoch, next_step, mid):
+def _save(run: _Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> None:
     """Write a training checkpoint on rank 0 (RNG states of every rank gathered first; a collective,
     so every rank calls it)."""
-    rngs = gather_objects(env, ckpt_io.rng_state(env.device))
-    if not env.is_main:
+    rngs = gather_objects(run.env, ckpt_io.rng_state(run.env.device))
+    if not run.env.is_main:
         return
+    state = run.state
     ckpt_io.save(
         path,
         {
-            "model": model.state_dict(),
-            "model_ema": ema.module.state_dict() if ema is not None else None,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "model": run.model.state_dict(),
+            "model_ema": run.ema.module.state_dict() if run.ema is not None else None,
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.scaler.state_dict() if run.scaler is not None else None,
             "next_epoch": next_epoch,
             "next_step": next_step,
             "global_step": state.global_step,
@@ -489,29 +441,39 @@ def _save(path, env, args, classes, model, ema, optimizer, scheduler, scaler, st
                 "best_epoch": state.best_epoch,
                 "partial": state.partial if mid else {},
             },
-            "world_size": env.world,
-            "args": args_to_dict(args),
-            "classes": list(classes),
+            "world_size": run.env.world,
+            "args": run.cfg.to_record(),
+            "classes": list(run.classes),
             "saved": datetime.now().isoformat(timespec="seconds"),
         },
     )
 
 
-def _restore(ck: dict, model, ema, optimizer, scheduler, scaler, state: _State) -> None:
+def _resume(run: _Run, ck: dict) -> None:
+    """Load a checkpoint's weights, optimiser, schedule and progress into ``run``; drop metric rows
+    written after it."""
+    _restore(ck, run)
+    state, env = run.state, run.env
+    if state.rng and len(state.rng) == env.world:
+        ckpt_io.set_rng_state(state.rng[env.rank], env.device)
+    if env.is_main:
+        records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch)
+    log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
+
+
+def _restore(ck: dict, run: _Run) -> None:
     try:
-        model.load_state_dict(ck["model"])
-        if ema is not None:
-            if ck.get("model_ema") is not None:
-                ema.module.load_state_dict(ck["model_ema"])
-            else:
-                ema.module.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-        scheduler.load_state_dict(ck["scheduler"])
-        if scaler is not None and ck.get("scaler"):
-            scaler.load_state_dict(ck["scaler"])
+        run.model.load_state_dict(ck["model"])
+        if run.ema is not None:
+            run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
+        run.optimizer.load_state_dict(ck["optimizer"])
+        run.scheduler.load_state_dict(ck["scheduler"])
+        if run.scaler is not None and ck.get("scaler"):
+            run.scaler.load_state_dict(ck["scaler"])
     except (RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(f"the checkpoint does not fit this model or options: {str(err)[:400]}") from None
     progress = ck.get("progress") or {}
+    state = run.state
     state.next_epoch = int(ck["next_epoch"])
     state.next_step = int(ck.get("next_step", 0))
     state.global_step = int(ck.get("global_step", 0))
@@ -522,142 +484,88 @@ def _restore(ck: dict, model, ema, optimizer, scheduler, scaler, state: _State) 
     state.rng = ck.get("rng")
 
 
-def _train_one_epoch(
-    args, env, net, model, criterion, optimizer, scheduler, scaler, ema, mixup, loader, generator,
-    epoch, total_epochs, start_step, state: _State, stopper: _Stopper, clip_fn,
-) -> dict:
-    net.train()
-    sampler = loader.sampler  # a SeededSampler: per-sample augmentation seeds from (seed, epoch, rank, position)
+def _start_epoch(run: _Run, epoch: int, start_step: int) -> None:
+    """Key the epoch's data order and augmentation to ``(seed, epoch, rank)``; skip the updates a
+    resumed epoch already trained on; step a per-epoch schedule."""
+    cfg = run.cfg
+    run.net.train()
+    sampler = run.loaders.train.sampler  # a SeededSampler: per-sample seeds from (seed, epoch, rank, position)
     sampler.set_epoch(epoch)
-    sampler.start = start_step * args.batch_size  # resume mid-epoch: skip what was already trained on
-    generator.manual_seed(epoch_seed(args.seed, epoch, env.rank, stream=3))
-    if not args.sched_on_updates:
-        scheduler.step(epoch)
+    sampler.start = start_step * cfg.batch_size
+    run.loaders.generator.manual_seed(epoch_seed(cfg.seed, epoch, run.env.rank, stream=3))
+    if not cfg.sched_on_updates:
+        run.scheduler.step(epoch)
+
+
+def _train_one_epoch(run: _Run, epoch: int, total_epochs: int, start_step: int) -> _EpochStats:
+    cfg, env, state, loader = run.cfg, run.env, run.state, run.loaders.train
+    _start_epoch(run, epoch, start_step)
     steps = start_step + len(loader)
-    progress = records.Progress(steps, epoch, total_epochs, env.is_main, args.progress, args.log_interval)
+    progress = records.Progress(steps, epoch, total_epochs, env.is_main, cfg.progress, cfg.log_interval)
     partial = state.partial if start_step > 0 else {}
     loss_sum, seen, bad = float(partial.get("loss_sum", 0.0)), int(partial.get("seen", 0)), set()
+    images_timed, next_step, interrupted = 0, steps, False
+    lr = run.optimizer.param_groups[0]["lr"]
     t0 = time.perf_counter()
-    images_timed = 0
-    lr = optimizer.param_groups[0]["lr"]
-    next_step = steps
-    interrupted = False
     for step, batch in enumerate(loader, start=start_step):
         # mixup and drop path draw from (seed, epoch, rank, update): independent of loader workers
-        seed_everything(epoch_seed(args.seed, epoch, env.rank, stream=16 + step))
+        seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))
         bad.update(batch.bad)
-        if args.sched_on_updates:
-            scheduler.step_update(state.global_step)
-        lr = optimizer.param_groups[0]["lr"]
+        if cfg.sched_on_updates:
+            run.scheduler.step_update(state.global_step)
+        lr = run.optimizer.param_groups[0]["lr"]
         n = len(batch)
-        if mixup is not None and n % 2:
+        if run.mixup is not None and n % 2:
             n -= 1  # timm's batch mixup pairs images: drop one after a skipped unreadable image
         if any_true(env, n < 2):  # a batch emptied by unreadable images: every rank skips the update
             progress.update(step, 0, None, lr)
         else:
-            x = batch.images[:n].to(env.device, non_blocking=True)
-            y = batch.labels[:n].to(env.device, non_blocking=True)
-            if mixup is not None:
-                x, y = mixup(x, y)
-            with _autocast(args, env):
-                out = net(x)
-                loss = criterion(x, out, y)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise ValueError(f"the loss became {value} at epoch {epoch + 1}, update {step + 1}; lower --lr or check the data")
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                if args.clip_grad > 0:
-                    scaler.unscale_(optimizer)
-                    clip_fn(model.parameters(), value=args.clip_grad, mode=args.clip_mode)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                if args.clip_grad > 0:
-                    clip_fn(model.parameters(), value=args.clip_grad, mode=args.clip_mode)
-                optimizer.step()
-            state.global_step += 1
-            if ema is not None:
-                ema.update(model, step=state.global_step)
-            loss_sum += value * n
-            seen += n
-            images_timed += n
+            value = _update(run, batch, n, epoch, step)
+            loss_sum, seen, images_timed = loss_sum + value * n, seen + n, images_timed + n
             progress.update(step, n * env.world, value, lr)
-        stop = stopper.signum is not None or _forced_stop(args, state)
+        stop = run.stopper.signum is not None or _forced_stop(cfg, state)
         if any_true(env, stop) and step + 1 < steps:
             next_step, interrupted = step + 1, True
             break
-    sampler.start = 0
+    run.loaders.train.sampler.start = 0
     progress.close()
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     elapsed = time.perf_counter() - t0
     loss_sum, seen, images_timed = reduce_sum(env, [loss_sum, seen, images_timed])
     state.partial = {"loss_sum": loss_sum / env.world, "seen": int(seen / env.world)} if interrupted else {}
-    return {
-        "loss": loss_sum / max(seen, 1),
-        "lr": lr,
-        "img_per_s": images_timed / max(elapsed, 1e-9),
-        "epoch_s": elapsed,
-        "bad": bad,
-        "interrupted": interrupted,
-        "next_step": next_step,
-    }
+    return _EpochStats(
+        loss=loss_sum / max(seen, 1), lr=lr, img_per_s=images_timed / max(elapsed, 1e-9), epoch_s=elapsed,
+        bad=bad, interrupted=interrupted, next_step=next_step,
+    )
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, env: DistEnv | None = None, autocast=None) -> dict:
-    """Top-1, top-5 (percent) and mean cross-entropy of ``model`` over ``loader``'s dataset.
-
-    Under several processes each rank evaluates its share; per-sample results are gathered and the
-    padding duplicates dropped by dataset index, so the metrics equal a single process's (top-1/top-5
-    exactly; the loss up to float summation order, summed in float64 in index order).
-
-    Returns:
-        ``{"top1", "top5", "loss", "n", "skipped", "bad_paths"}``.
-    """
-    env = env or DistEnv()
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    idx, losses, hit1, hit5, bad = [], [], [], [], []
-    for batch in loader:
-        bad.extend(batch.bad)
-        if batch.images is None:
-            continue
-        x = batch.images.to(device, non_blocking=True)
-        y = batch.labels.to(device, non_blocking=True)
-        with autocast if autocast is not None else contextlib.nullcontext():
-            out = model(x)
-        out = out.float()
-        k = min(5, out.shape[1])
-        top = out.topk(k, dim=1).indices  # (B, k)
-        idx.append(batch.indices)
-        losses.append(F.cross_entropy(out, y, reduction="none").double().cpu())
-        hit1.append((top[:, 0] == y).cpu())
-        hit5.append((top == y[:, None]).any(dim=1).cpu())
-    model.train(was_training)
-    cat = lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype)  # noqa: E731
-    mine = (cat(idx, torch.long), cat(losses, torch.float64), cat(hit1, torch.bool), cat(hit5, torch.bool), bad)
-    parts = gather_objects(env, mine)
-    all_idx = torch.cat([p[0] for p in parts])
-    order = torch.argsort(all_idx, stable=True)
-    all_idx = all_idx[order]
-    keep = torch.ones_like(all_idx, dtype=torch.bool)
-    keep[1:] = all_idx[1:] != all_idx[:-1]  # padding repeats some indices on the last ranks
-    pick = order[keep]
-    loss = torch.cat([p[1] for p in parts])[pick]
-    h1 = torch.cat([p[2] for p in parts])[pick]
-    h5 = torch.cat([p[3] for p in parts])[pick]
-    bad_paths = sorted({b for p in parts for b in p[4]})
-    n = int(pick.numel())
-    return {
-        "top1": 100.0 * float(h1.double().sum()) / max(n, 1),
-        "top5": 100.0 * float(h5.double().sum()) / max(n, 1),
-        "loss": float(loss.sum()) / max(n, 1),
-        "n": n,
-        "skipped": len(bad_paths),
-        "bad_paths": bad_paths,
-    }
+def _update(run: _Run, batch: Batch, n: int, epoch: int, step: int) -> float:
+    """One optimiser update on the first ``n`` images of ``batch``; returns the loss."""
+    cfg, env = run.cfg, run.env
+    x = batch.images[:n].to(env.device, non_blocking=True)
+    y = batch.labels[:n].to(env.device, non_blocking=True)
+    if run.mixup is not None:
+        x, y = run.mixup(x, y)
+    with _autocast(cfg, env):
+        loss = run.criterion(x, run.net(x), y)
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise ValueError(f"the loss became {value} at epoch {epoch + 1}, update {step + 1}; lower --lr or check the data")
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.scaler is not None:
+        run.scaler.scale(loss).backward()
+        if cfg.clip_grad > 0:
+            run.scaler.unscale_(run.optimizer)
+            dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        loss.backward()
+        if cfg.clip_grad > 0:
+            dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
+        run.optimizer.step()
+    run.state.global_step += 1
+    if run.ema is not None:
+        run.ema.update(run.model, step=run.state.global_step)
+    return value

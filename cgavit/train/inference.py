@@ -8,7 +8,6 @@ get ImageNet-1k class names when they have 1000 outputs.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -16,10 +15,25 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
-from ..weights import CheckpointError, convert_state_dict, load_checkpoint, read_metadata, read_state_dict
-from .data import IMAGENET_MEAN, IMAGENET_STD, build_transform, load_image
+from ..factory import create_model
+from ..weights import (
+    CheckpointError,
+    WeightsMeta,
+    convert_state_dict,
+    load_checkpoint,
+    read_metadata,
+    read_state_dict,
+    read_weights_meta,
+    save_weights,
+)
+from .config import TrainConfig
+from .data import ImageFolderDataset, build_transform, eval_sampler, list_split, load_image, make_loader
+from .distributed import setup, teardown
+from .evaluation import evaluate
+from .records import weights_meta
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +54,8 @@ class ModelInfo:
     img_size: int = 224
     crop_pct: float = 0.875
     interpolation: str = "bicubic"
-    mean: tuple[float, ...] = IMAGENET_MEAN
-    std: tuple[float, ...] = IMAGENET_STD
+    mean: tuple[float, ...] = IMAGENET_DEFAULT_MEAN
+    std: tuple[float, ...] = IMAGENET_DEFAULT_STD
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -52,10 +66,6 @@ def _names_for(num_classes: int, stored: list[str] | None) -> list[str]:
     if num_classes == 1000:
         return [desc.split(",")[0] for _, desc in imagenet_classes()]
     return [f"class {i}" for i in range(num_classes)]
-
-
-def _tupled(d: dict) -> dict:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
 def load_model(
@@ -84,8 +94,6 @@ def load_model(
         CheckpointError: unreadable file or one that does not fit.
         ValueError: not enough information to build the model.
     """
-    from ..factory import create_model
-
     if path is None:
         if not (pretrained and model_name):
             raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
@@ -94,10 +102,10 @@ def load_model(
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    meta = read_metadata(path)
-    if meta.get("format") == "cgavit" and "model" in meta:
-        return _from_safetensors(path, meta, model_name, device)
-    if not meta:
+    meta = read_weights_meta(path)
+    if meta is not None and meta.model:
+        return _from_safetensors(path, meta, device)
+    if meta is None and not read_metadata(path):  # not a safetensors file: maybe a training checkpoint
         try:
             ck = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:
@@ -116,57 +124,47 @@ def load_model(
 
 
 def _from_training(path: Path, ck: dict, model_name: str | None, use_ema: bool, device) -> tuple[nn.Module, ModelInfo]:
-    from ..factory import create_model
-
-    args = ck["args"]
-    if model_name and model_name.split(".")[0] not in (args["model"], f"efficientvit_{model_name}"):
-        log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, args["model"])
-    from argparse import Namespace
-
-    from ..cli.common import dials_from_args
-
+    cfg = TrainConfig.from_record(ck["args"])
+    if model_name and model_name.split(".")[0] not in (cfg.model, f"efficientvit_{model_name}"):
+        log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, cfg.model)
     classes = list(ck.get("classes") or [])
     model = create_model(
-        args["model"],
+        cfg.model,
         num_classes=len(classes) or ck["model"]["head.linear.weight"].shape[0],
-        img_size=args["img_size"],
-        distillation=args.get("distillation_type", "none") != "none",
-        **dials_from_args(Namespace(**_tupled(args))),
+        img_size=cfg.img_size,
+        distillation=cfg.distillation_type != "none",
+        **cfg.dials,
     )
     sd = ck["model_ema"] if use_ema and ck.get("model_ema") is not None else ck["model"]
     load_checkpoint(model, sd)
     info = ModelInfo(
         _names_for(model.num_classes, classes),
-        img_size=int(args["img_size"]),
-        crop_pct=float(args.get("crop_pct", 0.875)),
-        interpolation=args.get("interpolation", "bicubic"),
-        mean=tuple(args.get("mean") or IMAGENET_MEAN),
-        std=tuple(args.get("std") or IMAGENET_STD),
+        img_size=cfg.img_size,
+        crop_pct=cfg.crop_pct,
+        interpolation=cfg.interpolation,
+        mean=cfg.mean or IMAGENET_DEFAULT_MEAN,
+        std=cfg.std or IMAGENET_DEFAULT_STD,
         source=str(path),
     )
     return model.eval().to(device), info
 
 
-def _from_safetensors(path: Path, meta: dict, model_name: str | None, device) -> tuple[nn.Module, ModelInfo]:
-    from ..factory import create_model
-
-    classes = json.loads(meta.get("class_names", "[]"))
-    num_classes = int(meta.get("num_classes") or len(classes) or 1000)
+def _from_safetensors(path: Path, meta: WeightsMeta, device) -> tuple[nn.Module, ModelInfo]:
     model = create_model(
-        meta["model"],
-        num_classes=num_classes,
-        img_size=int(meta.get("img_size", 224)),
-        distillation=meta.get("distillation") == "True",
-        **_tupled(json.loads(meta.get("dials", "{}"))),
+        meta.model,
+        num_classes=meta.num_classes,
+        img_size=meta.img_size,
+        distillation=meta.distillation,
+        **meta.dials(),
     )
     load_checkpoint(model, path)
     info = ModelInfo(
-        _names_for(num_classes, classes),
-        img_size=int(meta.get("img_size", 224)),
-        crop_pct=float(meta.get("crop_pct", 0.875)),
-        interpolation=meta.get("interpolation", "bicubic"),
-        mean=tuple(json.loads(meta["mean"])) if "mean" in meta else IMAGENET_MEAN,
-        std=tuple(json.loads(meta["std"])) if "std" in meta else IMAGENET_STD,
+        _names_for(meta.num_classes, list(meta.class_names or [])),
+        img_size=meta.img_size,
+        crop_pct=meta.crop_pct,
+        interpolation=meta.interpolation,
+        mean=meta.mean,
+        std=meta.std,
         source=str(path),
     )
     return model.eval().to(device), info
@@ -174,18 +172,13 @@ def _from_safetensors(path: Path, meta: dict, model_name: str | None, device) ->
 
 def export_weights(checkpoint: str | Path, path: str | Path, use_ema: bool = False) -> Path:
     """Write a training checkpoint's weights in the package's safetensors format, with the metadata
-    (model, dials, class names, input size, normalisation) that :func:`load_model` rebuilds from."""
-    from argparse import Namespace
-
-    from ..weights import save_weights
-    from .engine import _weights_metadata
-
+    (model, config, class names, input size, normalisation) that :func:`load_model` rebuilds from."""
     ck = torch.load(checkpoint, map_location="cpu", weights_only=True)
     if not isinstance(ck, dict) or not str(ck.get("format", "")).startswith("cgavit-train"):
         raise CheckpointError(f"{checkpoint} is not a training checkpoint written by cgavit train")
     model, info = load_model(checkpoint, use_ema=use_ema)
-    args = Namespace(**_tupled(ck["args"]))
-    meta = _weights_metadata(args, info.class_names, int(ck["next_epoch"]) - 1, None)
+    cfg = TrainConfig.from_record(ck["args"])
+    meta = weights_meta(cfg, model, info.class_names, {"epoch": str(int(ck["next_epoch"]) - 1)})
     return save_weights(model, path, meta)
 
 
@@ -219,10 +212,6 @@ def evaluate_checkpoint(
     Returns:
         ``{"top1", "top5", "loss", "n", "skipped", "img_size", "crop_pct", "checkpoint", "data"}``.
     """
-    from .data import ImageFolderDataset, eval_sampler, list_split, make_loader
-    from .distributed import setup, teardown
-    from .engine import evaluate
-
     env = setup(device)
     try:
         model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=env.device)

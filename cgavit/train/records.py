@@ -1,50 +1,69 @@
 """What a run leaves behind besides checkpoints: ``metrics.jsonl`` (one line per epoch), the
-training-curve PNG, and progress reporting (a tqdm bar on a terminal, log lines otherwise)."""
+training-curve PNG, the metadata of its weights files, and progress reporting (a tqdm bar on a
+terminal, log lines otherwise).
+
+The curves are drawn with matplotlib through :func:`cgavit.analysis.plots.pyplot`, the package's one
+matplotlib import, on first use.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-from ..io import atomic_write
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..analysis.plots import pyplot
+from ..io import append_jsonl, atomic_write, read_jsonl, write_jsonl
+from ..weights import WeightsMeta
+from .config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 
 def append_metrics(path: Path, row: dict) -> None:
     """Append one JSON line (the file is rewritten atomically, so a crash never leaves half a line)."""
-    old = path.read_text() if path.is_file() else ""
-    text = old + json.dumps(row) + "\n"
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    append_jsonl(path, row)
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a ``metrics.jsonl`` ([] when there is none)."""
+    return read_jsonl(path)
 
 
 def truncate_metrics(path: Path, next_epoch: int) -> None:
     """Drop rows of epochs >= ``next_epoch`` (written after the checkpoint a run resumes from)."""
-    rows = [r for r in read_metrics(path) if r.get("epoch", -1) < next_epoch]
-    text = "".join(json.dumps(r) + "\n" for r in rows)
     if path.is_file():
-        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+        write_jsonl(path, [r for r in read_jsonl(path) if r.get("epoch", -1) < next_epoch])
+
+
+def weights_meta(cfg: TrainConfig, model: nn.Module, classes: list[str], extra: dict[str, str]) -> WeightsMeta:
+    """What a weights file of this run records: the variant and its full config, class names, the
+    evaluation preprocessing, and ``extra`` notes (e.g. the epoch)."""
+    return WeightsMeta(
+        model=cfg.model,
+        config=model.cfg,
+        num_classes=len(classes),
+        img_size=cfg.img_size,
+        crop_pct=cfg.crop_pct,
+        interpolation=cfg.interpolation,
+        mean=cfg.mean or IMAGENET_DEFAULT_MEAN,
+        std=cfg.std or IMAGENET_DEFAULT_STD,
+        class_names=tuple(classes),
+        distillation=cfg.distillation_type != "none",
+        extra=extra,
+    )
 
 
 def plot_curves(rows: list[dict], path: Path, title: str = "") -> Path | None:
     """Loss, top-1 and learning rate per epoch, as a PNG (matplotlib, Agg backend)."""
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ep = [r["epoch"] + 1 for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     ax = axes[0]
@@ -85,8 +104,6 @@ class Progress:
         self.start = time.perf_counter()
         self.images = 0
         if enabled and (sys.stderr.isatty() if bar is None else bar):
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="it", dynamic_ncols=True, leave=True)
 
     def update(self, step: int, images: int, loss: float | None, lr: float) -> None:

@@ -1,0 +1,86 @@
+"""Top-1, top-5 and loss of a model over a loader, alone or under ``torchrun`` with the same result."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import Batch
+from .distributed import DistEnv, gather_objects
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loader: Iterable[Batch], env: DistEnv | None = None, autocast: AbstractContextManager | None = None
+) -> dict:
+    """Top-1, top-5 (percent) and mean cross-entropy of ``model`` over ``loader``'s dataset.
+
+    Under several processes each rank evaluates its share; per-sample results are gathered and the
+    padding duplicates dropped by dataset index, so the metrics equal a single process's (top-1/top-5
+    exactly; the loss up to float summation order, summed in float64 in index order).
+
+    Args:
+        model: the network (its mode is restored afterwards).
+        loader: batches of :class:`~cgavit.train.data.Batch` (as :func:`~cgavit.train.data.make_loader`).
+        env: this process's place in the process group (default: a single process).
+        autocast: a context to run the forward in (e.g. ``torch.autocast``).
+
+    Returns:
+        ``{"top1", "top5", "loss", "n", "skipped", "bad_paths"}``.
+    """
+    env = env or DistEnv()
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    idx, losses, hit1, hit5, bad = [], [], [], [], []
+    for batch in loader:
+        bad.extend(batch.bad)
+        if batch.images is None:
+            continue
+        x = batch.images.to(device, non_blocking=True)
+        y = batch.labels.to(device, non_blocking=True)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            out = model(x)
+        out = out.float()
+        k = min(5, out.shape[1])
+        top = out.topk(k, dim=1).indices  # (B, k)
+        idx.append(batch.indices)
+        losses.append(F.cross_entropy(out, y, reduction="none").double().cpu())
+        hit1.append((top[:, 0] == y).cpu())
+        hit5.append((top == y[:, None]).any(dim=1).cpu())
+    model.train(was_training)
+    mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad)
+    return _merge(gather_objects(env, mine))
+
+
+def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _merge(parts: list[tuple]) -> dict:
+    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, bad paths)`` as one set of metrics,
+    each dataset index counted once."""
+    all_idx = torch.cat([p[0] for p in parts])
+    order = torch.argsort(all_idx, stable=True)
+    all_idx = all_idx[order]
+    keep = torch.ones_like(all_idx, dtype=torch.bool)
+    keep[1:] = all_idx[1:] != all_idx[:-1]  # padding repeats some indices on the last ranks
+    pick = order[keep]
+    loss = torch.cat([p[1] for p in parts])[pick]
+    h1 = torch.cat([p[2] for p in parts])[pick]
+    h5 = torch.cat([p[3] for p in parts])[pick]
+    bad_paths = sorted({b for p in parts for b in p[4]})
+    n = int(pick.numel())
+    return {
+        "top1": 100.0 * float(h1.double().sum()) / max(n, 1),
+        "top5": 100.0 * float(h5.double().sum()) / max(n, 1),
+        "loss": float(loss.sum()) / max(n, 1),
+        "n": n,
+        "skipped": len(bad_paths),
+        "bad_paths": bad_paths,
+    }

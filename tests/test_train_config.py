@@ -1,0 +1,171 @@
+"""TrainConfig: the official recipe as defaults, resume, validation, the command line that spells it, and
+the layering of the training package (no argparse, our own imports at module top)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+import cgavit
+from cgavit.cli.train import TRAIN_OPTIONS, add_train_args, config_from_args, dest
+from cgavit.train import TrainConfig, TrainResult
+from cgavit.train import checkpoint as ckpt_io
+from cgavit.train.config import DIAL_NAMES, NOT_RESUMED, train_defaults
+from cgavit.train.demo import demo_config
+from cgavit.weights import CheckpointError
+
+PACKAGE = Path(cgavit.__file__).parent
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cgavit train")
+    add_train_args(p)
+    return p
+
+
+def test_defaults_are_the_official_recipe():
+    c = TrainConfig()
+    assert (c.lr_base, c.lr_base_size, c.lr) == (1e-3, 512, None)  # lr = 1e-3 x total batch / 512
+    assert (c.opt, c.weight_decay, c.epochs, c.warmup_epochs, c.warmup_lr, c.min_lr) == ("adamw", 0.025, 300, 5, 1e-6, 1e-5)
+    assert (c.clip_grad, c.clip_mode) == (0.02, "agc")
+    assert (c.mixup, c.cutmix, c.smoothing, c.reprob, c.aa) == (0.8, 1.0, 0.1, 0.25, "rand-m9-mstd0.5-inc1")
+    assert (c.model_ema, c.model_ema_decay, c.aug_repeats, c.batch_size, c.seed) == (True, 0.99996, 3, 256, 0)
+    assert (c.img_size, c.crop_pct, c.interpolation, c.model, c.dials) == (224, 0.875, "bicubic", "efficientvit_m0", {})
+
+
+def test_values_are_normalised():
+    c = TrainConfig(data=Path("d"), output=Path("o"), mean=[0.5, 0.5, 0.5], scale=[0.5, 1], dials={"kernels": 3, "depth": [1, 1, 1]})
+    assert (c.data, c.output, c.mean, c.scale) == ("d", "o", (0.5, 0.5, 0.5), (0.5, 1.0))
+    assert c.dials == {"kernels": (3,), "depth": (1, 1, 1)}
+    with pytest.raises(ValueError, match="unknown design dial"):
+        TrainConfig(dials={"heads": 3})
+
+
+def test_validate_names_the_option_to_change():
+    ok = TrainConfig(data="d")
+    ok.validate()
+    cases = [
+        (dict(data=None), "--data"),
+        (dict(epochs=0), "--epochs"),
+        (dict(batch_size=0), "--batch-size"),
+        (dict(img_size=16), "--img-size"),
+        (dict(workers=-1), "--workers"),
+        (dict(crop_pct=1.5), "--crop-pct"),
+        (dict(model_ema_decay=1.0), "--model-ema-decay"),
+        (dict(interpolation="lanczos"), "--interpolation"),
+        (dict(clip_mode="max"), "--clip-mode"),
+        (dict(distillation_type="soft"), "--teacher"),
+        (dict(teacher="resnet18"), "--distillation-type"),
+        (dict(finetune="a.pt", resume="b.pt"), "not both"),
+        (dict(model="nope"), "nope"),
+        (dict(dials={"cascade": "yes"}), "cascade"),
+    ]
+    for change, match in cases:
+        with pytest.raises(ValueError, match=match):
+            replace(ok, **change).validate()
+
+
+def _fake_checkpoint(path: Path, record: dict) -> Path:
+    ckpt_io.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "next_epoch": 1, "args": record})
+    return path
+
+
+def test_resume_takes_the_stored_options_and_the_given_ones_win(tmp_path):
+    stored = TrainConfig(
+        data="d", epochs=7, seed=3, lr=0.5, workers=2, device="cpu", log_interval=5, progress=True, interrupt_after=9,
+        finetune="w.pt", output="elsewhere", dials={"cascade": False, "depth": (1, 1, 1)},
+    )
+    (tmp_path / "run").mkdir()
+    ck = _fake_checkpoint(tmp_path / "run" / "last.pt", stored.to_record())
+    c = TrainConfig.resume_from(ck, epochs=9, dials={"depth": (2, 2, 2)})
+    assert (c.data, c.epochs, c.seed, c.lr) == ("d", 9, 3, 0.5)  # stored, except what was given
+    assert c.dials == {"cascade": False, "depth": (2, 2, 2)}  # a dial given changes only itself
+    assert c.resume == str(ck) and c.output == str(tmp_path / "run")  # the folder the checkpoint is in now
+    defaults = TrainConfig()
+    for name in NOT_RESUMED - {"resume"}:  # steer one invocation only: never from the checkpoint
+        assert getattr(c, name) == getattr(defaults, name), name
+    c = TrainConfig.resume_from(ck, output="new", workers=0)
+    assert (c.output, c.workers) == ("new", 0)
+    with pytest.raises(CheckpointError):
+        TrainConfig.resume_from(tmp_path / "missing.pt")
+
+
+def test_older_checkpoint_records_still_resume(tmp_path):
+    # as `cgavit train` stored them before: argparse's namespace, with the command's own keys beside
+    record = {**TrainConfig(data="d", epochs=4).to_record(), "command": "train", "verbose": False, "debug": False}
+    del record["cooldown_epochs"]  # an option a run of an older version did not have
+    record.update(kernels=3, scale=[0.5, 1.0])
+    c = TrainConfig.resume_from(_fake_checkpoint(tmp_path / "last.pt", record))
+    assert (c.epochs, c.cooldown_epochs, c.scale, c.dials) == (4, 0, (0.5, 1.0), {"kernels": (3,)})
+
+
+def test_record_round_trip_and_layout():
+    c = TrainConfig(data="d", mean=(0.1, 0.2, 0.3), dials={"cascade": False, "embed_dim": (16, 32, 48)})
+    record = c.to_record()
+    assert record["mean"] == [0.1, 0.2, 0.3] and record["cascade"] is False and record["key_dim"] is None
+    assert "dials" not in record and set(DIAL_NAMES) <= set(record)
+    assert TrainConfig.from_record(record) == c
+
+
+def test_cli_defaults_are_the_dataclass_defaults():
+    defaults = train_defaults()
+    assert {dest(flags) for flags, _ in TRAIN_OPTIONS} == set(defaults) - {"dials", "interrupt_after"}
+    assert config_from_args(_parser().parse_args(["--data", "d"])) == TrainConfig(data="d")
+    helps = {a.dest: a.help for a in _parser()._actions}
+    for name, value in defaults.items():
+        if name in ("dials", "interrupt_after") or value in (None, False):
+            continue
+        shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        expect = f"(default: {'on' if value is True else shown})"
+        assert helps[name].endswith(expect), (name, helps[name])
+
+
+def test_to_argv_spells_the_config_for_the_command_line():
+    c = TrainConfig(
+        data="d", epochs=3, lr=2e-3, scale=(0.6, 1.0), model_ema=False, progress=False, sched_on_updates=True,
+        mean=(0.3, 0.3, 0.3), dials={"cascade": False, "key_dim": (8, 8, 16), "attn_ratio": 1.0, "kernels": (3,)},
+    )
+    assert config_from_args(_parser().parse_args(c.to_argv())) == c
+    assert TrainConfig().to_argv() == []
+    demo = demo_config("digits", "run")
+    assert config_from_args(_parser().parse_args(demo.to_argv())) == demo
+
+
+def test_typed_flags_win_on_resume_from_the_command_line(tmp_path):
+    ck = _fake_checkpoint(tmp_path / "last.pt", TrainConfig(data="d", epochs=7, seed=3).to_record())
+    c = config_from_args(_parser().parse_args(["--resume", str(ck), "--epochs", "8", "--cascade", "off"]))
+    assert (c.epochs, c.seed, c.resume, c.dials) == (8, 3, str(ck), {"cascade": False})
+
+
+def test_result_to_dict_keeps_the_summary_keys():
+    r = TrainResult(
+        best_top1=1.0, best_top5=2.0, best_epoch=0, final_top1=1.0, final_top5=2.0, final_loss=0.5, epochs=1,
+        output="o", checkpoint="o/best.pt", last="o/last.pt", weights="o/best.safetensors", curves="o/curves.png",
+        wall_s=1.0, skipped_images=0, interrupted=False, signal=None, world_size=1, classes=["a"],
+    )
+    assert list(r.to_dict()) == [f.name for f in fields(TrainResult)]
+    assert list(r.to_dict())[:3] == ["best_top1", "best_top5", "best_epoch"] and r.to_dict()["classes"] == ["a"]
+
+
+def _library_files() -> list[Path]:
+    return sorted((PACKAGE / "train").glob("*.py")) + [PACKAGE / "analysis" / "ablation.py"]
+
+
+def test_training_library_has_no_argparse_and_imports_our_modules_at_the_top():
+    for path in _library_files():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(a.name != "argparse" for a in node.names), path
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module != "argparse", path
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    assert node.level == 0 and not (node.module or "").startswith("cgavit"), f"{path}:{node.lineno}"
+                elif isinstance(node, ast.Import):
+                    assert not any(a.name.startswith("cgavit") for a in node.names), f"{path}:{node.lineno}"
