@@ -210,20 +210,37 @@ def load_checkpoint(
     sd = convert_state_dict(raw)
     target = model.state_dict()
     report: dict[str, list[str]] = {"skipped": [], "resized": [], "missing": []}
+    _drop_foreign_heads(sd, target, report, getattr(model, "num_classes", "?"))
+    _fit_shapes(sd, target, report, source)
+    _check_complete(sd, target, report, source)
+    model.load_state_dict(sd, strict=False)
+    if report["resized"]:
+        log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
+    if report["missing"]:
+        log.info("left as initialised: %s", ", ".join(report["missing"]))
+    return report
+
+
+def _drop_foreign_heads(sd: dict, target: dict, report: dict, num_classes) -> None:
+    """Skip a distillation head the model lacks, and a classifier for another class count."""
     for key in [k for k in sd if k.startswith("head_dist.") and k not in target]:
         report["skipped"].append(key)
         del sd[key]
     head_w = sd.get("head.linear.weight")
     want_w = target.get("head.linear.weight")
     if head_w is not None and (want_w is None or head_w.shape != want_w.shape):
-        got = head_w.shape[0]
         for key in [k for k in sd if re.match(r"head(_dist)?\.linear\.", k)]:
             report["skipped"].append(key)
             del sd[key]
         log.info(
             "checkpoint classifier has %d classes, the model %s: classifier left as initialised",
-            got, getattr(model, "num_classes", "?"),
+            head_w.shape[0], num_classes,
         )
+
+
+def _fit_shapes(sd: dict, target: dict, report: dict, source: str) -> None:
+    """Every key must exist in the model with its shape, up to the official files' 2-D 1x1 conv
+    weights (reshaped) and bias tables of another window (resized); raise before copying anything."""
     for key, value in list(sd.items()):
         if key not in target:
             raise CheckpointError(
@@ -236,14 +253,17 @@ def load_checkpoint(
         if value.numel() == target[key].numel() and tuple(value.shape) + (1,) * (len(want) - value.ndim) == tuple(want):
             sd[key] = value.reshape(want)  # official files keep some 1x1 conv weights 2-D
         elif key.endswith("attention_biases") and value.ndim == 2 and value.shape[0] == want[0]:
-            side = int(round(want[1] ** 0.5))
-            sd[key] = resize_bias_table(value, side)
+            sd[key] = resize_bias_table(value, int(round(want[1] ** 0.5)))
             report["resized"].append(key)
         else:
             raise CheckpointError(
                 f"{source}: shape mismatch at {key!r}: checkpoint {tuple(value.shape)}, model {tuple(want)}; "
                 "the file is probably for another variant or other dial settings"
             )
+
+
+def _check_complete(sd: dict, target: dict, report: dict, source: str) -> None:
+    """Every model tensor must come from the file, except heads deliberately left as initialised."""
     for key in target:
         if key in sd:
             continue
@@ -254,12 +274,6 @@ def load_checkpoint(
             f"{source}: the model's {key!r} (shape {tuple(target[key].shape)}) is not in the checkpoint; "
             "it is incomplete or for another variant"
         )
-    model.load_state_dict(sd, strict=False)
-    if report["resized"]:
-        log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
-    if report["missing"]:
-        log.info("left as initialised: %s", ", ".join(report["missing"]))
-    return report
 
 
 # ------------------------------------------------------------------------------------------- saving

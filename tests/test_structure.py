@@ -50,8 +50,19 @@ def _imports(modules: dict[str, Path]):
                         yield mod, alias.name, []
 
 
+def _imports_argparse(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "argparse":
+            return True
+    return False
+
+
 def test_argparse_lives_only_in_the_command_layer():
-    users = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "argparse" in p.read_text())
+    """Only cgavit/cli imports argparse. (weights.py names "argparse.Namespace" in a string: the class
+    DeiT-style checkpoints pickle their options as, which it reads as plain data.)"""
+    users = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if _imports_argparse(p))
     assert users and all(u.startswith("cgavit/cli/") for u in users), users
 
 
