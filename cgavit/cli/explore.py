@@ -6,24 +6,29 @@ import argparse
 from pathlib import Path
 
 from ..explorer import ImageAttention, build_model, make_server
-from .common import add_dial_args, dials_from_args
-
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+from ..explorer.guard import LOCAL_NAMES, split_host
+from .common import add_dial_args, dials_from_args, image_size
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    image_size(args.img_size, "--img-size")
+    for name in args.allow_host:
+        if split_host(name)[1] is not None:
+            raise ValueError(f"--allow-host takes a host name without a port, got {name!r}")
     model, about = build_model(
         args.checkpoint, args.model, args.img_size, trust=args.trust_checkpoint, **dials_from_args(args)
     )
     try:
-        server = make_server(args.host, args.port, ImageAttention(model, about))
+        server = make_server(args.host, args.port, ImageAttention(model, about), allow_hosts=tuple(args.allow_host))
     except OSError as err:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port (0 = any free)") from None
+        raise ValueError(
+            f"cannot listen on {args.host}:{args.port} ({err.strerror or err}); choose another --port (0 = any free)"
+        ) from None
     print(f"CGA Explorer: {server.url}", flush=True)
     print(f"image panel model: {about}", flush=True)
-    if args.host not in LOCAL_HOSTS:
+    if args.host not in LOCAL_NAMES:
         print(f"warning: listening on {args.host}, reachable from other machines", flush=True)
     print("press Ctrl-C to stop", flush=True)
     try:
@@ -50,7 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
     p.add_argument("--checkpoint", type=Path, default=None, help="weights for the image panel (cgavit, official or timm file)")
     p.add_argument("--model", default="efficientvit_m0", help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
-    p.add_argument("--img-size", type=int, default=224, help="side the uploaded image is resized and centre-cropped to (default 224)")
+    p.add_argument("--img-size", type=int, default=224, help="side the uploaded image is resized and centre-cropped to, 32..4096 (default 224)")
+    p.add_argument(
+        "--allow-host", action="append", default=[], metavar="NAME",
+        help="also answer requests addressed to this host name (repeatable); by default only 127.0.0.1, "
+        "localhost, [::1] and the --host address are answered, against DNS rebinding",
+    )
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled objects in the checkpoint (runs code from it: only for files you trust)")
     add_dial_args(p)
     p.set_defaults(func=run)

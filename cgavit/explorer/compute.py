@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,13 @@ from ..model import EfficientViT, stage_resolution
 from ..testing import randomize_
 from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from ..weights import load_checkpoint, read_weights_meta
+from .limits import MAX_IMAGE_PIXELS, MAX_UPLOAD_BYTES, Budget, Limits, TooLarge
 
 log = logging.getLogger(__name__)
 
-MAX_UPLOAD_BYTES = 5 * 1024 * 1024
-MAX_IMAGE_PIXELS = 40_000_000  # decoded size cap: a small file can still expand to a huge bitmap
+#: What an upload may be: common raster formats only (no EPS, which Pillow hands to Ghostscript).
+#: A camera's multi-picture JPEG opens as JPEG and reports format "MPO".
+UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 
 class ToyCGA:
@@ -193,18 +196,28 @@ class ImageAttention:
     """Real attention maps of an uploaded image in every sandwich block of a model.
 
     Uploaded images are kept (preprocessed) in a small in-memory cache under the SHA-256 of their
-    bytes, so picking another block or query token does not need the file again.
+    bytes, so picking another block or query token does not need the file again. Uploads are
+    decoded by a few threads of their own (as many as maximal images fit the pixel budget): the
+    memory allocator keeps what a thread freed for that thread, so decoding in every connection's
+    thread would let the process grow well past the budget.
 
     Args:
         model: an :class:`~cgavit.model.EfficientViT` (put in eval mode here).
         about: one sentence on where the weights came from, shown on the page.
         cache_size: images kept. Default 8.
+        limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``). Default
+            :class:`~cgavit.explorer.limits.Limits`.
     """
 
-    def __init__(self, model: EfficientViT, about: str, cache_size: int = 8) -> None:
+    def __init__(self, model: EfficientViT, about: str, cache_size: int = 8, limits: Limits | None = None) -> None:
         self.model = model.eval()
         self.about = about
         self.img_size = tuple(model.img_size)
+        self.limits = limits or Limits()
+        self.pixels = Budget(self.limits.decoded_pixels, "pixels")
+        self._decoder = ThreadPoolExecutor(
+            max(1, self.limits.decoded_pixels // MAX_IMAGE_PIXELS), thread_name_prefix="explorer-decode"
+        )
         self._blocks = _blocks(model)
         self._images: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
@@ -228,21 +241,32 @@ class ImageAttention:
                     groups=lwa.attn.group_split,
                 )
             )
-        return dict(about=self.about, img_size=list(self.img_size), blocks=rows, max_upload_bytes=MAX_UPLOAD_BYTES)
+        return dict(
+            about=self.about,
+            img_size=list(self.img_size),
+            blocks=rows,
+            max_upload_bytes=MAX_UPLOAD_BYTES,
+            max_image_pixels=MAX_IMAGE_PIXELS,
+        )
 
     def add_image(self, data: bytes) -> dict[str, Any]:
         """Validate and preprocess an uploaded image; returns its id and the model's view of it.
 
         The image is resized (bicubic, shorter side) and centre-cropped to the model's size, then
-        normalised with the ImageNet mean and standard deviation.
+        normalised with the ImageNet mean and standard deviation. Its decoded size is checked from
+        the header before any pixel is decoded, and decoding waits for room in the shared pixel
+        budget. A JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) that still covers the
+        model's size.
 
         Raises:
-            ValueError: not an image PIL can decode, or too many pixels.
+            ValueError: not an image of an accepted format that PIL can decode.
+            TooLarge: it decodes to more than ``MAX_IMAGE_PIXELS`` pixels.
+            Busy: other uploads hold the pixel budget for longer than ``limits.budget_wait``.
         """
-        img = _decode_upload(data)
-        orig = img.size
         H, W = self.img_size
-        view = ImageOps.fit(img, (W, H), Image.BICUBIC)  # resize the short side, centre crop
+        img, orig = _open_upload(data, max(H, W))
+        with img, self.pixels.reserve(img.width * img.height, self.limits.budget_wait):
+            view = self._decoder.submit(_model_view, img, (W, H)).result()
         arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)  # (3, H, W)
         mean = torch.tensor(IMAGENET_DEFAULT_MEAN)[:, None, None]
         std = torch.tensor(IMAGENET_DEFAULT_STD)[:, None, None]
@@ -352,21 +376,50 @@ class ImageAttention:
         )
 
 
-def _decode_upload(data: bytes) -> Image.Image:
-    """The upload as an RGB image, EXIF orientation applied; ValueError for anything else."""
+def _unreadable(err: Exception) -> ValueError:
+    return ValueError(
+        f"the upload is not an image PIL can read ({type(err).__name__}); use a JPEG, PNG or WebP file"
+    )
+
+
+def _open_upload(data: bytes, cover: int) -> tuple[Image.Image, tuple[int, int]]:
+    """The upload opened from its header only (nothing decoded yet), and the size it declares.
+
+    The image will decode at ``img.size``: the declared size, or for a JPEG the smallest DCT
+    scale whose sides are still at least ``cover`` pixels.
+
+    Raises:
+        ValueError: not an accepted image format, or a broken file. TooLarge: over MAX_IMAGE_PIXELS.
+    """
     try:
-        with Image.open(io.BytesIO(data)) as probe:
+        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as probe:
             probe.verify()  # structure check without decoding
-        img = Image.open(io.BytesIO(data))
-        if img.width * img.height > MAX_IMAGE_PIXELS:
-            raise ValueError(
-                f"the image is {img.width}x{img.height} pixels; the limit is {MAX_IMAGE_PIXELS:,}: scale it down"
-            )
-        return ImageOps.exif_transpose(img).convert("RGB")
-    except ValueError:
-        raise
+        img = Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS)
+    except Image.DecompressionBombError:  # Pillow's own ceiling, far above ours
+        raise TooLarge(f"the image declares far more than the limit of {MAX_IMAGE_PIXELS:,} pixels: scale it down") from None
     except Exception as err:  # PIL raises many types for broken files
-        raise ValueError(f"the upload is not an image PIL can read ({type(err).__name__}); use a JPEG or PNG") from None
+        raise _unreadable(err) from None
+    declared = img.size
+    if img.format in ("JPEG", "MPO"):
+        img.draft("RGB", (cover, cover))  # far fewer pixels decoded, the same view after the resize
+    if img.width * img.height > MAX_IMAGE_PIXELS:
+        img.close()
+        raise TooLarge(
+            f"the image is {declared[0]}x{declared[1]} pixels and decodes to {img.width * img.height:,}; "
+            f"the limit is {MAX_IMAGE_PIXELS:,}: scale it down"
+        )
+    return img, declared
+
+
+def _model_view(img: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """Decode ``img`` (EXIF orientation applied, RGB), resize its short side to cover ``size``
+    ``(W, H)`` and crop the centre; ValueError for a file that breaks while decoding."""
+    try:
+        img = ImageOps.exif_transpose(img)
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+    except Exception as err:  # a truncated or corrupt body surfaces only now
+        raise _unreadable(err) from None
+    return ImageOps.fit(rgb, size, Image.BICUBIC)
 
 
 Grid = list[list[list[float | None]]]  # [heads][H][W], None where nothing is shown

@@ -1,0 +1,114 @@
+"""What the explorer takes on at once, and for how long: bytes, pixels, connections, seconds.
+
+Two kinds of bound:
+
+* Per item, fixed: an upload is at most :data:`MAX_UPLOAD_BYTES` and decodes to at most
+  :data:`MAX_IMAGE_PIXELS` (checked from the image header, before any pixel is decoded). Over
+  either is :class:`TooLarge` (HTTP 413).
+* Shared, per server (:class:`Limits`): connections served at once, request bodies and decoded
+  pixels held at once (each a :class:`Budget`), and how long a client may stay idle or take over
+  one request. A request that finds a budget spent waits a moment, then gets :class:`Busy`
+  (HTTP 503, retry later).
+
+Decoding costs about 4 bytes per pixel (8 for images that need a colour conversion), so the
+default pixel budget of 32 megapixels bounds decoding memory at roughly 130-260 MB in all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+MAX_UPLOAD_BYTES = 5 * 1024 * 1024
+MAX_IMAGE_PIXELS = 16_000_000  # decoded size: a 5 KB PNG can declare 6300x6300
+
+
+class TooLarge(ValueError):
+    """One input is over a fixed size limit (HTTP 413): make it smaller."""
+
+
+class Busy(Exception):
+    """The server is at a shared limit right now (HTTP 503): retry in a moment."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much the explorer serves at once, and for how long.
+
+    The defaults suit one person's browser with room for bursts; tests shrink them.
+
+    Args:
+        max_connections: connections served at once, one thread each. Default 64. A further
+            connection waits up to ``connection_wait`` seconds for a free one, then gets a 503.
+        connection_wait: seconds the accept loop waits for a free connection slot. Default 1.0. Once
+            a wait has run out, later connections get their 503 at once until a slot frees.
+        listen_queue: connections the kernel holds before the server accepts them. Default 256.
+        idle_timeout: seconds a connection may send nothing (before or between requests, or in
+            the middle of one) before it is closed. Default 5.
+        request_timeout: seconds one request may take in all, from waiting for its first line to
+            the end of its reply (a client trickling bytes is cut off here). Default 30.
+        upload_bytes: request bodies held in memory at once, in bytes. Default 4 uploads' worth.
+        decoded_pixels: pixels being decoded at once, over all uploads. Default 2 maximal images.
+        budget_wait: seconds an upload waits for room in the two budgets above before a 503.
+            Default 5.
+    """
+
+    max_connections: int = 64
+    connection_wait: float = 1.0
+    listen_queue: int = 256
+    idle_timeout: float = 5.0
+    request_timeout: float = 30.0
+    upload_bytes: int = 4 * MAX_UPLOAD_BYTES
+    decoded_pixels: int = 2 * MAX_IMAGE_PIXELS
+    budget_wait: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.listen_queue < 1:
+            raise ValueError("max_connections and listen_queue must be at least 1")
+        if min(self.connection_wait, self.budget_wait) < 0 or min(self.idle_timeout, self.request_timeout) <= 0:
+            raise ValueError("waits must be >= 0 seconds and timeouts > 0 seconds")
+        if self.upload_bytes < MAX_UPLOAD_BYTES or self.decoded_pixels < MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"the shared budgets must hold at least one maximal upload ({MAX_UPLOAD_BYTES} bytes, "
+                f"{MAX_IMAGE_PIXELS} pixels)"
+            )
+
+
+class Budget:
+    """An allowance (bytes, pixels) that concurrent requests reserve from and give back.
+
+    Args:
+        total: the allowance.
+        unit: what is counted, for messages ("bytes", "pixels").
+    """
+
+    def __init__(self, total: int, unit: str) -> None:
+        self.total = total
+        self.unit = unit
+        self.used = 0
+        self.peak = 0  # the most ever reserved at once: tests check it never passed ``total``
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def reserve(self, amount: int, wait: float) -> Iterator[None]:
+        """Hold ``amount`` for the ``with`` block, waiting up to ``wait`` seconds for room.
+
+        Raises:
+            TooLarge: ``amount`` is more than the whole allowance.
+            Busy: no room within ``wait`` seconds.
+        """
+        if amount > self.total:
+            raise TooLarge(f"{amount:,} {self.unit} is more than the server ever holds at once ({self.total:,})")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.used + amount <= self.total, timeout=wait):
+                raise Busy(f"the server is busy with other uploads ({self.used:,} {self.unit} in use); retry in a moment")
+            self.used += amount
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= amount
+                self._cond.notify_all()

@@ -1,0 +1,654 @@
+"""The explorer against hostile and heavy use (issue #13): fuzzed parameters and uploads, load,
+idle and slow clients, Host/Origin checks, JSON for every error, and bad checkpoints at startup.
+
+Every request goes over loopback to a server in this process (or, for the memory check, in a
+subprocess), with a client timeout, so a hang fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import ipaddress
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image, ImageDraw
+
+from cgavit import cli, create_model, save_weights
+from cgavit.cli import explore as explore_command
+from cgavit.explorer import compute
+from cgavit.explorer.compute import ImageAttention, build_model
+from cgavit.explorer.guard import HostCheck, Refused, split_host
+from cgavit.explorer.limits import MAX_IMAGE_PIXELS, MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
+from cgavit.explorer.server import ApiError, ExplorerServer, parse_int
+
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)  # anything UTF-8 can carry
+
+
+# ------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def images():
+    return ImageAttention(*build_model())
+
+
+@contextmanager
+def serving(images, limits=None, host="127.0.0.1", **kw):
+    srv = ExplorerServer((host, 0), images, limits=limits, **kw)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(images):
+    with serving(images) as srv:
+        yield srv
+
+
+def host_of(srv):
+    return f"127.0.0.1:{srv.server_address[1]}"
+
+
+def raw(srv, data: bytes, timeout: float = 30):
+    """Send ``data`` exactly as given on a new connection; return (status, headers, JSON body or bytes)."""
+    with socket.create_connection(srv.server_address[:2], timeout=timeout) as sock:
+        sock.sendall(data)
+        res = http.client.HTTPResponse(sock, method=data.split(b" ", 1)[0].decode("latin-1"))
+        res.begin()
+        body = res.read()
+    headers = {k.lower(): v for k, v in res.getheaders()}
+    if headers.get("content-type") == "application/json" and body:
+        body = json.loads(body)
+    return res.status, headers, body
+
+
+def get(srv, target: str, extra: str = ""):
+    return raw(srv, f"GET {target} HTTP/1.1\r\nHost: {host_of(srv)}\r\n{extra}\r\n".encode("latin-1"))
+
+
+def post(srv, target: str, body: bytes, extra: str = ""):
+    head = f"POST {target} HTTP/1.1\r\nHost: {host_of(srv)}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    return raw(srv, head.encode("latin-1") + body)
+
+
+def assert_json_error(status, headers, body, expected):
+    assert status in (expected if isinstance(expected, tuple) else (expected,)), (status, body)
+    assert headers["content-type"] == "application/json"
+    assert isinstance(body, dict) and body["error"], body
+
+
+def png_bytes(size=(96, 64), mode="RGB", colour=(40, 90, 160)) -> bytes:
+    img = Image.new(mode, size, colour)
+    ImageDraw.Draw(img).ellipse((1, 1, size[0] // 2 + 1, size[1] // 2 + 1), fill=colour if mode != "RGB" else (240, 200, 30))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A small PNG whose header claims ``width x height`` (checksum fixed, so only the size lies)."""
+    data = bytearray(png_bytes((8, 8)))
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def jpeg_declaring(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buf, format="JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def gif_declaring(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("P", (8, 8)).save(buf, format="GIF")
+    data = bytearray(buf.getvalue())
+    data[6:10] = struct.pack("<HH", width, height)
+    return bytes(data)
+
+
+PNG = png_bytes()
+
+
+# ------------------------------------------------------------------------------- strict parameters
+@pytest.mark.parametrize("text", ["４", "4_0", "+4", " 4", "4 ", "0x4", "4.0", "٤", "4\n", "", "-0", "99999999999999999999"])
+def test_integers_are_ascii_digits_only(text):
+    with pytest.raises(ApiError) as err:
+        parse_int("heads", text, 1, 24)
+    assert err.value.status == 400
+
+
+def test_full_width_and_underscore_digits_are_refused(server):
+    for query in ("heads=%EF%BC%94", "seed=4_0", "heads=%2B4", "heads=%204", "seed=-0"):
+        assert_json_error(*get(server, f"/api/cga?{query}"), 400)
+    assert get(server, "/api/cga?heads=4&seed=40")[0] == 200
+
+
+@FUZZ
+@given(params=st.dictionaries(st.sampled_from(["heads", "cascade", "groups", "seed", "other"]), TEXT, max_size=5))
+def test_cga_any_parameter_values(server, params):
+    query = "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in params.items())
+    status, headers, body = get(server, f"/api/cga?{query}")
+    assert status in (200, 400) and headers["content-type"] == "application/json"
+    assert ("maps" in body) if status == 200 else body["error"]
+
+
+@FUZZ
+@given(query=st.binary(max_size=60).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")))
+def test_cga_raw_query_bytes(server, query):
+    status, headers, body = raw(server, b"GET /api/cga?" + query + b" HTTP/1.1\r\nHost: " + host_of(server).encode() + b"\r\n\r\n")
+    assert status in (200, 400) and headers["content-type"] == "application/json"
+
+
+@FUZZ
+@given(image=st.one_of(TEXT, st.just("0123456789abcdef")), block=TEXT, token=TEXT)
+def test_attention_any_parameter_values(server, image, block, token):
+    target = f"/api/attention?image={quote(image, safe='')}&block={quote(block, safe='')}&query={quote(token, safe='')}"
+    status, headers, body = get(server, target)
+    assert status in (400, 404) and headers["content-type"] == "application/json" and body["error"]
+
+
+def test_attention_parameters_after_an_upload(server):
+    status, _, up = post(server, "/api/image", PNG)
+    assert status == 200
+    image_id = up["image_id"]
+    assert get(server, f"/api/attention?image={image_id}&block=2&query=mean")[0] == 200
+    for block, token in [("%EF%BC%92", "mean"), ("2_0", "mean"), ("2", "1_0"), ("2", "-1"), ("2", "%2B3"), ("05", "mean")]:
+        status, headers, body = get(server, f"/api/attention?image={image_id}&block={block}&query={token}")
+        assert status == (200 if block == "05" else 400), (block, token, body)  # leading zeros are digits too
+
+
+@FUZZ
+@given(name=TEXT)
+def test_static_any_name(server, name):
+    status, headers, body = get(server, "/static/" + quote(name, safe=""))
+    assert status in (200, 403, 404)
+    if status != 200:
+        assert headers["content-type"] == "application/json" and body["error"]
+
+
+@pytest.mark.parametrize("length", [255, 256, 300, 5000])
+def test_long_static_name_is_404(server, length):
+    assert_json_error(*get(server, "/static/" + "a" * length + ".js"), 404)
+
+
+# ------------------------------------------------------------------------------- uploads
+def upload_strategy():
+    return st.one_of(
+        st.binary(min_size=1, max_size=3000),
+        st.integers(1, len(PNG) - 1).map(lambda k: PNG[:k]),
+        st.tuples(st.integers(1, 65535), st.integers(1, 65535)).map(lambda wh: png_declaring(*wh)),
+        st.tuples(st.integers(1, 65535), st.integers(1, 65535)).map(lambda wh: jpeg_declaring(*wh)),
+    )
+
+
+@FUZZ
+@given(body=upload_strategy())
+def test_upload_any_body(server, body):
+    status, headers, reply = post(server, "/api/image", body)
+    assert status in (200, 400, 413) and headers["content-type"] == "application/json"
+    assert ("image_id" in reply) if status == 200 else reply["error"]
+
+
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        (png_declaring(6300, 6300), "the issue's 4.9 KB 6300x6300 PNG"),
+        (png_declaring(4001, 4000), "just over the cap"),
+        (png_declaring(20000, 20000), "over Pillow's own bomb ceiling"),
+        (png_declaring(65535, 65535), "the largest PNG header"),
+        (jpeg_declaring(65000, 65000), "JPEG: even at 1/8 scale over the cap"),
+        (gif_declaring(65535, 65535), "GIF logical screen"),
+    ],
+)
+def test_huge_declared_sizes_are_refused_before_decoding(images, body, why):
+    local = ImageAttention(images.model, images.about)
+    with serving(local) as srv:
+        start = time.monotonic()
+        status, headers, reply = post(srv, "/api/image", body)
+    assert_json_error(status, headers, reply, 413)
+    assert "limit" in reply["error"], why
+    assert local.pixels.peak == 0  # nothing was ever reserved for decoding
+    assert time.monotonic() - start < 5
+
+
+def test_real_sixteen_megapixel_png_is_served(server):
+    side = int(MAX_IMAGE_PIXELS**0.5)  # 4000
+    status, _, reply = post(server, "/api/image", png_bytes((side, side), mode="1", colour=1))
+    assert status == 200 and reply["original_size"] == [side, side]
+
+
+def test_big_jpeg_decodes_at_a_reduced_scale(images):
+    buf = io.BytesIO()
+    Image.new("RGB", (3000, 2000), (10, 120, 200)).save(buf, format="JPEG")
+    local = ImageAttention(images.model, images.about)
+    reply = local.add_image(buf.getvalue())
+    assert reply["original_size"] == [3000, 2000]
+    assert local.pixels.peak <= (3000 // 8 + 1) * (2000 // 8 + 1)  # decoded at 1/8 scale
+
+
+@pytest.mark.parametrize(
+    "head,status",
+    [
+        ("Content-Length: 99999999999\r\n", 413),
+        ("Content-Length: 999999999999999999999999\r\n", 400),
+        ("Content-Length: +5\r\n", 400),
+        ("Content-Length: -5\r\n", 400),
+        ("Content-Length: 5\r\nContent-Length: 6\r\n", 400),
+        ("Transfer-Encoding: chunked\r\n", 501),
+        ("", 411),
+    ],
+)
+def test_upload_declared_lengths(server, head, status):
+    data = f"POST /api/image HTTP/1.1\r\nHost: {host_of(server)}\r\n{head}\r\n".encode() + b"hello"
+    assert_json_error(*raw(server, data), status)
+
+
+def test_eps_is_not_an_accepted_format(server):
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    status, _, reply = post(server, "/api/image", eps)
+    assert status == 400 and "JPEG" in reply["error"]
+
+
+def test_body_shorter_than_declared_times_out(images):
+    with serving(images, Limits(idle_timeout=0.5)) as srv:
+        data = f"POST /api/image HTTP/1.1\r\nHost: {host_of(srv)}\r\nContent-Length: 1000\r\n\r\n".encode() + PNG[:100]
+        start = time.monotonic()
+        assert_json_error(*raw(srv, data, timeout=10), 408)
+        assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------------------------------------- budgets
+def test_budget_waits_then_refuses():
+    budget = Budget(10, "pixels")
+    with budget.reserve(8, wait=0):
+        with pytest.raises(Busy):
+            with budget.reserve(5, wait=0.05):
+                pass
+        with budget.reserve(2, wait=0):
+            assert budget.used == 10
+    with pytest.raises(TooLarge):
+        with budget.reserve(11, wait=0):
+            pass
+    assert budget.used == 0 and budget.peak == 10
+
+
+def test_spent_budgets_answer_503(images):
+    local = ImageAttention(images.model, images.about, limits=Limits(budget_wait=0.1))
+    with serving(local, Limits(budget_wait=0.1)) as srv:
+        with srv.bodies.reserve(srv.bodies.total, wait=0):
+            status, headers, reply = post(srv, "/api/image", PNG)
+        assert_json_error(status, headers, reply, 503)
+        assert headers["retry-after"] == "1"
+        with local.pixels.reserve(local.pixels.total, wait=0):
+            assert_json_error(*post(srv, "/api/image", PNG), 503)
+        assert post(srv, "/api/image", PNG)[0] == 200
+
+
+def test_limits_are_checked():
+    for bad in [dict(max_connections=0), dict(idle_timeout=0), dict(connection_wait=-1), dict(decoded_pixels=10)]:
+        with pytest.raises(ValueError):
+            Limits(**bad)
+
+
+# ------------------------------------------------------------------------------- load
+def test_parallel_uploads_and_api_calls_are_all_served(server):
+    uploads = [png_bytes((64 + k, 48), colour=(k * 5 % 255, 90, 160)) for k in range(40)]
+    calls = [f"/api/cga?heads={(1, 2, 3, 4, 6, 8)[k % 6]}&seed={k}" if k % 3 else "/api/model" for k in range(300)]
+    start = threading.Barrier(len(uploads) + len(calls))
+    results: list[tuple[str, int]] = []
+
+    def worker(kind, fn):
+        start.wait()
+        try:
+            results.append((kind, fn()[0]))
+        except Exception as err:  # a reset or refused connection counts as lost
+            results.append((kind, type(err).__name__))
+
+    threads = [threading.Thread(target=worker, args=("upload", lambda b=b: post(server, "/api/image", b))) for b in uploads]
+    threads += [threading.Thread(target=worker, args=("api", lambda c=c: get(server, c))) for c in calls]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert time.monotonic() - t0 < 120
+    lost = [r for r in results if r[1] != 200]
+    assert len(results) == len(threads) and not lost, lost[:10]
+
+
+def test_idle_connections_do_not_pile_up_threads(images):
+    limits = Limits(max_connections=8, connection_wait=0.2, idle_timeout=1.0)
+    with serving(images, limits) as srv:
+        base = threading.active_count()
+        peak, socks = base, []
+        for _ in range(2000):
+            socks.append(socket.create_connection(srv.server_address[:2], timeout=10))
+            peak = max(peak, threading.active_count())
+        replies = []
+        for sock in socks:  # each is either refused with a 503 or served, then dropped when idle
+            sock.settimeout(5)
+            replies.append(sock.recv(200))
+        assert all(r.startswith(b"HTTP/1.1 503") or r == b"" for r in replies)
+        assert sum(r == b"" for r in replies) < 1000  # most were refused at once, not held
+        assert peak <= base + limits.max_connections + 1
+        deadline = time.monotonic() + 10
+        while threading.active_count() > base and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() <= base  # the idle ones were dropped after idle_timeout
+        for sock in socks:
+            sock.close()
+        assert get(srv, "/api/model")[0] == 200  # and the server serves again
+
+
+def test_idle_keep_alive_connection_is_closed(images):
+    with serving(images, Limits(idle_timeout=0.5)) as srv:
+        with socket.create_connection(srv.server_address[:2], timeout=10) as sock:
+            sock.sendall(f"GET /api/model HTTP/1.1\r\nHost: {host_of(srv)}\r\n\r\n".encode())
+            res = http.client.HTTPResponse(sock)
+            res.begin()
+            res.read()
+            assert res.status == 200 and not res.will_close
+            start = time.monotonic()
+            assert sock.recv(10) == b""  # closed by the server
+            assert time.monotonic() - start < 3
+        with socket.create_connection(srv.server_address[:2], timeout=10) as sock:  # never sends anything
+            start = time.monotonic()
+            assert sock.recv(10) == b""
+            assert time.monotonic() - start < 3
+
+
+def test_trickling_client_is_cut_off(images):
+    with serving(images, Limits(idle_timeout=1.0, request_timeout=1.0)) as srv:
+        with socket.create_connection(srv.server_address[:2], timeout=10) as sock:
+            sock.sendall(f"GET /api/model HTTP/1.1\r\nHost: {host_of(srv)}\r\n".encode())
+            start = time.monotonic()
+            with pytest.raises(OSError):
+                for k in range(40):  # one header every 0.25 s: never idle, never done
+                    sock.sendall(f"X-{k}: slow\r\n".encode())
+                    time.sleep(0.25)
+                    sock.setblocking(False)
+                    try:
+                        if sock.recv(100) == b"":
+                            raise ConnectionResetError("closed by the server")
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        sock.setblocking(True)
+            assert time.monotonic() - start < 4
+
+
+def test_client_hang_ups_are_not_logged_as_errors(server, caplog, capfd):
+    caplog.set_level(logging.DEBUG, logger="cgavit.explorer")
+    request = f"GET /api/cga?heads=8&seed=9 HTTP/1.1\r\nHost: {host_of(server)}\r\n\r\n".encode()
+    for _ in range(20):
+        sock = socket.create_connection(server.server_address[:2], timeout=10)
+        sock.sendall(request)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, before the reply
+    assert get(server, "/api/model")[0] == 200
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------------- Host and Origin
+@pytest.mark.parametrize(
+    "host,status",
+    [
+        ("{ip}:{port}", 200),
+        ("localhost:{port}", 200),
+        ("LOCALHOST:{port}", 200),
+        ("[::1]:{port}", 200),
+        ("evil.example:{port}", 403),
+        ("127.0.0.1.nip.io:{port}", 403),
+        ("localhost.:{port}", 403),
+        ("{ip}:1", 403),
+        ("{ip}", 403),  # no port means 80
+        ("{ip}:{port}:1", 400),
+        ("{ip}:+{port}", 400),
+        ("[::1", 400),
+        ("", 400),
+    ],
+)
+def test_host_header(server, host, status):
+    value = host.format(ip="127.0.0.1", port=server.server_address[1])
+    got = raw(server, f"GET /api/model HTTP/1.1\r\nHost: {value}\r\n\r\n".encode())
+    if status == 200:
+        assert got[0] == 200
+    else:
+        assert_json_error(*got, status)
+
+
+def test_host_header_required_and_single(server):
+    assert_json_error(*raw(server, b"GET /api/model HTTP/1.1\r\n\r\n"), 400)
+    twice = f"GET /api/model HTTP/1.1\r\nHost: {host_of(server)}\r\nHost: {host_of(server)}\r\n\r\n"
+    assert_json_error(*raw(server, twice.encode()), 400)
+    assert raw(server, b"GET /api/model HTTP/1.0\r\n\r\n")[0] == 200  # an HTTP/1.0 tool, not a browser
+
+
+@pytest.mark.parametrize(
+    "origin,status",
+    [
+        ("http://{host}", 200),
+        ("http://localhost:{port}", 200),
+        ("http://evil.example", 403),
+        ("http://evil.example:{port}", 403),
+        ("https://{host}", 403),
+        ("null", 403),
+        ("http://{host}.evil.example", 403),
+        ("http://127.0.0.1:1", 403),
+        ("", 403),
+    ],
+)
+def test_origin_header(server, origin, status):
+    value = origin.format(host=host_of(server), port=server.server_address[1])
+    got = get(server, "/api/model", f"Origin: {value}\r\n")
+    assert got[0] == status
+    if status == 403:
+        assert "cross-origin" in got[2]["error"]
+        assert_json_error(*post(server, "/api/image", PNG, f"Origin: {value}\r\n"), 403)  # no cross-site upload
+
+
+def test_allowed_and_wildcard_hosts(images):
+    with serving(images, allow_hosts=("mybox.lan",)) as srv:
+        port = srv.server_address[1]
+        assert raw(srv, f"GET /api/model HTTP/1.1\r\nHost: mybox.lan:{port}\r\n\r\n".encode())[0] == 200
+        assert raw(srv, f"GET /api/model HTTP/1.1\r\nHost: other.lan:{port}\r\n\r\n".encode())[0] == 403
+    check = HostCheck.for_address("0.0.0.0", 8765)
+    check.check_host("192.168.1.20:8765", "HTTP/1.1")  # any IP address: it cannot be rebound
+    check.check_origin("http://192.168.1.20:8765")
+    with pytest.raises(Refused):
+        check.check_host("attacker.example:8765", "HTTP/1.1")
+
+
+@FUZZ
+@given(value=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40))
+def test_any_host_header(server, value):
+    status, headers, body = raw(server, b"GET /api/model HTTP/1.1\r\nHost: " + value.encode("latin-1") + b"\r\n\r\n")
+    assert status in (200, 400, 403) and headers["content-type"] == "application/json"
+    try:
+        name, port = split_host(value)
+    except ValueError:
+        assert status == 400
+        return
+    try:
+        local = ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        local = name == "localhost"
+    assert (status == 200) == (local and port == server.server_address[1])
+
+
+# ------------------------------------------------------------------------------- JSON for every error
+@pytest.mark.parametrize(
+    "request_bytes,status",
+    [
+        (b"GET / HTTP/9.9x\r\n\r\n", 400),
+        (b"GET /a b c HTTP/1.1\r\n\r\n", 400),
+        (b"GET http://evil.example/ HTTP/1.1\r\nHost: {host}\r\n\r\n", 400),
+        (b"GET /api/model HTTP/1.1\r\nHost: evil.example\r\n\r\n", 403),
+        (b"GET /nothing HTTP/1.1\r\nHost: {host}\r\n\r\n", 404),
+        (b"GET /api/image HTTP/1.1\r\nHost: {host}\r\n\r\n", 405),
+        (b"DELETE /api/cga HTTP/1.1\r\nHost: {host}\r\n\r\n", 501),
+        (b"BREW / HTTP/1.1\r\nHost: {host}\r\n\r\n", 501),
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"GET / HTTP/1.1\r\nHost: {host}\r\nX: " + b"a" * 70000 + b"\r\n\r\n", 431),
+        (b"GET / HTTP/1.1\r\nHost: {host}\r\n" + b"".join(b"X%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431),
+        (b"HEAD /nothing HTTP/1.1\r\nHost: {host}\r\n\r\n", 404),
+    ],
+)
+def test_every_error_is_json(server, request_bytes, status):
+    data = request_bytes.replace(b"{host}", host_of(server).encode())
+    got_status, headers, body = raw(server, data)
+    assert got_status == status and headers["content-type"] == "application/json"
+    if not data.startswith(b"HEAD"):
+        assert body["error"]
+    if status == 405:
+        assert headers["allow"] == "POST"
+
+
+def test_internal_errors_are_json_500(images, monkeypatch, caplog):
+    with serving(images) as srv:
+        monkeypatch.setattr(srv.toy, "run", lambda *a: 1 / 0)
+        with caplog.at_level(logging.ERROR, logger="cgavit.explorer"):
+            assert_json_error(*get(srv, "/api/cga"), 500)
+        assert any("ZeroDivisionError" in (r.exc_text or "") for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------- startup
+def checkpoints(tmp: Path) -> dict[str, Path]:
+    """Hostile checkpoint files by name: empty, corrupt, cut short, bad metadata, folder, FIFO, missing."""
+    good = save_weights(create_model("m0", num_classes=10), tmp / "good.safetensors")
+    files = {"zero": tmp / "zero.pth", "corrupt": tmp / "corrupt.pth", "truncated": tmp / "cut.safetensors"}
+    files["zero"].write_bytes(b"")
+    files["corrupt"].write_bytes(os.urandom(3000))
+    files["truncated"].write_bytes(good.read_bytes()[:5000])
+    for name, meta in {
+        "interpolation": {"interpolation": "sideways"},
+        "num_classes": {"num_classes": "2000000"},
+        "config": {"config": json.dumps({"embed_dim": [64, 128, 192], "depth": [1, 2, 3], "num_heads": [4, 4, 4], "checkpoint_path": "/etc/passwd"})},
+    }.items():
+        files[name] = save_weights(create_model("m0", num_classes=10), tmp / f"{name}.safetensors", meta)
+    files["folder"] = tmp / "folder"
+    files["folder"].mkdir()
+    files["fifo"] = tmp / "fifo.pth"
+    os.mkfifo(files["fifo"])
+    files["missing"] = tmp / "missing.pth"
+    return files
+
+
+@pytest.mark.timeout(120)
+def test_bad_checkpoints_fail_at_startup_in_one_line(tmp_path, monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("a bad input got as far as building a model or a server")
+
+    monkeypatch.setattr(explore_command, "make_server", never)  # so no case can start serving
+    files = checkpoints(tmp_path)
+    for name, path in files.items():
+        with monkeypatch.context() as m:
+            if name in ("num_classes", "config"):
+                m.setattr(compute, "EfficientViT", never)  # refused before any allocation
+            start = time.monotonic()
+            assert cli.main(["explore", "--port", "0", "--checkpoint", str(path)]) == 2, name
+            assert time.monotonic() - start < 20, name
+        err = capsys.readouterr().err
+        assert err.startswith("cgavit explore: error:") and err.count("\n") == 1, (name, err)
+        assert "Traceback" not in err and path.name in err, (name, err)
+    assert stat.S_ISFIFO(os.stat(files["fifo"]).st_mode)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--img-size", "100000"], "--img-size"),
+        (["--img-size", "0"], "--img-size"),
+        (["--img-size", "-5"], "--img-size"),
+        (["--port", "70000"], "--port"),
+        (["--allow-host", "box.lan:80"], "--allow-host"),
+        (["--allow-host", "a b"], "malformed host"),
+        (["--host", "192.0.2.1"], "cannot listen"),  # a documentation address: not this machine's
+    ],
+)
+@pytest.mark.timeout(60)
+def test_bad_options_fail_in_one_line(argv, needle, capsys):
+    start = time.monotonic()
+    assert cli.main(["explore", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+    assert time.monotonic() - start < 30
+
+
+# ------------------------------------------------------------------------------- memory
+SERVE = """
+from cgavit.explorer import ImageAttention, build_model, make_server
+srv = make_server("127.0.0.1", 0, ImageAttention(*build_model()))
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+def peak_rss_mb(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_parallel_big_uploads_stay_within_the_pixel_budget():
+    """40 parallel uploads of the issue's 6300x6300 PNG, then 12 of a 15-megapixel one, in a fresh server:
+    the peak memory grows by about two decodes (the budget), not twelve."""
+    big = png_bytes((3900, 3900), mode="1", colour=1)  # 15.2 megapixels, a few KB
+    bomb = png_bytes((6300, 6300), mode="1", colour=1)
+    proc = subprocess.Popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        srv = type("Addr", (), {"server_address": ("127.0.0.1", port)})()
+        assert get(srv, "/api/model")[0] == 200
+        before = peak_rss_mb(proc.pid)
+        results = []
+
+        def send(body):
+            results.append(post(srv, "/api/image", body)[0])
+
+        for bodies in ([bomb] * 40, [big] * 12):
+            threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+        grown = peak_rss_mb(proc.pid) - before
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert results[:40] == [413] * 40
+    assert set(results[40:]) <= {200, 503} and results[40:].count(200) >= 2, results
+    assert grown < 2 * MAX_IMAGE_PIXELS * 8 / 2**20 + 60, f"peak memory grew by {grown:.0f} MB"
+
+
+def test_upload_limit_constant_is_what_the_page_reports(server):
+    status, _, info = get(server, "/api/model")
+    assert info["max_upload_bytes"] == MAX_UPLOAD_BYTES and info["max_image_pixels"] == MAX_IMAGE_PIXELS
