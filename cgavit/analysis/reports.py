@@ -18,13 +18,18 @@ from torch import nn
 from ..factory import create_model
 from ..io import write_json
 from ..train import load_model
-from .data import load_images
+from ..weights import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
+from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
 from .taylor import BlockImportance, kept_fraction, plot_importance, taylor_importance
 
 log = logging.getLogger(__name__)
 
 TARGETS = ("auto", "labels", "predictions")
+#: Most pixels the image sample may hold (images x side x side): 3 GiB as fp32 RGB, e.g. 5000 x 224 x 224.
+MAX_SAMPLE_PIXELS = 2**28
+#: Most pixels one forward pass may take (batch x side x side), e.g. 1024 x 256 x 256.
+MAX_BATCH_PIXELS = 2**26
 
 
 @dataclass
@@ -60,6 +65,18 @@ class AnalysisConfig:
     batch_size: int = 32
     seed: int = 0
     dials: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the option (its command-line flag) that is out of bounds."""
+        lo, hi = IMG_SIZE_RANGE
+        if self.img_size is not None and not lo <= self.img_size <= hi:
+            raise ValueError(f"--img-size must be between {lo} and {hi} pixels, got {self.img_size}")
+        if self.crop_pct is not None and not CROP_PCT_RANGE[0] <= self.crop_pct <= CROP_PCT_RANGE[1]:
+            raise ValueError(f"--crop-pct must be in [{CROP_PCT_RANGE[0]}, {CROP_PCT_RANGE[1]}], got {self.crop_pct}")
+        bounds = (("num_images", 0, 100_000), ("batch_size", 1, 4096), ("seed", 0, 2**32 - 1))
+        for name, lo, hi in bounds + ((("num_classes", 1, MAX_CLASSES),) if self.num_classes is not None else ()):
+            if not lo <= getattr(self, name) <= hi:
+                raise ValueError(f"--{name.replace('_', '-')} must be in {lo}..{hi}, got {getattr(self, name)}")
 
 
 @dataclass
@@ -142,9 +159,23 @@ def _sources(cfg: AnalysisConfig) -> list[str]:
 
 
 def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
-    """Seed, build the model, read up to ``num_images`` images and split them into batches."""
+    """Seed, build the model, read up to ``num_images`` images and split them into batches.
+
+    Raises:
+        ValueError: an option out of bounds (:meth:`AnalysisConfig.validate`), or a sample that
+            would not fit :data:`MAX_SAMPLE_PIXELS` at the model's image size.
+    """
+    cfg.validate()
     torch.manual_seed(cfg.seed)
     model, img_size, crop_pct, mean, std = load_analysis_model(cfg)
+    available = len(list_images(_sources(cfg))[0])
+    count = min(cfg.num_images, available) if cfg.num_images else available
+    if count * img_size**2 > MAX_SAMPLE_PIXELS:
+        raise ValueError(f"{count} images at {img_size} px are too many to analyse at once; give --num-images "
+                         f"{MAX_SAMPLE_PIXELS // img_size**2} or fewer (or a smaller --img-size)")
+    if min(count, cfg.batch_size) * img_size**2 > MAX_BATCH_PIXELS:
+        raise ValueError(f"--batch-size {cfg.batch_size} at {img_size} px is too large a forward pass; give "
+                         f"--batch-size {MAX_BATCH_PIXELS // img_size**2} or fewer")
     x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, crop_pct, cfg.seed, mean, std)
     n = max(1, -(-x.shape[0] // max(cfg.batch_size, 1)))  # near-equal batches (no trailing batch of one)
     batches = list(zip(x.tensor_split(n), y.tensor_split(n) if y is not None else [None] * n))
@@ -196,6 +227,10 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
     """
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
+    if not 0.0 <= prune_ratio < 1.0:
+        raise ValueError(f"--prune-ratio must be in [0, 1), got {prune_ratio}")
+    if list_pruned < 0:
+        raise ValueError(f"--list-pruned must be >= 0, got {list_pruned}")
     sample = load_sample(cfg)
     model, y, classes = sample.model, sample.labels, sample.classes
     use_labels = targets == "labels" or (

@@ -4,13 +4,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 
 from ..analysis.roofline import build, format_rows, format_summary, given_peaks, measure_peaks, profile_model, summarize
+from .common import image_size
+
+#: Most input pixels one profiled batch may hold (batch x H x W): 768 MiB of fp32 RGB input, e.g. 1024 x 256 x 256.
+MAX_BATCH_PIXELS = 2**26
+#: (flag, lowest, highest) of the whole-number options.
+INT_BOUNDS = (("--batch", 1, 4096), ("--threads", 1, 1024), ("--repeats", 1, 1000), ("--top", 1, 100_000))
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming the flag whose value is out of bounds."""
+    image_size(args.img_size)
+    for flag, lo, hi in INT_BOUNDS:
+        value = getattr(args, flag[2:])
+        if not lo <= value <= hi:
+            raise ValueError(f"{flag} must be in {lo}..{hi}, got {value}")
+    if args.batch * args.img_size**2 > MAX_BATCH_PIXELS:
+        raise ValueError(
+            f"--batch {args.batch} at --img-size {args.img_size} is {args.batch * args.img_size**2 / 1e6:.0f} "
+            f"megapixels of input, above {MAX_BATCH_PIXELS / 1e6:.0f}; use a smaller batch or image"
+        )
+    if not (math.isfinite(args.peak_seconds) and 0 < args.peak_seconds <= 600):
+        raise ValueError(f"--peak-seconds must be in (0, 600], got {args.peak_seconds}")
+    for flag, value in (("--peak-gflops", args.peak_gflops), ("--bandwidth-gbs", args.bandwidth_gbs)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a positive number, got {value}")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     torch.set_num_threads(args.threads)
     peaks = measure_peaks(seconds=args.peak_seconds)
     if args.peak_gflops or args.bandwidth_gbs:  # e.g. figures measured on a quiet machine

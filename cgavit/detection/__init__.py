@@ -8,10 +8,12 @@ use, in :mod:`.coco`.
 
 from timm.layers import freeze_batch_norm_2d as freeze_batchnorm  # timm's, under this package's older name
 
+from .annotations import CocoCheck, check_coco
 from .backbone import EfficientViTFPN, detection_body
-from .data import CocoCheck, CocoDetection, check_coco
+from .checkpoint import load_detector, read_checkpoint
+from .data import CocoDetection, open_image
 from .draw import draw_detections
-from .engine import TrainConfig, evaluate, evaluate_checkpoint, load_detector, read_checkpoint, train
+from .engine import TrainConfig, evaluate, evaluate_checkpoint, train
 from .models import build_detector, maskrcnn, retinanet
 from .predict import Prediction, predict_images
 from .shapes import write_shapes_dataset
@@ -31,6 +33,7 @@ __all__ = [
     "freeze_batchnorm",
     "load_detector",
     "maskrcnn",
+    "open_image",
     "predict_images",
     "read_checkpoint",
     "retinanet",

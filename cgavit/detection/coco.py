@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..io import DataError
+from .schema import segmentation_problem
+
 if TYPE_CHECKING:  # for annotations only; the import at run time is pycocotools_api's
     from pycocotools.coco import COCO
 
@@ -49,7 +52,16 @@ def coco_index(dataset: dict[str, Any]) -> COCO:
 
 
 def segmentation_rle(seg: Any, h: int, w: int) -> dict[str, Any]:
-    """Any COCO segmentation (polygons, uncompressed or compressed RLE) as one compressed RLE."""
+    """Any COCO segmentation (polygons, uncompressed or compressed RLE) of an ``h x w`` image as one
+    compressed RLE.
+
+    Raises:
+        DataError: ``seg`` is malformed or declares another size than ``h x w``
+            (:func:`~.schema.segmentation_problem`; checked before pycocotools sees it).
+    """
+    problem = segmentation_problem(seg, h, w)
+    if problem:
+        raise DataError(f"cannot use a mask of a {w}x{h} image: {problem}")
     mask, _, _ = pycocotools_api()
     if isinstance(seg, list):
         return mask.merge(mask.frPyObjects(seg, h, w))

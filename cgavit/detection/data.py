@@ -1,260 +1,79 @@
-"""COCO-format detection data: checking an annotation file, and a dataset for torchvision's detectors.
+"""COCO-format detection data for torchvision's detectors, and image files read with bounds.
 
-A COCO-format dataset is an image folder plus an instances JSON (``images``, ``annotations``,
-``categories``). :func:`check_coco` reads the JSON and reports, before any training starts, every
-annotation that points at a missing image (id or file), names an unknown category, or has a box that
-cannot be used; :class:`CocoDetection` then serves ``(image, target)`` pairs in the form torchvision's
-RetinaNet and Mask R-CNN take (boxes ``xyxy`` in pixels, contiguous labels ``1..K``, binary masks).
+:class:`CocoDetection` serves ``(image, target)`` pairs of a file :func:`~.annotations.check_coco`
+has checked, in the form torchvision's RetinaNet and Mask R-CNN take (boxes ``xyxy`` in pixels,
+contiguous labels ``1..K``, binary masks). Every image is read through :func:`open_image`, which
+never opens a pipe or device and refuses an image too large to decode before decoding it.
+
+Loader workers hand a failed read back as an :class:`UnreadableItem` (see :class:`Guarded` and
+:func:`batches`), so the main process raises it as the one-line error it is rather than wrapped in
+the worker's traceback.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from .coco import coco_index, decode_masks, segmentation_rle
-
-if TYPE_CHECKING:
-    from .coco import COCO
-
-log = logging.getLogger(__name__)
-
-_SHOW = 12  # offending entries listed per problem before "... and N more"
-Problems = dict[str, list[str]]  # kind of problem -> offending entries
+from ..io import DataError, UnreadableFileError, check_readable_file
+from .annotations import CocoCheck
+from .coco import decode_masks, segmentation_rle
+from .schema import MAX_IMAGE_PIXELS
 
 
-def _listing(entries: list[str]) -> str:
-    shown = "\n    ".join(entries[:_SHOW])
-    more = f"\n    ... and {len(entries) - _SHOW} more" if len(entries) > _SHOW else ""
-    return f"\n    {shown}{more}"
-
-
-@dataclass
-class CocoCheck:
-    """The outcome of :func:`check_coco`: a cleaned dataset dict and what was dropped.
-
-    Attributes:
-        dataset: the instances dict with unusable annotations removed (feed it to pycocotools).
-        categories: ``[(category_id, name), ...]`` in the order of the contiguous labels 1..K.
-        skipped: ``"annotation <id> (image <id> <file>): <why>"`` for every dropped annotation.
-    """
-
-    dataset: dict[str, Any]
-    categories: list[tuple[int, str]]
-    skipped: list[str] = field(default_factory=list)
-
-    def coco(self) -> COCO:
-        """A pycocotools ``COCO`` index over :attr:`dataset` (its progress prints silenced)."""
-        return coco_index(self.dataset)
-
-
-def _segmentation_problem(seg: Any) -> tuple[str, str] | None:
-    """``("error" | "degenerate", why)`` when a COCO ``segmentation`` cannot be used, else None.
-
-    A polygon with fewer than three points is degenerate (skipped like a degenerate box); anything
-    that is not polygons or RLE at all is an error.
-    """
-    if isinstance(seg, list):
-        if not seg:
-            return "degenerate", "empty segmentation"
-        for poly in seg:
-            if not isinstance(poly, list) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in poly):
-                return "error", "a polygon must be a flat list of finite x, y numbers"
-            if len(poly) < 6 or len(poly) % 2:
-                return "degenerate", f"polygon with {len(poly)} coordinates (needs 3 or more x, y points)"
-        return None
-    if isinstance(seg, dict):
-        if "counts" not in seg or "size" not in seg:
-            return "error", "an RLE segmentation needs 'counts' and 'size'"
-        return None
-    return "error", f"segmentation must be polygons (list) or RLE (dict), got {type(seg).__name__}"
-
-
-def _box_problem(box: list[float], img: dict) -> str | None:
-    """Why an ``[x, y, w, h]`` box is degenerate (no area, or none inside the image), else None."""
-    x, y, w, h = box
-    if w <= 0 or h <= 0:
-        return f"bbox {box}: width or height <= 0"
-    if "width" in img and "height" in img:
-        if min(x + w, img["width"]) - max(x, 0) <= 0 or min(y + h, img["height"]) - max(y, 0) <= 0:
-            return f"bbox {box}: outside the {img['width']}x{img['height']} image"
-    return None
-
-
-def check_coco(
-    ann_file: str | Path,
-    image_dir: str | Path,
-    *,
-    strict: bool = False,
-    require_masks: bool = False,
-) -> CocoCheck:
-    """Read and check a COCO instances file against its image folder.
-
-    Errors (raised together in one ``ValueError`` that names every offending entry): unreadable or
-    malformed JSON, duplicate image / annotation / category ids, image files missing from
-    ``image_dir``, annotations whose ``image_id`` is not an image or whose ``category_id`` is not a
-    category, a ``bbox`` that is not four finite numbers, and (with ``require_masks``) a missing or
-    malformed ``segmentation`` on a non-crowd annotation.
-
-    Degenerate boxes (width or height <= 0, or nothing left after clipping to the image) and, with
-    ``require_masks``, polygons of fewer than three points are dropped with one warning listing them
-    all; with ``strict=True`` they are errors too.
+def open_image(path: str | Path, expect_size: tuple[int, int] | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """The RGB pixels of an image file, decoded only once its header shows a size within bounds.
 
     Args:
-        ann_file: instances JSON.
-        image_dir: folder the images' ``file_name`` entries are relative to.
-        strict: refuse degenerate boxes instead of skipping them.
-        require_masks: every non-crowd annotation needs a segmentation (Mask R-CNN).
+        path: image file.
+        expect_size: ``(width, height)`` the image must have (e.g. as an annotation file declares).
+        max_pixels: largest ``width * height`` decoded (default :data:`~.schema.MAX_IMAGE_PIXELS`).
 
     Raises:
-        ValueError: with the list of problems and what to do about them.
-        FileNotFoundError: ``ann_file`` or ``image_dir`` does not exist.
+        UnreadableFileError: missing, a folder, a pipe or device (never opened), empty, not permitted.
+        DataError: not an image, damaged or truncated, larger than ``max_pixels`` (a decompression
+            bomb among them), or not of ``expect_size``; the message names the file.
     """
-    ann_file, image_dir = Path(ann_file), Path(image_dir)
-    data = _read_instances(ann_file, image_dir)
-    problems: Problems = defaultdict(list)  # kind of problem -> offending entries, in reading order
-    images, missing_files = _check_images(data["images"], image_dir, problems)
-    categories = _check_categories(data["categories"], problems)
-    if not categories and not problems:
-        problems["no categories"].append(f"{ann_file} lists no categories")
-    found = _Found(images, missing_files, categories, require_masks)
-    kept, skipped = _check_annotations(data["annotations"], found, problems)
-    if strict and skipped:
-        problems["degenerate boxes or masks (refused with --strict; drop --strict to skip them with a warning)"] = skipped
-    if problems:
-        text = "".join(f"\n  {len(v)} {k}:{_listing(v)}" for k, v in problems.items())
-        raise ValueError(
-            f"{ann_file} has problems, nothing was trained:{text}\n"
-            "Fix or remove these entries (or point --*-images at the folder that holds the files)."
-        )
-    if skipped:
-        log.warning("%s: skipping %d degenerate annotations:%s", ann_file, len(skipped), _listing(skipped))
-    clean = dict(data)
-    clean["annotations"] = kept
-    clean["categories"] = [c for c in data["categories"] if isinstance(c, dict)]
-    return CocoCheck(clean, sorted(categories.items()), skipped)
-
-
-@dataclass
-class _Found:
-    """What the images and categories of an instances file hold, for checking its annotations."""
-
-    images: dict[Any, dict]  # image id -> image entry
-    missing_files: set  # ids of images whose file is missing
-    categories: dict[Any, str]  # category id -> name
-    require_masks: bool
-
-    def where(self, ann: dict) -> str:
-        img = self.images.get(ann.get("image_id"))
-        name = f" {img['file_name']}" if img else ""
-        return f"annotation {ann.get('id')} (image {ann.get('image_id')}{name})"
-
-
-def _read_instances(ann_file: Path, image_dir: Path) -> dict[str, Any]:
-    """The JSON of an instances file, with ``images``, ``categories`` and ``annotations`` lists."""
-    if not ann_file.is_file():
-        raise FileNotFoundError(f"annotation file {ann_file} does not exist")
-    if not image_dir.is_dir():
-        raise FileNotFoundError(f"image folder {image_dir} does not exist")
-    try:
-        data = json.loads(ann_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{ann_file} is not valid JSON ({err}); is it a COCO instances file?") from None
-    if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
-        raise ValueError(f"{ann_file} is not a COCO instances file: it needs 'images' and 'categories' lists")
-    if not isinstance(data.get("annotations", []), list):
-        raise ValueError(f"{ann_file}: 'annotations' must be a list")
-    return {**data, "annotations": data.get("annotations", [])}
-
-
-def _check_images(entries: list, image_dir: Path, problems: Problems) -> tuple[dict[Any, dict], set]:
-    """``(id -> image entry, ids whose file is missing)``; malformed and duplicate entries noted."""
-    images: dict[Any, dict] = {}
-    for img in entries:
-        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
-            problems["images without an 'id' or 'file_name'"].append(repr(img)[:120])
-            continue
-        if img["id"] in images:
-            problems["duplicate image ids"].append(f"image {img['id']} ({img['file_name']})")
-        images[img["id"]] = img
-    missing_files = {i for i, img in images.items() if not (image_dir / img["file_name"]).is_file()}
-    for i in sorted(missing_files, key=str):
-        problems[f"image files missing from {image_dir}"].append(f"image {i}: {images[i]['file_name']}")
-    return images, missing_files
-
-
-def _check_categories(entries: list, problems: Problems) -> dict[Any, str]:
-    """``category id -> name``; entries without an id and duplicate ids noted."""
-    categories: dict[Any, str] = {}
-    for cat in entries:
-        if not isinstance(cat, dict) or "id" not in cat:
-            problems["categories without an 'id'"].append(repr(cat)[:120])
-            continue
-        if cat["id"] in categories:
-            problems["duplicate category ids"].append(f"category {cat['id']}")
-        categories[cat["id"]] = str(cat.get("name", cat["id"]))
-    return categories
-
-
-def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[list[dict], list[str]]:
-    """``(usable annotations, "<where>: <why>" of each degenerate one)``; errors go to ``problems``."""
-    kept, skipped = [], []
-    ann_ids = Counter(a.get("id") for a in anns if isinstance(a, dict))
-    for ann in anns:
-        if not isinstance(ann, dict) or "id" not in ann:
-            problems["annotations without an 'id'"].append(repr(ann)[:120])
-            continue
-        if ann_ids[ann["id"]] > 1:
-            problems["duplicate annotation ids"].append(found.where(ann))
-            continue
-        error, why = _annotation_problem(ann, found)
-        if error:
-            problems[error].append(why)
-        elif why:
-            skipped.append(f"{found.where(ann)}: {why}")
-        else:
-            kept.append(ann)
-    return kept, skipped
-
-
-def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | None]:
-    """``(kind of error, entry)`` for an unusable annotation, ``(None, why)`` for a degenerate one,
-    ``(None, None)`` for a good one."""
-    where = found.where(ann)
-    if ann.get("image_id") not in found.images:
-        return "annotations referring to an image id not in 'images'", where
-    if ann["image_id"] in found.missing_files:
-        return "annotations on images whose file is missing", where
-    if ann.get("category_id") not in found.categories:
-        known = sorted(found.categories)
-        return f"annotations with an unknown category_id (known: {known})", f"{where}: category_id {ann.get('category_id')!r}"
-    box = ann.get("bbox")
-    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in box)):
-        return "annotations whose bbox is not [x, y, width, height] as four finite numbers", f"{where}: bbox {box!r}"
-    why = None
-    if found.require_masks and not ann.get("iscrowd", 0):
-        problem = _segmentation_problem(ann["segmentation"]) if "segmentation" in ann else ("error", "no segmentation")
-        if problem and problem[0] == "error":
-            return "annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)", f"{where}: {problem[1]}"
-        why = problem[1] if problem else None
-    return None, why or _box_problem(box, found.images[ann["image_id"]])
+    path = check_readable_file(path, "image")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(path)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise DataError(f"image {path} is too large to decode safely ({err}); resize it") from None
+        except (OSError, ValueError, SyntaxError) as err:
+            raise DataError(f"cannot read image {path}: not an image file, or damaged ({err})") from None
+    with img:
+        w, h = img.size
+        if w * h > max_pixels:
+            raise DataError(
+                f"image {path} is {w}x{h} ({w * h / 1e6:.0f} megapixels), above the {max_pixels / 1e6:.0f}-megapixel "
+                "bound for detection images; resize it"
+            )
+        if expect_size is not None and (w, h) != tuple(expect_size):
+            raise DataError(
+                f"image {path} is {w}x{h} but the annotation file says {expect_size[0]}x{expect_size[1]}; "
+                "fix the file's width/height entries"
+            )
+        try:
+            return img.convert("RGB")
+        except Exception as err:  # PIL's decoders raise OSError, ValueError, SyntaxError, struct.error, ...
+            raise DataError(f"cannot decode image {path}: damaged or truncated ({type(err).__name__}: {err})") from None
 
 
 def train_transform(hflip: float = 0.5) -> v2.Transform | None:
     """Training augmentation of the 1x schedule: random horizontal flip with probability ``hflip``
     (boxes and masks follow); None when ``hflip`` is 0."""
     if not 0.0 <= hflip <= 1.0:
-        raise ValueError(f"the flip probability must be in [0, 1], got {hflip}")
+        raise ValueError(f"the flip probability (--hflip) must be in [0, 1], got {hflip}")
     return v2.RandomHorizontalFlip(hflip) if hflip > 0 else None
 
 
@@ -268,10 +87,13 @@ class CocoDetection(torch.utils.data.Dataset):
     uses them from the annotation file).
 
     Args:
-        check: result of :func:`check_coco`.
+        check: result of :func:`~.annotations.check_coco`.
         image_dir: image folder.
         masks: include instance masks.
         transforms: a torchvision ``v2`` transform applied to ``(image, target)``.
+
+    Reading an item raises :class:`~cgavit.io.DataError` (or ``UnreadableFileError``) naming the
+    image when it cannot be read.
     """
 
     def __init__(self, check: CocoCheck, image_dir: str | Path, masks: bool = False, transforms: v2.Transform | None = None) -> None:
@@ -287,18 +109,13 @@ class CocoDetection(torch.utils.data.Dataset):
         return len(self.ids)
 
     def load_image(self, image_id: int) -> Image.Image:
+        """The RGB image of ``image_id``, checked against the size the annotation file gives it."""
         info = self.coco.imgs[image_id]
-        path = self.image_dir / info["file_name"]
+        declared = (info["width"], info["height"]) if "width" in info and "height" in info else None
         try:
-            img = Image.open(path).convert("RGB")
-        except OSError as err:
-            raise ValueError(f"cannot read image {image_id} ({path}): {err}") from None
-        if "width" in info and "height" in info and img.size != (info["width"], info["height"]):
-            raise ValueError(
-                f"image {image_id} ({path}) is {img.size[0]}x{img.size[1]} but the annotation file says "
-                f"{info['width']}x{info['height']}; fix the file's width/height entries"
-            )
-        return img
+            return open_image(self.image_dir / info["file_name"], declared)
+        except (DataError, UnreadableFileError) as err:
+            raise DataError(f"image {image_id}: {err}") from None
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
         image_id = self.ids[index]
@@ -326,6 +143,45 @@ class CocoDetection(torch.utils.data.Dataset):
         return image, target
 
 
-def collate(batch: list) -> tuple:
-    """Detection batches are lists: ``(images, targets)``."""
-    return tuple(zip(*batch))
+@dataclass(frozen=True)
+class UnreadableItem:
+    """What a loader worker hands back for an item it could not read: the error's message, raised
+    again by :func:`batches` in the main process."""
+
+    message: str
+
+
+class Guarded(torch.utils.data.Dataset):
+    """``dataset`` for a ``DataLoader`` whose batches go through :func:`batches`: an item that cannot
+    be read becomes an :class:`UnreadableItem`, so the loop stops with the item's own one-line
+    :class:`~cgavit.io.DataError`, whichever process read it."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except (DataError, UnreadableFileError) as err:
+            return UnreadableItem(str(err))
+
+
+def collate(batch: list) -> tuple | UnreadableItem:
+    """Detection batches are lists: ``(images, targets)``; a batch with an unreadable item is that item."""
+    failed = [item for item in batch if isinstance(item, UnreadableItem)]
+    return failed[0] if failed else tuple(zip(*batch))
+
+
+def batches(loader: Iterable) -> Iterator[tuple]:
+    """The batches of a loader over a :class:`Guarded` dataset.
+
+    Raises:
+        DataError: an image could not be read (the message names it).
+    """
+    for batch in loader:
+        if isinstance(batch, UnreadableItem):
+            raise DataError(f"{batch.message}; fix or remove it from the annotation file")
+        yield batch

@@ -27,18 +27,21 @@ from torch import nn
 from tqdm import tqdm
 
 from ..analysis.plots import training_curves
+from ..factory import resolve_name
 from ..io import append_jsonl, read_jsonl, save_torch
 from ..train.distributed import DistEnv, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
-from ..weights import CheckpointError
+from ..weights import IMG_SIZE_RANGE, CheckpointError
+from .annotations import CocoCheck, check_coco
+from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
-from .data import CocoCheck, CocoDetection, check_coco, collate, train_transform
+from .data import CocoDetection, Guarded, batches, collate, train_transform
 from .models import KINDS, build_detector
+from .schema import is_int, is_number
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = "cgavit-detection/1"
 __all__ = [
     "CHECKPOINT_FORMAT", "STAT_NAMES", "TrainConfig", "coco_metrics", "evaluate", "evaluate_checkpoint",
     "load_detector", "lr_factor", "model_config", "param_groups", "plot_losses", "read_checkpoint",
@@ -85,6 +88,38 @@ class TrainConfig:
     device: str = "auto"
     log_every: int = 20  # iterations between metrics.jsonl step lines
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the option (its command-line flag) that is missing or out of bounds."""
+        for name, lo, hi in _INT_BOUNDS:
+            value = getattr(self, name)
+            if not (is_int(value) and lo <= value <= hi):
+                raise ValueError(f"--{name.replace('_', '-')} must be a whole number in {lo}..{hi}, got {value!r}")
+        for name, lo, hi in _FLOAT_BOUNDS:
+            value = getattr(self, name)
+            if not (is_number(value) and lo <= value <= hi) or (name == "lr" and value == 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number in {'(' if name == 'lr' else '['}{lo}, {hi}], got {value!r}")
+        if not all(is_int(e) and 0 <= e <= 10_000 for e in self.lr_steps):
+            raise ValueError(f"--lr-steps must be epoch numbers in 0..10000, got {list(self.lr_steps)}")
+        if self.model not in KINDS:
+            raise ValueError(f"unknown --model {self.model!r}; choose one of {', '.join(KINDS)}")
+        check_model_kwargs(self.model_kwargs)
+        if not self.train_json or not self.train_images:
+            raise ValueError("give the training data: --train-json FILE --train-images DIR (or --data COCO_ROOT)")
+        if self.val_json and not self.val_images:
+            raise ValueError("--val-json needs --val-images")
+        if os.path.lexists(self.output) and not os.path.isdir(self.output):
+            raise ValueError(f"--output {self.output} is not a folder; give a folder for the run's files")
+
+
+#: (TrainConfig field, lowest, highest) of its whole-number options; the flag is the field's name.
+_INT_BOUNDS = (
+    ("epochs", 1, 10_000), ("batch_size", 1, 1024), ("workers", 0, 256), ("min_size", *IMG_SIZE_RANGE),
+    ("max_size", *IMG_SIZE_RANGE), ("warmup_iters", 0, 10**7), ("eval_every", 0, 10_000), ("log_every", 0, 10**7),
+    ("seed", 0, 2**32 - 1),
+)
+#: (TrainConfig field, lowest, highest) of its real-valued options (the learning rate must also be > 0).
+_FLOAT_BOUNDS = (("lr", 0.0, 10.0), ("weight_decay", 0.0, 10.0), ("warmup_ratio", 0.0, 1.0), ("hflip", 0.0, 1.0))
+
 
 def lr_factor(it: int, warmup_iters: int, warmup_ratio: float, milestones: Sequence[int]) -> float:
     """Learning-rate multiplier at 0-based iteration ``it``: linear warm-up from ``warmup_ratio`` over
@@ -100,41 +135,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (no_decay if name.endswith("attention_biases") else decay).append(p)
     return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
-
-
-# ------------------------------------------------------------------------------------ checkpoints
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A detection checkpoint written by :func:`train`, loaded with ``weights_only=True``.
-
-    Raises:
-        CheckpointError: missing, unreadable, or not a cgavit detection checkpoint.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated files, pickles with code, other formats
-        raise CheckpointError(f"cannot read {path} as a detection checkpoint: {str(err).splitlines()[0]}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(
-            f"{path} is not a cgavit detection checkpoint (written by `cgavit detect train`); "
-            "for ImageNet backbone weights use --pretrained-backbone"
-        )
-    return ckpt
-
-
-def load_detector(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild a trained detector from its checkpoint, in eval mode.
-
-    Returns:
-        ``(model, config)``; ``config["categories"]`` lists ``[category_id, name]`` for labels 1..K.
-    """
-    ckpt = read_checkpoint(path)
-    config = ckpt["config"]
-    model = build_detector(config)
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), config
 
 
 # ------------------------------------------------------------------------------------- evaluation
@@ -180,11 +180,11 @@ def evaluate(
     env = env or DistEnv()
     was_training = model.training
     model.eval()
-    shard = torch.utils.data.Subset(dataset, range(env.rank, len(dataset), env.world))
+    shard = Guarded(torch.utils.data.Subset(dataset, range(env.rank, len(dataset), env.world)))
     loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, num_workers=workers, collate_fn=collate)
     label_to_cat = [0] + [cid for cid, _ in dataset.categories]
     bbox, segm = [], []
-    for images, targets in tqdm(loader, desc="eval", disable=not (progress and env.is_main), leave=False):
+    for images, targets in tqdm(batches(loader), total=len(loader), desc="eval", disable=not (progress and env.is_main), leave=False):
         outputs = model([im.to(env.device) for im in images])
         for target, output in zip(targets, outputs):
             b, s = to_coco_results(int(target["image_id"]), output, label_to_cat)
@@ -229,6 +229,8 @@ def evaluate_checkpoint(
     """
     if not val_json or not val_images:
         raise ValueError("give the evaluation data: --val-json FILE --val-images DIR (or --data COCO_ROOT)")
+    if not (is_int(batch_size) and 1 <= batch_size <= 1024) or not (is_int(workers) and 0 <= workers <= 256):
+        raise ValueError(f"--batch-size must be in 1..1024 and --workers in 0..256, got {batch_size} and {workers}")
     env = setup_distributed(device)
     try:
         model, config = load_detector(checkpoint, env.device)
@@ -252,7 +254,7 @@ def model_config(cfg: TrainConfig, categories: Sequence[tuple[int, str]]) -> dic
         raise ValueError(f"unknown --model {cfg.model!r}; choose one of {', '.join(KINDS)}")
     return dict(
         kind=cfg.model,
-        backbone=cfg.backbone,
+        backbone=resolve_name(cfg.backbone),
         num_classes=len(categories) + 1,
         categories=[[int(c), str(n)] for c, n in categories],
         freeze_bn=cfg.freeze_bn,
@@ -281,8 +283,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     and ``loss.png``.
 
     Raises:
-        ValueError: bad data (every offending annotation named), bad options, diverged loss.
+        ValueError: bad options (:meth:`TrainConfig.validate`), diverged loss.
+        DataError: bad data (every offending annotation named), an image that cannot be read.
+        CheckpointError: a ``resume`` or ``pretrained_backbone`` file that cannot be used.
     """
+    cfg.validate()
     env = setup_distributed(cfg.device)
     try:
         return _train(cfg, env)
@@ -314,7 +319,6 @@ class _Run:
 
 
 def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
-    _check_options(cfg)
     train_check, train_set, val_set = _datasets(cfg)
     config = model_config(cfg, train_check.categories)
     resume, ckpt = _resume_checkpoint(cfg, config)
@@ -355,15 +359,6 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     return row
 
 
-def _check_options(cfg: TrainConfig) -> None:
-    if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.lr <= 0 or cfg.warmup_iters < 0:
-        raise ValueError("--epochs and --batch-size must be >= 1, --lr > 0 and --warmup-iters >= 0")
-    if not cfg.train_json or not cfg.train_images:
-        raise ValueError("give the training data: --train-json FILE --train-images DIR (or --data COCO_ROOT)")
-    if cfg.val_json and not cfg.val_images:
-        raise ValueError("--val-json needs --val-images")
-
-
 def _datasets(cfg: TrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
     """``(training check, training set, validation set or None)``, every file checked first."""
     masks = cfg.model == "maskrcnn"
@@ -389,7 +384,7 @@ def _resume_checkpoint(cfg: TrainConfig, config: Mapping[str, Any]) -> tuple[str
     resume = cfg.resume
     if resume == "auto":
         path = Path(cfg.output) / "checkpoint.pth"
-        resume = str(path) if path.is_file() else None
+        resume = str(path) if os.path.lexists(path) else None
     if not resume:
         return None, None
     ckpt = read_checkpoint(resume)
@@ -397,6 +392,11 @@ def _resume_checkpoint(cfg: TrainConfig, config: Mapping[str, Any]) -> tuple[str
     new = {k: config[k] for k in old}
     if old != new:
         raise ValueError(f"{resume} was trained with {old}, this run asks for {new}; they must match to resume")
+    if not (is_int(ckpt.get("epoch")) and ckpt["epoch"] >= 0 and is_int(ckpt.get("iteration")) and ckpt["iteration"] >= 0
+            and isinstance(ckpt.get("optimizer"), dict) and isinstance(ckpt.get("scheduler"), dict)):
+        raise CheckpointError(f"{resume} cannot be resumed from: it needs 'epoch', 'iteration', 'optimizer' and 'scheduler' "
+                              "(model.pth holds weights only; resume from checkpoint.pth)")
+    check_against_tensors(config, ckpt["model"], resume)
     return resume, ckpt
 
 
@@ -408,7 +408,7 @@ def _setup(cfg: TrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | 
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
     sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=cfg.seed)
     loader = torch.utils.data.DataLoader(
-        train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
+        Guarded(train_set), batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
         persistent_workers=cfg.workers > 0,
     )
     milestones = [e * len(loader) for e in cfg.lr_steps]
@@ -417,8 +417,11 @@ def _setup(cfg: TrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | 
     )
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scheduler.load_state_dict(ckpt["scheduler"])
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:
+            raise CheckpointError(f"{cfg.resume}: its optimizer or schedule state does not fit this run ({err}); the file is damaged") from None
     wrapped = model
     if env.world > 1:
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
@@ -435,7 +438,7 @@ def _train_epoch(run: _Run, epoch: int, step: int) -> tuple[dict[str, Any], int]
     run.model.train()
     sums: dict[str, float] = {}
     t0 = time.time()
-    bar = tqdm(run.loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
+    bar = tqdm(batches(run.loader), total=len(run.loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
     for images, targets in bar:
         values, lr = _train_step(run, images, targets, step)
         step += 1
@@ -464,7 +467,8 @@ def _train_step(run: _Run, images: Sequence[torch.Tensor], targets: Sequence[dic
     if not math.isfinite(loss.item()):
         raise ValueError(
             f"the loss became {loss.item()} at iteration {step} ({ {k: round(v.item(), 4) for k, v in losses.items()} }); "
-            "lower --lr, lengthen --warmup-iters, or check the annotations"
+            "nothing was saved from this step; lower --lr, lengthen --warmup-iters, or check the annotations and the "
+            "starting weights (--pretrained-backbone, --resume)"
         )
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()

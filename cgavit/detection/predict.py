@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image
 from torch import nn
 from torchvision.transforms.v2 import functional as TF
 
-from ..io import atomic_write
+from ..io import DataError, UnreadableFileError, atomic_write, check_readable_file
 from ..train.distributed import DistEnv
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
+from .checkpoint import load_detector
+from .data import open_image
 from .draw import draw_detections
-from .engine import load_detector
 
 
 @dataclass
@@ -46,7 +46,9 @@ def predict_images(
 ) -> Iterator[Prediction]:
     """Run a checkpoint written by ``cgavit detect train`` on ``images`` and draw its detections.
 
-    The inputs are checked before anything runs; the predictions then come one image at a time.
+    The paths are checked before anything runs; the predictions then come one image at a time. An
+    image that cannot be decoded (not an image, damaged, too large) does not stop the others: after
+    the last one, a :class:`~cgavit.io.DataError` names every image that was skipped.
 
     Args:
         checkpoint: ``model.pth`` or ``checkpoint.pth``.
@@ -56,13 +58,18 @@ def predict_images(
         device: ``auto`` (this process's GPU if any), ``cpu`` or ``cuda``.
 
     Raises:
-        FileNotFoundError: an image does not exist. ValueError: ``out`` names a file for several
-        images, or an image cannot be read. CheckpointError: not a detection checkpoint.
+        FileNotFoundError: an image does not exist. UnreadableFileError: an image path is a folder,
+        a pipe, empty or not permitted. ValueError: ``out`` names a file for several images, or a
+        ``score_threshold`` outside [0, 1]. CheckpointError: not a usable detection checkpoint.
+        DataError: after the readable images, naming those that could not be decoded.
     """
+    if not 0.0 <= score_threshold <= 1.0:
+        raise ValueError(f"--score-threshold must be in [0, 1], got {score_threshold}")
     paths = [Path(p) for p in images]
     for p in paths:
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise FileNotFoundError(f"image {p} does not exist")
+        check_readable_file(p, "image")
     dst = Path(out) if out is not None else None
     if dst is not None and len(paths) > 1 and dst.suffix:
         raise ValueError(f"--out {dst} looks like a file but {len(paths)} images were given; pass a folder")
@@ -79,13 +86,14 @@ def _predictions(
     model: nn.Module, config: dict, paths: list[Path], out: Path | None, threshold: float, env: DistEnv
 ) -> Iterator[Prediction]:
     names = ["background"] + [n for _, n in config["categories"]]
+    skipped = []
     try:
         for p in paths:
             try:
-                pil = Image.open(p).convert("RGB")
-            except OSError as err:
-                raise ValueError(f"cannot read image {p}: {err}") from None
-            raw = TF.pil_to_tensor(pil)  # (3, H, W) uint8
+                raw = TF.pil_to_tensor(open_image(p))  # (3, H, W) uint8
+            except (DataError, UnreadableFileError) as err:
+                skipped.append(str(err))
+                continue
             with torch.no_grad():
                 output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
             drawn = draw_detections(raw, output, names, threshold)
@@ -98,3 +106,5 @@ def _predictions(
             )
     finally:
         teardown_distributed(env)
+    if skipped:
+        raise DataError(f"{len(skipped)} of {len(paths)} images skipped: " + "; ".join(skipped))

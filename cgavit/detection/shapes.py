@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..io import write_json
+from ..io import atomic_write, write_json
 from .coco import encode_masks, rle_box_area, segmentation_rle
 
 SHAPE_CATEGORIES = ({"id": 1, "name": "square"}, {"id": 3, "name": "circle"}, {"id": 7, "name": "triangle"})
@@ -87,6 +87,12 @@ def write_shapes_dataset(
     """
     root = Path(root)
     hw = (size, size) if isinstance(size, int) else tuple(size)
+    if not 0 <= num_images <= 100_000:
+        raise ValueError(f"the number of images (--num-train, --num-val) must be in 0..100000, got {num_images}")
+    if not 1 <= max_shapes <= 100:
+        raise ValueError(f"--max-shapes must be in 1..100, got {max_shapes}")
+    if len(hw) != 2 or not all(32 <= s <= 4096 for s in hw):
+        raise ValueError(f"--size must be in 32..4096 pixels, got {size}")
     image_dir = root / split
     image_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -94,7 +100,7 @@ def write_shapes_dataset(
     for i in range(num_images):
         img, anns = draw_shapes_image(rng, hw, max_shapes)
         name = f"{split}_{i:05d}.png"
-        img.save(image_dir / name)
+        atomic_write(image_dir / name, lambda tmp: img.save(tmp, format="PNG"))
         images.append(dict(id=i + 1, file_name=name, height=hw[0], width=hw[1]))
         for a in anns:
             annotations.append(dict(id=len(annotations) + 1, image_id=i + 1, **a))

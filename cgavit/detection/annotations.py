@@ -1,0 +1,303 @@
+"""Checking a COCO instances file against its image folder before anything trains on it.
+
+A COCO-format dataset is an image folder plus an instances JSON (``images``, ``annotations``,
+``categories``). :func:`check_coco` reads the JSON and reports every entry that cannot be used, all
+at once and each by its id and field: a value of the wrong type or out of bounds (see
+:mod:`.schema`), an annotation that points at a missing image (id or file) or an unknown category,
+a box or mask that cannot be used. Degenerate boxes and masks are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..io import DataError, UnreadableFileError, check_readable_file
+from .coco import coco_index
+from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem, shown
+
+if TYPE_CHECKING:
+    from .coco import COCO
+
+log = logging.getLogger(__name__)
+
+_SHOW = 12  # offending entries listed per problem before "... and N more"
+Problems = dict[str, list[str]]  # kind of problem -> offending entries
+MALFORMED_IMAGES = "image entries with a missing or malformed field"
+MALFORMED_CATEGORIES = "category entries with a missing or malformed field"
+MALFORMED_ANNOTATIONS = "annotation entries with a missing or malformed field"
+BAD_MASKS = "annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)"
+
+
+def _listing(entries: list[str]) -> str:
+    shown_ = "\n    ".join(entries[:_SHOW])
+    more = f"\n    ... and {len(entries) - _SHOW} more" if len(entries) > _SHOW else ""
+    return f"\n    {shown_}{more}"
+
+
+@dataclass
+class CocoCheck:
+    """The outcome of :func:`check_coco`: a cleaned dataset dict and what was dropped.
+
+    Attributes:
+        dataset: the instances dict with unusable annotations removed and every annotation's
+            ``area`` present (feed it to pycocotools).
+        categories: ``[(category_id, name), ...]`` in the order of the contiguous labels 1..K.
+        skipped: ``"annotation <id> (image <id> <file>): <why>"`` for every dropped annotation.
+    """
+
+    dataset: dict[str, Any]
+    categories: list[tuple[int, str]]
+    skipped: list[str] = field(default_factory=list)
+
+    def coco(self) -> COCO:
+        """A pycocotools ``COCO`` index over :attr:`dataset` (its progress prints silenced)."""
+        return coco_index(self.dataset)
+
+
+def check_coco(
+    ann_file: str | Path,
+    image_dir: str | Path,
+    *,
+    strict: bool = False,
+    require_masks: bool = False,
+) -> CocoCheck:
+    """Read and check a COCO instances file against its image folder.
+
+    Errors (raised together in one :class:`~cgavit.io.DataError` that names every offending entry by
+    its id and field): unreadable or malformed JSON; image entries without an integer ``id``, a
+    ``file_name``, or with a ``width``/``height`` that is not a positive integer or exceeds
+    :data:`~.schema.MAX_IMAGE_PIXELS`; categories without an integer ``id``; duplicate ids; image
+    files missing from ``image_dir`` or not readable; annotations whose ``image_id`` is not an image,
+    whose ``category_id`` is not a category, whose ``bbox`` is not four finite numbers, whose
+    ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; and with ``require_masks``, images without
+    ``width``/``height`` and annotations without a usable ``segmentation`` (polygons inside the
+    image's reach, run-length masks of exactly the image's size).
+
+    Degenerate boxes (width or height <= 0, or nothing left after clipping to the image) and, with
+    ``require_masks``, polygons of fewer than three points are dropped with one warning listing them
+    all; a file left without annotations is trained on with a warning. With ``strict=True`` both
+    are errors.
+
+    Args:
+        ann_file: instances JSON.
+        image_dir: folder the images' ``file_name`` entries are relative to.
+        strict: refuse degenerate boxes and files without annotations instead of warning.
+        require_masks: every annotation needs a segmentation (Mask R-CNN).
+
+    Raises:
+        DataError: with the list of problems and what to do about them.
+        UnreadableFileError: ``ann_file`` or ``image_dir`` is missing or cannot be read.
+    """
+    ann_file, image_dir = Path(ann_file), Path(image_dir)
+    data = _read_instances(ann_file, image_dir)
+    problems: Problems = defaultdict(list)  # kind of problem -> offending entries, in reading order
+    images, unusable = _check_images(data["images"], image_dir, require_masks, problems)
+    categories = _check_categories(data["categories"], problems)
+    if not categories and not problems:
+        problems["no categories"].append(f"{ann_file} lists no categories")
+    if len(categories) > MAX_CATEGORIES:
+        problems["too many categories"].append(f"{ann_file} lists {len(categories)}; at most {MAX_CATEGORIES} are supported")
+    found = _Found(images, unusable, categories, require_masks)
+    kept, skipped = _check_annotations(data["annotations"], found, problems)
+    if strict and skipped:
+        problems["degenerate boxes or masks (refused with --strict; drop --strict to skip them with a warning)"] = skipped
+    if strict and not kept and not problems:
+        problems["no annotations (refused with --strict)"].append(f"{ann_file} has no usable annotation")
+    if problems:
+        raise _problems_error(ann_file, problems)
+    if skipped:
+        log.warning("%s: skipping %d degenerate annotations:%s", ann_file, len(skipped), _listing(skipped))
+    if not kept:
+        log.warning("%s has no usable annotation: a detector trained on it learns background only, and its "
+                    "COCO scores are -1 (--strict refuses such a file)", ann_file)
+    return CocoCheck({**data, "annotations": kept}, sorted(categories.items()), skipped)
+
+
+def _problems_error(ann_file: Path, problems: Problems) -> DataError:
+    text = "".join(f"\n  {len(v)} {k}:{_listing(v)}" for k, v in problems.items())
+    return DataError(
+        f"{ann_file} has problems, nothing was trained:{text}\n"
+        "Fix or remove these entries (or point --*-images at the folder that holds the files)."
+    )
+
+
+@dataclass
+class _Found:
+    """What the images and categories of an instances file hold, for checking its annotations."""
+
+    images: dict[int, dict]  # image id -> image entry
+    unusable: set[int]  # ids of images whose entry is malformed or whose file is missing or unreadable
+    categories: dict[int, str]  # category id -> name
+    require_masks: bool
+
+    def where(self, ann: dict) -> str:
+        img = self.images.get(ann.get("image_id")) if is_int(ann.get("image_id")) else None
+        name = f" {img['file_name']}" if img and isinstance(img.get("file_name"), str) else ""
+        return f"annotation {ann.get('id')} (image {shown(ann.get('image_id'))}{name})"
+
+
+def _read_instances(ann_file: Path, image_dir: Path) -> dict[str, Any]:
+    """The JSON of an instances file, with ``images``, ``categories`` and ``annotations`` lists."""
+    check_readable_file(ann_file, "annotation file")
+    if not image_dir.is_dir():
+        what = "is not a folder" if image_dir.exists() else "does not exist"
+        raise UnreadableFileError(f"image folder {image_dir} {what}; give the folder that holds the images")
+    if not os.access(image_dir, os.R_OK | os.X_OK):
+        raise UnreadableFileError(f"image folder {image_dir} is not readable by this user; fix its permissions")
+    try:
+        data = json.loads(ann_file.read_bytes())
+    except (ValueError, RecursionError) as err:  # JSON errors, bad UTF-8, integers of 4300+ digits, deep nesting
+        raise DataError(f"{ann_file} is not valid JSON ({shown(str(err), 200)}); is it a COCO instances file?") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("images", "categories")):
+        raise DataError(f"{ann_file} is not a COCO instances file: it needs 'images' and 'categories' lists")
+    if not isinstance(data.get("annotations", []), list):
+        raise DataError(f"{ann_file}: 'annotations' must be a list")
+    return {**data, "annotations": data.get("annotations", [])}
+
+
+def _image_problem(img: Any, require_sizes: bool) -> str | None:
+    """What is wrong with one ``images`` entry's fields, else None."""
+    if not isinstance(img, dict):
+        return f"not an object: {shown(img)}"
+    if not is_int(img.get("id")):
+        return f"'id' must be an integer, got {shown(img.get('id'))}"
+    name = img.get("file_name")
+    if not (isinstance(name, str) and name and "\0" not in name and len(name) <= 4096):
+        return f"'file_name' must be a file name (text), got {shown(name)}"
+    if "width" in img or "height" in img or require_sizes:
+        if "width" not in img or "height" not in img:
+            return "needs both 'width' and 'height' (masks are checked and scored against them)"
+        return image_size_problem(img["width"], img["height"])
+    return None
+
+
+def _check_images(entries: list, image_dir: Path, require_sizes: bool, problems: Problems) -> tuple[dict[int, dict], set[int]]:
+    """``(id -> image entry, ids of unusable entries: malformed, or the file missing or unreadable)``;
+    every problem noted."""
+    images: dict[int, dict] = {}
+    unusable = set()
+    for i, img in enumerate(entries):
+        why = _image_problem(img, require_sizes)
+        has_id = isinstance(img, dict) and is_int(img.get("id"))
+        if why:
+            label = f"image {img['id']}" if has_id else f"images[{i}]"
+            problems[MALFORMED_IMAGES].append(f"{label}: {why}")
+        if not has_id:
+            continue
+        if img["id"] in images:
+            problems["duplicate image ids"].append(f"image {img['id']} ({img.get('file_name')})")
+        images[img["id"]] = img
+        if why:
+            unusable.add(img["id"])
+    for i, img in images.items():
+        if i in unusable:
+            continue
+        path = image_dir / img["file_name"]
+        try:
+            check_readable_file(path, "image file")
+        except UnreadableFileError as err:
+            unusable.add(i)
+            if os.path.lexists(path):
+                problems["image files that cannot be read"].append(f"image {i}: {err}")
+            else:
+                problems[f"image files missing from {image_dir}"].append(f"image {i}: {img['file_name']}")
+    return images, unusable
+
+
+def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
+    """``category id -> name``; malformed entries and duplicate ids noted."""
+    categories: dict[int, str] = {}
+    for i, cat in enumerate(entries):
+        if not isinstance(cat, dict) or not is_int(cat.get("id")):
+            got = shown(cat.get("id")) if isinstance(cat, dict) else f"not an object: {shown(cat)}"
+            problems[MALFORMED_CATEGORIES].append(f"categories[{i}]: 'id' must be an integer, got {got}")
+            continue
+        if not isinstance(cat.get("name", ""), str):
+            problems[MALFORMED_CATEGORIES].append(f"category {cat['id']}: 'name' must be text, got {shown(cat['name'])}")
+            continue
+        if cat["id"] in categories:
+            problems["duplicate category ids"].append(f"category {cat['id']}")
+        categories[cat["id"]] = cat.get("name", str(cat["id"]))
+    return categories
+
+
+def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[list[dict], list[str]]:
+    """``(usable annotations, "<where>: <why>" of each degenerate one)``; errors go to ``problems``."""
+    kept, skipped = [], []
+    ann_ids = Counter(a["id"] for a in anns if isinstance(a, dict) and is_int(a.get("id")))
+    for i, ann in enumerate(anns):
+        if not isinstance(ann, dict) or not is_int(ann.get("id")):
+            got = shown(ann.get("id")) if isinstance(ann, dict) else f"not an object: {shown(ann)}"
+            problems[MALFORMED_ANNOTATIONS].append(f"annotations[{i}]: 'id' must be an integer, got {got}")
+            continue
+        if ann_ids[ann["id"]] > 1:
+            problems["duplicate annotation ids"].append(found.where(ann))
+            continue
+        error, why = _annotation_problem(ann, found)
+        if error:
+            problems[error].append(why)
+        elif why:
+            skipped.append(f"{found.where(ann)}: {why}")
+        else:
+            kept.append(ann if "area" in ann else {**ann, "area": float(ann["bbox"][2] * ann["bbox"][3])})
+    return kept, skipped
+
+
+def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | None]:
+    """``(kind of error, entry)`` for an unusable annotation, ``(None, why)`` for a degenerate one,
+    ``(None, None)`` for a good one."""
+    where = found.where(ann)
+    if not is_int(ann.get("image_id")):
+        return MALFORMED_ANNOTATIONS, f"{where}: 'image_id' must be an integer"
+    if ann["image_id"] not in found.images:
+        return "annotations referring to an image id not in 'images'", where
+    if ann["image_id"] in found.unusable:
+        return "annotations on images whose entry or file is unusable (see above)", where
+    if not is_int(ann.get("category_id")) or ann["category_id"] not in found.categories:
+        known = sorted(found.categories)
+        return f"annotations with an unknown category_id (known: {known})", f"{where}: category_id {shown(ann.get('category_id'))}"
+    box = ann.get("bbox")
+    if not (isinstance(box, list) and len(box) == 4 and all(is_number(v) for v in box)):
+        return "annotations whose bbox is not [x, y, width, height] as four finite numbers", f"{where}: bbox {shown(box)}"
+    if ann.get("iscrowd", 0) not in (0, 1) or isinstance(ann.get("iscrowd", 0), float):
+        return MALFORMED_ANNOTATIONS, f"{where}: 'iscrowd' must be 0 or 1, got {shown(ann['iscrowd'])}"
+    if "area" in ann and not (is_number(ann["area"]) and ann["area"] >= 0):
+        return MALFORMED_ANNOTATIONS, f"{where}: 'area' must be a number >= 0, got {shown(ann['area'])}"
+    img = found.images[ann["image_id"]]
+    why = None
+    if found.require_masks:
+        if "segmentation" not in ann:
+            return BAD_MASKS, f"{where}: no segmentation"
+        problem = segmentation_problem(ann["segmentation"], img["height"], img["width"])
+        if problem:
+            return BAD_MASKS, f"{where}: {problem}"
+        why = None if ann.get("iscrowd", 0) else _degenerate_polygons(ann["segmentation"])
+    return None, why or _box_problem(box, img)
+
+
+def _degenerate_polygons(seg: Any) -> str | None:
+    """Why a (well-formed) segmentation is degenerate: no polygon, or one of fewer than three points."""
+    if isinstance(seg, list):
+        if not seg:
+            return "empty segmentation"
+        for poly in seg:
+            if len(poly) < 6 or len(poly) % 2:
+                return f"polygon with {len(poly)} coordinates (needs 3 or more x, y points)"
+    return None
+
+
+def _box_problem(box: list[float], img: dict) -> str | None:
+    """Why an ``[x, y, w, h]`` box is degenerate (no area, or none inside the image), else None."""
+    x, y, w, h = box
+    if w <= 0 or h <= 0:
+        return f"bbox {box}: width or height <= 0"
+    if "width" in img and "height" in img:
+        if min(x + w, img["width"]) - max(x, 0) <= 0 or min(y + h, img["height"]) - max(y, 0) <= 0:
+            return f"bbox {box}: outside the {img['width']}x{img['height']} image"
+    return None

@@ -1,0 +1,577 @@
+"""Hostile inputs for ``cgavit detect`` and the bounds of the analysis commands' arguments (#13).
+
+Every command that reads a file gets zero-byte, truncated, wrong-format, folder, FIFO, unreadable and
+missing paths, and files that declare huge sizes; every bounded option gets values past its bounds.
+Each must end with a non-zero exit and one line on stderr, never a traceback, a hang or a crash.
+Cases that could hang (FIFOs) or kill the process (pycocotools on a huge run-length mask) or blow up
+memory run in one subprocess with a timeout and an address-space limit; the rest call
+``cgavit.cli.main`` in-process. The COCO schema is fuzzed with hypothesis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("torchvision")
+pytest.importorskip("pycocotools")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cgavit import create_model  # noqa: E402
+from cgavit.cli import main  # noqa: E402
+from cgavit.detection import CocoDetection, check_coco, load_detector, write_shapes_dataset  # noqa: E402
+from cgavit.detection.checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_config  # noqa: E402
+from cgavit.detection.coco import decode_masks, encode_masks, segmentation_rle  # noqa: E402
+from cgavit.detection.models import build_detector  # noqa: E402
+from cgavit.detection.schema import compressed_counts, segmentation_problem  # noqa: E402
+from cgavit.io import DataError, save_torch  # noqa: E402
+from cgavit.weights import CheckpointError  # noqa: E402
+
+SIZE = 64
+ROOT = os.geteuid() == 0  # root reads files whatever their permissions
+CONFIG = dict(kind="retinanet", backbone="efficientvit_m0", num_classes=4, categories=[[1, "square"], [3, "circle"], [7, "triangle"]],
+              freeze_bn=False, dials={}, min_size=SIZE, max_size=SIZE, model_kwargs={})
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A small shapes dataset, an (untrained) detection checkpoint and an ImageNet-style backbone file."""
+    root = tmp_path_factory.mktemp("hostile")
+    train_dir, train_json = write_shapes_dataset(root, 2, SIZE, seed=0, split="train")
+    val_dir, val_json = write_shapes_dataset(root, 2, SIZE, seed=1, split="val")
+    ckpt = save_torch(root / "model.pth", dict(format=CHECKPOINT_FORMAT, config=CONFIG, model=build_detector(CONFIG).state_dict()))
+    backbone = save_torch(root / "m0.pth", create_model("efficientvit_m0").state_dict())
+    return dict(root=root, train_images=train_dir, train_json=train_json, val_images=val_dir, val_json=val_json,
+                checkpoint=ckpt, backbone=backbone, image=val_dir / "val_00000.png")
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width x height`` pixels in a few dozen bytes (a decompression bomb's header)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _hostile(kind: str, good: Path, folder: Path) -> Path:
+    """A file standing where ``good`` should: zero-byte, truncated, text, a folder, unreadable, missing, a FIFO."""
+    path = folder / f"{kind}-{good.name}"
+    if kind == "zero-byte":
+        path.write_bytes(b"")
+    elif kind == "truncated":
+        path.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    elif kind == "text":
+        path.write_text("this is not the file you are looking for\n")
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "unreadable":
+        path.write_bytes(good.read_bytes())
+        path.chmod(0)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    return path  # "missing": nothing there
+
+
+def _commands(files: dict, role: str, path: Path, out: Path) -> list[str]:
+    """The ``cgavit`` argv that reads ``path`` as ``role``."""
+    train = ["detect", "train", "--backbone", "m0", "--train-bn", "--device", "cpu", "--workers", "0", "--epochs", "1",
+             "--min-size", str(SIZE), "--max-size", str(SIZE), "--output", str(out)]
+    data = ["--train-json", str(files["train_json"]), "--train-images", str(files["train_images"])]
+    val = ["--val-json", str(files["val_json"]), "--val-images", str(files["val_images"])]
+    return {
+        "train --train-json": [*train, "--train-json", str(path), "--train-images", str(files["train_images"])],
+        "train --train-images": [*train, "--train-json", str(files["train_json"]), "--train-images", str(path)],
+        "train --pretrained-backbone": [*train, *data, "--pretrained-backbone", str(path)],
+        "train --resume": [*train, *data, "--resume", str(path)],
+        "eval --checkpoint": ["detect", "eval", "--checkpoint", str(path), *val, "--workers", "0", "--device", "cpu"],
+        "eval --val-json": ["detect", "eval", "--checkpoint", str(files["checkpoint"]), "--val-json", str(path),
+                            "--val-images", str(files["val_images"]), "--workers", "0", "--device", "cpu"],
+        "predict --checkpoint": ["detect", "predict", str(files["image"]), "--checkpoint", str(path), "--device", "cpu",
+                                 "--out", str(out / "drawn.png")],
+        "predict IMAGE": ["detect", "predict", str(path), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
+                          "--out", str(out / "drawn.png")],
+    }[role]
+
+
+ROLES = {  # role -> the good file a hostile one replaces
+    "train --train-json": "train_json", "train --train-images": "train_images", "train --pretrained-backbone": "backbone",
+    "train --resume": "checkpoint", "eval --checkpoint": "checkpoint", "eval --val-json": "val_json",
+    "predict --checkpoint": "checkpoint", "predict IMAGE": "image",
+}
+
+
+def _one_error_line(err: str, command: str = "detect") -> str:
+    """The error line of a failed command, checking it is the only line and no traceback was printed."""
+    assert "Traceback" not in err, err
+    lines = [line.split("\r")[-1] for line in err.split("\n")]  # what a terminal shows: progress bars overwritten
+    lines = [line for line in lines if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"cgavit {command}: error: "), err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------- files, in-process
+@pytest.mark.parametrize("kind", ["zero-byte", "truncated", "text", "folder", "unreadable", "missing"])
+@pytest.mark.parametrize("role", list(ROLES))
+def test_hostile_file_gives_one_line(files, role, kind, tmp_path, capsys):
+    good = Path(files[ROLES[role]])
+    if good.is_dir() and kind in ("truncated", "unreadable"):
+        pytest.skip("not a file")
+    if kind == "unreadable" and ROOT:
+        pytest.skip("root reads any file")
+    path = _hostile(kind, good, tmp_path)
+    if good.is_dir() and kind == "folder":
+        path = files["train_json"]  # a file where a folder should be
+    capsys.readouterr()
+    assert main(_commands(files, role, path, tmp_path / "out")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(path) in line or path.name in line, line
+    assert not (tmp_path / "out" / "model.pth").exists() and not (tmp_path / "out" / "checkpoint.pth").exists()
+
+
+# ------------------------------------------------------ hangs, crashes and memory, in a subprocess
+SUBPROCESS_CASES = textwrap.dedent(
+    """
+    import contextlib, io, json, re, resource, sys
+    import torch
+    torch.set_num_threads(1)
+    from cgavit.cli import main
+    import cgavit.detection.checkpoint, cgavit.detection.annotations  # everything imported before the limit
+    vm = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 1536 * 2**20, resource.RLIM_INFINITY))
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        results[name] = [code, err.getvalue()]
+        print(json.dumps({name: results[name]}), flush=True)
+    """
+)
+
+
+def _forged_checkpoint(path: Path, config: dict, state: dict | None = None) -> Path:
+    state = build_detector(CONFIG).state_dict() if state is None else state
+    return save_torch(path, dict(format=CHECKPOINT_FORMAT, config={**CONFIG, **config}, model=state))
+
+
+def _huge_window_state() -> dict:
+    """Weights whose attention-bias tables honestly match a 200x200 window: small to store, but the
+    model's index tables would take 200**4 entries per block."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in build_detector({**CONFIG, "dials": {"window_size": [200, 200, 200]}}).state_dict().items()}
+    return {k: torch.zeros(s) for k, s in shapes.items()}
+
+
+def test_hangs_crashes_and_memory_blow_ups_end_in_one_line(files, tmp_path):
+    root, image = tmp_path, files["image"]
+    coco = json.loads(Path(files["train_json"]).read_text())
+    coco["annotations"][0]["segmentation"] = {"size": [1_000_000, 1_000_000], "counts": "abc"}  # pycocotools segfaults
+    huge_rle = root / "huge_rle.json"
+    huge_rle.write_text(json.dumps(coco))
+    bomb = root / "bomb.png"
+    bomb.write_bytes(_png_header(20_000, 20_000))
+    fifos = {suffix: _hostile("fifo", Path(f"good.{suffix}"), root) for suffix in ("json", "pth", "png")}
+    cases = {
+        "fifo --train-json": _commands(files, "train --train-json", fifos["json"], root / "o1"),
+        "fifo --checkpoint": _commands(files, "eval --checkpoint", fifos["pth"], root / "o2"),
+        "fifo --pretrained-backbone": _commands(files, "train --pretrained-backbone", fifos["pth"], root / "o3"),
+        "fifo IMAGE": _commands(files, "predict IMAGE", fifos["png"], root / "o4"),
+        "RLE size 1e6": _commands(files, "train --train-json", huge_rle, root / "o5") + ["--model", "maskrcnn"],
+        "20000x20000 image": _commands(files, "predict IMAGE", bomb, root / "o6"),
+        "num_classes 2e6": _commands(files, "predict --checkpoint", _forged_checkpoint(
+            root / "classes.pth", dict(num_classes=2_000_000)), root / "o7"),
+        "embed_dim 4096": _commands(files, "eval --checkpoint", _forged_checkpoint(
+            root / "wide.pth", dict(dials={"embed_dim": [4096, 4096, 4096]})), root / "o8"),
+        "window 200": _commands(files, "predict --checkpoint", _forged_checkpoint(
+            root / "window.pth", dict(dials={"window_size": [200, 200, 200]}), _huge_window_state()), root / "o9"),
+    }
+    cases = {k: [str(a) for a in v] for k, v in cases.items()}
+    res = subprocess.run([sys.executable, "-c", SUBPROCESS_CASES, json.dumps(cases)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, f"exit {res.returncode} after {res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    results = {k: v for line in res.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+    assert set(results) == set(cases), res.stdout
+    expected = {
+        "fifo --train-json": "not a regular file", "fifo --checkpoint": "not a regular file",
+        "fifo --pretrained-backbone": "not a regular file", "fifo IMAGE": "not a regular file",
+        "RLE size 1e6": "run-length 'size' [1000000, 1000000] disagrees", "20000x20000 image": "too large to decode",
+        "num_classes 2e6": "'num_classes' must be an integer in 2..", "embed_dim 4096": "config and its weights disagree",
+        "window 200": "MiB of attention tables",
+    }
+    for name, (code, err) in results.items():
+        assert code == 2, (name, err)
+        assert expected[name] in _one_error_line(err), (name, err)
+
+
+# ----------------------------------------------------------------------------------- COCO schema
+def _write(tmp: Path, data: dict, name: str = "ann.json") -> Path:
+    path = tmp / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _edited(files: dict, edit) -> dict:
+    data = json.loads(Path(files["train_json"]).read_text())
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    "edit, names",
+    [
+        (lambda d: d["images"][0].update(file_name=5), ["image 1", "'file_name'"]),
+        (lambda d: d["images"][0].update(width="96"), ["image 1", "'width'", "'96'"]),
+        (lambda d: d["images"][0].update(height=-3), ["image 1", "'height'", "-3"]),
+        (lambda d: d["images"][0].update(width=0), ["image 1", "'width'"]),
+        (lambda d: d["images"][0].update(width=100_000, height=100_000), ["image 1", "megapixel"]),
+        (lambda d: d["images"][0].update(id=[1]), ["images[0]", "'id'"]),
+        (lambda d: d["annotations"][0].update(bbox=[1, 2, 3]), ["annotation 1", "bbox [1, 2, 3]"]),
+        (lambda d: d["annotations"][0].update(bbox=[True, 2, 3, 4]), ["annotation 1", "bbox"]),
+        (lambda d: d["annotations"][0].update(bbox=[1, 2, 10**400, 4]), ["annotation 1", "bbox"]),
+        (lambda d: d["annotations"][0].update(image_id={"a": 1}), ["annotation 1", "'image_id'"]),
+        (lambda d: d["annotations"][0].update(iscrowd="yes"), ["annotation 1", "'iscrowd'"]),
+        (lambda d: d["annotations"][0].update(area="big"), ["annotation 1", "'area'"]),
+        (lambda d: d["categories"][0].update(name=[1]), ["category 1", "'name'"]),
+    ],
+)
+def test_malformed_coco_fields_are_named(files, tmp_path, edit, names, capsys):
+    path = _write(tmp_path, _edited(files, edit))
+    with pytest.raises(DataError) as err:
+        check_coco(path, files["train_images"])
+    for name in [str(path), *names]:
+        assert name in str(err.value), str(err.value)
+    assert main(["detect", "train", "--train-json", str(path), "--train-images", str(files["train_images"]),
+                 "--output", str(tmp_path / "o")]) == 2
+    _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "seg, why",
+    [
+        ({"size": [1_000_000, 1_000_000], "counts": "abc"}, "disagrees with the image's"),
+        ({"size": [SIZE, SIZE], "counts": [SIZE * SIZE + 1]}, "cover 4097 pixels"),  # decoding would overrun its buffer
+        ({"size": [SIZE, SIZE], "counts": "0"}, "cover 0 pixels"),
+        ({"size": [SIZE, SIZE], "counts": "\x7f\x7f"}, "not a valid compressed"),
+        ({"size": [SIZE, SIZE], "counts": "o"}, "not a valid compressed"),  # ends inside a count
+        ({"size": "64", "counts": "abc"}, "'size' must be [height, width]"),
+        ({"size": [SIZE, SIZE], "counts": 5}, "'counts' must be"),
+        ([[0, 0, 10, 0, 1e9, 1e9]], "far outside"),  # the rasteriser would allocate in proportion
+        ([[0, 0, 10, "a", 5, 5]], "finite x, y numbers"),
+        ("mask", "polygons (a list) or run-length"),
+    ],
+)
+def test_masks_are_checked_before_pycocotools_sees_them(files, tmp_path, seg, why):
+    path = _write(tmp_path, _edited(files, lambda d: d["annotations"][0].update(segmentation=seg)))
+    with pytest.raises(DataError, match="annotation 1 .*" + why.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        check_coco(path, files["train_images"], require_masks=True)
+    with pytest.raises(DataError, match="cannot use a mask"):
+        segmentation_rle(seg, SIZE, SIZE)
+
+
+def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
+    half = _write(tmp_path, _edited(files, lambda d: d["images"][0].pop("width")), "half.json")
+    with pytest.raises(DataError, match="image 1: needs both 'width' and 'height'"):
+        check_coco(half, files["train_images"])
+    no_size = _write(tmp_path, _edited(files, lambda d: [d["images"][0].pop(k) for k in ("width", "height")]))
+    with pytest.raises(DataError, match="image 1: needs both 'width' and 'height'"):
+        check_coco(no_size, files["train_images"], require_masks=True)
+    assert check_coco(no_size, files["train_images"]).dataset  # boxes alone do not need them
+
+    def crowd(d):
+        d["annotations"][0].update(iscrowd=1, segmentation={"size": [SIZE + 1, SIZE], "counts": [SIZE * SIZE + SIZE]})
+    with pytest.raises(DataError, match="annotation 1 .*disagrees"):  # COCOeval decodes crowd masks too
+        check_coco(_write(tmp_path, _edited(files, crowd)), files["train_images"], require_masks=True)
+
+
+def test_json_that_is_no_coco_file(files, tmp_path):
+    for text in ("[" * 100_000 + "]" * 100_000, "1" * 5000, "[1, 2]", '{"images": 5, "categories": []}', "\xff\xfe"):
+        path = tmp_path / "x.json"
+        path.write_bytes(text.encode("latin-1"))
+        with pytest.raises(DataError, match=str(path)):
+            check_coco(path, files["train_images"])
+
+
+def test_missing_area_is_the_box_area(files, tmp_path):
+    path = _write(tmp_path, _edited(files, lambda d: d["annotations"][0].pop("area")))
+    ann = check_coco(path, files["train_images"]).dataset["annotations"][0]
+    assert ann["area"] == ann["bbox"][2] * ann["bbox"][3]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+COUNTS = st.text(alphabet=st.characters(min_codepoint=48, max_codepoint=111), max_size=12) | st.text(max_size=6)
+HOSTILE = st.one_of(  # what one field of an entry may hold instead of its good value
+    JSON,
+    st.integers(-(2**70), 2**70),
+    st.lists(st.floats(-1e12, 1e12) | st.integers(-(2**60), 2**60), max_size=8),
+    st.lists(st.lists(st.floats(-1e4, 1e4) | st.integers(-(2**60), 2**60), max_size=10), max_size=3),
+    st.fixed_dictionaries({"size": st.lists(st.integers(-5, 10**7), max_size=3) | st.just([SIZE, SIZE]) | JSON,
+                           "counts": COUNTS | st.lists(st.integers(-5, SIZE * SIZE), max_size=6) | JSON}),
+)
+GOOD_IMAGE = {"id": 1, "file_name": "train_00000.png", "width": SIZE, "height": SIZE}
+GOOD_ANNOTATIONS = [  # a polygon mask and a run-length one
+    {"id": 1, "image_id": 1, "category_id": 3, "bbox": [4, 4, 20, 20], "iscrowd": 0, "area": 400.0,
+     "segmentation": [[4, 4, 24, 4, 24, 24, 4, 24]]},
+    {"id": 1, "image_id": 1, "category_id": 7, "bbox": [30, 30, 10, 10], "iscrowd": 0, "area": 64.0,
+     "segmentation": {"size": [SIZE, SIZE], "counts": [30 * SIZE + 30, 8, 56, 8, SIZE * SIZE - 30 * SIZE - 30 - 72]}},
+]
+
+
+def _edited_entry(good: dict, edits: list[tuple[str, bool, object]]) -> dict:
+    """``good`` with each edit applied: the field dropped, or given the hostile value."""
+    out = dict(good)
+    for key, drop, value in edits:
+        if drop:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def _entries(good: dict) -> st.SearchStrategy:
+    """A good entry with up to two fields dropped or replaced by hostile values."""
+    edit = st.tuples(st.sampled_from(sorted(good)), st.booleans(), HOSTILE)
+    return st.builds(_edited_entry, st.just(good), st.lists(edit, max_size=2))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(image=_entries(GOOD_IMAGE), annotations=st.lists(st.sampled_from(GOOD_ANNOTATIONS).flatmap(_entries), max_size=3),
+       masks=st.booleans())
+def test_any_coco_entry_gives_a_data_error_or_works(files, tmp_path, image, annotations, masks):
+    for i, ann in enumerate(annotations):
+        if ann.get("id") == 1:
+            ann["id"] = i + 1  # distinct ids unless the id itself was edited
+    data = dict(images=[image], annotations=annotations, categories=[{"id": 1, "name": "a"}, {"id": 3, "name": "b"}, {"id": 7, "name": "c"}])
+    path = _write(tmp_path, data)  # NaN and Infinity written as Python's json does
+    try:
+        check = check_coco(path, files["train_images"], require_masks=masks)
+        dataset = CocoDetection(check, files["train_images"], masks=masks)
+        for i in range(len(dataset)):
+            image_tensor, target = dataset[i]
+            assert image_tensor.shape == (3, SIZE, SIZE) and len(target["boxes"]) == len(target["labels"])
+            assert not masks or target["masks"].shape == (len(target["labels"]), SIZE, SIZE)
+    except DataError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(counts=COUNTS, h=st.integers(1, 6), w=st.integers(1, 6))
+def test_compressed_counts_agree_with_pycocotools(counts, h, w):
+    """Any string: refused, or decoded by pycocotools into exactly the runs our parser reads."""
+    runs = compressed_counts(counts)
+    if segmentation_problem({"size": [h, w], "counts": counts}, h, w) is None:
+        assert runs is not None and sum(runs) == h * w
+    if runs is None or not 0 < sum(runs) <= 10**5:
+        return
+    rle = {"size": [1, sum(runs)], "counts": counts}  # a mask these runs fill exactly
+    assert segmentation_problem(rle, 1, sum(runs)) is None
+    expected = [v % 2 for v, n in enumerate(runs) for _ in range(n)]
+    assert decode_masks([rle])[0, :, 0].tolist() == expected
+    assert compressed_counts(encode_masks(decode_masks([rle]).transpose(2, 0, 1))[0]["counts"]) is not None
+
+
+# ---------------------------------------------------------------------------------------- images
+def test_image_problems_are_named_and_the_other_images_still_predicted(files, tmp_path, capsys):
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(_png_header(20_000, 20_000))
+    big = tmp_path / "big.png"
+    big.write_bytes(_png_header(8_000, 8_000))  # under PIL's own limit, above ours
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(Path(files["image"]).read_bytes()[:-40])  # the last pixel rows and IEND cut off
+    out = tmp_path / "drawn"
+    capsys.readouterr()
+    argv = ["detect", "predict", str(bomb), str(files["image"]), str(big), str(broken), "--checkpoint", str(files["checkpoint"]),
+            "--device", "cpu", "--out", str(out)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert "3 of 4 images skipped" in line and "too large to decode" in line and "megapixel" in line and "broken.png" in line
+    assert (out / "val_00000_pred.png").is_file() and "val_00000.png" in captured.out
+
+
+def test_unreadable_training_images_stop_training_before_any_checkpoint(files, tmp_path, capsys):
+    images = tmp_path / "images"
+    images.mkdir()
+    for p in Path(files["train_images"]).iterdir():
+        (images / p.name).write_bytes(p.read_bytes()[:100])  # truncated: found only when decoded
+    for workers in ("0", "1"):  # a loader worker's error arrives as the same one line
+        out = tmp_path / f"out{workers}"
+        assert main(["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(images),
+                     "--backbone", "m0", "--train-bn", "--device", "cpu", "--workers", workers, "--epochs", "1",
+                     "--min-size", str(SIZE), "--max-size", str(SIZE), "--output", str(out)]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "train_0000" in line and "damaged or truncated" in line and "Caught" not in line
+        assert not (out / "checkpoint.pth").exists() and not (out / "model.pth").exists()
+
+
+def test_no_annotations_warns_or_is_refused_with_strict(files, tmp_path, caplog, capsys):
+    path = _write(tmp_path, _edited(files, lambda d: d.update(annotations=[])))
+    with caplog.at_level("WARNING"):
+        check_coco(path, files["train_images"])
+    assert "no usable annotation" in caplog.text and "background only" in caplog.text
+    with pytest.raises(DataError, match="no annotations"):
+        check_coco(path, files["train_images"], strict=True)
+    assert main(["detect", "train", "--train-json", str(path), "--train-images", str(files["train_images"]), "--strict",
+                 "--output", str(tmp_path / "o")]) == 2
+    assert "no annotations" in _one_error_line(capsys.readouterr().err)
+
+
+def test_nan_loss_stops_training(files, tmp_path, capsys):
+    state = create_model("efficientvit_m0").state_dict()
+    key = next(k for k in state if k.endswith("conv.weight"))
+    state[key].view(-1)[0] = float("nan")
+    backbone = save_torch(tmp_path / "nan.pth", state)
+    out = tmp_path / "o"
+    assert main(["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+                 "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+                 "--max-size", str(SIZE), "--pretrained-backbone", str(backbone), "--output", str(out)]) == 2
+    assert "the loss became nan" in _one_error_line(capsys.readouterr().err)
+    assert not (out / "checkpoint.pth").exists()
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize(
+    "config, state, why",
+    [
+        (dict(dials={"checkpoint_path": "/etc/passwd"}), None, "'dials' must be a dict with keys among"),
+        (dict(dials={"pretrained": True}), None, "'dials' must be a dict with keys among"),
+        (dict(dials={"depth": [100_000, 1, 1]}), None, "attention heads and FFNs but the file holds"),
+        (dict(kind="yolo"), None, "'kind' must be one of"),
+        (dict(min_size=100_000), None, "'min_size' must be an integer in 32..4096"),
+        (dict(model_kwargs={"score_thresh": {"a": 1}}), None, "detector setting (--model-arg) score_thresh"),
+        (dict(categories="abc"), None, "'categories' must list 3"),
+        (dict(num_classes=5, categories=[[1, "a"], [2, "b"], [3, "c"], [4, "d"]]), None, "config and its weights disagree"),
+        ({}, "nan", "NaN or infinite weights"),
+        ({}, "missing", "missing, e.g."),
+    ],
+)
+def test_untrusted_checkpoint_config_is_checked_before_building(files, tmp_path, config, state, why):
+    weights = build_detector(CONFIG).state_dict()
+    if state == "nan":
+        weights[next(iter(weights))].view(-1)[0] = float("nan")
+    elif state == "missing":
+        weights.pop(next(iter(weights)))
+    path = _forged_checkpoint(tmp_path / "forged.pth", config, weights)
+    with pytest.raises(CheckpointError) as err:
+        load_detector(path)
+    assert str(path) in str(err.value) and why in str(err.value)
+
+
+def test_checkpoint_without_training_state_cannot_be_resumed(files, tmp_path, capsys):
+    argv = _commands(files, "train --resume", files["checkpoint"], tmp_path / "o")
+    assert main(argv) == 2
+    assert "cannot be resumed from" in _one_error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------- argument bounds
+DETECT_TRAIN = ["detect", "train", "--train-json", "x.json", "--train-images", "x"]
+BOUNDS = [
+    (DETECT_TRAIN + ["--min-size", "0"], "--min-size"), (DETECT_TRAIN + ["--max-size", "100000"], "--max-size"),
+    (DETECT_TRAIN + ["--batch-size", "0"], "--batch-size"), (DETECT_TRAIN + ["--epochs", "0"], "--epochs"),
+    (DETECT_TRAIN + ["--lr", "0"], "--lr"), (DETECT_TRAIN + ["--lr", "nan"], "--lr"),
+    (DETECT_TRAIN + ["--weight-decay", "-1"], "--weight-decay"), (DETECT_TRAIN + ["--warmup-ratio", "2"], "--warmup-ratio"),
+    (DETECT_TRAIN + ["--warmup-iters", "-1"], "--warmup-iters"), (DETECT_TRAIN + ["--hflip", "1.5"], "--hflip"),
+    (DETECT_TRAIN + ["--workers", "-1"], "--workers"), (DETECT_TRAIN + ["--seed", "-1"], "--seed"),
+    (DETECT_TRAIN + ["--eval-every", "-1"], "--eval-every"), (DETECT_TRAIN + ["--log-every", "-1"], "--log-every"),
+    (DETECT_TRAIN + ["--lr-steps", "-3"], "--lr-steps"), (DETECT_TRAIN + ["--model-arg", "x=[1e300]"], "--model-arg"),
+    (["detect", "eval", "--checkpoint", "m.pth", "--val-json", "v.json", "--val-images", "v", "--batch-size", "0"], "--batch-size"),
+    (["detect", "predict", "a.png", "--checkpoint", "m.pth", "--score-threshold", "1.5"], "--score-threshold"),
+    (["detect", "predict", "a.png", "--checkpoint", "m.pth", "--score-threshold", "-0.1"], "--score-threshold"),
+    (["detect", "shapes", "--out", "s", "--size", "5"], "--size"), (["detect", "shapes", "--out", "s", "--num-train", "-1"], "--num-train"),
+    (["detect", "shapes", "--out", "s", "--max-shapes", "0"], "--max-shapes"),
+    (["info", "--img-size", "-5"], "--img-size"), (["info", "--img-size", "100000"], "--img-size"),
+    (["info", "--img-size", "0"], "--img-size"), (["info", "--img-size", "64", "64", "64"], "--img-size"),
+    (["roofline", "--img-size", "100000"], "--img-size"), (["roofline", "--batch", "0"], "--batch"),
+    (["roofline", "--batch", "4096", "--img-size", "1024"], "--batch"), (["roofline", "--threads", "0"], "--threads"),
+    (["roofline", "--repeats", "0"], "--repeats"), (["roofline", "--top", "0"], "--top"),
+    (["roofline", "--peak-seconds", "0"], "--peak-seconds"), (["roofline", "--peak-gflops", "-1"], "--peak-gflops"),
+    (["roofline", "--bandwidth-gbs", "nan"], "--bandwidth-gbs"),
+]
+ANALYZE = [
+    (["--img-size", "100000"], "--img-size"), (["--img-size", "-5"], "--img-size"), (["--crop-pct", "0.001"], "--crop-pct"),
+    (["--crop-pct", "nan"], "--crop-pct"), (["--num-images", "-1"], "--num-images"), (["--batch-size", "0"], "--batch-size"),
+    (["--num-classes", "0"], "--num-classes"), (["--num-classes", "2000000"], "--num-classes"), (["--seed", "-1"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", BOUNDS + [(["analyze", "heads", "--data", "d", "--output", "o", *a], f) for a, f in ANALYZE]
+                         + [(["analyze", "taylor", "--data", "d", "--output", "o", "--prune-ratio", "1"], "--prune-ratio"),
+                            (["analyze", "taylor", "--data", "d", "--output", "o", "--list-pruned", "-1"], "--list-pruned")])
+def test_out_of_bounds_arguments_are_named(argv, flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # nothing is written, but if it were, it would land here
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err, argv[0])
+    assert flag in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_analysis_sample_is_bounded_by_pixels(tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    for i in range(20):
+        Image.new("RGB", (40, 40)).save(tmp_path / "d" / f"{i}.png")
+    assert main(["analyze", "heads", "--data", str(tmp_path / "d"), "--output", str(tmp_path / "o"), "--img-size", "4096",
+                 "--num-images", "0"]) == 2
+    assert "--num-images 16 or fewer" in _one_error_line(capsys.readouterr().err, "analyze")
+
+
+def test_output_that_is_a_file_is_refused(files, capsys):
+    assert main(["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+                 "--output", str(files["train_json"])]) == 2
+    assert "is not a folder" in _one_error_line(capsys.readouterr().err)
+
+
+DIAL_NAMES = ["embed_dim", "depth", "num_heads", "window_size", "kernels", "key_dim", "attn_ratio", "ffn_ratio",
+              "ffn_per_side", "cascade", "group_split", "checkpoint_path", "pretrained"]
+DIAL_VALUES = HOSTILE | st.integers(-3, 10**6) | st.lists(st.integers(-3, 10**6), max_size=4) | st.booleans()
+GOOD_CONFIG = {**CONFIG, "dials": {}}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(config=_entries(GOOD_CONFIG), dials=st.none() | st.dictionaries(st.sampled_from(DIAL_NAMES), DIAL_VALUES, max_size=3))
+def test_any_checkpoint_config_is_refused_or_matches_its_weights(files, config, dials):
+    """The schema of a detection checkpoint's config: a ValueError naming the field, a CheckpointError
+    when it disagrees with the stored tensors, or a config that rebuilds exactly those tensors."""
+    if dials is not None:
+        config["dials"] = dials
+    state = _good_state()
+    try:
+        checked = check_config(config)
+    except ValueError:
+        return
+    try:
+        check_against_tensors(checked, state, "forged.pth")
+    except CheckpointError:
+        return
+    assert build_detector(checked).state_dict().keys() == state.keys()
+
+
+_STATE: dict = {}  # the weights of CONFIG's detector, built once
+
+
+def _good_state() -> dict:
+    if not _STATE:
+        _STATE.update(build_detector(CONFIG).state_dict())
+    return _STATE
