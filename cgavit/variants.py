@@ -12,6 +12,15 @@ from .attention import check_attention_dims
 IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
 
+#: Largest value of each architecture field (per entry). Far above any published or studied model;
+#: they stop a typo or a hostile file from asking for gigabytes before anything is built.
+CONFIG_LIMITS = {
+    "embed_dim": 2048, "depth": 32, "num_heads": 64, "window_size": 64, "kernels": 31, "key_dim": 512,
+    "ffn_per_side": 16,
+}
+MAX_FFN_RATIO = 16.0
+MAX_ATTN_RATIO = 64.0
+
 RELEASE_URL = "https://github.com/xinyuliu-jeffrey/EfficientViT_Model_Zoo/releases/download/v1.0/{name}.pth"
 
 
@@ -59,6 +68,15 @@ class EfficientViTConfig:
             vals = getattr(self, name)
             if len(vals) != 3 or any(int(v) != v or v < 1 for v in vals):
                 raise ValueError(f"{name} must be three positive integers, got {vals}")
+        for name, hi in CONFIG_LIMITS.items():
+            vals = getattr(self, name)
+            if any(v > hi for v in vals):
+                raise ValueError(f"{name} entries must be at most {hi}, got {list(vals)}")
+        if self.ffn_ratio > MAX_FFN_RATIO or (self.attn_ratio is not None and max(self.attn_ratio) > MAX_ATTN_RATIO):
+            raise ValueError(
+                f"ffn_ratio must be at most {MAX_FFN_RATIO:g} and attn_ratio at most {MAX_ATTN_RATIO:g}, "
+                f"got {self.ffn_ratio} and {self.attn_ratio}"
+            )
         if self.embed_dim[0] % 8:
             raise ValueError(
                 f"the stage-1 width must be a multiple of 8 (the patch embedding uses C/8, C/4, C/2), "

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .io import UnreadableFileError, atomic_write, check_readable_file, sniff_format
-from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, EfficientViTConfig
+from .variants import CONFIG_LIMITS, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, EfficientViTConfig
 
 log = logging.getLogger(__name__)
 
@@ -317,9 +317,6 @@ MAX_CLASSES = 100_000
 IMG_SIZE_RANGE = (32, 4096)
 CROP_PCT_RANGE = (0.2, 1.0)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
-_CONFIG_BOUNDS = {  # field -> largest value per entry
-    "embed_dim": 2048, "depth": 32, "num_heads": 64, "window_size": 64, "kernels": 31, "key_dim": 512,
-}
 
 
 @dataclass(frozen=True)
@@ -450,7 +447,7 @@ def _parse_config(raw: dict) -> EfficientViTConfig:
         if key not in VARIANTS:
             raise ValueError(f"unknown model {model!r}")
         base = VARIANTS[key].cfg
-    for key, hi in _CONFIG_BOUNDS.items():
+    for key, hi in CONFIG_LIMITS.items():
         vals = cfg.get(key)
         if vals is None:
             continue
