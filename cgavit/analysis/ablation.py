@@ -40,8 +40,8 @@ from ..io import write_json, write_text
 from ..timing import round_robin, time_call
 from ..train import TrainConfig, TrainResult, evaluate_checkpoint, load_model, train
 from ..train import checkpoint as train_checkpoint
-from ..train.config import train_defaults
-from ..train.data import list_split
+from ..train.config import check_dials, train_defaults
+from ..train.data import check_folder, list_split
 from ..train.records import read_metrics
 from ..variants import VARIANTS
 from .data import balanced_subset, list_images, load_images
@@ -219,6 +219,16 @@ class AblationConfig:
         bad = sorted(set(self.train_args) - set(train_defaults()))
         if bad:
             raise ValueError(f"--train-args names no training option {bad}")
+        if self.threads < 1 or self.heads_images < 1 or self.train_subset < 0 or self.val_subset < 0:
+            raise ValueError("--threads and --heads-images must be at least 1, --train-subset and --val-subset at least 0")
+        budget = dict(data=self.data, model=self.model, epochs=self.epochs, batch_size=self.batch_size, img_size=self.img_size, lr=self.lr)
+        owned = sorted(set(self.train_args) & {*budget, "seed", "output", "resume"})
+        if owned:
+            raise ValueError(f"--train-args cannot set {', '.join(owned)}: the study sets them (use its own options)")
+        for seed in self.seeds:  # the training options every run gets, within the trainer's bounds
+            TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": {}}).check_values()
+        check_dials({k: getattr(self, k) for k in ("embed_dim", "num_heads", "depth") if getattr(self, k) is not None})
+        check_dials(self.train_args.get("dials", {}))
 
 
 def ablation_defaults() -> dict[str, object]:
@@ -291,9 +301,7 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
     the held-out split is named ``test``, ``out/data/{train,val}/<class>/`` is filled with links to the
     chosen files (once; a later call with other sizes is refused).
     """
-    root = Path(data)
-    if not root.is_dir():
-        raise FileNotFoundError(f"data folder {root} does not exist")
+    root = check_folder(data)
     held = next((s for s in ("val", "test") if (root / s).is_dir()), None)
     if not (root / "train").is_dir() or held is None:
         raise ValueError(f"{root} needs train/<class>/ and val/<class>/ (or test/<class>/) image folders")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from torch.utils.data import Dataset
+
+from ..io import DataError
+from ..train.data import BadImageError, load_image
+
+log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -93,7 +98,10 @@ def eval_transform(img_size: int, crop_pct: float = 0.875, mean=None, std=None):
 
 
 class ImageList(Dataset):
-    """``(image tensor, label)`` pairs over image files; label -1 where there are no labels."""
+    """``(image tensor, label)`` pairs over image files; label -1 where there are no labels.
+
+    Images are read with :func:`cgavit.train.data.load_image` (any mode; pipes never opened; sizes
+    bounded), which raises :class:`~cgavit.train.data.BadImageError` naming an unreadable file."""
 
     def __init__(self, paths: Sequence[Path], labels: Sequence[int] | None, transform) -> None:
         self.paths = list(paths)
@@ -104,23 +112,33 @@ class ImageList(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        with Image.open(self.paths[i]) as im:
-            x = self.transform(im.convert("RGB"))
+        x = self.transform(load_image(self.paths[i]))
         return x, (self.labels[i] if self.labels is not None else -1)
 
 
 def load_images(
     sources: Sequence[str | Path], img_size: int, num_images: int = 64, crop_pct: float = 0.875, seed: int = 0, mean=None, std=None
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[str] | None]:
-    """Read up to ``num_images`` images (balanced over classes) into one batch.
+    """Read up to ``num_images`` images (balanced over classes) into one batch; an image that cannot
+    be read is skipped with a warning.
 
     Returns:
         ``(images (B, 3, S, S), labels (B,) or None, class names or None)``.
+
+    Raises:
+        DataError: none of the chosen images can be read.
     """
     paths, labels, classes = list_images(sources)
     keep = balanced_subset(labels, len(paths), num_images, seed)
     ds = ImageList([paths[i] for i in keep], [labels[i] for i in keep] if labels else None, eval_transform(img_size, crop_pct, mean, std))
-    items = [ds[i] for i in range(len(ds))]
+    items = []
+    for i in range(len(ds)):
+        try:
+            items.append(ds[i])
+        except BadImageError as err:
+            log.warning("skipped unreadable image: %s", err)
+    if not items:
+        raise DataError(f"none of the {len(ds)} images chosen from {', '.join(map(str, sources))} could be read")
     x = torch.stack([t for t, _ in items])
     y = torch.tensor([lab for _, lab in items]) if labels else None
     return x, y, classes

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
 from ..train.config import AMP_DTYPES, CLIP_MODES, DISTILLATION_TYPES, INTERPOLATIONS, train_defaults
 from ..train.demo import run_demo, summary_lines
-from .common import add_dial_args, dials_from_args
+from .common import add_dial_args, dials_from_args, image_size
 
 # (flags, argparse keywords): every TrainConfig field but the dials, in the order --help lists them
 TRAIN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
@@ -147,13 +148,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _img_size(args: argparse.Namespace) -> int | None:
+    """``--img-size`` within the commands' bounds (None: the checkpoint's)."""
+    return None if args.img_size is None else image_size(args.img_size)[0]
+
+
 def _eval(args: argparse.Namespace) -> int:
     res = evaluate_checkpoint(
         args.data,
         args.checkpoint,
         args.model,
         split=args.split,
-        img_size=args.img_size,
+        img_size=_img_size(args),
         crop_pct=args.crop_pct,
         interpolation=args.interpolation,
         batch_size=args.batch_size,
@@ -179,26 +185,35 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    """Print the classes of the images that could be read (text or JSON), then one error line per image
+    that could not; exit 1 when some could not, 2 when none could."""
     rows = predict(
         args.images,
         args.checkpoint,
         args.model,
         topk=args.topk,
-        img_size=args.img_size,
+        img_size=_img_size(args),
         dials=dials_from_args(args),
         use_ema=args.ema,
         pretrained=args.pretrained,
         trust=args.trust_checkpoint,
         device=args.device,
     )
+    good = [row for row in rows if "top" in row]
     if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
+        print(json.dumps(good, indent=1))
+    else:
+        for row in good:
+            print(row["image"])
+            for rank, t in enumerate(row["top"], 1):
+                print(f"  {rank}. {100 * t['prob']:6.2f}%  {t['name']}  (class {t['index']})")
+    sys.stdout.flush()
     for row in rows:
-        print(row["image"])
-        for rank, t in enumerate(row["top"], 1):
-            print(f"  {rank}. {100 * t['prob']:6.2f}%  {t['name']}  (class {t['index']})")
-    return 0
+        if "error" in row:
+            print(f"cgavit predict: error: {' '.join(row['error'].split())}", file=sys.stderr)
+    if len(good) == len(rows):
+        return 0
+    return 1 if good else 2
 
 
 def _demo(args: argparse.Namespace) -> int:

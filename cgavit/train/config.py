@@ -12,6 +12,7 @@ field names (``dials={"cascade": False}`` is ``--cascade off``).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from ..factory import resolve_name
 from ..variants import VARIANTS, EfficientViTConfig
+from ..weights import CROP_PCT_RANGE, IMG_SIZE_RANGE, CheckpointError
 from . import checkpoint
 
 #: The design dials a run may set: every :class:`~cgavit.EfficientViTConfig` field.
@@ -33,7 +35,31 @@ DISTILLATION_TYPES = ("none", "soft", "hard")
 AMP_DTYPES = ("bfloat16", "float16")
 
 _PATH_FIELDS = ("data", "finetune", "teacher", "teacher_weights", "output", "resume")
-_TUPLE_FIELDS = ("mean", "std", "scale")
+_TUPLE_FIELDS = {"mean": 3, "std": 3, "scale": 2}  # field: length
+
+_BIG = 1_000_000
+#: Inclusive ``(low, high)`` bounds of every numeric option; :meth:`TrainConfig.check_values` holds
+#: each option to them, whether it was typed or read from a checkpoint.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "img_size": IMG_SIZE_RANGE, "crop_pct": CROP_PCT_RANGE, "workers": (0, 1024), "drop_path": (0.0, 1.0),
+    "epochs": (1, _BIG), "cooldown_epochs": (0, _BIG), "batch_size": (2, 65536), "lr": (0.0, 10.0),
+    "lr_base": (0.0, 10.0), "lr_base_size": (1, 2**31), "opt_eps": (0.0, 1.0), "momentum": (0.0, 1.0),
+    "weight_decay": (0.0, 10.0), "warmup_epochs": (0, _BIG), "warmup_lr": (0.0, 10.0), "min_lr": (0.0, 10.0),
+    "clip_grad": (0.0, 1e6), "reprob": (0.0, 1.0), "hflip": (0.0, 1.0), "color_jitter": (0.0, 10.0),
+    "smoothing": (0.0, 1.0), "mixup": (0.0, 100.0), "cutmix": (0.0, 100.0), "mixup_prob": (0.0, 1.0),
+    "mixup_switch_prob": (0.0, 1.0), "aug_repeats": (0, 64), "model_ema_decay": (0.0, 1.0),
+    "distillation_alpha": (0.0, 1.0), "distillation_tau": (1e-3, 1e3), "seed": (0, 2**63 - 1),
+    "log_interval": (1, 2**31), "interrupt_after": (0, 2**63 - 1),
+    "mean": (0.0, 1.0), "std": (1e-3, 10.0), "scale": (1e-4, 1.0),
+}
+#: Inclusive ``(low, high)`` bounds per entry of the integer design dials; widths, depths and windows
+#: beyond these are refused before a network is built (a checkpoint's record is untrusted input).
+DIAL_BOUNDS: dict[str, tuple[int, int]] = {
+    "embed_dim": (8, 2048), "depth": (1, 32), "num_heads": (1, 64), "window_size": (1, 64), "kernels": (1, 31),
+    "key_dim": (1, 512), "ffn_per_side": (0, 8),
+}
+#: Largest expansion of the ratio dials.
+RATIO_BOUND = 16.0
 
 
 @dataclass
@@ -114,39 +140,50 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 setattr(self, name, os.fspath(value))
-        for name in _TUPLE_FIELDS:
+        for name, n in _TUPLE_FIELDS.items():
             value = getattr(self, name)
             if value is not None:
-                setattr(self, name, tuple(float(v) for v in value))
+                setattr(self, name, _numbers(value, name, n))
+        if not isinstance(self.dials, Mapping):
+            raise ValueError(f"dials must be a mapping of design dials, got {self.dials!r}")
         self.dials = normalize_dials(self.dials)
 
     # ------------------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Raise ``ValueError`` for values that cannot work, naming the option to change."""
+        """Raise ``ValueError`` for values that cannot work, naming the option to change: every
+        check of :meth:`check_values`, and the options a run needs (``data``, a teacher for
+        distillation)."""
         if self.data is None:
             raise ValueError("give --data DIR (a folder with train/<class>/ and val/<class>/ image folders)")
-        for name in ("epochs", "batch_size", "img_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.img_size < 32:
-            raise ValueError(f"--img-size must be at least 32 (the network downsamples 64x), got {self.img_size}")
-        if self.workers < 0 or self.warmup_epochs < 0 or self.cooldown_epochs < 0:
-            raise ValueError("--workers, --warmup-epochs and --cooldown-epochs must be >= 0")
-        if not 0 < self.crop_pct <= 1:
-            raise ValueError(f"--crop-pct must be in (0, 1], got {self.crop_pct}")
-        if not 0 <= self.model_ema_decay < 1:
-            raise ValueError(f"--model-ema-decay must be in [0, 1), got {self.model_ema_decay}")
-        for name, choices in (("interpolation", INTERPOLATIONS), ("clip_mode", CLIP_MODES),
-                              ("distillation_type", DISTILLATION_TYPES), ("amp_dtype", AMP_DTYPES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        self.check_values()
         if self.distillation_type != "none" and not self.teacher:
             raise ValueError("--distillation-type needs --teacher (a model name with --teacher-weights, or a checkpoint)")
         if self.teacher and self.distillation_type == "none":
             raise ValueError("--teacher given without --distillation-type hard|soft")
         if self.finetune and self.resume:
             raise ValueError("give --finetune (start a new run from weights) or --resume (continue a run), not both")
-        VARIANTS[resolve_name(self.model)].cfg.with_dials(**self.dials)  # names the bad dial
+
+    def check_values(self) -> None:
+        """Raise ``ValueError`` naming the option when a value has the wrong type, lies outside
+        :data:`BOUNDS`, is no allowed choice, or the dials are out of :data:`DIAL_BOUNDS` or do not
+        form a network. Cheap, and builds nothing: safe on a checkpoint's untrusted record."""
+        for f in fields(self):
+            _check_type(f.name, f.type, getattr(self, f.name))
+        for name, (lo, hi) in BOUNDS.items():
+            value = getattr(self, name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if v is not None and not (math.isfinite(v) and lo <= v <= hi):
+                    raise ValueError(f"--{_flag(name)} must be within {lo}..{hi}, got {v}")
+        if self.model_ema_decay >= 1:
+            raise ValueError(f"--model-ema-decay must be below 1, got {self.model_ema_decay}")
+        if self.scale[0] > self.scale[1]:
+            raise ValueError(f"--scale MIN MAX needs MIN <= MAX, got {self.scale[0]} {self.scale[1]}")
+        for name, choices in (("interpolation", INTERPOLATIONS), ("clip_mode", CLIP_MODES),
+                              ("distillation_type", DISTILLATION_TYPES), ("amp_dtype", AMP_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        check_dials(self.dials)
+        VARIANTS[resolve_name(self.model)].cfg.with_dials(**self.dials)  # names the dial that does not fit
 
     # ------------------------------------------------------------------------------ resume
     @classmethod
@@ -160,9 +197,10 @@ class TrainConfig:
         is overridden.
 
         Raises:
-            CheckpointError: a missing, corrupt or non-training checkpoint (nothing is written).
+            CheckpointError: a missing, corrupt or non-training checkpoint, or one whose recorded
+                options are malformed or out of bounds (nothing is written).
         """
-        stored = cls.from_record(checkpoint.load(path)["args"])
+        stored = cls.from_checkpoint(checkpoint.load(path), path)
         values = {f.name: getattr(stored, f.name) for f in fields(cls) if f.name not in NOT_RESUMED}
         dials = {**stored.dials, **normalize_dials(overrides.pop("dials", {}))}
         values.update(overrides, dials=dials, resume=os.fspath(path))
@@ -187,11 +225,31 @@ class TrainConfig:
     @classmethod
     def from_record(cls, record: Mapping) -> TrainConfig:
         """The config stored in a checkpoint's ``"args"`` (:meth:`to_record`; keys it does not know,
-        like an older command's ``"command"``, are ignored; missing ones take the defaults)."""
+        like an older command's ``"command"``, are ignored; missing ones take the defaults).
+
+        Raises:
+            ValueError: a value of the wrong type or out of bounds (:meth:`check_values`).
+        """
+        if not isinstance(record, Mapping):
+            raise ValueError(f"the recorded options must be a dict, got {type(record).__name__}")
         names = {f.name for f in fields(cls)} - {"dials"}
         values = {k: v for k, v in record.items() if k in names}
         values["dials"] = {k: record[k] for k in DIAL_NAMES if record.get(k) is not None}
-        return cls(**values)
+        config = cls(**values)
+        config.check_values()
+        return config
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Mapping, source: str | os.PathLike) -> TrainConfig:
+        """The validated config of a training checkpoint read by :func:`checkpoint.load`.
+
+        Raises:
+            CheckpointError: its ``"args"`` are malformed or out of bounds; the message names ``source``.
+        """
+        try:
+            return cls.from_record(ckpt["args"])
+        except ValueError as err:
+            raise CheckpointError(f"{source}: the recorded training options are invalid: {err}") from None
 
     # ------------------------------------------------------------------------------ spelling
     def to_argv(self) -> list[str]:
@@ -230,6 +288,59 @@ def normalize_dials(dials: Mapping) -> dict:
             value = (value,)
         out[name] = value
     return out
+
+
+def check_dials(dials: Mapping) -> None:
+    """Raise ``ValueError`` unless every dial has a valid type and lies within :data:`DIAL_BOUNDS`
+    (integers per stage) or ``(0, RATIO_BOUND]`` (ratios); builds nothing."""
+    for name, value in dials.items():
+        values = value if isinstance(value, tuple) else (value,)
+        if name in ("cascade", "group_split"):
+            ok = isinstance(value, bool)
+            want = "on or off (True or False)"
+        elif name in DIAL_BOUNDS:
+            lo, hi = DIAL_BOUNDS[name]
+            ok = bool(values) and all(_is_int(v) and lo <= v <= hi for v in values)
+            want = f"whole numbers within {lo}..{hi}"
+        else:  # attn_ratio, ffn_ratio
+            ok = bool(values) and all(_is_number(v) and 0 < v <= RATIO_BOUND for v in values)
+            want = f"numbers within (0, {RATIO_BOUND:g}]"
+        if not ok:
+            raise ValueError(f"--{_flag(name)} must be {want}, got {_dial_text(value)}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _numbers(value, name: str, n: int) -> tuple[float, ...]:
+    """``value`` as a tuple of ``n`` floats; ValueError naming the option otherwise."""
+    if not isinstance(value, (list, tuple)) or len(value) != n or not all(_is_number(v) for v in value):
+        raise ValueError(f"--{_flag(name)} takes {n} numbers, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+_KINDS = {
+    "str": (lambda v: isinstance(v, str), "text"),
+    "int": (_is_int, "a whole number"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "tuple": (lambda v: isinstance(v, tuple), "a list of numbers"),
+    "dict": (lambda v: isinstance(v, dict), "a mapping"),
+}
+
+
+def _check_type(name: str, annotation: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` fits the field's annotation (``"int"``, ``"str | None"``, ...)."""
+    if value is None and "None" in annotation:
+        return
+    ok, text = _KINDS[annotation.split("|")[0].split("[")[0].strip()]
+    if not ok(value):
+        raise ValueError(f"--{_flag(name)} must be {text}, got {value!r}")
 
 
 def _default(f) -> object:

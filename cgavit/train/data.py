@@ -7,7 +7,9 @@ Layout (the ImageNet-1k one)::
 
 Class indices are the sorted class-folder names, so an ImageNet ``val`` folder of synset names gets
 the standard 1000-class order. An image that cannot be decoded is reported by path and skipped (the
-count travels with each batch, so it is exact across loader workers), or raises with ``strict``.
+count travels with each batch, so it is exact across loader workers), or raises with ``strict``. So is
+an image that declares more than :data:`MAX_IMAGE_PIXELS` pixels (a decompression bomb): its header is
+read, never its pixels.
 """
 
 from __future__ import annotations
@@ -27,13 +29,34 @@ from timm.data.auto_augment import posterize
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
 
+from ..io import DataError, UnreadableFileError, check_readable_file
+
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 
+#: Largest image decoded (width x height): 50 megapixels, about 150 MB as RGB. A larger one is refused
+#: from its header, before any pixel is decoded, and handled as an unreadable image.
+MAX_IMAGE_PIXELS = 50_000_000
 
-class BadImageError(ValueError):
+
+class BadImageError(DataError):
     """An image file that cannot be decoded (raised instead of skipping when ``strict``)."""
+
+
+def check_folder(path: str | Path, what: str = "data folder") -> Path:
+    """Return ``path`` if it is a folder that can be listed; raise :class:`~cgavit.io.DataError`
+    naming it and saying what is wrong otherwise (missing, a file, a pipe, or not permitted)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{what} {path} does not exist; check the path")
+    if not path.is_dir():
+        raise DataError(f"{what} {path} is not a folder (a file, pipe or device); give the folder")
+    try:
+        next(path.iterdir(), None)
+    except OSError as err:
+        raise DataError(f"{what} {path} cannot be listed ({err.strerror or err}); fix its permissions") from None
+    return path
 
 
 # --------------------------------------------------------------------------------- layout scanning
@@ -46,18 +69,21 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
         split: ``"train"``, ``"val"``, ... or None.
 
     Raises:
-        ValueError: the folder is missing, has no class folders, or a class folder holds no image;
-            the message names the folder and says what the layout must be.
+        DataError: the folder is missing, not a folder, has no class folders, or a class folder holds
+            no image; the message names the folder and says what the layout must be.
     """
+    if split:
+        check_folder(root)
     folder = Path(root) / split if split else Path(root)
-    if not folder.is_dir():
-        raise ValueError(
+    if not folder.exists():
+        raise DataError(
             f"data folder {folder} does not exist; expected the image-folder layout "
             f"DIR/train/<class>/<image> and DIR/val/<class>/<image>"
         )
+    check_folder(folder)
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
-        raise ValueError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
+        raise DataError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
     samples: list[tuple[str, int]] = []
     empty = []
     for idx, name in enumerate(classes):
@@ -69,7 +95,7 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
         samples.extend((str(p), idx) for p in files)
     if empty:
         shown = ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else "")
-        raise ValueError(
+        raise DataError(
             f"{len(empty)} class folder(s) in {folder} hold no images ({shown}); remove them or add images "
             f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
         )
@@ -83,14 +109,14 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
         ``{"classes": [...], "train": samples, "val": samples}``.
 
     Raises:
-        ValueError: a missing or empty split or class folder, or class sets that differ.
+        DataError: a missing or empty split or class folder, or class sets that differ.
     """
     train_classes, train_samples = list_split(root, train_split)
     val_classes, val_samples = list_split(root, val_split)
     if train_classes != val_classes:
         only_t = sorted(set(train_classes) - set(val_classes))[:5]
         only_v = sorted(set(val_classes) - set(train_classes))[:5]
-        raise ValueError(
+        raise DataError(
             f"the {train_split} and {val_split} splits of {root} name different classes "
             f"(only in {train_split}: {only_t}; only in {val_split}: {only_v}); both need the same class folders"
         )
@@ -106,7 +132,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     and palette images go through PIL's conversion.
     """
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
+        arr = np.asarray(img, dtype=np.float32)
         if img.mode.startswith("I;16"):
             arr = arr / 257.0
         elif img.mode == "F" and arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
@@ -129,13 +155,37 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def load_image(path: str | Path) -> Image.Image:
-    """Open, fully decode and convert to RGB; raises :class:`BadImageError` naming the file."""
+    """Open, fully decode and convert to RGB.
+
+    The path is checked first (a pipe or device is never opened, so nothing blocks), and the size the
+    header declares before any pixel is decoded (at most :data:`MAX_IMAGE_PIXELS`).
+
+    Raises:
+        BadImageError: the file is missing, empty, not a regular file, not an image, truncated,
+            or too large; the message names it.
+    """
+    try:
+        check_readable_file(path, "image")
+    except UnreadableFileError as err:
+        raise BadImageError(str(err)) from None
     try:
         with Image.open(path) as img:
+            _check_pixels(img, path)
             img.load()
             return to_rgb(img)
+    except BadImageError:
+        raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise BadImageError(f"cannot read image {path}: {err}") from None
+
+
+def _check_pixels(img: Image.Image, path: str | Path) -> None:
+    width, height = img.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise BadImageError(
+            f"image {path} declares {width}x{height} pixels ({width * height / 1e6:.0f} MP), over the "
+            f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP that are decoded; downscale it"
+        )
 
 
 # --------------------------------------------------------------------------------------- dataset
@@ -432,11 +482,13 @@ def eval_sampler(dataset, world: int, rank: int) -> Sampler:
 __all__ = [
     "BadImageError",
     "Batch",
+    "MAX_IMAGE_PIXELS",
     "ImageFolderDataset",
     "EpochRandomSampler",
     "PaddedEvalSampler",
     "SeededSampler",
     "build_transform",
+    "check_folder",
     "check_layout",
     "collate",
     "epoch_seed",

@@ -115,10 +115,15 @@ def run_demo(
         with ``cgavit train --resume`` its ``"last"``).
     """
     output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"--output {output} is not a folder; give a folder for the demo's data and run")
+    if threads is not None and not 1 <= threads <= 256:
+        raise ValueError(f"--threads must be within 1..256, got {threads}")
     run_dir = output / "run"
+    cfg = demo_config(output / "data", run_dir, DEMO_EPOCHS if epochs is None else epochs, seed, progress)
+    cfg.validate()
     for name in ("last.pt", "best.pt", "best.safetensors", "metrics.jsonl", "curves.png", "train.log"):
         (run_dir / name).unlink(missing_ok=True)  # the demo owns this folder: start afresh
-    cfg = demo_config(output / "data", run_dir, epochs or DEMO_EPOCHS, seed, progress)
     old_threads = torch.get_num_threads()
     threads = threads or max(1, min(4, (os.cpu_count() or 2) - 1))
     torch.set_num_threads(threads)

@@ -27,6 +27,7 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
+from ..io import DataError, WriteError, remove_stale_temporaries
 from ..weights import CheckpointError, load_checkpoint, save_weights
 from . import checkpoint as ckpt_io
 from . import records
@@ -62,8 +63,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             stopped run, ``TrainConfig.resume_from("runs/a/last.pt")``.
 
     Raises:
-        ValueError: bad options or data layout (the message says what to change).
-        CheckpointError: an unreadable ``resume`` or ``finetune`` file.
+        ValueError: bad options (the message says what to change).
+        DataError: a bad data layout, or data that cannot train: an epoch in which no update could be
+            made (every image unreadable), or no validation image readable. No checkpoint is written.
+        CheckpointError: an unreadable or damaged ``resume``, ``finetune``, ``teacher`` or
+            ``teacher_weights`` file.
     """
     cfg.validate()
     env = setup(cfg.device)
@@ -159,6 +163,7 @@ class _EpochStats:
     bad: set[str]
     interrupted: bool
     next_step: int
+    updates: int  # optimiser updates made (the same on every rank)
 
 
 def _file_log(output: Path) -> logging.Handler:
@@ -171,6 +176,7 @@ def _file_log(output: Path) -> logging.Handler:
 def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
     t_start = time.perf_counter()
     resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
+    _check_input_files(cfg)
     quiet = logging.getLogger("cgavit")
     old_level = None
     if not env.is_main:  # only rank 0 logs below warnings
@@ -184,10 +190,12 @@ def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
         output = _choose_output(cfg, env, resumed is not None)
         cfg = replace(cfg, output=str(output))
         if env.is_main:
-            output.mkdir(parents=True, exist_ok=True)
+            _make_folder(output)
         with _RunLock(output, env):
             if env.is_main:
                 handler = _file_log(output)
+                for tmp in remove_stale_temporaries(output):
+                    log.info("removed %s, left by an interrupted write", tmp)
             return _train(cfg, env, stopper, layout, resumed, t_start)
     finally:
         if handler is not None:
@@ -195,6 +203,16 @@ def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
             handler.close()
         if old_level is not None:
             quiet.setLevel(old_level)
+
+
+def _check_input_files(cfg: TrainConfig) -> None:
+    """Every file the run will read is a readable, non-empty regular file (never opening a pipe):
+    checked before the run folder is made."""
+    for flag, path in (("--finetune", cfg.finetune), ("--teacher-weights", cfg.teacher_weights)):
+        if path:
+            ckpt_io.readable(path, f"{flag} file")
+    if cfg.teacher and Path(cfg.teacher).exists():
+        ckpt_io.readable(cfg.teacher, "--teacher checkpoint")
 
 
 class _RunLock:
@@ -256,12 +274,21 @@ def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         out = Path("runs") / f"{cfg.model}-{stamp}"
     out = Path(broadcast_object(env, str(out)))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
     taken = not resuming and env.is_main and (out / "last.pt").exists()
     if broadcast_object(env, taken):  # every rank raises, so none waits for the others
         raise ValueError(
             f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
         )
     return out
+
+
+def _make_folder(output: Path) -> None:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WriteError(err.errno, f"cannot create the run folder {output}: {err.strerror or err}; choose another --output") from None
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
@@ -280,6 +307,7 @@ def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, 
     model = build_model(cfg, num_classes)
     if cfg.finetune:
         report = load_checkpoint(model, cfg.finetune)
+        ckpt_io.check_finite(model.state_dict(), cfg.finetune)
         log.info("fine-tuning from %s (%d classifier tensors re-initialised)", cfg.finetune, len(report["skipped"]))
     model.to(env.device)
     loaders = build_loaders(cfg, env, layout)
@@ -324,6 +352,8 @@ def _train(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, resu
         stats = _train_one_epoch(run, epoch, total_epochs, start_step)
         bad = gather_objects(env, sorted(stats.bad))
         _report_bad({p for paths in bad for p in paths}, history.skipped)
+        if stats.updates == 0 and not stats.interrupted:
+            raise DataError(_no_update(epoch, sorted({p for paths in bad for p in paths}), len(run.loaders.train.dataset)))
         if stats.interrupted:
             _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
             history.interrupted = True
@@ -341,12 +371,27 @@ def _train(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, resu
     return _result(run, history, t_start)
 
 
+def _no_update(epoch: int, bad: list[str], total: int) -> str:
+    """What to say when an epoch trained on nothing."""
+    if bad:
+        return (
+            f"epoch {epoch + 1} made no update: {len(bad)} of the {total} training images could not be read "
+            f"(e.g. {bad[0]}), leaving no batch of two or more; fix or remove them (see the warnings) and run again"
+        )
+    return f"epoch {epoch + 1} made no update: no batch held two or more readable images; check --data and --batch-size"
+
+
 def _finish_epoch(run: _Run, epoch: int, total_epochs: int, stats: _EpochStats, history: _History) -> None:
     """Evaluate after a completed epoch, record it, and save ``last.pt`` (and the best files)."""
     cfg, env, state = run.cfg, run.env, run.state
     val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
     history.last_val = val
     _report_bad(val["bad_paths"], history.skipped)
+    if val["n"] == 0:
+        raise DataError(
+            f"none of the {len(run.loaders.val.dataset)} validation images could be read (e.g. {val['bad_paths'][0]}); "
+            "fix or remove them (see the warnings) and run again"
+        )
     row = {
         "epoch": epoch,
         "train_loss": stats.loss,
@@ -452,26 +497,27 @@ def _save(run: _Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> 
 def _resume(run: _Run, ck: dict) -> None:
     """Load a checkpoint's weights, optimiser, schedule and progress into ``run``; drop metric rows
     written after it."""
-    _restore(ck, run)
+    ckpt_io.check_finite(ck["model"], run.cfg.resume)
     state, env = run.state, run.env
-    if state.rng and len(state.rng) == env.world:
-        ckpt_io.set_rng_state(state.rng[env.rank], env.device)
+    try:
+        _restore(ck, run)
+        if state.rng and len(state.rng) == env.world:
+            ckpt_io.set_rng_state(state.rng[env.rank], env.device)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
     if env.is_main:
         records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch)
     log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
 
 
 def _restore(ck: dict, run: _Run) -> None:
-    try:
-        run.model.load_state_dict(ck["model"])
-        if run.ema is not None:
-            run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
-        run.optimizer.load_state_dict(ck["optimizer"])
-        run.scheduler.load_state_dict(ck["scheduler"])
-        if run.scaler is not None and ck.get("scaler"):
-            run.scaler.load_state_dict(ck["scaler"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        raise CheckpointError(f"the checkpoint does not fit this model or options: {str(err)[:400]}") from None
+    run.model.load_state_dict(ck["model"])
+    if run.ema is not None:
+        run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
+    run.optimizer.load_state_dict(ck["optimizer"])
+    run.scheduler.load_state_dict(ck["scheduler"])
+    if run.scaler is not None and ck.get("scaler"):
+        run.scaler.load_state_dict(ck["scaler"])
     progress = ck.get("progress") or {}
     state = run.state
     state.next_epoch = int(ck["next_epoch"])
@@ -504,7 +550,7 @@ def _train_one_epoch(run: _Run, epoch: int, total_epochs: int, start_step: int) 
     progress = records.Progress(steps, epoch, total_epochs, env.is_main, cfg.progress, cfg.log_interval)
     partial = state.partial if start_step > 0 else {}
     loss_sum, seen, bad = float(partial.get("loss_sum", 0.0)), int(partial.get("seen", 0)), set()
-    images_timed, next_step, interrupted = 0, steps, False
+    images_timed, next_step, interrupted, updates = 0, steps, False, 0
     lr = run.optimizer.param_groups[0]["lr"]
     t0 = time.perf_counter()
     for step, batch in enumerate(loader, start=start_step):
@@ -521,7 +567,7 @@ def _train_one_epoch(run: _Run, epoch: int, total_epochs: int, start_step: int) 
             progress.update(step, 0, None, lr)
         else:
             value = _update(run, batch, n, epoch, step)
-            loss_sum, seen, images_timed = loss_sum + value * n, seen + n, images_timed + n
+            loss_sum, seen, images_timed, updates = loss_sum + value * n, seen + n, images_timed + n, updates + 1
             progress.update(step, n * env.world, value, lr)
         stop = run.stopper.signum is not None or _forced_stop(cfg, state)
         if any_true(env, stop) and step + 1 < steps:
@@ -536,7 +582,7 @@ def _train_one_epoch(run: _Run, epoch: int, total_epochs: int, start_step: int) 
     state.partial = {"loss_sum": loss_sum / env.world, "seen": int(seen / env.world)} if interrupted else {}
     return _EpochStats(
         loss=loss_sum / max(seen, 1), lr=lr, img_per_s=images_timed / max(elapsed, 1e-9), epoch_s=elapsed,
-        bad=bad, interrupted=interrupted, next_step=next_step,
+        bad=bad, interrupted=interrupted, next_step=next_step, updates=updates,
     )
 
 

@@ -9,6 +9,7 @@ get ImageNet-1k class names when they have 1000 outputs.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -18,19 +19,23 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
-from ..factory import create_model
+from ..factory import create_model, resolve_name
+from ..io import DataError, sniff_format
+from ..variants import VARIANTS
 from ..weights import (
+    CROP_PCT_RANGE,
+    IMG_SIZE_RANGE,
     CheckpointError,
     WeightsMeta,
     convert_state_dict,
     load_checkpoint,
-    read_metadata,
     read_state_dict,
     read_weights_meta,
     save_weights,
 )
+from . import checkpoint as ckpt_io
 from .config import TrainConfig
-from .data import ImageFolderDataset, build_transform, eval_sampler, list_split, load_image, make_loader
+from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, eval_sampler, list_split, load_image, make_loader
 from .distributed import setup, teardown
 from .evaluation import evaluate
 from .records import weights_meta
@@ -98,44 +103,48 @@ def load_model(
         if not (pretrained and model_name):
             raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
         model = create_model(model_name, pretrained=True, **(dials or {}))
-        return model.eval().to(device), ModelInfo(_names_for(model.num_classes, None), source=f"{model_name} (published)")
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        info = ModelInfo(_names_for(model.num_classes, None), source=f"{model_name} (published)")
+    else:
+        model, info = _from_file(ckpt_io.readable(path), model_name, dials, use_ema, trust)
+    ckpt_io.check_finite(model.state_dict(), info.source)
+    return model.eval().to(device), info
+
+
+def _from_file(path: Path, model_name: str | None, dials: dict | None, use_ema: bool, trust: bool) -> tuple[nn.Module, ModelInfo]:
+    """A network from a weights file written here, a training checkpoint, or an official / timm file."""
     meta = read_weights_meta(path)
     if meta is not None and meta.model:
-        return _from_safetensors(path, meta, device)
-    if meta is None and not read_metadata(path):  # not a safetensors file: maybe a training checkpoint
+        return _from_safetensors(path, meta)
+    if sniff_format(path) in ("zip", "pickle"):
         try:
-            ck = torch.load(path, map_location="cpu", weights_only=True)
+            ck = ckpt_io.read_torch_file(path)
         except Exception:
-            ck = None  # not a safe training checkpoint: fall through to the generic reader
-        if isinstance(ck, dict) and str(ck.get("format", "")).startswith("cgavit-train"):
-            return _from_training(path, ck, model_name, use_ema, device)
-    # official / timm / bare state dict
+            ck = None  # damaged, or pickled objects: read_state_dict below says which
+        if ckpt_io.is_training_checkpoint(ck):
+            ckpt_io.check(ck, path)
+            return _from_training(path, ck, model_name, use_ema)
+    sd = convert_state_dict(read_state_dict(path, trust=trust, prefer_ema=use_ema))  # official / timm / bare
     if not model_name:
         raise ValueError(f"{path} does not record its architecture; pass --model NAME (and the dials it was trained with)")
-    sd = convert_state_dict(read_state_dict(path, trust=trust, prefer_ema=use_ema))
     head = sd.get("head.linear.weight")
     num_classes = int(head.shape[0]) if head is not None else 1000
     model = create_model(model_name, num_classes=num_classes, distillation="head_dist.linear.weight" in sd, **(dials or {}))
     load_checkpoint(model, sd)
-    return model.eval().to(device), ModelInfo(_names_for(num_classes, None), source=str(path))
+    return model, ModelInfo(_names_for(num_classes, None), source=str(path))
 
 
-def _from_training(path: Path, ck: dict, model_name: str | None, use_ema: bool, device) -> tuple[nn.Module, ModelInfo]:
-    cfg = TrainConfig.from_record(ck["args"])
+def _from_training(path: Path, ck: dict, model_name: str | None, use_ema: bool) -> tuple[nn.Module, ModelInfo]:
+    """A network from a training checkpoint (checked by :func:`checkpoint.check`); its recorded options
+    are validated, and checked against its tensors, before the network is built."""
+    cfg = TrainConfig.from_checkpoint(ck, path)
     if model_name and model_name.split(".")[0] not in (cfg.model, f"efficientvit_{model_name}"):
         log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, cfg.model)
-    classes = list(ck.get("classes") or [])
-    model = create_model(
-        cfg.model,
-        num_classes=len(classes) or ck["model"]["head.linear.weight"].shape[0],
-        img_size=cfg.img_size,
-        distillation=cfg.distillation_type != "none",
-        **cfg.dials,
-    )
     sd = ck["model_ema"] if use_ema and ck.get("model_ema") is not None else ck["model"]
+    classes = list(ck.get("classes") or [])
+    num_classes = _recorded_classes(sd, classes, cfg, path)
+    model = create_model(
+        cfg.model, num_classes=num_classes, img_size=cfg.img_size, distillation=cfg.distillation_type != "none", **cfg.dials
+    )
     load_checkpoint(model, sd)
     info = ModelInfo(
         _names_for(model.num_classes, classes),
@@ -146,10 +155,26 @@ def _from_training(path: Path, ck: dict, model_name: str | None, use_ema: bool, 
         std=cfg.std or IMAGENET_DEFAULT_STD,
         source=str(path),
     )
-    return model.eval().to(device), info
+    return model, info
 
 
-def _from_safetensors(path: Path, meta: WeightsMeta, device) -> tuple[nn.Module, ModelInfo]:
+def _recorded_classes(sd: dict, classes: list[str], cfg: TrainConfig, path: Path) -> int:
+    """The class count of a training checkpoint, after checking the recorded class names and network
+    width against the classifier it holds (so a record that asks for more than its tensors builds
+    nothing)."""
+    head = sd.get("head.linear.weight")
+    if head is None or head.ndim != 2:
+        raise CheckpointError(f"{path}: its weights have no classifier 'head.linear.weight'; the file is damaged")
+    width = VARIANTS[resolve_name(cfg.model)].cfg.with_dials(**cfg.dials).embed_dim[-1]
+    if head.shape[1] != width or (classes and len(classes) != head.shape[0]):
+        raise CheckpointError(
+            f"{path}: its record ({len(classes)} classes, last width {width}) disagrees with its classifier of "
+            f"shape {tuple(head.shape)}; the file is damaged"
+        )
+    return int(head.shape[0])
+
+
+def _from_safetensors(path: Path, meta: WeightsMeta) -> tuple[nn.Module, ModelInfo]:
     model = create_model(
         meta.model,
         num_classes=meta.num_classes,
@@ -167,17 +192,15 @@ def _from_safetensors(path: Path, meta: WeightsMeta, device) -> tuple[nn.Module,
         std=meta.std,
         source=str(path),
     )
-    return model.eval().to(device), info
+    return model, info
 
 
 def export_weights(checkpoint: str | Path, path: str | Path, use_ema: bool = False) -> Path:
     """Write a training checkpoint's weights in the package's safetensors format, with the metadata
     (model, config, class names, input size, normalisation) that :func:`load_model` rebuilds from."""
-    ck = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    if not isinstance(ck, dict) or not str(ck.get("format", "")).startswith("cgavit-train"):
-        raise CheckpointError(f"{checkpoint} is not a training checkpoint written by cgavit train")
+    ck = ckpt_io.load(checkpoint)
     model, info = load_model(checkpoint, use_ema=use_ema)
-    cfg = TrainConfig.from_record(ck["args"])
+    cfg = TrainConfig.from_checkpoint(ck, checkpoint)
     meta = weights_meta(cfg, model, info.class_names, {"epoch": str(int(ck["next_epoch"]) - 1)})
     return save_weights(model, path, meta)
 
@@ -211,17 +234,19 @@ def evaluate_checkpoint(
 
     Returns:
         ``{"top1", "top5", "loss", "n", "skipped", "img_size", "crop_pct", "checkpoint", "data"}``.
+
+    Raises:
+        DataError: ``data`` is no image folder, or none of its images can be read.
+        CheckpointError: an unreadable or damaged checkpoint (NaN/inf weights included).
+        ValueError: options out of bounds.
     """
+    check_eval_options(img_size, crop_pct, batch_size, workers)
+    root = check_folder(data)
     env = setup(device)
     try:
         model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=env.device)
-        root = Path(data)
         split_dir = root / (split or "val") if (root / (split or "val")).is_dir() or split else root
-        classes, samples = list_split(split_dir)
-        if len(classes) != model.num_classes:
-            raise ValueError(
-                f"{split_dir} has {len(classes)} class folders but the model predicts {model.num_classes} classes"
-            )
+        classes, samples = _split_for(split_dir, model.num_classes)
         size = img_size or info.img_size
         pct = crop_pct or info.crop_pct
         interp = interpolation or info.interpolation
@@ -231,10 +256,34 @@ def evaluate_checkpoint(
         res = evaluate(model, loader, env)
         for p in res.pop("bad_paths"):
             log.warning("skipped unreadable image %s", p)
+        if res["n"] == 0:
+            raise DataError(f"none of the {len(samples)} images in {split_dir} could be read; no metrics to report")
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir), world_size=env.world)
         return res
     finally:
         teardown(env)
+
+
+def _split_for(split_dir: Path, num_classes: int) -> tuple[list[str], list[tuple[str, int]]]:
+    """The classes and samples of ``split_dir``, which must have one class folder per model output."""
+    classes, samples = list_split(split_dir)
+    if len(classes) != num_classes:
+        raise DataError(f"{split_dir} has {len(classes)} class folders but the model predicts {num_classes} classes")
+    return classes, samples
+
+
+def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size: int = 1, workers: int = 0) -> None:
+    """Raise ``ValueError`` when an evaluation image size or crop fraction (None: the checkpoint's)
+    is out of bounds (sizes within 32..4096 pixels, crops within 0.2..1), or the batch size is below 1
+    or the worker count below 0."""
+    if batch_size < 1 or workers < 0:
+        raise ValueError(f"--batch-size must be at least 1 and --workers at least 0, got {batch_size} and {workers}")
+    lo, hi = IMG_SIZE_RANGE
+    if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or not lo <= img_size <= hi):
+        raise ValueError(f"--img-size must be between {lo} and {hi} pixels, got {img_size}")
+    lo, hi = CROP_PCT_RANGE
+    if crop_pct is not None and not (math.isfinite(crop_pct) and lo <= crop_pct <= hi):
+        raise ValueError(f"--crop-pct must be within {lo}..{hi}, got {crop_pct}")
 
 
 @torch.no_grad()
@@ -253,24 +302,35 @@ def predict(
     device: str = "cpu",
 ) -> list[dict]:
     """The ``topk`` classes of each image, any PIL mode (grayscale, RGBA, palette, CMYK, 16-bit,
-    float) and any size.
+    float) and any size. An image that cannot be read does not stop the others.
 
     Returns:
-        One ``{"image", "top": [{"index", "name", "prob"}, ...]}`` per image, probabilities in [0, 1].
+        One row per image, in order: ``{"image", "top": [{"index", "name", "prob"}, ...]}`` with
+        probabilities in [0, 1], or ``{"image", "error"}`` for an image that cannot be read (missing,
+        empty, a pipe, not an image, truncated, too large); ``topk`` beyond the class count shows all.
 
     Raises:
-        BadImageError: an image file that cannot be decoded (named).
+        ValueError: ``topk`` below 1, or ``img_size`` / ``crop_pct`` out of bounds.
+        CheckpointError: an unreadable or damaged checkpoint (NaN/inf weights included).
     """
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"--topk must be at least 1, got {topk}")
+    check_eval_options(img_size, crop_pct)
     model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
+    if topk > model.num_classes:
+        log.warning("--topk %d is more than the model's %d classes: showing all of them", topk, model.num_classes)
     size = img_size or info.img_size
     transform = build_transform(size, False, interpolation=info.interpolation, crop_pct=crop_pct or info.crop_pct, mean=info.mean, std=info.std)
-    out = []
     synsets = imagenet_classes() if model.num_classes == 1000 else None
+    out = []
     for path in images:
-        x = transform(load_image(path)).unsqueeze(0).to(device)  # (1, 3, size, size)
+        try:
+            x = transform(load_image(path)).unsqueeze(0).to(device)  # (1, 3, size, size)
+        except BadImageError as err:
+            out.append({"image": str(path), "error": str(err)})
+            continue
         prob = model(x).float().softmax(dim=1)[0]
-        k = min(topk, prob.numel())
-        p, i = prob.topk(k)
+        p, i = prob.topk(min(topk, prob.numel()))
         top = []
         for pi, ii in zip(p.tolist(), i.tolist()):
             row = {"index": ii, "name": info.class_names[ii], "prob": pi}
