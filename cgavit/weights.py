@@ -65,7 +65,8 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False, prefer_ema: bo
         )
     try:
         with torch.serialization.safe_globals([(_OptionsRecord, "argparse.Namespace")]):
-            obj = torch.load(path, map_location="cpu", weights_only=not trust)
+            with open(path, "rb") as fh:  # a file object: torch would pick its reader from a .safetensors name
+                obj = torch.load(fh, map_location="cpu", weights_only=not trust)
     except Exception as err:
         text = str(err)
         if not trust and ("weights_only" in text or "Unsupported global" in text or "GLOBAL" in text):

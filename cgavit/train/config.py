@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..factory import resolve_name
-from ..variants import VARIANTS, EfficientViTConfig
+from ..variants import CONFIG_LIMITS, MAX_ATTN_RATIO, MAX_FFN_RATIO, VARIANTS, EfficientViTConfig
 from ..weights import CROP_PCT_RANGE, IMG_SIZE_RANGE, CheckpointError
 from . import checkpoint
 
@@ -55,11 +55,10 @@ BOUNDS: dict[str, tuple[float, float]] = {
 #: Inclusive ``(low, high)`` bounds per entry of the integer design dials; widths, depths and windows
 #: beyond these are refused before a network is built (a checkpoint's record is untrusted input).
 DIAL_BOUNDS: dict[str, tuple[int, int]] = {
-    "embed_dim": (8, 2048), "depth": (1, 32), "num_heads": (1, 64), "window_size": (1, 64), "kernels": (1, 31),
-    "key_dim": (1, 512), "ffn_per_side": (0, 8),
+    name: ({"embed_dim": 8, "ffn_per_side": 0}.get(name, 1), hi) for name, hi in CONFIG_LIMITS.items()
 }
-#: Largest expansion of the ratio dials.
-RATIO_BOUND = 16.0
+#: Largest value of each ratio dial (the model core's limits).
+RATIO_BOUNDS = {"ffn_ratio": MAX_FFN_RATIO, "attn_ratio": MAX_ATTN_RATIO}
 
 
 @dataclass
@@ -292,7 +291,7 @@ def normalize_dials(dials: Mapping) -> dict:
 
 def check_dials(dials: Mapping) -> None:
     """Raise ``ValueError`` unless every dial has a valid type and lies within :data:`DIAL_BOUNDS`
-    (integers per stage) or ``(0, RATIO_BOUND]`` (ratios); builds nothing."""
+    (integers per stage) or :data:`RATIO_BOUNDS` (ratios); builds nothing."""
     for name, value in dials.items():
         values = value if isinstance(value, tuple) else (value,)
         if name in ("cascade", "group_split"):
@@ -303,8 +302,9 @@ def check_dials(dials: Mapping) -> None:
             ok = bool(values) and all(_is_int(v) and lo <= v <= hi for v in values)
             want = f"whole numbers within {lo}..{hi}"
         else:  # attn_ratio, ffn_ratio
-            ok = bool(values) and all(_is_number(v) and 0 < v <= RATIO_BOUND for v in values)
-            want = f"numbers within (0, {RATIO_BOUND:g}]"
+            hi = RATIO_BOUNDS[name]
+            ok = bool(values) and all(_is_number(v) and 0 < v <= hi for v in values)
+            want = f"numbers within (0, {hi:g}]"
         if not ok:
             raise ValueError(f"--{_flag(name)} must be {want}, got {_dial_text(value)}")
 
