@@ -1,7 +1,15 @@
 import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run in Triton's CPU interpreter when there is no GPU; the variable must be set
+# before any test module imports triton (torch.compile may import it first)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # two pytest-xdist workers share two cores: one intra-op thread each
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -12,3 +20,108 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# ------------------------------------------------------------------------------ trained digits model
+DIGITS_SIZE = 48  # stage maps 3x3, 2x2, 1x1: attention over real tokens, small enough to train fast
+DIGITS_DIALS = {"embed_dim": (32, 48, 64), "depth": (1, 1, 1), "num_heads": (2, 2, 2), "kernels": (5, 5)}
+DIGITS_EPOCHS = 10
+
+
+@dataclass
+class TrainedDigits:
+    """A reduced EfficientViT-M0 trained on scikit-learn's digits, with its data.
+
+    ``checkpoint`` (a safetensors file with the model and preprocessing) and ``data`` (``train/`` and
+    ``val/`` image folders) are what the command line reads; the tensors are those folders preprocessed
+    by the checkpoint's evaluation transform: ``images``/``labels`` the 360 held-out images,
+    ``train_images`` the 1437 training images (calibration draws from these, never the held-out ones).
+    """
+
+    model: torch.nn.Module
+    checkpoint: Path
+    data: Path
+    images: torch.Tensor  # (360, 3, 48, 48)
+    labels: torch.Tensor  # (360,)
+    train_images: torch.Tensor  # (1437, 3, 48, 48)
+    train_labels: torch.Tensor
+    accuracy: float  # held-out top-1 of the fp32 model, 0-1
+
+    def calibration(self, n: int = 256, batch: int = 32) -> list[torch.Tensor]:
+        """``n`` training images in batches, a fixed draw."""
+        idx = torch.randperm(len(self.train_images), generator=torch.Generator().manual_seed(1))[:n]
+        return list(self.train_images[idx].split(batch))
+
+
+def _train_digits(images: torch.Tensor, labels: torch.Tensor) -> torch.nn.Module:
+    """A plain AdamW loop with one-cycle lr, label smoothing and random shifts; seconds on one core."""
+    import cgavit
+
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CI machine has two cores, shared with the other test worker
+    try:
+        return _train_loop(cgavit, images, labels)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_loop(cgavit, images: torch.Tensor, labels: torch.Tensor) -> torch.nn.Module:
+    model = cgavit.create_model("efficientvit_m0", num_classes=10, img_size=DIGITS_SIZE, **DIGITS_DIALS)
+    steps = DIGITS_EPOCHS * -(-len(images) // 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.15)
+    model.train()
+    for _ in range(DIGITS_EPOCHS):
+        for idx in torch.randperm(len(images)).split(64):
+            dy, dx = torch.randint(-3, 4, (2,)).tolist()
+            x = torch.roll(images[idx], (dy, dx), (2, 3))
+            loss = torch.nn.functional.cross_entropy(model(x), labels[idx], label_smoothing=0.1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model.eval()
+
+
+def _build_digits(root: Path) -> None:
+    from cgavit import save_weights
+    from cgavit.bench import load_labelled
+    from cgavit.train.demo import DIGITS_MEAN, DIGITS_STD, write_digits
+    from cgavit.train.inference import ModelInfo
+    from cgavit.weights import WeightsMeta
+
+    write_digits(root / "data")
+    info = ModelInfo([str(c) for c in range(10)], img_size=DIGITS_SIZE, crop_pct=1.0, mean=DIGITS_MEAN, std=DIGITS_STD)
+    train = load_labelled(root / "data", "train", info)
+    start = time.perf_counter()
+    model = _train_digits(train.images, train.labels)
+    meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=10, img_size=DIGITS_SIZE, crop_pct=1.0,
+                       mean=DIGITS_MEAN, std=DIGITS_STD, class_names=tuple(info.class_names),
+                       extra={"train_seconds": f"{time.perf_counter() - start:.1f}"})
+    save_weights(model, root / "digits.safetensors", meta)
+
+
+@pytest.fixture(scope="session")
+def trained_digits(tmp_path_factory) -> TrainedDigits:
+    """The digits model, trained once per session (once in all for pytest-xdist workers, by a file lock)."""
+    from filelock import FileLock
+
+    from cgavit.bench import load_labelled
+    from cgavit.train import load_model
+
+    pytest.importorskip("sklearn", reason="the digits come with scikit-learn (cgavit[train])")
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    root = root / "trained_digits"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(root / "lock")):
+        if not (root / "digits.safetensors").exists():
+            _build_digits(root)
+    model, info = load_model(root / "digits.safetensors")
+    held_out = load_labelled(root / "data", "val", info)
+    train = load_labelled(root / "data", "train", info)
+    with torch.no_grad():
+        acc = float((model(held_out.images).argmax(1) == held_out.labels).float().mean())
+    return TrainedDigits(model, root / "digits.safetensors", root / "data", held_out.images, held_out.labels,
+                         train.images, train.labels, acc)

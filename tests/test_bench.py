@@ -149,3 +149,27 @@ def test_load_cifar_from_tarball(tmp_path):
     assert load_cifar(tmp_path / "cifar10", (32, 32), per_class=2)["train"].shape[0] == 20  # the folder works too
     with pytest.raises(FileNotFoundError, match="CIFAR-10"):
         load_cifar(tmp_path / "missing.tgz", (32, 32))
+
+
+def test_precision_check_on_a_trained_checkpoint(trained_digits, capsys):
+    """--checkpoint/--data: every path on the held-out images, int8 calibrated on training images, auto's choice."""
+    code = main(["bench", "--skip-table", "--precision-check", "--checkpoint", str(trained_digits.checkpoint),
+                 "--data", str(trained_digits.data), "--no-compile", "--warmup", "0", "--repeats", "1",
+                 "--eval-images", "100", "--calibration-images", "64", "--out", ""])
+    text = capsys.readouterr().out
+    assert code == 0
+    paths = ["fp32 torch eager", "fp32 ONNX Runtime", "bf16 torch eager", "int8 ONNX Runtime (static)"]
+    rows = [line for line in text.splitlines() if line.startswith("digits.safetensors"[:16])]
+    assert [next(p for p in paths if p in row) for row in rows] == paths
+    assert all(" 100 " in row and ("meets" in row or "MISSES" in row) for row in rows)
+    assert "int8 calibrated on 64 training images" in text and "never on the evaluated ones" in text
+    assert "optimize(precision='auto') chose:" in text and "Why: CPU" in text
+
+
+def test_precision_check_needs_checkpoint_and_data(capsys):
+    assert main(["bench", "--skip-table", "--precision-check", "--checkpoint", "x.pt", "--out", ""]) == 2
+    assert "--data" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown runtime"):
+        resolve_protocol(BenchConfig(runtimes=("tensorrt",)))
+    with pytest.raises(ValueError, match="--precision-check"):
+        resolve_protocol(BenchConfig(checkpoint="x.pt", data="d"))

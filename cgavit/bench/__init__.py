@@ -11,7 +11,10 @@ One module per job:
 
 - ``candidates``: the main table's inference paths (ours, timm's port, timm's peers) and their timing.
 - ``photos``: real images (library sample photos, CIFAR-10) preprocessed for the model.
-- ``probe``: BatchNorm recalibration, the linear probe, the fp32/bf16/int8 precision check.
+- ``precision``: every inference path (fp32, bf16, int8; torch and the runtimes) timed and compared
+  with fp32 on real labelled images, on a trained checkpoint.
+- ``probe``: the same check without a checkpoint: random-weight probe models (BatchNorm
+  recalibration, the linear probe).
 - ``train_speed``: training-step throughput against timm's port.
 - ``report``: text tables, the environment record, bench.csv/json and the plot.
 - ``run``: :class:`BenchConfig` -> :func:`run_bench` -> :class:`BenchReport`.
@@ -29,16 +32,28 @@ Example::
 
 from .candidates import PEERS_TOP1, Candidate, Result, build_candidates, peer_model, time_candidates, timm_port, trace
 from .photos import SKIMAGE_PHOTOS, load_cifar, sample_photos, to_model_input
-from .probe import PrecisionRow, fit_linear_probe, precision_report, recalibrate_batchnorm
+from .precision import (
+    RUNTIMES,
+    CheckpointPrecision,
+    LabelledImages,
+    PrecisionRow,
+    checkpoint_precision,
+    inference_paths,
+    load_labelled,
+)
+from .probe import fit_linear_probe, precision_report, recalibrate_batchnorm
 from .report import (
     BATCH_NOTE,
     PRECISION_NOTE,
     TABLE_NOTE,
     environment,
+    format_auto,
+    format_auto_order,
     format_precision_table,
     format_table,
     format_training,
     plot,
+    precision_note,
     write_report,
 )
 from .run import BenchConfig, BenchProtocol, BenchReport, measure_table, resolve_protocol, run_bench
@@ -48,25 +63,34 @@ __all__ = [
     "BATCH_NOTE",
     "PEERS_TOP1",
     "PRECISION_NOTE",
+    "RUNTIMES",
     "SKIMAGE_PHOTOS",
     "TABLE_NOTE",
     "BenchConfig",
     "BenchProtocol",
     "BenchReport",
     "Candidate",
+    "CheckpointPrecision",
+    "LabelledImages",
     "PrecisionRow",
     "Result",
     "TrainingRow",
     "build_candidates",
+    "checkpoint_precision",
     "environment",
     "fit_linear_probe",
+    "format_auto",
+    "format_auto_order",
     "format_precision_table",
     "format_table",
     "format_training",
+    "inference_paths",
     "load_cifar",
+    "load_labelled",
     "measure_table",
     "peer_model",
     "plot",
+    "precision_note",
     "precision_report",
     "recalibrate_batchnorm",
     "resolve_protocol",

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..deploy import fuse, optimize
+from ..deploy import fuse, optimize, runtime_path
 from ..factory import create_model
 from ..testing import randomize_, rel_err
 from ..timing import iqr, round_robin
@@ -96,12 +96,14 @@ def peer_model(name: str, img_size: tuple[int, int]) -> nn.Module:
 
 
 def variant_candidates(
-    name: str, x: torch.Tensor, precision: str, device: torch.device, compile: bool = True, onnx: bool = False
+    name: str, x: torch.Tensor, precision: str, device: torch.device, compile: bool = True,
+    runtimes: tuple[str, ...] = (),
 ) -> list[Candidate]:
     """timm's traced port of variant ``name``, then our paths of it, each checked against the port.
 
-    On the CPU ours are the fused model and ``optimize`` (torch; with ``onnx`` and fp32 also ONNX
-    Runtime); on a GPU the fused model eager and traced.
+    On the CPU ours are the fused model, ``optimize`` (torch) and, for fp32, one row per runtime in
+    ``runtimes`` (``"onnxruntime"``, ``"openvino"``: ``optimize``'s backends; ``"executorch"``,
+    ``"tflite"``: the exported program); on a GPU the fused model eager and traced.
     """
     top1 = VARIANTS[name].top1
     size = tuple(x.shape[2:])
@@ -113,8 +115,8 @@ def variant_candidates(
     if device.type == "cpu":
         label = f"cgavit {name} optimize {precision} torch{'.compile' if compile else ' eager'}"
         ours[label] = optimize(model, x, precision=precision, backend="torch", compile=compile)
-        if onnx and precision == "fp32":
-            ours[f"cgavit {name} optimize fp32 onnxruntime"] = optimize(model, x, precision="fp32", backend="onnxruntime")
+        for runtime in runtimes if precision == "fp32" else ():
+            ours.update(runtime_row(name, model, x, runtime))
     else:
         ours[f"cgavit {name} fuse, traced"] = trace(fused, x)
     with torch.no_grad():
@@ -126,6 +128,14 @@ def variant_candidates(
     return cands
 
 
+def runtime_row(name: str, model: nn.Module, x: torch.Tensor, runtime: str) -> dict[str, nn.Module]:
+    """The main table's fp32 row of ``runtime`` for variant ``name``: ``{label: module}``."""
+    if runtime in ("onnxruntime", "openvino"):
+        return {f"cgavit {name} optimize fp32 {runtime}": optimize(model, x, precision="fp32", backend=runtime)}
+    fmt = {"executorch": "executorch", "tflite": "tflite"}[runtime]
+    return {f"cgavit {name} fp32 {fmt}": runtime_path(fuse(model), x, fmt)}
+
+
 def build_candidates(
     models: list[str],
     peers: list[str],
@@ -134,9 +144,14 @@ def build_candidates(
     device: torch.device,
     compile: bool = True,
     onnx: bool = False,
+    runtimes: tuple[str, ...] = (),
 ) -> list[Candidate]:
-    """Every variant's candidates (:func:`variant_candidates`), then the traced peers."""
-    cands = [c for name in models for c in variant_candidates(name, x, precision, device, compile, onnx)]
+    """Every variant's candidates (:func:`variant_candidates`), then the traced peers.
+
+    ``onnx`` adds ONNX Runtime to ``runtimes`` (the ``--no-onnx`` flag's field).
+    """
+    runtimes = tuple(dict.fromkeys((("onnxruntime",) if onnx else ()) + tuple(runtimes)))
+    cands = [c for name in models for c in variant_candidates(name, x, precision, device, compile, runtimes)]
     for peer in peers:
         net = peer_model(peer, tuple(x.shape[2:])).to(device)
         cands.append(Candidate(f"timm {peer} (traced)", "peer", peer, PEERS_TOP1[peer], trace(net, x)))

@@ -4,7 +4,7 @@ timm (its port of EfficientViT and the peer models), matplotlib (the plot and on
 scikit-image (sample photos) and scikit-learn (the linear probe) all come with ``cgavit[bench]``.
 They are imported lazily because ``cgavit`` builds every command's parser at start-up, which
 imports this package: importing them at the top would add seconds to every command, ``cgavit
---help`` included. ONNX Runtime has its own one place, :func:`cgavit.deploy._onnxruntime`.
+--help`` included. ONNX Runtime, OpenVINO, ExecuTorch and LiteRT have theirs in :mod:`cgavit.deploy`.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
+from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, PathChoice
 from ..io import atomic_write, write_json
 from .candidates import Result
 from .optional import matplotlib_agg, timm_version
-from .probe import PrecisionRow
+from .precision import PrecisionRow
 from .train_speed import TrainingRow
 
 BATCH_NOTE = (
@@ -27,12 +28,17 @@ TABLE_NOTE = (
     "rel err: our output vs that port's."
 )
 PRECISION_NOTE = (
-    "top-1 agree / rel err: against the plain fused fp32 model in eager mode; x fp32: throughput ratio to the "
-    "first row.\n"
-    "top-1 agree: share of images whose top-1 class equals the plain fp32 model's. No pretrained weights offline: "
-    "random weights and BatchNorm affine, BatchNorm statistics recalibrated on real images; with --cifar "
-    "a linear-probe head fitted on CIFAR-10 train images (accuracy: on CIFAR-10 test images). "
-    "'classes': distinct fp32 top-1 classes among the images."
+    "top-1 agree / max rel err: against the plain fused fp32 model in eager mode (max rel err: the largest "
+    "per-image ||a-b||/||b|| of the logits); x fp32: throughput ratio to the first row; acc / change: top-1 "
+    "accuracy against the labels and its change from fp32 in points; target: agreement >= {agree:.1f}% and "
+    "accuracy within {acc:.1f} point of fp32 ('MISSES' marks a path that does not meet it).\n"
+    "{images}"
+)
+PROBE_IMAGES_NOTE = (
+    "No checkpoint: random weights and BatchNorm affine, BatchNorm statistics recalibrated on real images; with "
+    "--cifar a linear-probe head fitted on CIFAR-10 train images (accuracy: on CIFAR-10 test images). Such "
+    "near-uniform logits make agreement a harsh test, not evidence about trained weights: use --checkpoint and "
+    "--data. 'classes': distinct fp32 top-1 classes among the images."
 )
 CSV_HEADER = ("model", "kind", "variant", "img_s_median", "iqr_low", "iqr_high", "min", "max",
               "ratio_to_timm_port", "rel_err_vs_timm", "published_top1")
@@ -54,14 +60,42 @@ def format_table(results: list[Result]) -> str:
 
 def format_precision_table(rows: list[PrecisionRow]) -> str:
     """The precision check: one line per model, path and image set."""
-    lines = [f"{'model':<17}{'path':<30}{'images':<8}{'n':>5}{'img/s':>8}{'x fp32':>7}{'top-1 agree':>12}"
-             f"{'rel err':>9}{'classes':>8}{'accuracy':>9}"]
+    lines = [f"{'model':<17}{'path':<32}{'images':<8}{'n':>6}{'img/s':>8}{'x fp32':>7}{'top-1 agree':>12}"
+             f"{'max rel err':>12}{'classes':>8}{'acc':>8}{'change':>8}  target"]
     for r in rows:
         acc = "" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
-        lines.append(f"{r['model']:<17}{r['path']:<30}{r['images']:<8}{r['n']:>5}{r['img_s']:>8.1f}"
-                     f"{r['ratio_to_fp32']:>7.2f}{100 * r['top1_agreement']:>11.1f}%{r['rel_err']:>9.1e}"
-                     f"{r['fp32_distinct_classes']:>8}{acc:>9}")
+        change = "" if r["accuracy_change"] is None else f"{r['accuracy_change']:+.1f}"
+        verdict = "meets" if r["meets_target"] else "MISSES"
+        images = r["images"] if len(r["images"]) <= 7 else "folder"
+        lines.append(f"{r['model']:<17.16}{r['path']:<32}{images:<8}{r['n']:>6}{r['img_s']:>8.1f}"
+                     f"{r['ratio_to_fp32']:>7.2f}{100 * r['top1_agreement']:>11.1f}%{r['max_rel_err']:>12.1e}"
+                     f"{r['fp32_distinct_classes']:>8}{acc:>8}{change:>8}  {verdict}")
     return "\n".join(lines)
+
+
+def precision_note(images: dict[str, str | int] | None) -> str:
+    """The note under the precision table: the columns, the target, and which images were used."""
+    if images is None:
+        text = PROBE_IMAGES_NOTE
+    else:
+        text = (f"Evaluated: every image of {images['evaluated']}. int8 calibrated on {images['calibration_images']} "
+                f"training images of {images['calibration']} (never on the evaluated ones).")
+    return PRECISION_NOTE.format(agree=100 * AGREEMENT_TARGET, acc=ACCURACY_TOLERANCE, images=text)
+
+
+def format_auto(choice: PathChoice) -> str:
+    """The line saying which path ``optimize(precision="auto")`` chose, and why."""
+    return f"optimize(precision='auto') chose: {choice.precision} {choice.backend}. Why: {choice.reason}"
+
+
+def format_auto_order(order: list[PathChoice]) -> str:
+    """The line saying what ``optimize(precision="auto")`` tries on this CPU without calibration images."""
+    if not order:
+        return "optimize(precision='auto'): no path available"
+    paths = ", ".join(f"{c.precision} {c.backend}" for c in order)
+    return (f"optimize(precision='auto') here tries, in order: {paths}; the first reduced path whose top-1 "
+            f"agreement with fp32 meets {100 * AGREEMENT_TARGET:.1f}% is kept (fp32 always is); with calibration "
+            f"images int8 comes first. Why: {order[0].reason.split('; kept only')[0]}")
 
 
 def format_training(rows: list[TrainingRow]) -> str:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import torch
 
+from ..deploy import PathChoice, auto_candidates, backend_available, cpu_features, require_format
 from ..factory import resolve_name
 from .candidates import PEERS_TOP1, Result, build_candidates, time_candidates
 from .photos import sample_photos
-from .probe import PrecisionRow, precision_report
+from .precision import RUNTIME_FORMATS, RUNTIMES, PrecisionRow, checkpoint_precision
+from .probe import precision_report
 from .report import environment, write_report
 from .train_speed import TrainingRow, train_throughput
 
@@ -37,9 +39,19 @@ class BenchConfig:
         repeats: timed rounds, one batch per candidate each.
         compile: ``optimize()`` with ``torch.compile`` (the flag ``--no-compile`` turns it off).
         onnx: also time ``optimize()``'s ONNX Runtime backend on the CPU (``--no-onnx`` turns it off).
+        runtimes: more runtimes to time beside torch (:data:`~cgavit.bench.precision.RUNTIMES`:
+            ``"onnxruntime"``, ``"openvino"``, ``"executorch"``, ``"tflite"``), in the main table
+            (fp32) and the precision check (fp32, int8, OpenVINO bf16).
         train: also time training steps (forward+backward) against timm's port.
-        precision_check: also compare fp32, bf16 and int8 paths on real photos.
+        precision_check: also compare every fp32, bf16 and int8 path: on a trained ``checkpoint``
+            with ``data``, else on random-weight probe models and real photos.
         skip_table: skip the main throughput table.
+        checkpoint: trained weights for the precision check (any file ``cgavit.train.load_model`` reads).
+        data: image folder for the precision check with ``checkpoint``: ``data/val_split`` evaluated,
+            ``data/train_split`` for the int8 calibration.
+        calibration_images: training images int8 is calibrated on.
+        eval_images: evaluated images (0: the whole split).
+        train_split, val_split: the split folder names under ``data``.
         cifar: CIFAR-10 JPEG tarball or folder for the precision check (None: photos only).
         cifar_per_class: CIFAR-10 images per class and split.
         train_batch: batch of the training comparison.
@@ -57,9 +69,16 @@ class BenchConfig:
     repeats: int = 30
     compile: bool = True
     onnx: bool = True
+    runtimes: tuple[str, ...] = ()
     train: bool = False
     precision_check: bool = False
     skip_table: bool = False
+    checkpoint: str | Path | None = None
+    data: str | Path | None = None
+    calibration_images: int = 256
+    eval_images: int = 0
+    train_split: str = "train"
+    val_split: str = "val"
     cifar: str | Path | None = None
     cifar_per_class: int = 20
     train_batch: int = 64
@@ -79,6 +98,7 @@ class BenchProtocol:
     repeats: int
     models: tuple[str, ...]  # registered variant names
     peers: tuple[str, ...]
+    runtimes: tuple[str, ...] = ()  # beside torch, installed
 
     def record(self) -> dict:
         """The protocol as bench.json stores it."""
@@ -101,6 +121,9 @@ class BenchReport:
     results: list[Result] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
     precision: list[PrecisionRow] | None = None
+    precision_images: dict[str, str | int] | None = None  # with a checkpoint: evaluated, calibration, count
+    auto_order: list[PathChoice] = field(default_factory=list)  # what precision="auto" tries here, without calibration
+    auto: PathChoice | None = None  # with a checkpoint: what optimize(precision="auto") chose, measured
     training: list[TrainingRow] | None = None
     files: list[Path] = field(default_factory=list)
 
@@ -110,6 +133,12 @@ class BenchReport:
                    results=[asdict(r) | dict(median=r.median, iqr=list(r.iqr)) for r in self.results])
         if self.precision is not None:
             rec["precision"] = self.precision
+        if self.precision_images is not None:
+            rec["precision_images"] = self.precision_images
+        if self.auto_order:
+            rec["auto_order"] = [asdict(c) for c in self.auto_order]
+        if self.auto is not None:
+            rec["auto"] = asdict(self.auto)
         if self.training is not None:
             rec["training"] = self.training
         return rec
@@ -150,6 +179,7 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
     for flag, value, low in least:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    check_precision_inputs(cfg)
     return BenchProtocol(
         device=device,
         threads=cfg.threads or (torch.get_num_threads() if gpu else 1),
@@ -160,7 +190,42 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
         repeats=cfg.repeats,
         models=models,
         peers=tuple(dict.fromkeys(cfg.peers)),
+        runtimes=resolve_runtimes(cfg),
     )
+
+
+def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
+    """``cfg.runtimes`` (with ONNX Runtime first unless ``cfg.onnx`` is off), each checked to be installed.
+
+    Raises:
+        ValueError: an unknown runtime, or one whose extra is not installed (says what to install).
+    """
+    unknown = [r for r in cfg.runtimes if r not in RUNTIMES]
+    if unknown:
+        raise ValueError(f"unknown runtime(s) {unknown}; choose from {', '.join(RUNTIMES)}")
+    names = (("onnxruntime",) if cfg.onnx else ()) + tuple(r for r in cfg.runtimes if cfg.onnx or r != "onnxruntime")
+    names = tuple(dict.fromkeys(names))
+    for name in names if cfg.device == "cpu" else ():
+        require_format(RUNTIME_FORMATS[name][1])
+    return names
+
+
+def check_precision_inputs(cfg: BenchConfig) -> None:
+    """The precision check's inputs fit together: ``checkpoint`` and ``data`` both or neither, not with ``cifar``.
+
+    Raises:
+        ValueError: what is missing or conflicting, and what to give.
+    """
+    if (cfg.checkpoint or cfg.data) and not cfg.precision_check:
+        raise ValueError("--checkpoint and --data are read by --precision-check; add it")
+    if bool(cfg.checkpoint) != bool(cfg.data):
+        raise ValueError("--precision-check on trained weights needs both --checkpoint FILE and --data DIR "
+                         "(DIR/val evaluated, DIR/train for the int8 calibration)")
+    if cfg.checkpoint and cfg.cifar:
+        raise ValueError("--cifar is for the random-weight probe models; with --checkpoint give --data DIR instead")
+    for flag, value in (("--calibration-images", cfg.calibration_images), ("--eval-images", cfg.eval_images)):
+        if value < (1 if flag == "--calibration-images" else 0):
+            raise ValueError(f"{flag} must be at least {1 if flag == '--calibration-images' else 0}, got {value}")
 
 
 #: Section names :func:`run_bench` reports to its ``on_section`` callback, in order.
@@ -188,13 +253,13 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
     report = BenchReport(protocol)
     done = on_section or (lambda section, report: None)
     if not cfg.skip_table:
-        report.results = measure_table(protocol, x, cfg.compile, cfg.onnx)
+        report.results = measure_table(protocol, x, cfg.compile)
+    if protocol.device.type == "cpu":  # what auto tries without calibration images (nothing built)
+        report.auto_order = auto_candidates(cpu_features(), False, backend_available)
     done("table", report)
     report.environment = environment()
     if cfg.precision_check:
-        images = sample_photos(protocol.img_size, cfg.cifar or None, per_class=cfg.cifar_per_class)
-        report.precision = precision_report(list(protocol.models), protocol.img_size, protocol.batch, images,
-                                            protocol.repeats, protocol.warmup, compile=cfg.compile)
+        run_precision_check(cfg, protocol, report)
         done("precision", report)
     if cfg.train:
         report.training = train_throughput(list(protocol.models), cfg.train_batch, protocol.img_size,
@@ -205,9 +270,26 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
     return report
 
 
-def measure_table(protocol: BenchProtocol, x: torch.Tensor, compile: bool = True, onnx: bool = True) -> list[Result]:
+def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: BenchReport) -> None:
+    """Fill ``report.precision`` (and, with a checkpoint, ``precision_images`` and the measured ``auto``)."""
+    if cfg.checkpoint:
+        check = checkpoint_precision(
+            cfg.checkpoint, cfg.data, protocol.batch, protocol.warmup, protocol.repeats, runtimes=protocol.runtimes,
+            compile=cfg.compile, calibration_images=cfg.calibration_images, eval_images=cfg.eval_images,
+            train_split=cfg.train_split, val_split=cfg.val_split)
+        report.precision, report.auto = check.rows, check.auto
+        report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
+                                       calibration_images=check.calibration_images)
+        return
+    images = sample_photos(protocol.img_size, cfg.cifar or None, per_class=cfg.cifar_per_class)
+    report.precision = precision_report(list(protocol.models), protocol.img_size, protocol.batch, images,
+                                        protocol.repeats, protocol.warmup, compile=cfg.compile,
+                                        runtimes=protocol.runtimes)
+
+
+def measure_table(protocol: BenchProtocol, x: torch.Tensor, compile: bool = True) -> list[Result]:
     """The main table: every candidate built for the protocol and timed round-robin on the batch ``x``."""
     precision = "fp32" if protocol.precision == "amp" else protocol.precision
     cands = build_candidates(list(protocol.models), list(protocol.peers), x, precision, protocol.device,
-                             compile=compile, onnx=onnx)
+                             compile=compile, runtimes=protocol.runtimes)
     return time_candidates(cands, x, protocol.warmup, protocol.repeats, protocol.device)

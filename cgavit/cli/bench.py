@@ -7,13 +7,16 @@ import argparse
 from ..bench import (
     BATCH_NOTE,
     PEERS_TOP1,
-    PRECISION_NOTE,
+    RUNTIMES,
     TABLE_NOTE,
     BenchConfig,
     BenchReport,
+    format_auto,
+    format_auto_order,
     format_precision_table,
     format_table,
     format_training,
+    precision_note,
     resolve_protocol,
     run_bench,
 )
@@ -34,9 +37,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         compile=not args.no_compile,
         onnx=args.onnx,
+        runtimes=tuple(args.runtimes),
         train=args.train,
         precision_check=args.precision_check,
         skip_table=args.skip_table,
+        checkpoint=args.checkpoint or None,
+        data=args.data or None,
+        calibration_images=args.calibration_images,
+        eval_images=args.eval_images,
+        train_split=args.train_split,
+        val_split=args.val_split,
         cifar=args.cifar or None,
         cifar_per_class=args.cifar_per_class,
         train_batch=args.train_batch,
@@ -47,12 +57,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def print_section(section: str, report: BenchReport) -> None:
     """Print one finished section of the report (``run_bench``'s ``on_section``)."""
     if section == "table":
-        print(format_table(report.results))
-        print(TABLE_NOTE)
-        print(BATCH_NOTE.format(batch=report.protocol.batch))
+        if report.results:
+            print(format_table(report.results))
+            print(TABLE_NOTE)
+            print(BATCH_NOTE.format(batch=report.protocol.batch))
+        if report.auto_order:
+            print(format_auto_order(report.auto_order))
     elif section == "precision":
         print("\n" + format_precision_table(report.precision))
-        print(PRECISION_NOTE)
+        print(precision_note(report.precision_images))
+        if report.precision_images is not None and report.auto is not None:
+            print(format_auto(report.auto))
     elif section == "training" and report.training:
         print(format_training(report.training))
 
@@ -91,9 +106,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-onnx", dest="onnx", action="store_false",
                    help="skip optimize()'s ONNX Runtime backend (its default on CPU for fp32)")
     p.add_argument("--train", action="store_true", help="also time training steps (forward+backward) vs timm's port")
+    p.add_argument("--runtimes", nargs="+", default=[], choices=RUNTIMES, metavar="NAME",
+                   help=f"more runtimes to time beside torch: {', '.join(RUNTIMES)} (main table: fp32 rows; "
+                   "--precision-check: fp32, int8 and OpenVINO bf16); onnxruntime is on unless --no-onnx; "
+                   "executorch and tflite take minutes to export")
     p.add_argument("--precision-check", action="store_true",
-                   help="also compare fp32, bf16 and int8 paths: throughput and top-1 agreement on real photos")
+                   help="also compare every fp32, bf16 and int8 path: throughput, top-1 agreement with fp32, accuracy "
+                   "and logit error; on trained weights with --checkpoint and --data, else on random-weight "
+                   "probe models and real photos")
     p.add_argument("--skip-table", action="store_true", help="skip the main throughput table (e.g. with --precision-check)")
+    p.add_argument("--checkpoint", default="", help="--precision-check: trained weights (best.pt, model.safetensors, "
+                   "...); the image size and preprocessing are the checkpoint's")
+    p.add_argument("--data", default="", help="--precision-check with --checkpoint: image folder; DIR/val evaluated, "
+                   "DIR/train for the int8 calibration")
+    p.add_argument("--calibration-images", type=int, default=256,
+                   help="training images int8 is calibrated on (default 256)")
+    p.add_argument("--eval-images", type=int, default=0, help="evaluated images (default 0: the whole val split)")
+    p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
+    p.add_argument("--val-split", default="val", help="evaluated split folder name (default val)")
     p.add_argument("--cifar", default="", help="CIFAR-10 JPEG tarball or folder for --precision-check (linear probe on "
                    "train images, agreement and accuracy on test images)")
     p.add_argument("--cifar-per-class", type=int, default=20, help="CIFAR-10 images per class and split (default 20)")

@@ -1,56 +1,93 @@
-"""``cgavit export``: a model to ONNX (batch dynamic), checked with ONNX Runtime against PyTorch."""
+"""``cgavit export``: a model to ONNX, OpenVINO, ExecuTorch or TFLite/LiteRT, checked in that runtime
+against PyTorch."""
 
 from __future__ import annotations
 
 import argparse
 
-import torch
+from torch import nn
 
-from ..deploy import OnnxModule, export_onnx, fuse
+from ..bench.precision import LabelledImages, load_labelled
+from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported, require_format
 from ..factory import create_model
-from ..testing import rel_err
+from ..train.inference import ModelInfo, load_model
 from .common import add_dial_args, dials_from_args, image_size
 
-#: Largest relative error of ONNX Runtime's logits against PyTorch's that the check calls ok.
-EXPORT_TOLERANCE = 1e-4
+__all__ = ["EXPORT_TOLERANCE", "register", "run"]
+
+
+def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tuple[int, int]]:
+    """The model, how to feed it, and the export size: ``--model`` (+ ``--checkpoint``) as before, or
+    a checkpoint that records its architecture (trained here) with ``--checkpoint`` alone."""
+    if args.model:
+        size = image_size(args.img_size or [224])
+        model = create_model(args.model, checkpoint_path=args.checkpoint, img_size=size, **dials_from_args(args))
+        return model, ModelInfo([], img_size=size[0]), size
+    if not args.checkpoint:
+        raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
+    model, info = load_model(args.checkpoint)
+    return model, info, image_size(args.img_size or [info.img_size])
+
+
+def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[LabelledImages | None, LabelledImages | None]:
+    """With ``--data``: training images to calibrate int8 on and validation images to check against."""
+    if args.calibration_images < 1 or args.eval_images < 0 or args.batch < 1:
+        raise ValueError("--calibration-images and --batch must be at least 1, --eval-images at least 0")
+    if not args.data:
+        if args.precision == "int8":
+            raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
+        return None, None
+    calib = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
+    check = load_labelled(args.data, args.val_split, info, args.eval_images)
+    return calib, check
 
 
 def run(args: argparse.Namespace) -> int:
-    size = image_size(args.img_size)
-    if args.format != "onnx":
-        raise ValueError(f"only --format onnx is supported, got {args.format}")
-    model = create_model(args.model, checkpoint_path=args.checkpoint, img_size=size, **dials_from_args(args))
     if args.dynamic_size:
         raise ValueError(
             "--dynamic-size is not supported: the window attention pads and partitions each stage "
             "differently for different image sizes, so one ONNX graph cannot serve them all; export "
             "once per size with --img-size H W"
         )
-    out = export_onnx(model, args.output, size)
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB), batch dynamic, size {size[0]}x{size[1]} fixed")
-    ort_model = OnnxModule(out)
-    fused = fuse(model)
-    for batch in (1, 16):
-        x = torch.randn(batch, 3, *size)
-        with torch.no_grad():
-            err = rel_err(ort_model(x), fused(x))
-        verdict = "ok" if err <= EXPORT_TOLERANCE else "TOO LARGE"
-        print(f"ONNX Runtime vs PyTorch, batch {batch}: relative error {err:.1e} {verdict}")
+    fmt = require_format(args.format, args.precision)
+    model, info, size = load_for_export(args)
+    calib, check = calibration_and_check(args, info)
+    batches = list(calib.images.split(16)) if calib is not None else None
+    out = export_model(model, args.output, args.format, size, args.precision, batches, args.batch)
+    batch = f"batch {args.batch} fixed" if fmt.fixed_batch else "batch dynamic"
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB), {batch}, size {size[0]}x{size[1]} fixed"
+          + (f", {args.precision} calibrated on {len(calib.images)} images of {calib.source}" if calib else ""))
+    module = load_exported(out, args.format, args.precision)
+    parity = check_parity(module, model, size, args.precision, fmt.runtime,
+                          check.images if check else None, check.labels if check else None)
+    for line in parity.lines():
+        print(line)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="export a model to ONNX (batch dynamic) and check ONNX Runtime against PyTorch",
-        description="Fuse BatchNorm, export to ONNX with a dynamic batch dimension, then run ONNX Runtime "
-        "at batch 1 and 16 and print its relative error against PyTorch (must be <= 1e-4).",
+        help="export a model to ONNX, OpenVINO, ExecuTorch or TFLite and check it in that runtime against PyTorch",
+        description="Fuse BatchNorm, export (ONNX and OpenVINO: batch dynamic; ExecuTorch and TFLite: batch fixed by "
+        "--batch), then run the file in its own runtime at batch 1 and 16 and print its relative error against "
+        f"PyTorch (fp32: must be <= {EXPORT_TOLERANCE:.0e}). int8 (onnx, openvino, executorch) is calibrated on "
+        "--data DIR/train and checked by top-1 agreement with fp32 on DIR/val (target: >= 99.5%, accuracy within "
+        "0.5 point). Each format needs its extra: " + ", ".join(f"{k}: cgavit[{f.extra}]" for k, f in FORMATS.items()),
     )
-    p.add_argument("--model", required=True, help="variant name, e.g. efficientvit_m0")
+    p.add_argument("--model", help="variant name, e.g. efficientvit_m0 (optional for checkpoints written by cgavit train)")
     p.add_argument("--checkpoint", help="weights file (official, timm or cgavit format); default random weights")
-    p.add_argument("--format", default="onnx", choices=["onnx"], help="export format (default onnx)")
-    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx (written atomically)")
-    p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N", help="input size N or H W (default 224)")
+    p.add_argument("--format", default="onnx", choices=list(FORMATS), help="export format (default onnx)")
+    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml, m0.pte, m0.tflite (written atomically)")
+    p.add_argument("--img-size", type=int, nargs="+", metavar="N",
+                   help="input size N or H W (default: the checkpoint's, else 224)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "int8"], help="fp32 (default) or int8 (needs --data)")
+    p.add_argument("--data", help="image folder: int8 calibration on DIR/train, agreement check on DIR/val")
+    p.add_argument("--calibration-images", type=int, default=256, help="training images int8 is calibrated on (default 256)")
+    p.add_argument("--eval-images", type=int, default=0, help="validation images of the agreement check (default 0: all)")
+    p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
+    p.add_argument("--val-split", default="val", help="checked split folder name (default val)")
+    p.add_argument("--batch", type=int, default=1, help="executorch, tflite: the batch size fixed in the file (default 1)")
     p.add_argument("--dynamic-size", action="store_true", help="not supported (explains why): export once per size")
     add_dial_args(p)
     p.set_defaults(func=run)

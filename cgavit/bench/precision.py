@@ -1,0 +1,199 @@
+"""The precision check: every inference path the package offers, timed round-robin, and compared with
+the plain fp32 model on real labelled images.
+
+For each path: throughput and its ratio to the first (fp32 torch) path, top-1 agreement with fp32,
+accuracy and its change, and the largest per-image relative logit error; a reduced path is marked
+as meeting or missing the target (:data:`cgavit.deploy.AGREEMENT_TARGET`, agreement >= 99.5 % and
+accuracy within 0.5 point). int8 is calibrated on *training* images, never on the evaluated ones.
+
+With a trained checkpoint (``--checkpoint F --data DIR``) the images are ``DIR/val`` (evaluated) and
+``DIR/train`` (calibration), preprocessed with the checkpoint's own evaluation transform.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TypedDict
+
+import torch
+from torch import nn
+
+from ..deploy import (
+    Agreement,
+    PathChoice,
+    RuntimeModule,
+    batched_logits,
+    compare_logits,
+    cpu_features,
+    fuse,
+    optimize,
+    runtime_path,
+)
+from ..timing import round_robin
+from ..train.data import build_transform, list_split, load_image
+from ..train.inference import ModelInfo, load_model
+
+log = logging.getLogger(__name__)
+
+#: Runtimes ``cgavit bench`` can time beside torch; the first two build in seconds, the others in minutes.
+RUNTIMES = ("onnxruntime", "openvino", "executorch", "tflite")
+#: The display name and ``cgavit.deploy.FORMATS`` key of each runtime.
+RUNTIME_FORMATS = {"onnxruntime": ("ONNX Runtime", "onnx"), "openvino": ("OpenVINO", "openvino"),
+                   "executorch": ("ExecuTorch (XNNPACK)", "executorch"), "tflite": ("LiteRT (XNNPACK)", "tflite")}
+
+
+class PrecisionRow(TypedDict):
+    """One inference path of one model on one image set."""
+
+    model: str
+    path: str  # e.g. "bf16 torch.compile", "int8 ONNX Runtime (static)"
+    images: str  # "photos", "cifar" or the evaluated folder
+    n: int  # images
+    img_s: float  # median images/s over the timed rounds
+    ratio_to_fp32: float  # throughput ratio to the first path
+    top1_agreement: float  # share of images with the fp32 model's top-1 class
+    rel_err: float  # ||logits - fp32 logits|| / ||fp32 logits|| over the whole set
+    max_rel_err: float  # the largest per-image relative logit error
+    fp32_distinct_classes: int  # distinct fp32 top-1 classes among the images
+    accuracy: float | None  # against the labels, else None
+    accuracy_change: float | None  # percentage points against fp32's accuracy
+    meets_target: bool  # agreement >= 99.5 % and accuracy within 0.5 point
+    calibration_images: int  # training images int8 was calibrated on (0 for other paths)
+
+
+@dataclass
+class LabelledImages:
+    """Preprocessed images ``(N, C, H, W)``, their class indices ``(N,)`` and where they came from."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    source: str
+    classes: list[str] = field(default_factory=list)
+
+
+def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0, seed: int = 0) -> LabelledImages:
+    """``limit`` images (0: all) of ``root/split/<class>/`` in a seeded random order, preprocessed with
+    the checkpoint's evaluation transform (its size, crop, interpolation, mean and std).
+
+    Raises:
+        ValueError: the split folder is missing or malformed (the message says the layout).
+    """
+    classes, samples = list_split(root, split)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    chosen = [samples[i] for i in (order[:limit] if limit > 0 else order)]
+    transform = build_transform(info.img_size, False, interpolation=info.interpolation, crop_pct=info.crop_pct,
+                                mean=info.mean, std=info.std)
+    images = torch.stack([transform(load_image(path)) for path, _ in chosen])  # (N, C, H, W)
+    labels = torch.tensor([label for _, label in chosen])
+    return LabelledImages(images, labels, str(Path(root) / split), classes)
+
+
+def path_label(precision: str, runtime: str, compile: bool = True) -> str:
+    """The row name of a path, e.g. ``"fp32 torch.compile"``, ``"int8 OpenVINO"``."""
+    if runtime == "torch":
+        return f"{precision} torch{'.compile' if compile else ' eager'}"
+    name = RUNTIME_FORMATS[runtime][0]
+    return f"{precision} {name}" + (" (static)" if (precision, runtime) == ("int8", "onnxruntime") else "")
+
+
+def inference_paths(
+    model: nn.Module, x: torch.Tensor, calibration: list[torch.Tensor], runtimes: tuple[str, ...],
+    compile: bool = True,
+) -> dict[str, RuntimeModule]:
+    """Every path offered for ``model`` on this CPU, built on the example batch ``x``, fp32 first.
+
+    torch: fp32 and bf16; each runtime in ``runtimes``: fp32 and, where it offers it, int8 calibrated
+    on ``calibration`` (OpenVINO also bf16 where the CPU has native bf16). Built without
+    ``optimize``'s tolerance check: the rows report the error instead.
+    """
+    native_bf16 = cpu_features().native_bf16
+    plan = [("fp32", "torch")] + [("fp32", r) for r in runtimes] + [("bf16", "torch")]
+    plan += [("bf16", "openvino")] if "openvino" in runtimes and native_bf16 else []
+    plan += [("int8", r) for r in runtimes if r != "tflite"]
+    fused = fuse(model)
+    paths = {}
+    for precision, runtime in plan:
+        label = path_label(precision, runtime, compile)
+        log.info("precision check: building %s", label)
+        if runtime == "torch":
+            paths[label] = optimize(model, x, precision, backend="torch", compile=compile, check=False)
+        elif runtime == "openvino" and precision == "bf16":
+            paths[label] = optimize(model, x, "bf16", backend="openvino", check=False)
+        else:
+            fmt = RUNTIME_FORMATS[runtime][1]
+            paths[label] = runtime_path(fused, x, fmt, precision, calibration if precision == "int8" else None)
+    return paths
+
+
+def time_paths(paths: dict[str, nn.Module], x: torch.Tensor, warmup: int, repeats: int) -> dict[str, float]:
+    """Median images/s of each path on ``x``, timed round-robin."""
+    with torch.no_grad():
+        timings = round_robin({k: partial(fn, x) for k, fn in paths.items()}, warmup, repeats)
+    return {k: t.median_rate(len(x)) for k, t in timings.items()}
+
+
+def precision_rows(
+    name: str, paths: dict[str, nn.Module], reference: nn.Module, images: torch.Tensor, labels: torch.Tensor | None,
+    set_name: str, rates: dict[str, float], calibration_images: int, batch: int = 16,
+) -> list[PrecisionRow]:
+    """Each path compared with ``reference`` (the plain fp32 model) on ``images`` (and ``labels``)."""
+    ref = batched_logits(reference, images, batch)
+    first = next(iter(paths))
+    rows = []
+    for path, fn in paths.items():
+        out = batched_logits(fn, images, batch)
+        a: Agreement = compare_logits(out, ref, labels)
+        rows.append(PrecisionRow(
+            model=name, path=path, images=set_name, n=a.n, img_s=rates[path], ratio_to_fp32=rates[path] / rates[first],
+            top1_agreement=a.top1_agreement, rel_err=float((out - ref).norm() / ref.norm()), max_rel_err=a.max_rel_err,
+            fp32_distinct_classes=int(ref.argmax(1).unique().numel()), accuracy=a.accuracy,
+            accuracy_change=a.accuracy_change, meets_target=a.meets_target,
+            calibration_images=calibration_images if path.startswith("int8") else 0,
+        ))
+    return rows
+
+
+@dataclass
+class CheckpointPrecision:
+    """What :func:`checkpoint_precision` measured: the rows, the images used, and ``auto``'s choice."""
+
+    rows: list[PrecisionRow]
+    evaluated: str
+    calibration: str
+    calibration_images: int
+    auto: PathChoice | None
+
+
+def checkpoint_precision(
+    checkpoint: str | Path, data: str | Path, batch: int, warmup: int, repeats: int, *,
+    runtimes: tuple[str, ...] = ("onnxruntime",), compile: bool = True, calibration_images: int = 256,
+    eval_images: int = 0, train_split: str = "train", val_split: str = "val",
+) -> CheckpointPrecision:
+    """The precision check of a trained checkpoint on ``data/val_split`` (int8 calibrated on
+    ``calibration_images`` images of ``data/train_split``), and the path ``optimize(precision="auto")``
+    picks for it on this CPU with those calibration images.
+
+    Raises:
+        ValueError: a missing or malformed split folder, a count below 1.
+        CheckpointError: an unreadable checkpoint.
+    """
+    if calibration_images < 1:
+        raise ValueError(f"--calibration-images must be at least 1, got {calibration_images}")
+    model, info = load_model(checkpoint)
+    evaluated = load_labelled(data, val_split, info, eval_images)
+    calib = load_labelled(data, train_split, info, calibration_images, seed=1)
+    if evaluated.classes != calib.classes or len(evaluated.classes) != model.num_classes:
+        raise ValueError(f"{evaluated.source} and {calib.source} must hold the same {model.num_classes} class "
+                         f"folders the checkpoint predicts; found {len(evaluated.classes)} and {len(calib.classes)}")
+    batches = list(calib.images.split(batch))
+    x = evaluated.images[torch.arange(batch) % len(evaluated.images)]  # real images as the example batch
+    paths = inference_paths(model, x, batches, runtimes, compile)
+    rates = time_paths(paths, x, warmup, repeats)
+    name = Path(checkpoint).name
+    rows = precision_rows(name, paths, fuse(model), evaluated.images, evaluated.labels, evaluated.source, rates,
+                          len(calib.images), batch)
+    auto = optimize(model, x, "auto", calibration=batches, check=False, compile=compile).choice
+    return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto)

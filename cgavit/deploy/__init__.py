@@ -1,0 +1,89 @@
+"""Inference forms of a model: BatchNorm folding, the fast path, reduced precision picked for the CPU,
+and the runtimes people ship to.
+
+``fuse`` is the reference inference form; every faster form here is checked against it.
+
+* :func:`fuse` (``fusion``) -- every BatchNorm folded into its conv or linear layer.
+* :func:`optimize` (``fastpath``) -- the fastest form in one call: torch (``torch.compile`` with the
+  inference attention of :mod:`cgavit.fast`), ONNX Runtime or OpenVINO; fp32, bf16, int8, or
+  ``precision="auto"``: picked for this CPU by the rule table of ``auto`` from the features ``cpu``
+  reads (AMX, avx512_bf16, VNNI, AVX2).
+* ``agreement`` -- the target reduced precision is held to: top-1 agreement with fp32 >= 99.5 %,
+  accuracy within 0.5 point.
+* ``formats`` -- ``cgavit export --format onnx|openvino|executorch|tflite``: :func:`export_model`,
+  :func:`load_exported`; one module per runtime (``onnx``, ``openvino``, ``executorch``, ``tflite``),
+  each importing its optional extra in one place, on first use. Every runtime is wrapped as a
+  :class:`RuntimeModule`, called like the model.
+"""
+
+from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET, Agreement, batched_logits, compare_logits
+from .auto import AUTO_RULES, RULE_EVIDENCE, auto_candidates, precision_warning
+from .cpu import CPU_CLASSES, CpuFeatures, cpu_features, parse_cpuinfo
+from .executorch import ExecutorchModule, executorch_available, export_executorch
+from .fastpath import BACKENDS, OFFERED, PRECISIONS, TOLERANCE, OptimizedModel, backend_available, choose_backend, optimize
+from .formats import (
+    EXPORT_TOLERANCE,
+    FORMATS,
+    ExportFormat,
+    ParityCheck,
+    check_parity,
+    export_model,
+    load_exported,
+    require_format,
+    runtime_path,
+)
+from .fusion import fuse
+from .onnx import OnnxModule, export_onnx, onnxruntime_available, quantize_onnx
+from .openvino import OpenVinoModule, export_openvino, openvino_available
+from .runtime import FixedBatchModule, PathChoice, RuntimeModule
+from .tflite import TfliteModule, export_tflite, tflite_available
+
+__all__ = [
+    "ACCURACY_TOLERANCE",
+    "AGREEMENT_TARGET",
+    "AUTO_RULES",
+    "BACKENDS",
+    "CPU_CLASSES",
+    "EXPORT_TOLERANCE",
+    "FORMATS",
+    "OFFERED",
+    "PRECISIONS",
+    "RULE_EVIDENCE",
+    "TOLERANCE",
+    "Agreement",
+    "CpuFeatures",
+    "ExecutorchModule",
+    "ExportFormat",
+    "FixedBatchModule",
+    "OnnxModule",
+    "OpenVinoModule",
+    "OptimizedModel",
+    "ParityCheck",
+    "PathChoice",
+    "RuntimeModule",
+    "TfliteModule",
+    "auto_candidates",
+    "backend_available",
+    "batched_logits",
+    "check_parity",
+    "choose_backend",
+    "compare_logits",
+    "cpu_features",
+    "executorch_available",
+    "export_executorch",
+    "export_model",
+    "export_onnx",
+    "export_openvino",
+    "export_tflite",
+    "fuse",
+    "load_exported",
+    "onnxruntime_available",
+    "openvino_available",
+    "optimize",
+    "parse_cpuinfo",
+    "precision_warning",
+    "quantize_onnx",
+    "require_format",
+    "runtime_path",
+    "tflite_available",
+]

@@ -1,0 +1,88 @@
+"""Does a reduced-precision path decide like fp32? Top-1 agreement, accuracy change, logit error.
+
+The target every offered path is held to on a trained model (issue #12): **top-1 agreement with
+fp32 of at least 99.5 % and accuracy within 0.5 point of fp32's**. Agreement on random-weight
+models measures noise (near-uniform logits), so the figures that count come from trained weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: Least share of images whose top-1 class must equal the fp32 model's.
+AGREEMENT_TARGET = 0.995
+#: Largest accuracy change against fp32, in percentage points.
+ACCURACY_TOLERANCE = 0.5
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How a path's logits compare with the fp32 reference on ``n`` images.
+
+    Args:
+        n: images compared.
+        top1_agreement: share of images (0-1) whose top-1 class equals the reference's.
+        max_rel_err: the largest per-image ``||a - b|| / ||b||`` of the logits.
+        accuracy: the path's top-1 accuracy (0-1) against labels, None without labels.
+        reference_accuracy: the reference's accuracy on the same images, None without labels.
+    """
+
+    n: int
+    top1_agreement: float
+    max_rel_err: float
+    accuracy: float | None = None
+    reference_accuracy: float | None = None
+
+    @property
+    def accuracy_change(self) -> float | None:
+        """Accuracy minus the reference's, in percentage points (None without labels)."""
+        if self.accuracy is None or self.reference_accuracy is None:
+            return None
+        return 100.0 * (self.accuracy - self.reference_accuracy)
+
+    @property
+    def meets_target(self) -> bool:
+        """Agreement >= :data:`AGREEMENT_TARGET` and, with labels, |accuracy change| <= :data:`ACCURACY_TOLERANCE`."""
+        change = self.accuracy_change
+        # a small slack for the float rounding of shares such as 358/360
+        accuracy_ok = change is None or abs(change) <= ACCURACY_TOLERANCE + 1e-9
+        return self.top1_agreement >= AGREEMENT_TARGET - 1e-9 and accuracy_ok
+
+    def describe(self) -> str:
+        """One line, e.g. ``"top-1 agreement 99.7% on 360 images, accuracy 98.1% (-0.3 pt), ..."``."""
+        text = f"top-1 agreement {100 * self.top1_agreement:.1f}% on {self.n} images"
+        if self.accuracy is not None:
+            text += f", accuracy {100 * self.accuracy:.1f}% ({self.accuracy_change:+.1f} pt)"
+        verdict = "meets" if self.meets_target else "MISSES"
+        return f"{text}, largest relative logit error {self.max_rel_err:.1e}: {verdict} the target"
+
+
+def compare_logits(out: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor | None = None) -> Agreement:
+    """Compare a path's logits ``(N, classes)`` with the fp32 reference's (and the labels ``(N,)``).
+
+    Raises:
+        ValueError: shapes that do not match, or no images.
+    """
+    if out.shape != reference.shape or out.ndim != 2 or len(out) == 0:
+        raise ValueError(f"expected two (N, classes) logit tensors of one shape, got {tuple(out.shape)} "
+                         f"and {tuple(reference.shape)}")
+    out, reference = out.detach().double(), reference.detach().double()
+    per_image = (out - reference).norm(dim=1) / reference.norm(dim=1).clamp_min(1e-30)  # (N,)
+    pred, ref_pred = out.argmax(1), reference.argmax(1)
+    acc = ref_acc = None
+    if labels is not None:
+        if labels.shape != (len(out),):
+            raise ValueError(f"labels must have shape ({len(out)},), got {tuple(labels.shape)}")
+        acc = float((pred == labels).double().mean())
+        ref_acc = float((ref_pred == labels).double().mean())
+    return Agreement(n=len(out), top1_agreement=float((pred == ref_pred).double().mean()),
+                     max_rel_err=float(per_image.max()), accuracy=acc, reference_accuracy=ref_acc)
+
+
+@torch.no_grad()
+def batched_logits(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch: int = 16) -> torch.Tensor:
+    """``fn`` over ``images`` ``(N, C, H, W)`` in batches of ``batch``; float32 logits ``(N, classes)``."""
+    return torch.cat([torch.as_tensor(fn(b)).float() for b in images.split(batch)])

@@ -1,0 +1,78 @@
+"""``precision="auto"``: the rule table that picks a path per CPU class, and the warnings for paths
+that are slow or unsupported on this CPU.
+
+How "the fastest path that meets the target" is decided: not by timing inside ``optimize`` (that
+would cost seconds per call and be at the mercy of the machine's load) but by a **rule table per
+CPU class** (:data:`AUTO_RULES`), ordered by the throughput measured in BENCHMARKS.md ("deploy").
+A class that was not measured gets the conservative order noted in :data:`RULE_EVIDENCE`.
+``optimize`` then walks the class's list: a path is skipped when its backend is not installed or,
+for int8, when no calibration images are given; a reduced-precision path is built and kept only if
+its top-1 agreement with fp32 on the check images (the calibration images, else the example input)
+meets :data:`~cgavit.deploy.agreement.AGREEMENT_TARGET`; fp32 always qualifies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .agreement import AGREEMENT_TARGET
+from .cpu import CpuFeatures
+from .runtime import PathChoice
+
+#: For each CPU class (:data:`cgavit.deploy.cpu.CPU_CLASSES`, one row each): the ``(precision, backend)`` paths
+#: ``precision="auto"`` tries, fastest first.
+AUTO_RULES: dict[str, tuple[tuple[str, str], ...]] = {
+    "amx": (("int8", "openvino"), ("bf16", "openvino"), ("int8", "onnxruntime"), ("bf16", "torch"),
+            ("fp32", "onnxruntime"), ("fp32", "openvino"), ("fp32", "torch")),
+    "avx512_bf16": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
+    "avx512": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
+    "avx2": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
+    "other": (("fp32", "onnxruntime"), ("fp32", "torch")),
+}
+
+#: Where each row's order comes from.
+RULE_EVIDENCE: dict[str, str] = {
+    "amx": "order measured on an Intel Xeon with AMX, M4 at 224 px (BENCHMARKS.md, deploy): int8 OpenVINO 4.0x "
+           "fp32 torch.compile, bf16 OpenVINO 3.7x, int8 ONNX Runtime 2.2x, bf16 torch.compile 1.8x, fp32 ONNX "
+           "Runtime 1.5x",
+    "avx512_bf16": "not measured on this class: int8 (VNNI) then fp32, bf16 left out until measured",
+    "avx512": "not measured on this class: int8 (VNNI) then fp32; no native bf16",
+    "avx2": "order measured on an AVX2-only AMD EPYC (BENCHMARKS.md, reduced precision): "
+            "int8 1.8-1.9x fp32 torch.compile, bf16 12x slower",
+    "other": "no measurement for this CPU: fp32 only",
+}
+
+def auto_candidates(
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool]
+) -> list[PathChoice]:
+    """The paths ``auto`` may take on this CPU, in the order it tries them, each with its reason.
+
+    Args:
+        features: the CPU (:func:`cgavit.deploy.cpu.cpu_features`).
+        calibration_given: whether calibration images were given (int8 needs them).
+        available: whether a backend (``"torch"``, ``"onnxruntime"``, ``"openvino"``) is installed.
+    """
+    cls = features.cpu_class
+    out = []
+    for precision, backend in AUTO_RULES[cls]:
+        if precision == "int8" and not calibration_given:
+            continue
+        if not available(backend):
+            continue
+        reason = f"CPU {features.describe()}; {RULE_EVIDENCE[cls]}"
+        if precision != "fp32":
+            reason += f"; kept only with top-1 agreement >= {100 * AGREEMENT_TARGET:.1f}% against fp32"
+        out.append(PathChoice(precision, backend, cls, reason))
+    return out
+
+
+def precision_warning(precision: str, features: CpuFeatures) -> str | None:
+    """Why ``precision``, asked for explicitly, is slow or unsupported on this CPU; None when it is fine."""
+    if precision == "bf16" and not features.native_bf16:
+        return (f"bf16 asked for on a CPU without native bf16 ({features.describe()}: no avx512_bf16 or AMX): "
+                "every bf16 operation converts to and from fp32, and on an AVX2-only AMD EPYC this path ran 12x "
+                "slower than fp32; use precision='fp32', or 'auto' to pick by CPU")
+    if precision == "int8" and not (features.vnni or features.avx2):
+        return (f"int8 asked for on a CPU without int8 dot products or AVX2 ({features.describe()}): the "
+                "quantised kernels fall back to slow generic code; use precision='fp32'")
+    return None

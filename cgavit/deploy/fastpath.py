@@ -1,0 +1,294 @@
+"""``optimize``: the fastest inference form of a model in one call, on torch, ONNX Runtime or OpenVINO,
+in fp32, bf16 or int8, or picked for this CPU with ``precision="auto"``."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..fast import swap_fast_modules
+from ..kernels import interpreted, triton_available
+from ..kernels import load as load_kernels
+from ..testing import rel_err
+from .agreement import Agreement, batched_logits, compare_logits
+from .auto import auto_candidates, precision_warning
+from .cpu import CpuFeatures, cpu_features
+from .fusion import fuse
+from .onnx import onnxruntime_available, onnxruntime_path
+from .openvino import openvino_available, openvino_path
+from .runtime import PathChoice, RuntimeModule
+
+log = logging.getLogger(__name__)
+
+#: Relative error (``||a-b|| / ||b||`` of the logits) each precision is held to by ``optimize(check=True)``.
+#: fp32 is the issue's contract; bf16 (8-bit mantissa) and int8 are the reduced paths' stated tolerances,
+#: their real test is top-1 agreement on a trained model (:mod:`cgavit.deploy.agreement`).
+TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 0.1, "int8": 0.25}
+PRECISIONS = tuple(TOLERANCE)
+BACKENDS = ("auto", "torch", "onnxruntime", "openvino", "triton")
+#: The precisions each backend offers.
+OFFERED = {
+    "torch": ("fp32", "bf16"),
+    "onnxruntime": ("fp32", "int8"),
+    "openvino": ("fp32", "bf16", "int8"),
+    "triton": ("fp32", "fp16", "bf16"),  # the fused CGA kernel (cgavit.kernels); fp16/bf16 on a GPU
+}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class OptimizedModel(RuntimeModule):
+    """What :func:`optimize` returns on the torch backend: call it like the model, on float32
+    ``(B, 3, H, W)`` images.
+
+    Converts the input to the inner module's memory format and dtype, runs it without autograd, and
+    returns float32 logits. ``rel_err`` holds the check made at build time (``None`` if skipped).
+
+    Args:
+        inner: the (possibly compiled) inference module.
+        dtype: dtype the inner module computes in.
+        channels_last: feed the inner module channels-last tensors.
+        precision: ``"fp32"``, ``"bf16"`` or ``"int8"`` (for display).
+    """
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype, channels_last: bool, precision: str) -> None:
+        super().__init__(precision)
+        self.inner = inner
+        self.dtype = dtype
+        self.channels_last = channels_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        with torch.no_grad():
+            out = self.inner(x.to(dtype=self.dtype, memory_format=fmt))
+        return out.float()
+
+
+def backend_available(backend: str) -> bool:
+    """Whether ``backend`` (``"torch"``, ``"onnxruntime"``, ``"openvino"``) is installed."""
+    return {"torch": True, "onnxruntime": onnxruntime_available(), "openvino": openvino_available(),
+            "triton": triton_available()}[backend]
+
+
+def choose_backend(precision: str, backend: str = "auto", device: torch.device | str = "cpu") -> str:
+    """The backend :func:`optimize` uses for a fixed precision: ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
+
+    ``"auto"`` picks ONNX Runtime for int8, and for fp32 on the CPU when it is installed; torch
+    otherwise. OpenVINO is used when asked for by name (or by ``precision="auto"``'s rule table).
+
+    Raises:
+        ValueError: unknown precision or backend, or a combination no backend offers.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of auto, {', '.join(PRECISIONS)}, got {precision!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto" and precision == "fp16":
+        return "triton"  # the only backend offering fp16
+    if backend == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        ort_fp32 = precision == "fp32" and on_cpu and onnxruntime_available()
+        return "onnxruntime" if precision == "int8" or ort_fp32 else "torch"
+    if precision not in OFFERED[backend]:
+        raise ValueError(f"precision {precision} is not offered by the {backend} backend "
+                         f"(it offers {', '.join(OFFERED[backend])}); use backend='auto'")
+    return backend
+
+
+def optimize(
+    model: nn.Module,
+    example_input: torch.Tensor,
+    precision: str = "fp32",
+    *,
+    backend: str = "auto",
+    compile: bool = True,
+    channels_last: bool = True,
+    fast_attention: bool = True,
+    check: bool = True,
+    calibration: Iterable[torch.Tensor] | None = None,
+    features: CpuFeatures | None = None,
+) -> RuntimeModule:
+    """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
+
+    Backends: ``"torch"`` (:func:`fuse`, the inference attention of :mod:`cgavit.fast`, channels-last,
+    ``torch.compile`` with weight freezing, compiled here on the example; fp32, bf16),
+    ``"onnxruntime"`` (exported to ONNX, batch dynamic; fp32, int8 static QDQ) and ``"openvino"``
+    (fp32, bf16, int8 by NNCF). ``backend="auto"`` with a fixed precision: ONNX Runtime on the CPU
+    for fp32 and int8 when installed, else torch (:func:`choose_backend`).
+
+    ``precision="auto"`` picks precision and backend for this CPU by the rule table of
+    :mod:`cgavit.deploy.auto` (read its notes): fastest measured path of the CPU's class first; bf16
+    only where the CPU has it natively, int8 only with ``calibration``; a reduced path is kept only
+    if its top-1 agreement with fp32 on the calibration images (else the example) is >= 99.5 %.
+    Nothing is timed; the choice and its reason are ``result.choice`` (logged too). Asking for bf16
+    without native bf16 (or int8 without VNNI/AVX2) warns why it is slow. ``model`` is not modified.
+
+    Args:
+        model: a cgavit model (any module works for ``fast_attention=False``).
+        example_input: a batch ``(B, C, H, W)`` of the shape you will run (compiling specialises on it).
+        precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
+        backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
+        compile, channels_last, fast_attention: torch backend: ``torch.compile`` (else the eager
+            fast modules), channels-last convolutions, the :mod:`cgavit.fast` modules.
+        check: compare with the plain model on ``example_input``; kept as ``result.rel_err``; for a
+            fixed precision a value above ``TOLERANCE[precision]`` raises.
+        calibration: int8: image batches for the activation ranges (real training images).
+        features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
+
+    Raises:
+        ValueError: a precision, backend or combination not offered, a bad example, empty calibration.
+        RuntimeError: the check found a relative error above the precision's tolerance.
+    """
+    example_input, batches = _checked_inputs(example_input, calibration)
+    opts = dict(compile=compile, channels_last=channels_last, fast_attention=fast_attention)
+    on_cpu = example_input.device.type == "cpu"
+    if precision == "auto" and backend != "auto":
+        raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
+    if precision == "auto":
+        return _optimize_auto(model, example_input, batches, (features or cpu_features()) if on_cpu else None, check, opts)
+    backend = choose_backend(precision, backend, example_input.device)  # also checks the precision
+    if on_cpu:
+        _warn_if_slow(precision, features or cpu_features(), batches)
+    fused = fuse(model)
+    reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
+    result = _build(fused, example_input, precision, backend, batches, opts)
+    if check:
+        result.rel_err = _check(result, example_input, reference, precision)
+    return result
+
+
+def _checked_inputs(
+    example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The example and the calibration batches as float32, checked."""
+    if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4:
+        raise ValueError("example_input must be an image batch tensor (B, C, H, W), e.g. torch.randn(16, 3, 224, 224)")
+    batches = None if calibration is None else [b.float() for b in calibration]
+    if batches is not None and not batches:
+        raise ValueError("calibration is empty: give image batches (a few hundred training images), or None")
+    return example_input.float(), batches
+
+
+def _warn_if_slow(precision: str, features: CpuFeatures, calibration: list[torch.Tensor] | None) -> None:
+    message = precision_warning(precision, features)
+    if precision == "int8" and calibration is None:
+        message = ((message + "; also: ") if message else "") + (
+            "int8 is calibrated on the example input alone: give calibration= a few hundred real training images")
+    if message:
+        log.warning("optimize: %s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _build(
+    fused: nn.Module, example_input: torch.Tensor, precision: str, backend: str,
+    calibration: list[torch.Tensor] | None, opts: dict,
+) -> RuntimeModule:
+    """The ``precision``/``backend`` form of ``fused`` (which the torch path rewrites in place)."""
+    start = time.perf_counter()
+    if backend == "onnxruntime":
+        result = onnxruntime_path(fused, example_input, precision, calibration)
+    elif backend == "openvino":
+        result = openvino_path(fused, example_input, precision, calibration)
+    elif backend == "triton":
+        result = _triton_path(fused, example_input, precision, opts["compile"], opts["channels_last"])
+    else:
+        result = _torch_path(fused, example_input, precision, **opts)
+    log.info("optimize: %s %s path ready in %.1f s", precision, backend, time.perf_counter() - start)
+    return result
+
+
+def _torch_path(
+    fused: nn.Module, example_input: torch.Tensor, precision: str, compile: bool, channels_last: bool,
+    fast_attention: bool,
+) -> OptimizedModel:
+    """``fused`` with the fast modules, in the precision's dtype and memory format, compiled on the example."""
+    inner = swap_fast_modules(fused) if fast_attention else fused
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    inner = inner.to(dtype=dtype)
+    if channels_last:
+        inner = inner.to(memory_format=torch.channels_last)
+    if compile:
+        inner = torch.compile(inner, options={"freezing": True})
+    result = OptimizedModel(inner, dtype, channels_last, precision).eval()
+    result(example_input)  # compiles now, not on the user's first call
+    return result
+
+
+def _triton_path(
+    fused: nn.Module, example_input: torch.Tensor, precision: str, compile: bool, channels_last: bool
+) -> OptimizedModel:
+    """``fused`` with every window attention run by the fused Triton kernel (:mod:`cgavit.kernels`),
+    in the precision's dtype, channels-last, and inductor for the rest on a GPU.
+
+    On the CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` set before cgavit
+    loads them), in fp32 and without ``torch.compile``: that is how the tests check them."""
+    if not triton_available():
+        raise ValueError("backend='triton' needs triton (it comes with CUDA builds of torch, or pip install triton)")
+    module = load_kernels()
+    on_gpu = example_input.device.type == "cuda"
+    if not on_gpu and not interpreted():
+        raise ValueError(
+            "backend='triton' runs on a CUDA GPU; on the CPU only in Triton's interpreter (set "
+            "TRITON_INTERPRET=1 before importing cgavit, for testing); use backend='torch' or 'onnxruntime' here"
+        )
+    if not on_gpu and precision != "fp32":
+        raise ValueError(f"backend='triton' on the CPU (interpreter) checks fp32 only, got precision {precision!r}")
+    dtype = _DTYPES[precision]
+    inner = module.swap_triton_modules(fused).to(device=example_input.device, dtype=dtype)
+    if channels_last:
+        inner = inner.to(memory_format=torch.channels_last)
+    if compile and on_gpu:
+        inner = torch.compile(inner, options={"freezing": True})
+    result = OptimizedModel(inner, dtype, channels_last, precision).eval()
+    result(example_input)  # compiles now, not on the user's first call
+    return result
+
+
+def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tensor, precision: str) -> float:
+    """Relative error of ``result`` against the fused model's ``reference`` logits; raises above tolerance."""
+    with torch.no_grad():
+        err = rel_err(result(example_input), reference)
+    log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
+    if err > TOLERANCE[precision]:
+        raise RuntimeError(
+            f"the {precision} path differs from the plain model by {err:.2e} (relative), above its "
+            f"tolerance {TOLERANCE[precision]:.0e}; run optimize(..., check=False) to keep it anyway"
+        )
+    return err
+
+
+def _optimize_auto(
+    model: nn.Module, example_input: torch.Tensor, calibration: list[torch.Tensor] | None,
+    features: CpuFeatures | None, check: bool, opts: dict,
+) -> RuntimeModule:
+    """``precision="auto"``: the first path of the CPU's rule-table row that meets the agreement target."""
+    if features is None:  # a GPU
+        candidates = [PathChoice("fp32", "torch", "cuda", "on a GPU auto runs fp32 torch")]
+    else:
+        candidates = auto_candidates(features, calibration is not None, backend_available)
+    images = torch.cat(calibration) if calibration else example_input
+    reference = batched_logits(fuse(model), images)
+    for cand in candidates:
+        result = _build(fuse(model), example_input, cand.precision, cand.backend, calibration, opts)
+        agreement = None if cand.precision == "fp32" else compare_logits(batched_logits(result, images), reference)
+        if agreement is None or agreement.meets_target:
+            result.choice = _with_measurement(cand, agreement, calibration is not None)
+            break
+        log.info("optimize auto: %s %s skipped, %s", cand.precision, cand.backend, agreement.describe())
+    log.info("optimize auto: chose %s", result.choice.describe())
+    if check:
+        with torch.no_grad():
+            result.rel_err = rel_err(result(example_input), batched_logits(fuse(model), example_input))
+    return result
+
+
+def _with_measurement(choice: PathChoice, agreement: Agreement | None, on_calibration: bool) -> PathChoice:
+    if agreement is None:
+        return choice
+    where = "the calibration images" if on_calibration else "the example input"
+    reason = f"{choice.reason}; measured on {where}: {agreement.describe()}"
+    return PathChoice(choice.precision, choice.backend, choice.cpu_class, reason)

@@ -1,0 +1,211 @@
+"""The export formats of ``cgavit export --format``: one table, one ``export_model`` and one
+``load_exported`` over ONNX, OpenVINO, ExecuTorch and TFLite/LiteRT.
+
+Each format is an optional extra of the package (``pip install 'cgavit[openvino]'`` ...), so the core
+stays light; :func:`require_format` says which to install when one is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..testing import rel_err
+from .agreement import Agreement, batched_logits, compare_logits
+from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
+from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, quantize_onnx
+from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
+from .fusion import example_batch, fuse
+from .runtime import RuntimeModule
+from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format.
+
+    Args:
+        name: the ``--format`` value.
+        runtime: the runtime that runs it, for messages.
+        extra: the package extra that installs it (``pip install 'cgavit[EXTRA]'``).
+        suffix: the file name suffix it is written with.
+        precisions: what it offers (``"fp32"``, ``"int8"``).
+        fixed_batch: whether the batch size is fixed at export (else dynamic).
+        available: whether its packages are installed.
+    """
+
+    name: str
+    runtime: str
+    extra: str
+    suffix: str
+    precisions: tuple[str, ...]
+    fixed_batch: bool
+    available: Callable[[], bool]
+
+
+FORMATS: dict[str, ExportFormat] = {
+    "onnx": ExportFormat("onnx", "ONNX Runtime", "deploy", ".onnx", ("fp32", "int8"), False, onnxruntime_available),
+    "openvino": ExportFormat("openvino", "OpenVINO", "openvino", ".xml", ("fp32", "int8"), False, openvino_available),
+    "executorch": ExportFormat("executorch", "ExecuTorch (XNNPACK)", "executorch", ".pte", ("fp32", "int8"), True,
+                               executorch_available),
+    "tflite": ExportFormat("tflite", "LiteRT (XNNPACK)", "tflite", ".tflite", ("fp32",), True, tflite_available),
+}
+
+
+def require_format(name: str, precision: str = "fp32") -> ExportFormat:
+    """The format ``name``, checked to be installed and to offer ``precision``.
+
+    Raises:
+        ValueError: unknown format, precision it does not offer, or its extra is not installed
+            (the message says what to install).
+    """
+    if name not in FORMATS:
+        raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
+    fmt = FORMATS[name]
+    if precision not in fmt.precisions:
+        raise ValueError(f"--format {name} offers {', '.join(fmt.precisions)}, not {precision}")
+    if not fmt.available():
+        raise ValueError(f"--format {name} needs {fmt.runtime}: pip install 'cgavit[{fmt.extra}]'")
+    return fmt
+
+
+def export_model(
+    model: nn.Module,
+    path: str | os.PathLike,
+    format: str,
+    img_size: tuple[int, int] = (224, 224),
+    precision: str = "fp32",
+    calibration: Iterable[torch.Tensor] | None = None,
+    batch: int = 1,
+) -> Path:
+    """Write ``fuse(model)`` in ``format`` to ``path`` (atomically); returns the path written.
+
+    Args:
+        model: the model (fused by the exporter).
+        path: the output file (OpenVINO: the ``.xml``; its ``.bin`` is written beside it).
+        format: a key of :data:`FORMATS`.
+        img_size: ``(H, W)`` the file accepts (fixed in every format: the window attention
+            partitions each size differently).
+        precision: ``"fp32"`` or ``"int8"`` (where the format offers it).
+        calibration: int8: image batches, a few hundred training images preprocessed like the input.
+        batch: the batch size, for the formats whose batch is fixed at export (ExecuTorch, TFLite).
+
+    Raises:
+        ValueError: see :func:`require_format`; int8 without calibration; a missing output folder.
+    """
+    require_format(format, precision)
+    if precision == "int8" and calibration is None:
+        raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
+    if format == "openvino":
+        return export_openvino(model, path, img_size, precision, calibration)
+    if format == "executorch":
+        return export_executorch(model, path, img_size, batch, precision, calibration)
+    if format == "tflite":
+        return export_tflite(model, path, img_size, batch)
+    if precision == "fp32":
+        return export_onnx(model, path, img_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size)
+        return quantize_onnx(fp32, path, calibration)
+
+
+def load_exported(path: str | os.PathLike, format: str, precision: str = "fp32", threads: int | None = None) -> RuntimeModule:
+    """An exported file run by its format's own runtime on the CPU, called like a module.
+
+    Args:
+        path: the file :func:`export_model` wrote.
+        format: a key of :data:`FORMATS`.
+        precision: what the file computes in (OpenVINO compiles fp32 files for this precision).
+        threads: runtime threads (default: ``torch.get_num_threads()``; ExecuTorch picks its own).
+    """
+    require_format(format)
+    if format == "openvino":
+        return OpenVinoModule(path, threads, precision)
+    if format == "executorch":
+        return ExecutorchModule(path, precision)
+    if format == "tflite":
+        return TfliteModule(path, threads)
+    return OnnxModule(path, threads, precision)
+
+
+def runtime_path(
+    fused: nn.Module, example_input: torch.Tensor, format: str, precision: str = "fp32",
+    calibration: list[torch.Tensor] | None = None,
+) -> RuntimeModule:
+    """``fused`` in ``format`` for the example's image size (and batch, where fixed), run by the
+    format's runtime, built in memory (what ``cgavit bench`` times)."""
+    require_format(format, precision)
+    if format == "openvino":
+        return openvino_path(fused, example_input, precision, calibration)
+    if format == "executorch":
+        return executorch_path(fused, example_input, precision, calibration)
+    if format == "tflite":
+        return tflite_path(fused, example_input)
+    return onnxruntime_path(fused, example_input, precision, calibration)
+
+
+#: Largest relative error of an exported fp32 file's logits against PyTorch's that the parity check calls ok.
+EXPORT_TOLERANCE = 1e-4
+
+
+@dataclass
+class ParityCheck:
+    """An exported file, run in its own runtime, against the fused PyTorch model.
+
+    Args:
+        runtime: the runtime's name.
+        precision: what the file computes in.
+        rel_err: batch size -> relative error of the logits on random images of that batch.
+        agreement: with check images: top-1 agreement, accuracy change and logit error (int8's test).
+    """
+
+    runtime: str
+    precision: str
+    rel_err: dict[int, float]
+    agreement: Agreement | None = None
+
+    @property
+    def ok(self) -> bool:
+        """fp32: every error <= :data:`EXPORT_TOLERANCE`; int8: the agreement target (needs check images)."""
+        if self.precision == "fp32":
+            return all(e <= EXPORT_TOLERANCE for e in self.rel_err.values())
+        return self.agreement is not None and self.agreement.meets_target
+
+    def lines(self) -> list[str]:
+        """What ``cgavit export`` prints, one line per check."""
+        out = []
+        for batch, err in self.rel_err.items():
+            if self.precision == "fp32":
+                verdict = " ok" if err <= EXPORT_TOLERANCE else " TOO LARGE"
+            else:
+                verdict = f" ({self.precision}: judged by top-1 agreement on real images)"
+            out.append(f"{self.runtime} vs PyTorch, batch {batch}: relative error {err:.1e}{verdict}")
+        if self.agreement is not None:
+            out.append(f"{self.runtime} {self.precision} vs PyTorch fp32: {self.agreement.describe()}")
+        elif self.precision != "fp32":
+            out.append(f"{self.precision} not checked on real images: give --data DIR (DIR/val) for the agreement target")
+        return out
+
+
+@torch.no_grad()
+def check_parity(
+    module: nn.Module, model: nn.Module, img_size: tuple[int, int], precision: str = "fp32", runtime: str = "",
+    images: torch.Tensor | None = None, labels: torch.Tensor | None = None, batches: tuple[int, ...] = (1, 16),
+) -> ParityCheck:
+    """Compare ``module`` (an exported file in its runtime) with ``fuse(model)``: relative error on random
+    images at each batch size of ``batches``, and with ``images`` top-1 agreement (and accuracy with ``labels``)."""
+    fused = fuse(model)
+    errors = {}
+    for batch in batches:
+        x = example_batch(fused, img_size, batch)
+        errors[batch] = rel_err(module(x), fused(x))
+    agreement = None
+    if images is not None:
+        agreement = compare_logits(batched_logits(module, images), batched_logits(fused, images), labels)
+    return ParityCheck(runtime, precision, errors, agreement)

@@ -1,0 +1,67 @@
+"""``fuse``: the reference inference form, every BatchNorm folded into its conv or linear layer."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..attention import CascadedGroupAttention
+from ..layers import BNLinear, ConvBN
+
+FUSABLE = (ConvBN, BNLinear, CascadedGroupAttention)
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _swap_fused(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, FUSABLE):
+            setattr(module, name, child.fuse())
+        else:
+            _swap_fused(child)
+
+
+@torch.no_grad()
+def fuse(model: nn.Module) -> nn.Module:
+    """Return an eval-mode inference copy of ``model`` with every BatchNorm folded away.
+
+    Conv-BN pairs become one ``nn.Conv2d``, BN+Linear heads one ``nn.Linear``, and each attention's
+    relative-position bias is gathered once into a buffer. ``model`` itself is not modified;
+    fusing an already fused model changes nothing.
+
+    Raises:
+        ValueError: if a BatchNorm remains that is not part of a Conv-BN or BN-Linear pair.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"fuse expects an nn.Module, got {type(model).__name__}")
+    fused = copy.deepcopy(model).eval()
+    if isinstance(fused, FUSABLE):
+        fused = fused.fuse().eval()
+    else:
+        _swap_fused(fused)
+    left = [n for n, m in fused.named_modules() if isinstance(m, BATCHNORMS)]
+    if left:
+        raise ValueError(f"these BatchNorm layers have no conv/linear to fold into: {left}")
+    for p in fused.parameters():
+        p.requires_grad_(False)
+    return fused
+
+
+def example_batch(model: nn.Module, img_size: tuple[int, int], batch: int = 2) -> torch.Tensor:
+    """A random image batch ``(batch, in_chans, H, W)`` for tracing or exporting ``model``."""
+    return torch.randn(batch, getattr(model, "in_chans", 3), *img_size)
+
+
+def output_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, after checking that the folder an export writes into exists.
+
+    Raises:
+        ValueError: the parent folder does not exist.
+    """
+    path = Path(path)
+    if not path.parent.exists():
+        raise ValueError(f"output folder {path.parent} does not exist; create it first")
+    return path

@@ -1,0 +1,70 @@
+"""The base of every inference form :func:`~cgavit.deploy.optimize` and the exporters return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which path ``optimize(precision="auto")`` took, and why.
+
+    Args:
+        precision: ``"fp32"``, ``"bf16"`` or ``"int8"``.
+        backend: ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
+        cpu_class: the rule-table row used (:data:`cgavit.deploy.cpu.CPU_CLASSES`), or ``"cuda"``.
+        reason: a sentence a user can read.
+    """
+
+    precision: str
+    backend: str
+    cpu_class: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.precision} {self.backend}: {self.reason}"
+
+
+class RuntimeModule(nn.Module):
+    """An inference form called like the model: float32 images ``(B, C, H, W)`` in, float32 logits out.
+
+    Attributes:
+        precision: ``"fp32"``, ``"bf16"`` or ``"int8"``.
+        rel_err: the relative error ``optimize(check=True)`` measured against the plain model, else None.
+        choice: with ``precision="auto"``, the :class:`PathChoice` taken and its reason; else None.
+    """
+
+    def __init__(self, precision: str = "fp32") -> None:
+        super().__init__()
+        self.precision = precision
+        self.rel_err: float | None = None
+        self.choice: PathChoice | None = None
+
+
+def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``x`` ``(n, ...)`` with copies of its last item appended up to ``batch`` items (n <= batch)."""
+    if len(x) == batch:
+        return x
+    return torch.cat([x, x[-1:].expand(batch - len(x), *x.shape[1:])])
+
+
+class FixedBatchModule(RuntimeModule):
+    """A runtime whose program accepts one batch size only (ExecuTorch, LiteRT), run on any batch:
+    the input is split into pieces of :attr:`batch` images, the last piece padded, the padding's
+    outputs dropped. Subclasses set ``self.batch`` and implement :meth:`run_batch`."""
+
+    batch: int = 1
+
+    def run_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(self.batch, classes)`` of exactly ``self.batch`` contiguous float32 images."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for piece in x.detach().float().split(self.batch):
+            out = self.run_batch(pad_batch(piece, self.batch).contiguous())
+            outs.append(torch.as_tensor(out)[: len(piece)].clone())
+        return torch.cat(outs)

@@ -1,0 +1,190 @@
+"""Reduced precision on trained weights: the agreement target, the feature probe and ``auto``.
+
+The figures that count come from a trained model (the session's digits model, ``trained_digits``):
+bf16 and int8 must keep fp32's decisions (top-1 agreement >= 99.5 %, accuracy within 0.5 point).
+The check must be able to fail: the same model with scrambled weights misses it.
+"""
+
+import pytest
+import torch
+
+import cgavit
+from cgavit.bench import recalibrate_batchnorm
+from cgavit.deploy import (
+    AGREEMENT_TARGET,
+    AUTO_RULES,
+    CPU_CLASSES,
+    RULE_EVIDENCE,
+    CpuFeatures,
+    auto_candidates,
+    batched_logits,
+    compare_logits,
+    cpu_features,
+    fuse,
+    onnxruntime_available,
+    optimize,
+    parse_cpuinfo,
+    precision_warning,
+)
+from cgavit.deploy import fastpath
+
+EPYC_AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse sse2 avx f16c fma bmi2 avx2 sha_ni\n"
+XEON_AMX = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: avx2 avx512f avx512_vnni "
+            "avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+COOPER_LAKE = "model name\t: Intel(R) Xeon(R) Gold 6348H\nflags\t\t: avx2 avx512f avx512_vnni avx512_bf16\n"
+SKYLAKE = "model name\t: Intel(R) Xeon(R) Gold 6148\nflags\t\t: avx2 avx512f\n"
+GRAVITON = "processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm\nCPU implementer\t: 0x41\n"
+
+
+def features(text: str) -> CpuFeatures:
+    flags, model = parse_cpuinfo(text)
+    return CpuFeatures(flags, "", model)
+
+
+def agreement(module, trained_digits):
+    reference = batched_logits(fuse(trained_digits.model), trained_digits.images)
+    return compare_logits(batched_logits(module, trained_digits.images), reference, trained_digits.labels)
+
+
+def scrambled(trained_digits) -> torch.nn.Module:
+    """The trained model with each weight tensor's entries shuffled, BatchNorm statistics recalibrated on
+    training images so the decisions still depend on the image (not one constant class)."""
+    model = cgavit.create_model("efficientvit_m0", num_classes=10, img_size=48, embed_dim=(32, 48, 64),
+                                depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(5, 5))
+    model.load_state_dict(trained_digits.model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.flatten()[torch.randperm(p.numel(), generator=g)].view_as(p))
+    return recalibrate_batchnorm(model, trained_digits.train_images[:512])
+
+
+def test_the_fixture_is_a_trained_model(trained_digits):
+    assert trained_digits.accuracy >= 0.95
+    assert len(trained_digits.images) == 360 and len(trained_digits.train_images) == 1437
+
+
+def test_bf16_meets_the_target_on_trained_weights(trained_digits):
+    bf16 = optimize(trained_digits.model, trained_digits.images[:16], "bf16", backend="torch", compile=False,
+                    check=False, features=features(XEON_AMX))
+    result = agreement(bf16, trained_digits)
+    assert result.meets_target, result.describe()
+    assert 0 < result.max_rel_err < 0.1  # reduced precision really ran
+
+
+@pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
+def test_int8_meets_the_target_on_trained_weights(trained_digits):
+    int8 = optimize(trained_digits.model, trained_digits.images[:16], "int8", calibration=trained_digits.calibration(),
+                    check=False)
+    result = agreement(int8, trained_digits)
+    assert result.meets_target, result.describe()
+
+
+@pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
+def test_scrambled_weights_miss_the_target(trained_digits):
+    """The same check fails on a model whose logits are not those of a trained classifier."""
+    model = scrambled(trained_digits)
+    with torch.no_grad():
+        assert model(trained_digits.images).argmax(1).unique().numel() >= 3  # image-dependent decisions
+    x, calib = trained_digits.images[:16], trained_digits.calibration()
+    bf16 = optimize(model, x, "bf16", backend="torch", compile=False, check=False, features=features(XEON_AMX))
+    int8 = optimize(model, x, "int8", calibration=calib, check=False)
+    for path in (bf16, int8):
+        reference = batched_logits(fuse(model), trained_digits.images)
+        result = compare_logits(batched_logits(path, trained_digits.images), reference, trained_digits.labels)
+        assert not result.meets_target, result.describe()
+
+
+def test_compare_logits_and_the_target():
+    ref = torch.eye(10).repeat(36, 1) * 5  # 360 images, top-1 class i % 10
+    labels = torch.arange(360) % 10
+    out = ref.clone()
+    out[0] = torch.roll(out[0], 1)  # one decision changes: 359/360 = 99.7 % agreement, -0.3 point
+    one = compare_logits(out, ref, labels)
+    assert one.top1_agreement == pytest.approx(359 / 360) and one.accuracy_change == pytest.approx(-100 / 360)
+    assert one.meets_target and one.max_rel_err == pytest.approx(2**0.5)
+    out[1] = torch.roll(out[1], 1)
+    out[2] = torch.roll(out[2], 1)  # three changes: 99.2 %, misses
+    assert not compare_logits(out, ref, labels).meets_target
+    assert compare_logits(ref, ref).accuracy is None and compare_logits(ref, ref).meets_target
+    with pytest.raises(ValueError, match="logit"):
+        compare_logits(ref[:5], ref)
+
+
+def test_cpu_features_reads_cpuinfo(tmp_path):
+    (tmp_path / "cpuinfo").write_text(XEON_AMX)
+    amx = cpu_features(tmp_path / "cpuinfo")
+    assert amx.cpu_class == "amx" and amx.native_bf16 and amx.vnni and "Platinum" in amx.model_name
+    assert [features(t).cpu_class for t in (COOPER_LAKE, SKYLAKE, EPYC_AVX2, GRAVITON)] == [
+        "avx512_bf16", "avx512", "avx2", "other"]
+    assert not features(EPYC_AVX2).native_bf16 and not features(SKYLAKE).vnni
+    assert features(GRAVITON).native_bf16 and features(GRAVITON).vnni  # Arm's bf16 and dot-product flags
+    fallback = cpu_features(tmp_path / "missing")  # not Linux: torch's dispatch level only
+    assert fallback.capability and not fallback.native_bf16
+    assert cpu_features().describe()  # this machine
+
+
+def test_auto_rule_table_by_cpu_class():
+    every = lambda backend: True  # noqa: E731
+    assert set(AUTO_RULES) == set(CPU_CLASSES) == set(RULE_EVIDENCE)
+    assert all(rule[-1] == ("fp32", "torch") for rule in AUTO_RULES.values())  # fp32 always available
+    epyc = auto_candidates(features(EPYC_AVX2), False, every)
+    assert [(c.precision, c.backend) for c in epyc] == [("fp32", "onnxruntime"), ("fp32", "torch")]
+    assert "12x slower" in epyc[0].reason  # why bf16 is not there
+    assert auto_candidates(features(EPYC_AVX2), True, every)[0].precision == "int8"  # calibration given
+    amx = auto_candidates(features(XEON_AMX), False, every)
+    assert amx[0].precision == "bf16" and all(c.precision != "int8" for c in amx)  # no calibration, no int8
+    assert auto_candidates(features(XEON_AMX), True, every)[0].precision == "int8"
+    assert all(c.precision != "bf16" for rule in ("avx2", "avx512", "other") for c in auto_candidates(
+        features({"avx2": EPYC_AVX2, "avx512": SKYLAKE, "other": GRAVITON}[rule]), True, every))
+    only_torch = auto_candidates(features(XEON_AMX), True, lambda backend: backend == "torch")
+    assert [(c.precision, c.backend) for c in only_torch] == [("bf16", "torch"), ("fp32", "torch")]
+
+
+def test_explicit_slow_paths_warn():
+    assert "12x slower" in precision_warning("bf16", features(EPYC_AVX2))
+    assert precision_warning("bf16", features(XEON_AMX)) is None
+    assert precision_warning("int8", features(EPYC_AVX2)) is None  # AVX2 int8 was 1.8x faster than fp32
+    assert "int8" in precision_warning("int8", features("flags: sse2"))
+
+
+def test_optimize_bf16_without_native_support_warns(trained_digits):
+    x = trained_digits.images[:4]
+    with pytest.warns(RuntimeWarning, match="no avx512_bf16 or AMX"):
+        optimize(trained_digits.model, x, "bf16", backend="torch", compile=False, features=features(EPYC_AVX2))
+
+
+def test_auto_takes_the_probe_and_explains(trained_digits, monkeypatch):
+    """The feature probe patched: an AVX2-only CPU gets fp32; the choice says why."""
+    monkeypatch.setattr(fastpath, "cpu_features", lambda: features(EPYC_AVX2))
+    fast = optimize(trained_digits.model, trained_digits.images[:8], "auto", compile=False)
+    assert fast.choice.precision == "fp32" and fast.choice.cpu_class == "avx2"
+    assert "EPYC" in fast.choice.reason and fast.rel_err <= 1e-5
+
+
+def test_auto_uses_bf16_only_where_native(trained_digits):
+    x = trained_digits.images[:8]
+    amx = optimize(trained_digits.model, x, "auto", compile=False, features=features(XEON_AMX))
+    assert amx.choice.precision == "bf16" and "agreement" in amx.choice.reason
+    with pytest.raises(ValueError, match="backend"):
+        optimize(trained_digits.model, x, "auto", backend="torch")
+
+
+@pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
+def test_auto_takes_int8_with_calibration_when_it_meets_the_target(trained_digits, monkeypatch):
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    fast = optimize(trained_digits.model, trained_digits.images[:8], "auto", calibration=trained_digits.calibration(),
+                    compile=False, features=features(EPYC_AVX2))
+    assert (fast.choice.precision, fast.choice.backend) == ("int8", "onnxruntime")
+    assert f"{100 * AGREEMENT_TARGET:.1f}%" in fast.choice.reason and "meets" in fast.choice.reason
+    assert agreement(fast, trained_digits).meets_target
+
+
+@pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
+def test_auto_skips_a_path_that_misses_the_target(trained_digits, monkeypatch):
+    """On scrambled weights int8 misses the target on the calibration images: auto falls back to fp32."""
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    model = scrambled(trained_digits)
+    fast = optimize(model, trained_digits.images[:8], "auto", calibration=trained_digits.calibration(),
+                    compile=False, features=features(EPYC_AVX2))
+    assert fast.choice.precision == "fp32"
