@@ -33,3 +33,10 @@ def load() -> ModuleType:
     if not triton_available():
         raise ImportError("the Triton kernels need triton: pip install triton (or a CUDA build of torch)")
     return importlib.import_module(f"{__name__}.module")
+
+
+def interpreted() -> bool:
+    """Whether the kernels (loaded here if needed) run in Triton's CPU interpreter, i.e.
+    ``TRITON_INTERPRET=1`` was set when they were first loaded."""
+    load()
+    return importlib.import_module(f"{__name__}.cga").interpreted()
