@@ -458,7 +458,7 @@ def test_nan_loss_stops_training(files, tmp_path, capsys):
     [
         (dict(dials={"checkpoint_path": "/etc/passwd"}), None, "'dials' must be a dict with keys among"),
         (dict(dials={"pretrained": True}), None, "'dials' must be a dict with keys among"),
-        (dict(dials={"depth": [100_000, 1, 1]}), None, "attention heads and FFNs but the file holds"),
+        (dict(dials={"depth": [100_000, 1, 1]}), None, "depth entries must be at most"),
         (dict(kind="yolo"), None, "'kind' must be one of"),
         (dict(min_size=100_000), None, "'min_size' must be an integer in 32..4096"),
         (dict(model_kwargs={"score_thresh": {"a": 1}}), None, "detector setting (--model-arg) score_thresh"),
