@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +52,16 @@ def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat([x, x[-1:].expand(batch - len(x), *x.shape[1:])])
 
 
-class FixedBatchModule(RuntimeModule):
+class FixedBatchModule(RuntimeModule, ABC):
     """A runtime whose program accepts one batch size only (ExecuTorch, LiteRT), run on any batch:
     the input is split into pieces of :attr:`batch` images, the last piece padded, the padding's
     outputs dropped. Subclasses set ``self.batch`` and implement :meth:`run_batch`."""
 
     batch: int = 1
 
+    @abstractmethod
     def run_batch(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``(self.batch, classes)`` of exactly ``self.batch`` contiguous float32 images."""
-        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
