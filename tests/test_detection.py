@@ -50,12 +50,7 @@ SIZE = 128
 SMALL_RCNN = dict(box_batch_size_per_image=32, rpn_batch_size_per_image=64, rpn_post_nms_top_n_train=200, box_detections_per_img=10)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # detection tests run on one intra-op thread
 
 
 @pytest.fixture(scope="module")

@@ -44,12 +44,7 @@ CONFIG = dict(kind="retinanet", backbone="efficientvit_m0", num_classes=4, categ
               freeze_bn=False, dials={}, min_size=SIZE, max_size=SIZE, model_kwargs={})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # detection tests run on one intra-op thread
 
 
 @pytest.fixture(scope="module")
