@@ -1,9 +1,16 @@
-"""Inference-only modules for the fast deploy path (:func:`cgavit.deploy.optimize`).
+"""Inference-only modules for the fast deploy paths (:func:`cgavit.deploy.optimize` and the exports).
 
 They are built from an already fused model (every BatchNorm folded) and compute the same function
-with fewer, cheaper operators: the attention scale folded into the query's depthwise conv, the
-relative-position bias precomputed, ``scaled_dot_product_attention`` doing scores, bias, softmax and
-the value product in one kernel, and the window partition done with one permute each way.
+with fewer, cheaper operators:
+
+* the attention scale is folded into the query's depthwise conv, the relative-position bias is
+  precomputed, and the window partition is one permute each way;
+* a depthwise residual ``x + dw(x)`` becomes one depthwise conv whose centre tap carries the ``+ x``
+  (:func:`fold_depthwise_residual`);
+* given the image size (:func:`swap_fast_modules` with ``img_size``), every reshape is written with
+  constant sizes and the batch as ``-1``, so an exported graph has no shape arithmetic left in it
+  (an ONNX export of M4 goes from 1,702 nodes to about 570).
+
 The training modules in :mod:`cgavit.attention` are untouched.
 """
 
@@ -14,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import FusedCascadedGroupAttention, LocalWindowAttention, window_bias
-from .layers import conv_like
+from .layers import Residual, conv_like
 
 
 class FastCascadedGroupAttention(nn.Module):
@@ -25,9 +32,11 @@ class FastCascadedGroupAttention(nn.Module):
 
     Args:
         fused: the fused attention to copy weights from (not modified).
+        size: ``(h, w)`` of every map this module will see, to precompute the bias for it and write
+            the reshapes with constant sizes; None (default) works on any map up to the window.
     """
 
-    def __init__(self, fused: FusedCascadedGroupAttention) -> None:
+    def __init__(self, fused: FusedCascadedGroupAttention, size: tuple[int, int] | None = None) -> None:
         super().__init__()
         if not isinstance(fused, FusedCascadedGroupAttention):
             raise ValueError(
@@ -36,31 +45,34 @@ class FastCascadedGroupAttention(nn.Module):
         self.num_heads = fused.num_heads
         self.key_dim = fused.key_dim
         self.value_dim = fused.value_dim
+        self.group_width = fused.dim // fused.num_heads
         self.window = fused.window
         self.cascade = fused.cascade
         self.group_split = fused.group_split
+        self.size = None if size is None else (int(size[0]), int(size[1]))
         self.qkvs = nn.ModuleList(_copy_conv(c) for c in fused.qkvs)
         self.dws = nn.ModuleList(_copy_conv(c, scale=fused.scale) for c in fused.dws)  # q * d^-0.5 folded in
         self.proj = _copy_conv(fused.proj[1])
-        self.register_buffer("bias_full", fused.bias_full.detach().clone())  # (heads, N, N) of the full window
+        full = fused.bias_full.detach()  # (heads, window**2, window**2)
+        bias = full if self.size is None else window_bias(full, self.window, *self.size)
+        self.register_buffer("bias", bias.clone())  # (heads, N, N) of the full window, or of ``size``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = x.shape
+        H, W = self.size or x.shape[2:]
         N = H * W
-        bias = window_bias(self.bias_full, self.window, H, W)  # (heads, N, N)
-        groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
+        bias = self.bias if self.size else window_bias(self.bias, self.window, H, W)  # (heads, N, N)
+        groups = x.split(self.group_width, 1) if self.group_split else [x] * self.num_heads
+        kd, vd = self.key_dim, self.value_dim
         outs = []
         feat = groups[0]
         for i in range(self.num_heads):
             if i > 0:
                 feat = feat + groups[i] if self.cascade else groups[i]
-            q, k, v = self.qkvs[i](feat).split([self.key_dim, self.key_dim, self.value_dim], 1)
-            q = self.dws[i](q)  # already scaled by key_dim^-0.5
-            q = q.reshape(B, 1, self.key_dim, N).transpose(-2, -1)  # (B, 1, N, kd)
-            k = k.reshape(B, 1, self.key_dim, N).transpose(-2, -1)  # (B, 1, N, kd)
-            v = v.reshape(B, 1, self.value_dim, N).transpose(-2, -1)  # (B, 1, N, vd)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[i], scale=1.0)  # (B, 1, N, vd)
-            feat = o.transpose(-2, -1).reshape(B, self.value_dim, H, W)
+            q, k, v = self.qkvs[i](feat).split([kd, kd, vd], 1)
+            q = self.dws[i](q).reshape(-1, kd, N)  # already scaled by key_dim^-0.5
+            attn = torch.matmul(q.transpose(1, 2), k.reshape(-1, kd, N)) + bias[i]  # (B, N, N)
+            attn = attn.softmax(dim=-1)
+            feat = torch.matmul(v.reshape(-1, vd, N), attn.transpose(1, 2)).reshape(-1, vd, H, W)
             outs.append(feat)
         return self.proj(torch.relu(torch.cat(outs, 1)))  # (B, C, H, W)
 
@@ -70,16 +82,26 @@ class FastWindowAttention(nn.Module):
 
     Args:
         lwa: a :class:`~cgavit.attention.LocalWindowAttention` whose attention is fused.
+        size: ``(H, W)`` of the maps it will see (constant-size reshapes, a precomputed bias; another
+            size is refused); None (default) takes any size.
     """
 
-    def __init__(self, lwa: LocalWindowAttention) -> None:
+    def __init__(self, lwa: LocalWindowAttention, size: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.window = lwa.window
-        self.attn = FastCascadedGroupAttention(lwa.attn)
+        self.window = ws = lwa.window
+        self.channels = lwa.attn.dim
+        self.size = None if size is None else (int(size[0]), int(size[1]))
+        whole = self.size is not None and self.size[0] <= ws and self.size[1] <= ws
+        self.attn = FastCascadedGroupAttention(lwa.attn, None if self.size is None else self.size if whole else (ws, ws))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = x.shape
-        ws = self.window
+        if self.size is not None and tuple(x.shape[2:]) != self.size:
+            raise ValueError(
+                f"this inference graph was built for {self.size[0]}x{self.size[1]} maps here, got "
+                f"{x.shape[2]}x{x.shape[3]}: build it again for your image size"
+            )
+        H, W = self.size or x.shape[2:]
+        ws, C = self.window, self.channels
         if H <= ws and W <= ws:
             return self.attn(x)
         pad_b, pad_r = (ws - H % ws) % ws, (ws - W % ws) % ws
@@ -87,10 +109,10 @@ class FastWindowAttention(nn.Module):
             x = F.pad(x, (0, pad_r, 0, pad_b))
         nH, nW = (H + pad_b) // ws, (W + pad_r) // ws
         # (B, C, nH, ws, nW, ws) -> (B*nH*nW, C, ws, ws)
-        x = x.view(B, C, nH, ws, nW, ws).permute(0, 2, 4, 1, 3, 5).reshape(B * nH * nW, C, ws, ws)
+        x = x.reshape(-1, C, nH, ws, nW, ws).permute(0, 2, 4, 1, 3, 5).reshape(-1, C, ws, ws)
         x = self.attn(x)
         # (B, nH, nW, C, ws, ws) -> (B, C, nH*ws, nW*ws)
-        x = x.view(B, nH, nW, C, ws, ws).permute(0, 3, 1, 4, 2, 5).reshape(B, C, nH * ws, nW * ws)
+        x = x.reshape(-1, nH, nW, C, ws, ws).permute(0, 3, 1, 4, 2, 5).reshape(-1, C, nH * ws, nW * ws)
         if pad_b or pad_r:
             x = x[:, :, :H, :W]
         return x
@@ -101,14 +123,66 @@ def _copy_conv(conv: nn.Conv2d, scale: float = 1.0) -> nn.Conv2d:
     return conv_like(conv, conv.weight * scale, bias * scale)
 
 
-def swap_fast_modules(model: nn.Module) -> nn.Module:
-    """Replace, in place, every fused :class:`LocalWindowAttention` of ``model`` by its fast form and
-    make every ReLU in-place (saves one allocation per activation); returns ``model``."""
-    for name, child in model.named_children():
-        if isinstance(child, LocalWindowAttention):
-            setattr(model, name, FastWindowAttention(child))
-        elif isinstance(child, nn.ReLU):
-            setattr(model, name, nn.ReLU(inplace=True))
-        else:
-            swap_fast_modules(child)
+def fold_depthwise_residual(residual: Residual) -> nn.Conv2d | None:
+    """``x + dw(x)`` as one depthwise conv (the identity added to the centre tap), for a fused
+    :class:`~cgavit.layers.Residual` around a stride-1, same-padded depthwise ``nn.Conv2d``;
+    None for any other residual."""
+    conv = residual.m
+    if not (isinstance(conv, nn.Conv2d) and conv.groups == conv.in_channels == conv.out_channels):
+        return None
+    kh, kw = conv.kernel_size
+    if conv.stride != (1, 1) or conv.dilation != (1, 1) or kh % 2 == 0 or kw % 2 == 0 \
+            or conv.padding != (kh // 2, kw // 2) or conv.padding_mode != "zeros":
+        return None
+    weight = conv.weight.detach().clone()
+    weight[:, 0, kh // 2, kw // 2] += 1.0
+    bias = conv.bias if conv.bias is not None else torch.zeros_like(weight[:, 0, 0, 0])
+    return conv_like(conv, weight, bias)
+
+
+@torch.no_grad()
+def window_input_sizes(model: nn.Module, img_size: tuple[int, int]) -> dict[int, tuple[int, int]]:
+    """``{id(module): (H, W)}``: the map size each :class:`LocalWindowAttention` of ``model`` sees
+    for ``img_size`` images (one dry run on a single zero image)."""
+    sizes: dict[int, tuple[int, int]] = {}
+
+    def record(module: nn.Module, args: tuple) -> None:
+        sizes[id(module)] = tuple(args[0].shape[2:])
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, LocalWindowAttention)]
+    try:
+        param = next(model.parameters())
+        model(torch.zeros(1, getattr(model, "in_chans", 3), *img_size, device=param.device, dtype=param.dtype))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sizes
+
+
+@torch.no_grad()
+def swap_fast_modules(
+    model: nn.Module, img_size: tuple[int, int] | None = None, fold_residuals: bool = True
+) -> nn.Module:
+    """Replace, in place, every fused :class:`LocalWindowAttention` of ``model`` by its fast form,
+    fold every depthwise residual into its conv (``fold_residuals``) and make every ReLU in-place
+    (saves one allocation per activation); returns ``model``.
+
+    With ``img_size`` the fast modules are specialised to the maps ``img_size`` images give (the form
+    for exporting: an image of another size is then refused); without it they take any size.
+    """
+    sizes = window_input_sizes(model, img_size) if img_size is not None else {}
+    _swap(model, sizes, fold_residuals)
     return model
+
+
+def _swap(module: nn.Module, sizes: dict[int, tuple[int, int]], fold_residuals: bool) -> None:
+    for name, child in module.named_children():
+        folded = fold_depthwise_residual(child) if fold_residuals and isinstance(child, Residual) else None
+        if isinstance(child, LocalWindowAttention):
+            setattr(module, name, FastWindowAttention(child, sizes.get(id(child))))
+        elif folded is not None:
+            setattr(module, name, folded)
+        elif isinstance(child, nn.ReLU):
+            setattr(module, name, nn.ReLU(inplace=True))
+        else:
+            _swap(child, sizes, fold_residuals)

@@ -15,7 +15,8 @@ from cgavit.deploy import (
     optimize,
     quantize_onnx,
 )
-from cgavit.fast import FastWindowAttention
+from cgavit.fast import FastWindowAttention, fold_depthwise_residual, swap_fast_modules
+from cgavit.layers import Residual
 from cgavit.testing import randomize_, rel_err
 
 TINY = dict(embed_dim=(32, 48, 64), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(5, 3))
@@ -45,6 +46,53 @@ def test_fast_path_without_compile_matches(size):
         assert rel_err(fast(x), model(x)) <= 1e-5
         y = torch.randn(3, 3, size, size)  # another batch size works too
         assert rel_err(fast(y), model(y)) <= 1e-5
+
+
+def test_folded_depthwise_residual_matches():
+    torch.manual_seed(0)
+    for kernel, padding in ((3, 1), (5, 2)):
+        conv = torch.nn.Conv2d(8, 8, kernel, 1, padding, groups=8)
+        res = Residual(conv).eval()
+        folded = fold_depthwise_residual(res)
+        x = torch.randn(2, 8, 9, 7)
+        with torch.no_grad():
+            assert rel_err(folded(x), res(x)) <= 1e-6
+    # what cannot be folded is left alone: strided, not depthwise, not same-padded
+    assert fold_depthwise_residual(Residual(torch.nn.Conv2d(8, 8, 3, 2, 1, groups=8))) is None
+    assert fold_depthwise_residual(Residual(torch.nn.Conv2d(8, 8, 3, 1, 1))) is None
+    assert fold_depthwise_residual(Residual(torch.nn.Conv2d(8, 8, 3, 1, 0, groups=8))) is None
+
+
+@pytest.mark.parametrize("size", [64, 160])
+def test_size_specialised_fast_modules_match_and_refuse_other_sizes(size):
+    """The export form: constant-size reshapes and biases for one image size, another size refused."""
+    model = tiny(img_size=224)
+    fast = swap_fast_modules(cgavit.fuse(model), img_size=(size, size))
+    foldable = [m for m in fast.modules() if isinstance(m, Residual) and fold_depthwise_residual(m) is not None]
+    assert not foldable  # every depthwise residual folded
+    x = torch.randn(3, 3, size, size)
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) <= 1e-5
+        with pytest.raises(ValueError, match="built for"):
+            fast(torch.randn(1, 3, size + 32, size + 32))
+
+
+@pytest.mark.skipif(not onnxruntime_available(), reason="needs the deploy extra (onnxruntime)")
+def test_onnx_export_has_no_shape_arithmetic(tmp_path):
+    """The exported graph computes no shapes at run time: no Shape/Gather ops, one Conv per conv."""
+    import onnx
+
+    model = tiny(img_size=224)
+    graph = onnx.load(str(export_onnx(model, tmp_path / "m.onnx", (160, 160)))).graph
+    ops = [node.op_type for node in graph.node]
+    assert "Shape" not in ops and "Gather" not in ops
+    fused = cgavit.fuse(model)
+    assert ops.count("Conv") == sum(isinstance(m, torch.nn.Conv2d) for m in fused.modules())
+    residuals = [m for m in fused.modules() if isinstance(m, Residual)]
+    folded = sum(fold_depthwise_residual(m) is not None for m in residuals)
+    heads = sum(m.num_heads for m in fused.modules() if hasattr(m, "bias_full"))
+    cascades = sum(m.num_heads - 1 for m in fused.modules() if hasattr(m, "bias_full"))
+    assert folded > 0 and ops.count("Add") == len(residuals) - folded + heads + cascades  # bias + cascade adds
 
 
 def test_optimize_compiled_matches():

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..io import atomic_write
-from .fusion import example_batch, fuse, output_path
+from .fusion import example_batch, export_form, output_path
 from .runtime import FixedBatchModule, pad_batch
 
 PRECISIONS = ("fp32", "int8")
@@ -81,7 +81,7 @@ def executorch_program(
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     et = _executorch()
-    fused = fuse(model)
+    fused = export_form(model, img_size, fold_residuals=precision != "int8")
     x = example_batch(fused, img_size, batch)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # export notices about shape-dependent branches: the size is fixed

@@ -84,7 +84,8 @@ def export_model(
     calibration: Iterable[torch.Tensor] | None = None,
     batch: int = 1,
 ) -> Path:
-    """Write ``fuse(model)`` in ``format`` to ``path`` (atomically); returns the path written.
+    """Write ``model``'s inference form (:func:`~cgavit.deploy.fusion.export_form`) in ``format`` to
+    ``path`` (atomically); returns the path written.
 
     Args:
         model: the model (fused by the exporter).
@@ -111,7 +112,7 @@ def export_model(
     if precision == "fp32":
         return export_onnx(model, path, img_size)
     with tempfile.TemporaryDirectory() as tmp:
-        fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size)
+        fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size, fold_residuals=False)
         return quantize_onnx(fp32, path, calibration)
 
 

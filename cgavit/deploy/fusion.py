@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..attention import CascadedGroupAttention
+from ..attention import CascadedGroupAttention, LocalWindowAttention
+from ..fast import swap_fast_modules
 from ..layers import BNLinear, ConvBN
 
 FUSABLE = (ConvBN, BNLinear, CascadedGroupAttention)
@@ -47,6 +48,22 @@ def fuse(model: nn.Module) -> nn.Module:
         raise ValueError(f"these BatchNorm layers have no conv/linear to fold into: {left}")
     for p in fused.parameters():
         p.requires_grad_(False)
+    return fused
+
+
+def export_form(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True) -> nn.Module:
+    """The graph every export writes: :func:`fuse`, then the inference modules of :mod:`cgavit.fast`
+    specialised to ``img_size`` images (constant-size reshapes, precomputed biases, the attention
+    scale in the query conv, depthwise residuals folded into their convs with ``fold_residuals``).
+    A cgavit model's function is unchanged up to float rounding; any other module is only fused.
+
+    Reduced-precision exports keep the residuals unfolded (``fold_residuals=False``): in int8 the
+    folded centre tap would widen each channel's weight range, and so its quantisation step; in bf16
+    ``1 + w`` would lose the low bits of ``w``.
+    """
+    fused = fuse(model)
+    if any(isinstance(m, LocalWindowAttention) for m in fused.modules()):
+        swap_fast_modules(fused, img_size=img_size, fold_residuals=fold_residuals)
     return fused
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..io import atomic_write
-from .fusion import example_batch, fuse, output_path
+from .fusion import example_batch, export_form, output_path
 from .runtime import RuntimeModule
 
 
@@ -45,8 +45,10 @@ def export_onnx(
     path: str | os.PathLike,
     img_size: tuple[int, int] = (224, 224),
     opset: int = 17,
+    fold_residuals: bool = True,
 ) -> Path:
-    """Export ``fuse(model)`` to an ONNX file with a dynamic batch dimension, written atomically.
+    """Export ``model``'s inference form (:func:`~cgavit.deploy.fusion.export_form`) to an ONNX file
+    with a dynamic batch dimension, written atomically.
 
     The image size is fixed at ``img_size``: the local window attention pads and partitions
     differently depending on each stage's map size, so one graph cannot serve every size (export
@@ -58,6 +60,7 @@ def export_onnx(
         path: output ``.onnx`` file.
         img_size: ``(H, W)`` the file will accept.
         opset: ONNX opset. Default 17.
+        fold_residuals: fold depthwise residuals into their convs (default; int8 sources keep them).
 
     Returns:
         The path written.
@@ -66,7 +69,7 @@ def export_onnx(
         ValueError: when the parent folder does not exist.
     """
     path = output_path(path)
-    fused = fuse(model)
+    fused = export_form(model, img_size, fold_residuals)
     x = example_batch(fused, img_size)
 
     def write(tmp: str) -> None:
@@ -149,7 +152,7 @@ def onnxruntime_path(
     """``fused`` exported for the example's image size (int8: quantised on ``calibration``, else on the
     example) and loaded into ONNX Runtime; the temporary files are gone when this returns."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = export_onnx(fused, Path(tmp) / "model.onnx", tuple(example_input.shape[2:]))
+        path = export_onnx(fused, Path(tmp) / "model.onnx", tuple(example_input.shape[2:]), fold_residuals=precision != "int8")
         if precision == "int8":
             path = quantize_onnx(path, Path(tmp) / "model.int8.onnx", calibration or [example_input])
         return OnnxModule(path, precision=precision)  # reads the file into memory: the folder may go

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .fusion import example_batch, fuse, output_path
+from .fusion import example_batch, export_form, output_path
 from .runtime import RuntimeModule
 
 #: OpenVINO's name of each precision this module offers (its ``INFERENCE_PRECISION_HINT``).
@@ -48,10 +48,11 @@ def openvino_available() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("openvino", "nncf"))
 
 
-def convert_openvino(model: nn.Module, img_size: tuple[int, int]):
-    """``fuse(model)`` as an OpenVINO model (``openvino.Model``), batch dynamic, image size fixed."""
+def convert_openvino(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True):
+    """``model``'s inference form (:func:`~cgavit.deploy.fusion.export_form`) as an OpenVINO model
+    (``openvino.Model``), batch dynamic, image size fixed."""
     ov = _openvino()
-    fused = fuse(model)
+    fused = export_form(model, img_size, fold_residuals)
     x = example_batch(fused, img_size)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer notices about shape-dependent branches: the size is fixed
@@ -84,7 +85,7 @@ def export_openvino(
     precision: str = "fp32",
     calibration: Iterable[torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``fuse(model)`` as OpenVINO IR: ``path`` (``.xml``, the graph) and the ``.bin`` beside it.
+    """Write ``model``'s inference form as OpenVINO IR: ``path`` (``.xml``, the graph) and the ``.bin`` beside it.
 
     Weights are kept in fp32 (OpenVINO's default would store them in fp16). The ``.bin`` is moved into
     place first and the ``.xml`` last, so a reader never finds an ``.xml`` without its weights.
@@ -125,7 +126,7 @@ def openvino_model(
         raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
     if precision == "int8" and calibration is None:
         raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
-    ov_model = convert_openvino(model, img_size)
+    ov_model = convert_openvino(model, img_size, fold_residuals=precision == "fp32")
     return quantize_openvino(ov_model, calibration) if precision == "int8" else ov_model
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..io import atomic_write
-from .fusion import example_batch, fuse, output_path
+from .fusion import example_batch, export_form, output_path
 from .runtime import FixedBatchModule
 
 
@@ -49,7 +49,7 @@ def tflite_model(model: nn.Module, img_size: tuple[int, int], batch: int = 1) ->
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     lite = _litert()
-    fused = fuse(model)
+    fused = export_form(model, img_size)
     x = example_batch(fused, img_size, batch)
     with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
         warnings.simplefilter("ignore")  # export notices about shape-dependent branches: the size is fixed
