@@ -21,6 +21,7 @@ from cgavit.bench import (
     timm_port,
 )
 from cgavit.cli import main
+from cgavit.info import count_macs
 from cgavit.testing import randomize_, rel_err
 from cgavit.timing import Timings, iqr, round_robin
 from cgavit.weights import to_timm_state_dict
@@ -42,6 +43,7 @@ def test_bench_cli_writes_table_csv_json_plot(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "Batch size decides throughput" in text and "x timm port" in text
+    assert "fp32 ceiling efficientvit_m0: " in text
     record = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["name"]: r for r in record["results"]}
     assert record["protocol"] == dict(device="cpu", threads=1, batch=2, precision="fp32", img_size=[64, 64],
@@ -116,6 +118,13 @@ def test_run_bench_typed_config(tmp_path):
     assert report.protocol.threads == 1 and report.protocol.precision == "fp32"
     assert [p.name for p in report.files] == ["bench.csv", "bench.json", "accuracy_vs_throughput.png"]
     assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(report.record()))
+    (ceiling,) = report.ceilings  # CPU fp32: the FLOPs at the measured matmul peak
+    macs = count_macs(cgavit.create_model("m0", img_size=(64, 64)), (64, 64))
+    assert ceiling["model"] == "efficientvit_m0" and ceiling["gflop_per_image"] == pytest.approx(2 * macs / 1e9)
+    assert ceiling["ceiling_img_s"] == pytest.approx(ceiling["peak_gflops"] / ceiling["gflop_per_image"])
+    best = max(r.median for r in report.results if r.kind == "ours")
+    assert ceiling["share_of_ceiling"] == pytest.approx(best / ceiling["ceiling_img_s"])
+    assert ceiling["timm_img_s"] == report.results[0].median
     skipped = run_bench(BenchConfig(models=("m0",), peers=(), skip_table=True, out=tmp_path / "none"))
     assert skipped.results == [] and skipped.files == [] and not (tmp_path / "none").exists()
 

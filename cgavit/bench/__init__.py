@@ -10,6 +10,7 @@ same variant with the same weights.
 One module per job:
 
 - ``candidates``: the main table's inference paths (ours, timm's port, timm's peers) and their timing.
+- ``ceiling``: on the CPU in fp32, each variant's FLOPs at the measured matmul peak, beside the table.
 - ``photos``: real images (library sample photos, CIFAR-10) preprocessed for the model.
 - ``precision``: every inference path (fp32, bf16, int8; torch and the runtimes) timed and compared
   with fp32 on real labelled images, on a trained checkpoint.
@@ -31,6 +32,7 @@ Example::
 """
 
 from .candidates import PEERS_TOP1, Candidate, Result, build_candidates, peer_model, time_candidates, timm_port, trace
+from .ceiling import CeilingRow, fp32_ceilings, format_ceilings
 from .photos import SKIMAGE_PHOTOS, load_cifar, sample_photos, to_model_input
 from .precision import (
     RUNTIMES,
@@ -61,19 +63,20 @@ from .train_speed import TrainingRow, train_throughput
 
 __all__ = [
     "BATCH_NOTE",
-    "PEERS_TOP1",
-    "PRECISION_NOTE",
-    "RUNTIMES",
-    "SKIMAGE_PHOTOS",
-    "TABLE_NOTE",
     "BenchConfig",
     "BenchProtocol",
     "BenchReport",
     "Candidate",
+    "CeilingRow",
     "CheckpointPrecision",
     "LabelledImages",
+    "PEERS_TOP1",
+    "PRECISION_NOTE",
     "PrecisionRow",
+    "RUNTIMES",
     "Result",
+    "SKIMAGE_PHOTOS",
+    "TABLE_NOTE",
     "TrainingRow",
     "build_candidates",
     "checkpoint_precision",
@@ -81,9 +84,11 @@ __all__ = [
     "fit_linear_probe",
     "format_auto",
     "format_auto_order",
+    "format_ceilings",
     "format_precision_table",
     "format_table",
     "format_training",
+    "fp32_ceilings",
     "inference_paths",
     "load_cifar",
     "load_labelled",

@@ -11,6 +11,7 @@ import torch
 from ..deploy import PathChoice, auto_candidates, backend_available, cpu_features, require_format
 from ..factory import resolve_name
 from .candidates import PEERS_TOP1, Result, build_candidates, time_candidates
+from .ceiling import CeilingRow, fp32_ceilings
 from .photos import sample_photos
 from .precision import RUNTIME_FORMATS, RUNTIMES, PrecisionRow, checkpoint_precision
 from .probe import precision_report
@@ -125,6 +126,7 @@ class BenchReport:
     auto_order: list[PathChoice] = field(default_factory=list)  # what precision="auto" tries here, without calibration
     auto: PathChoice | None = None  # with a checkpoint: what optimize(precision="auto") chose, measured
     training: list[TrainingRow] | None = None
+    ceilings: list[CeilingRow] = field(default_factory=list)  # CPU fp32: each variant's FLOPs at the measured peak
     files: list[Path] = field(default_factory=list)
 
     def record(self) -> dict:
@@ -141,6 +143,8 @@ class BenchReport:
             rec["auto"] = asdict(self.auto)
         if self.training is not None:
             rec["training"] = self.training
+        if self.ceilings:
+            rec["fp32_ceiling"] = self.ceilings
         return rec
 
     def plot_title(self) -> str:
@@ -254,6 +258,8 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
     done = on_section or (lambda section, report: None)
     if not cfg.skip_table:
         report.results = measure_table(protocol, x, cfg.compile)
+        if protocol.device.type == "cpu" and protocol.precision == "fp32":
+            report.ceilings = fp32_ceilings(report.results, protocol.img_size)
     if protocol.device.type == "cpu":  # what auto tries without calibration images (nothing built)
         report.auto_order = auto_candidates(cpu_features(), False, backend_available)
     done("table", report)

@@ -13,6 +13,7 @@ from ..bench import (
     BenchReport,
     format_auto,
     format_auto_order,
+    format_ceilings,
     format_precision_table,
     format_table,
     format_training,
@@ -61,6 +62,8 @@ def print_section(section: str, report: BenchReport) -> None:
             print(format_table(report.results))
             print(TABLE_NOTE)
             print(BATCH_NOTE.format(batch=report.protocol.batch))
+        if report.ceilings:
+            print(format_ceilings(report.ceilings))
         if report.auto_order:
             print(format_auto_order(report.auto_order))
     elif section == "precision":
