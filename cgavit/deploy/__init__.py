@@ -3,7 +3,9 @@ and the runtimes people ship to.
 
 ``fuse`` is the reference inference form; every faster form here is checked against it.
 
-* :func:`fuse` (``fusion``) -- every BatchNorm folded into its conv or linear layer.
+* :func:`fuse` (``fusion``) -- every BatchNorm folded into its conv or linear layer;
+  :func:`export_form` -- what every export writes: ``fuse``, then the inference modules of
+  :mod:`cgavit.fast` specialised to one image size (no shape arithmetic left in the graph).
 * :func:`optimize` (``fastpath``) -- the fastest form in one call: torch (``torch.compile`` with the
   inference attention of :mod:`cgavit.fast`), ONNX Runtime or OpenVINO; fp32, bf16, int8, or
   ``precision="auto"``: picked for this CPU by the rule table of ``auto`` from the features ``cpu``
@@ -32,7 +34,7 @@ from .formats import (
     require_format,
     runtime_path,
 )
-from .fusion import fuse
+from .fusion import export_form, fuse
 from .onnx import OnnxModule, export_onnx, onnxruntime_available, quantize_onnx
 from .openvino import OpenVinoModule, export_openvino, openvino_available
 from .runtime import FixedBatchModule, PathChoice, RuntimeModule
@@ -71,6 +73,7 @@ __all__ = [
     "cpu_features",
     "executorch_available",
     "export_executorch",
+    "export_form",
     "export_model",
     "export_onnx",
     "export_openvino",
