@@ -65,3 +65,16 @@ def test_export_cli_int8_with_data(trained_digits, tmp_path, capsys):
     assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--precision", "int8",
                  "--output", str(tmp_path / "m.onnx")]) == 2
     assert "needs --data" in capsys.readouterr().err
+
+
+@need("executorch")
+def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
+    """ExecuTorch's threadpool starts with a thread per core: the module sets it to ``threads`` (the
+    paper's CPU protocol is one thread)."""
+    from executorch.extension.pybindings import portable_lib
+
+    path = export_model(trained_digits.model, tmp_path / "m.pte", "executorch", (48, 48))
+    for threads in (2, 1):
+        module = load_exported(path, "executorch", threads=threads)
+        assert portable_lib._threadpool_get_thread_count() == threads
+        assert module(torch.randn(2, 3, 48, 48)).shape == (2, 10)

@@ -37,6 +37,7 @@ def _executorch() -> SimpleNamespace:
         get_symmetric_quantization_config,
     )
     from executorch.exir import to_edge_transform_and_lower
+    from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -45,6 +46,9 @@ def _executorch() -> SimpleNamespace:
         get_symmetric_quantization_config=get_symmetric_quantization_config,
         to_edge_transform_and_lower=to_edge_transform_and_lower, Runtime=Runtime,
         prepare_pt2e=prepare_pt2e, convert_pt2e=convert_pt2e,
+        # the runtime's one process-wide threadpool (XNNPACK runs on it); it starts with a thread per core
+        thread_count=portable_lib._threadpool_get_thread_count,
+        reset_threadpool=portable_lib._unsafe_reset_threadpool,
     )
 
 
@@ -125,12 +129,19 @@ class ExecutorchModule(FixedBatchModule):
     Args:
         program: the ``.pte`` file or its bytes.
         precision: what the program computes in, for display (``"fp32"`` or ``"int8"``).
+        threads: threads of ExecuTorch's threadpool (default: ``torch.get_num_threads()``, so
+            ``--threads`` applies; the runtime's own default is one per core). The pool is shared by
+            every program in the process: the last module built sets it.
     """
 
-    def __init__(self, program: str | os.PathLike | bytes, precision: str = "fp32") -> None:
+    def __init__(self, program: str | os.PathLike | bytes, precision: str = "fp32", threads: int | None = None) -> None:
         super().__init__(precision)
         data = program if isinstance(program, bytes) else Path(program).read_bytes()
-        self.program = _executorch().Runtime.get().load_program(data)  # owns the method's memory: keep it
+        et = _executorch()
+        threads = threads or torch.get_num_threads()
+        if et.thread_count() != threads:
+            et.reset_threadpool(threads)
+        self.program = et.Runtime.get().load_program(data)  # owns the method's memory: keep it
         self.method = self.program.load_method("forward")
         self.batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
 

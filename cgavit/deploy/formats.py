@@ -123,13 +123,13 @@ def load_exported(path: str | os.PathLike, format: str, precision: str = "fp32",
         path: the file :func:`export_model` wrote.
         format: a key of :data:`FORMATS`.
         precision: what the file computes in (OpenVINO compiles fp32 files for this precision).
-        threads: runtime threads (default: ``torch.get_num_threads()``; ExecuTorch picks its own).
+        threads: runtime threads (default: ``torch.get_num_threads()``).
     """
     require_format(format)
     if format == "openvino":
         return OpenVinoModule(path, threads, precision)
     if format == "executorch":
-        return ExecutorchModule(path, precision)
+        return ExecutorchModule(path, precision, threads)
     if format == "tflite":
         return TfliteModule(path, threads)
     return OnnxModule(path, threads, precision)
