@@ -206,7 +206,7 @@ def _torch_path(
     fast_attention: bool,
 ) -> OptimizedModel:
     """``fused`` with the fast modules, in the precision's dtype and memory format, compiled on the example."""
-    inner = swap_fast_modules(fused) if fast_attention else fused
+    inner = swap_fast_modules(fused, fold_residuals=precision == "fp32") if fast_attention else fused
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     inner = inner.to(dtype=dtype)
     if channels_last:
