@@ -435,16 +435,26 @@ def test_no_annotations_warns_or_is_refused_with_strict(files, tmp_path, caplog,
 
 
 def test_nan_loss_stops_training(files, tmp_path, capsys):
+    """Also the run folder's lock: a live run's lock refuses the folder; a dead run's lock is taken
+    over and its half-written temporaries are removed; the lock is released when training fails."""
     state = create_model("efficientvit_m0").state_dict()
     key = next(k for k in state if k.endswith("conv.weight"))
     state[key].view(-1)[0] = float("nan")
     backbone = save_torch(tmp_path / "nan.pth", state)
     out = tmp_path / "o"
-    assert main(["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
-                 "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
-                 "--max-size", str(SIZE), "--pretrained-backbone", str(backbone), "--output", str(out)]) == 2
+    argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+            "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+            "--max-size", str(SIZE), "--pretrained-backbone", str(backbone), "--output", str(out)]
+    out.mkdir()
+    (out / "run.lock").write_text(str(os.getpid()))  # a live run writes here
+    assert main(argv) == 2
+    assert "another run (pid" in _one_error_line(capsys.readouterr().err)
+    (out / "run.lock").write_text("999999999")  # left by a process that is gone
+    stale = out / ".checkpoint.pth.k9x2a.tmp"  # what kill -9 mid-write leaves
+    stale.write_bytes(b"half")
+    assert main(argv) == 2
     assert "the loss became nan" in _one_error_line(capsys.readouterr().err)
-    assert not (out / "checkpoint.pth").exists()
+    assert not (out / "checkpoint.pth").exists() and not stale.exists() and not (out / "run.lock").exists()
 
 
 # ------------------------------------------------------------------------------------ checkpoints

@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from ..analysis.plots import training_curves
 from ..factory import resolve_name
-from ..io import append_jsonl, read_jsonl, save_torch
-from ..train.distributed import DistEnv, barrier, broadcast_object, gather_objects, reduce_sum
+from ..io import append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
+from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
 from ..weights import IMG_SIZE_RANGE, CheckpointError
@@ -340,6 +340,16 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             cfg.model, cfg.backbone, len(train_set), len(train_check.categories), env.world, cfg.batch_size,
             len(run.loader), start_epoch + 1, cfg.epochs,
         )
+    with RunLock(run.out, env):  # one run per folder; what an interrupted write left is cleared under it
+        if env.is_main:
+            for tmp in remove_stale_temporaries(run.out):
+                log.info("removed %s, left by an interrupted write", tmp)
+        return _epochs(run, val_set, start_epoch)
+
+
+def _epochs(run: _Run, val_set: CocoDetection | None, start_epoch: int) -> dict[str, Any]:
+    """Epochs ``start_epoch + 1 .. cfg.epochs`` of ``run``, then the final weights; the last epoch's record."""
+    cfg, env = run.cfg, run.env
     row: dict[str, Any] = {}
     step = start_epoch * len(run.loader)
     for epoch in range(start_epoch, cfg.epochs):
@@ -353,7 +363,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         if env.is_main:
             _save_epoch(run, row, epoch, step)
     if env.is_main:
-        save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=run.raw_model.state_dict(), epoch=cfg.epochs))
+        save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), epoch=cfg.epochs))
         plot_losses(run.metrics_path, run.out / "loss.png")
     barrier(env)
     return row

@@ -2,7 +2,8 @@
 
 The same command runs alone or under ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Backend: NCCL when the process drives a GPU, gloo
-on CPU. Only rank 0 writes files or logs progress.
+on CPU. Only rank 0 writes files or logs progress; :class:`RunLock` keeps a second run (training or
+detection) out of a folder a run is writing into.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -121,3 +123,56 @@ def broadcast_object(env: DistEnv, obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class RunLock:
+    """``DIR/run.lock`` (holding the pid) while a run writes into ``DIR``, so a second run started
+    on the same folder stops with a clear error instead of interleaving checkpoints and records. A
+    lock left by a process that no longer exists is taken over."""
+
+    def __init__(self, output: Path, env: DistEnv) -> None:
+        self.path, self.env, self.held = output / "run.lock", env, False
+
+    def __enter__(self) -> "RunLock":
+        error = None
+        if self.env.is_main:
+            error = self._acquire()
+        error = broadcast_object(self.env, error)
+        if error:
+            raise ValueError(error)
+        return self
+
+    def _acquire(self) -> str | None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    pid = int(self.path.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and alive(pid):
+                    return f"another run (pid {pid}) is writing to {self.path.parent}; wait for it, stop it, or use another --output"
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            self.held = True
+            return None
+        return f"could not create {self.path}"
+
+    def __exit__(self, *exc) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

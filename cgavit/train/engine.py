@@ -33,7 +33,7 @@ from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult
 from .data import Batch, check_layout, epoch_seed, seed_all
-from .distributed import DistEnv, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
+from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
 from .recipe import (
     DistillationLoss,
@@ -191,7 +191,7 @@ def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
         cfg = replace(cfg, output=str(output))
         if env.is_main:
             _make_folder(output)
-        with _RunLock(output, env):
+        with RunLock(output, env):
             if env.is_main:
                 handler = _file_log(output)
                 for tmp in remove_stale_temporaries(output):
@@ -213,58 +213,6 @@ def _check_input_files(cfg: TrainConfig) -> None:
             ckpt_io.readable(path, f"{flag} file")
     if cfg.teacher and Path(cfg.teacher).exists():
         ckpt_io.readable(cfg.teacher, "--teacher checkpoint")
-
-
-class _RunLock:
-    """``DIR/run.lock`` (holding the pid) while a run writes into ``DIR``, so a second run started
-    on the same folder stops with a clear error instead of interleaving checkpoints and records. A
-    lock left by a process that no longer exists is taken over."""
-
-    def __init__(self, output: Path, env: DistEnv) -> None:
-        self.path, self.env, self.held = output / "run.lock", env, False
-
-    def __enter__(self) -> "_RunLock":
-        error = None
-        if self.env.is_main:
-            error = self._acquire()
-        error = broadcast_object(self.env, error)
-        if error:
-            raise ValueError(error)
-        return self
-
-    def _acquire(self) -> str | None:
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                try:
-                    pid = int(self.path.read_text().strip() or 0)
-                except (OSError, ValueError):
-                    pid = 0
-                if pid and _alive(pid):
-                    return f"another run (pid {pid}) is writing to {self.path.parent}; wait for it, stop it, or use another --output"
-                self.path.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            self.held = True
-            return None
-        return f"could not create {self.path}"
-
-    def __exit__(self, *exc) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
