@@ -19,12 +19,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/cgavit demo
 
-# the tests run every export format: LiteRT too, which [all] leaves out (about 0.9 GB; BENCHMARKS.md)
-$(VENV)/.installed-test: $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[tflite]'
-	touch $@
-
-test: $(VENV)/.installed-test
+test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q tests
 
 clean:
