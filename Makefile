@@ -19,7 +19,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/cgavit demo
 
-test: $(STAMP)
+# the tests run every export format: LiteRT too, which [all] leaves out (about 0.9 GB; BENCHMARKS.md).
+# torch is named again so that pip keeps it: litert-torch before 0.10 allowed only torch < 2.10
+$(VENV)/.installed-test: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[tflite]' torch==2.14.1 torchvision==0.29.1
+	touch $@
+
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n 2 -q tests
 
 clean:
