@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/cgavit demo
 
 # the tests run every export format: LiteRT too, which [all] leaves out (about 0.9 GB; BENCHMARKS.md).
-# torch is named again so that pip keeps it (litert-torch before 0.10 allowed only torch < 2.10), and
+# torch is named again so that pip keeps it (litert-torch 0.9.4 allows torch < 2.14, 0.8.0 < 2.10), and
 # cattrs below 26, the last that accepts the typing-extensions < 4.13 that LiteRT's xdsl pins
 $(VENV)/.installed-test: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[tflite]' torch==2.14.1 torchvision==0.29.1 'cattrs<26'
