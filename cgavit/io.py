@@ -33,6 +33,11 @@ class DataError(ValueError):
     or item and says what to change."""
 
 
+class CheckpointError(ValueError):
+    """A file that is not a usable checkpoint for the model at hand: unreadable, unsafe, damaged, or for
+    another architecture. The message names the file and what is wrong with it."""
+
+
 class UnreadableFileError(ValueError):
     """A path that cannot be read as a file: missing, a folder, a FIFO or device, empty, or not
     permitted. The message names the path and says what to do."""

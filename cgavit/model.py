@@ -11,11 +11,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import LocalWindowAttention
+from .bounds import MIN_INPUT_SIZE
 from .layers import FFN, BNLinear, ConvBN, PatchMerging, Residual
 from .variants import EfficientViTConfig, pretrained_cfg
 
 PATCH_SIZE = 16
-MIN_INPUT_SIZE = 32
 
 
 def _dw_ffn_pair(dim: int, ffn_ratio: float, drop: float) -> list[nn.Module]:

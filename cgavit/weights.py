@@ -21,17 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .io import UnreadableFileError, atomic_write, check_readable_file, sniff_format
+from .bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS, MAX_CLASSES
+from .io import CheckpointError, UnreadableFileError, atomic_write, check_readable_file, sniff_format
 from .variants import CONFIG_LIMITS, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, EfficientViTConfig
 
 log = logging.getLogger(__name__)
 
 MIRROR_ENV = "CGAVIT_WEIGHTS_MIRROR"
 _WRAPPER_KEYS = ("model_ema", "state_dict_ema", "model", "state_dict", "module")
-
-
-class CheckpointError(ValueError):
-    """A file that is not a usable checkpoint for the model at hand."""
 
 
 class _OptionsRecord(SimpleNamespace):
@@ -314,10 +311,6 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ metadata
 #: Bounds on what a file's metadata may ask for, checked before anything is allocated.
-MAX_CLASSES = 100_000
-IMG_SIZE_RANGE = (32, 4096)
-CROP_PCT_RANGE = (0.2, 1.0)
-INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 
 @dataclass(frozen=True)

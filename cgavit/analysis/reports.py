@@ -18,7 +18,7 @@ from torch import nn
 from ..factory import create_model
 from ..io import write_json
 from ..train import load_model
-from ..weights import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
+from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
 from .taylor import BlockImportance, kept_fraction, plot_importance, taylor_importance

@@ -17,8 +17,7 @@ import importlib
 import logging
 import sys
 
-from ..io import WriteError
-from ..weights import CheckpointError
+from ..io import CheckpointError, WriteError
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.

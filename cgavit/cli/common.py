@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..bounds import IMG_SIZE_RANGE
+
 
 def _on_off(text: str) -> bool:
     t = text.lower()
@@ -62,8 +64,7 @@ def dials_from_args(args: argparse.Namespace) -> dict:
     return out
 
 
-#: Image sizes the commands accept unless a command says otherwise (pixels per side).
-MIN_IMG_SIZE, MAX_IMG_SIZE = 32, 4096
+MIN_IMG_SIZE, MAX_IMG_SIZE = IMG_SIZE_RANGE
 
 
 def image_size(values: int | list[int] | tuple[int, ...], flag: str = "--img-size") -> tuple[int, int]:

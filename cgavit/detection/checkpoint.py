@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
-from ..io import UnreadableFileError, check_readable_file, sniff_format
+from ..io import CheckpointError, UnreadableFileError, check_readable_file, sniff_format
 from ..variants import VARIANTS, EfficientViTConfig
-from ..weights import IMG_SIZE_RANGE, CheckpointError
 from .models import KINDS, build_detector
 from .schema import MAX_CATEGORIES, is_int, is_number, shown
 

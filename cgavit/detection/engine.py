@@ -27,12 +27,12 @@ from torch import nn
 from tqdm import tqdm
 
 from ..analysis.plots import training_curves
+from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
-from ..io import append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
+from ..io import CheckpointError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
 from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
-from ..weights import IMG_SIZE_RANGE, CheckpointError
 from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..bounds import MAX_IMAGE_PIXELS
+
 #: Largest image (declared in the annotation file, or found in its header) a detection dataset may
 #: hold: 50 megapixels, e.g. 8660 x 5773; one such image is 600 MB as the float tensor the models take.
-MAX_IMAGE_PIXELS = 50_000_000
 #: Most categories a detection dataset may list (LVIS has 1203): a RetinaNet head for this many
 #: classes already holds 200 million parameters.
 MAX_CATEGORIES = 10_000

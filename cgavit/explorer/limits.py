@@ -21,8 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..bounds import MAX_UPLOAD_PIXELS
+
 MAX_UPLOAD_BYTES = 5 * 1024 * 1024
-MAX_IMAGE_PIXELS = 16_000_000  # decoded size: a 5 KB PNG can declare 6300x6300
+MAX_IMAGE_PIXELS = MAX_UPLOAD_PIXELS  # decoded size: a 5 KB PNG can declare 6300x6300
 
 
 class TooLarge(ValueError):

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import UnreadableFileError, check_readable_file, save_torch, sniff_format
-from ..weights import MAX_CLASSES, CheckpointError
+from ..bounds import MAX_CLASSES
+from ..io import CheckpointError, UnreadableFileError, check_readable_file, save_torch, sniff_format
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..factory import resolve_name
 from ..variants import CONFIG_LIMITS, MAX_ATTN_RATIO, MAX_FFN_RATIO, VARIANTS, EfficientViTConfig
-from ..weights import CROP_PCT_RANGE, IMG_SIZE_RANGE, CheckpointError
+from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
+from ..io import CheckpointError
 from . import checkpoint
 
 #: The design dials a run may set: every :class:`~cgavit.EfficientViTConfig` field.
@@ -29,7 +30,6 @@ DIAL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EfficientViTConfig))
 #: Options that only steer one invocation: never taken from a checkpoint on resume.
 NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress", "interrupt_after"})
 
-INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 CLIP_MODES = ("agc", "norm", "value")
 DISTILLATION_TYPES = ("none", "soft", "hard")
 AMP_DTYPES = ("bfloat16", "float16")

@@ -29,6 +29,7 @@ from timm.data.auto_augment import posterize
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
 
+from ..bounds import MAX_IMAGE_PIXELS
 from ..io import DataError, UnreadableFileError, check_readable_file
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".
 
 #: Largest image decoded (width x height): 50 megapixels, about 150 MB as RGB. A larger one is refused
 #: from its header, before any pixel is decoded, and handled as an unreadable image.
-MAX_IMAGE_PIXELS = 50_000_000
 
 
 class BadImageError(DataError):

@@ -1,0 +1,31 @@
+"""The one table of bounds on what a user or a file may ask for: image sizes, crops, class counts,
+decoded pixels and resize interpolations.
+
+Everything that takes these values from outside (the model core, weights metadata, training and
+evaluation options, the command line, image decoding) reads them from here, so a bound changes in one
+place. Architecture bounds (widths, depths, heads, ratios) are the model config's own, in
+:data:`cgavit.variants.CONFIG_LIMITS`.
+"""
+
+from __future__ import annotations
+
+#: Smallest and largest image side, in pixels, that a model is built for or evaluated at. Below 32 px
+#: the four stride-2 stem convolutions leave no map for three stages.
+IMG_SIZE_RANGE = (32, 4096)
+MIN_INPUT_SIZE = IMG_SIZE_RANGE[0]
+
+#: Evaluation centre-crop fraction (resize to ``img_size / crop_pct``, then crop).
+CROP_PCT_RANGE = (0.2, 1.0)
+
+#: Largest classifier a file may declare.
+MAX_CLASSES = 100_000
+
+#: Largest image, in decoded pixels, that training, evaluation, prediction and detection open; a
+#: larger one is refused from its header, before any pixel is decoded (a decompression bomb).
+MAX_IMAGE_PIXELS = 50_000_000
+
+#: Largest image an explorer upload may decode to (a 5 KB PNG can declare 6300x6300).
+MAX_UPLOAD_PIXELS = 16_000_000
+
+#: The resize interpolations a checkpoint, a training run or a command may name.
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
