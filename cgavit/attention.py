@@ -7,6 +7,7 @@ queries and keys are ``(B, key_dim, N)`` with ``N = h * w`` tokens.
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import ConvBN
+from .reallocation import value_width
 
 
 def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tensor:
@@ -47,6 +49,18 @@ def window_bias(bias_full: torch.Tensor, window: int, h: int, w: int) -> torch.T
     )
     pos = (ys * window + xs).flatten()
     return bias_full[:, pos][:, :, pos]
+
+
+def resize_bias_table(table: torch.Tensor, window: int) -> torch.Tensor:
+    """Resize a ``(heads, w*w)`` relative-position bias table to ``(heads, window*window)`` (bicubic),
+    as the official detection code does for windows of another size. ``w*w`` must be a square
+    (:func:`cgavit.schema.check_tensor` checks a file's tables before they get here)."""
+    heads, n = table.shape
+    w = math.isqrt(n)
+    assert w * w == n and w > 0, f"a bias table's second size must be a square, got {n}"
+    grid = table.reshape(1, heads, w, w).float()
+    out = F.interpolate(grid, size=(window, window), mode="bicubic", align_corners=False)
+    return out.reshape(heads, window * window).to(table.dtype)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -101,7 +115,7 @@ class CascadedHeads(nn.Module, ABC):
             if i > 0:
                 feat = feat + groups[i] if self.cascade else groups[i]
             feat = qkv(feat)  # (B, 2*kd + vd, H, W)
-            q, k, v = feat.view(B, -1, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
+            q, k, v = feat.view(B, 2 * self.key_dim + self.value_dim, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
             q = self.dws[i](q)
             if q.requires_grad:
                 q = _ContiguousGrad.apply(q)
@@ -160,7 +174,7 @@ class CascadedGroupAttention(CascadedHeads):
     ) -> None:
         super().__init__()
         check_attention_dims(dim, key_dim, num_heads, value_dim, cascade, group_split)
-        value_dim = dim // num_heads if value_dim is None else value_dim
+        value_dim = value_width(dim, num_heads, key_dim, None) if value_dim is None else value_dim
         kernels = list(kernels) if kernels is not None else [5] * num_heads
         if len(kernels) < num_heads:  # more heads than the published table lists: reuse the last
             kernels = kernels + [kernels[-1]] * (num_heads - len(kernels))
@@ -267,7 +281,7 @@ def check_attention_dims(
                 "cascade=True adds each head's output to the next head's channel group, so it needs "
                 "group_split=True; for standard multi-head attention set cascade=False too"
             )
-        vd = dim // num_heads if value_dim is None else value_dim
+        vd = value_width(dim, num_heads, key_dim, None) if value_dim is None else value_dim
         if vd != dim // num_heads:
             raise ValueError(
                 f"with cascade=True a head's value width ({vd}) must equal its channel group "

@@ -1,14 +1,41 @@
-"""``create_model`` and ``list_models``: the package's front door."""
+"""The package's front door: ``create_model`` builds a network, ``load_model`` rebuilds one from any
+checkpoint, ``list_models`` lists the variants.
+
+``load_model`` takes a file through one road, each step in its own module, entered once::
+
+    io (is it a readable file?) -> weights (read it, no code runs) -> schema (what it says: metadata,
+    training record, tensors) -> model (build, first on the meta device) -> loading (check every tensor
+    against the model, fit) -> the network, built for real, with its weights
+"""
 
 from __future__ import annotations
 
 import difflib
 import logging
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from .hub import download_release
+from .imagenet import class_names
+from .io import CheckpointError
+from .loading import fit_state_dict, load_checkpoint
 from .model import EfficientViT
-from .variants import VARIANTS
-from .weights import download_release, load_checkpoint
+from .schema import (
+    WeightsMeta,
+    check_finite,
+    check_meta_against_shapes,
+    check_training_checkpoint,
+    is_training_checkpoint,
+    is_weights_meta,
+    parse_weights_meta,
+    training_meta,
+)
+from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS
+from .weights import WeightsFile, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +47,8 @@ def list_models(pattern: str = "") -> list[str]:
 
 def resolve_name(name: str) -> str:
     """The registered variant for ``name`` (``m4``, timm tags accepted); ValueError with a suggestion."""
+    if not isinstance(name, str):
+        raise ValueError(f"a model name must be text, got {type(name).__name__}")
     key = name.split(".")[0].lower().replace("-", "_")  # accept timm tags: efficientvit_m0.r224_in1k
     if key not in VARIANTS and f"efficientvit_{key}" in VARIANTS:  # "m4"
         key = f"efficientvit_{key}"
@@ -55,30 +84,149 @@ def create_model(
         distillation: add the distillation head.
         drop_path_rate: stochastic depth for training.
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``,
-            ``group_split``, ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``) and its
-            other fields (``num_heads``, ``embed_dim``, ``depth``, ``window_size``, ``kernels``).
+            ``group_split``, ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``,
+            ``allocation``) and its other fields (``num_heads``, ``embed_dim``, ``depth``,
+            ``window_size``, ``kernels``).
 
     Raises:
-        ValueError: unknown name, or a dial combination that cannot work.
+        ValueError: unknown name, an argument of the wrong type, or a dial combination that cannot work.
     """
     key = resolve_name(name)
     info = VARIANTS[key]
     cfg = info.cfg.with_dials(**dials) if dials else info.cfg
-    model = EfficientViT(
-        cfg,
-        num_classes=num_classes,
-        in_chans=in_chans,
-        img_size=img_size,
-        distillation=distillation,
-        drop_path_rate=drop_path_rate,
-        name=key,
-    )
     if pretrained and checkpoint_path is not None:
         raise ValueError("give either pretrained=True or checkpoint_path, not both")
-    if pretrained or checkpoint_path is not None:
-        if pretrained:
-            if dials:
-                log.warning("loading published weights into a model with changed dials %s", sorted(dials))
-            checkpoint_path = download_release(info.url)
+    model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
+                         distillation=distillation, drop_path_rate=drop_path_rate, name=key)
+    if pretrained:
+        if dials:
+            log.warning("loading published weights into a model with changed dials %s", sorted(dials))
+        checkpoint_path = download_release(info.url)
+    if checkpoint_path is not None:
         load_checkpoint(model, checkpoint_path)
     return model
+
+
+@dataclass
+class ModelInfo:
+    """How to feed a loaded model and read its outputs.
+
+    Args:
+        class_names: one name per output.
+        img_size: the image size it was trained / evaluated at (pixels).
+        crop_pct: evaluation centre-crop fraction.
+        interpolation: resize interpolation.
+        mean, std: input normalisation.
+        source: where the weights came from, for messages.
+        extra: further notes the file records (e.g. the epoch).
+        names_recorded: whether ``class_names`` are the file's own (else ImageNet's or ``"class i"``).
+    """
+
+    class_names: list[str]
+    img_size: int = 224
+    crop_pct: float = 0.875
+    interpolation: str = "bicubic"
+    mean: tuple[float, ...] = IMAGENET_DEFAULT_MEAN
+    std: tuple[float, ...] = IMAGENET_DEFAULT_STD
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+    names_recorded: bool = False
+
+
+def load_model(
+    path: str | os.PathLike | None,
+    model_name: str | None = None,
+    dials: dict | None = None,
+    *,
+    img_size: int | None = None,
+    pretrained: bool = False,
+    use_ema: bool = False,
+    trust: bool = False,
+    device: str | torch.device = "cpu",
+) -> tuple[EfficientViT, ModelInfo]:
+    """Rebuild a network from a checkpoint and return it in eval mode with its :class:`ModelInfo`.
+
+    Args:
+        path: a weights file written here (``*.safetensors``), a training checkpoint (``best.pt``,
+            ``last.pt``), or an official / timm file (then ``model_name`` is needed). None with ``pretrained``.
+        model_name: variant name for files that do not record it; for files that do, the file wins
+            (a different name is logged).
+        dials: design dials for files that do not record them.
+        img_size: build for this image size instead of the recorded one (bias tables are resized).
+        pretrained: load the published ImageNet-1k weights of ``model_name`` (downloads once).
+        use_ema: take the EMA weights of a training checkpoint.
+        trust: allow pickled objects in third-party files (runs code from the file).
+        device: where to put the model.
+
+    Raises:
+        CheckpointError: an unreadable, unsafe or damaged file (NaN/inf weights included), or one that
+            does not fit the architecture it records or that was named.
+        ValueError: not enough information to build the model.
+    """
+    if path is None:
+        if not (pretrained and model_name):
+            raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
+        model = create_model(model_name, pretrained=True, **(dials or {}))
+        return model.eval().to(device), ModelInfo(class_names(model.num_classes), source=f"{model_name} (published)")
+    wf = read_weights_file(path, trust)
+    meta, sd, recorded = _what_it_holds(wf, model_name, dials, use_ema)
+    if recorded and dials:
+        raise ValueError(f"{wf.path} records its own architecture; drop the dial options ({sorted(dials)})")
+    if model_name and meta.model and resolve_name(model_name) != meta.model:
+        log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, meta.model)
+    size = img_size or meta.img_size
+    with torch.device("meta"):  # the architecture, allocating nothing, to check the tensors against
+        shape = _build(meta, size)
+    fitted, report = fit_state_dict(sd, shape.state_dict(), str(wf.path), meta.num_classes)
+    check_finite(fitted, wf.path)
+    model = _build(meta, size)
+    model.load_state_dict(fitted, strict=False)
+    if report["resized"]:
+        log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
+    info = ModelInfo(class_names(meta.num_classes, meta.class_names), img_size=meta.img_size, crop_pct=meta.crop_pct,
+                     interpolation=meta.interpolation, mean=meta.mean, std=meta.std, source=str(wf.path),
+                     extra=dict(meta.extra), names_recorded=meta.class_names is not None)
+    return model.eval().to(device), info
+
+
+def _build(meta: WeightsMeta, img_size: int) -> EfficientViT:
+    return EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size,
+                        distillation=meta.distillation, name=meta.model or "")
+
+
+def _what_it_holds(
+    wf: WeightsFile, model_name: str | None, dials: dict | None, use_ema: bool
+) -> tuple[WeightsMeta, dict[str, torch.Tensor], bool]:
+    """The network a file describes (its metadata, its training record, or the name and dials given
+    for a bare state dict), its tensors, and whether the file itself recorded the architecture."""
+    source = str(wf.path)
+    if wf.kind == "safetensors" and is_weights_meta(wf.metadata):
+        meta = parse_weights_meta(wf.metadata, source)
+        sd = unwrap_state_dict(wf.content, source)
+        check_meta_against_shapes(meta, {k: tuple(v.shape) for k, v in sd.items()}, source)
+        if meta.model is None:
+            meta = _named(meta, model_name, source)
+        return meta, sd, True
+    if is_training_checkpoint(wf.content):
+        check_training_checkpoint(wf.content, source)
+        return (*training_meta(wf.content, source, use_ema), True)
+    sd = unwrap_state_dict(wf.content, source, prefer_ema=use_ema)
+    if not model_name:
+        raise ValueError(f"{source} does not record its architecture; pass --model NAME (and the dials it was trained with)")
+    key = resolve_name(model_name)
+    cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
+    head = sd.get("head.linear.weight", sd.get("head.l.weight"))
+    num_classes = int(head.shape[0]) if head is not None and head.ndim == 2 else 1000
+    distillation = any(k.startswith("head_dist.") and k.endswith("weight") and v.ndim == 2 for k, v in sd.items())
+    return WeightsMeta(model=key, config=cfg, num_classes=num_classes, distillation=distillation), sd, False
+
+
+def _named(meta: WeightsMeta, model_name: str | None, source: str) -> WeightsMeta:
+    """A file whose metadata records an architecture but no variant name: the name given, if any."""
+    if not model_name:
+        return meta
+    try:
+        key = resolve_name(model_name)
+    except ValueError as err:
+        raise CheckpointError(f"{source}: {err}") from None
+    return replace(meta, model=key)

@@ -63,16 +63,17 @@ class FastCascadedGroupAttention(nn.Module):
         bias = self.bias if self.size else window_bias(self.bias, self.window, H, W)  # (heads, N, N)
         groups = x.split(self.group_width, 1) if self.group_split else [x] * self.num_heads
         kd, vd = self.key_dim, self.value_dim
+        B = -1 if self.size else x.shape[0]  # exports keep the batch symbolic; eager runs take any batch, 0 too
         outs = []
         feat = groups[0]
         for i in range(self.num_heads):
             if i > 0:
                 feat = feat + groups[i] if self.cascade else groups[i]
             q, k, v = self.qkvs[i](feat).split([kd, kd, vd], 1)
-            q = self.dws[i](q).reshape(-1, kd, N)  # already scaled by key_dim^-0.5
-            attn = torch.matmul(q.transpose(1, 2), k.reshape(-1, kd, N)) + bias[i]  # (B, N, N)
+            q = self.dws[i](q).reshape(B, kd, N)  # already scaled by key_dim^-0.5
+            attn = torch.matmul(q.transpose(1, 2), k.reshape(B, kd, N)) + bias[i]  # (B, N, N)
             attn = attn.softmax(dim=-1)
-            feat = torch.matmul(v.reshape(-1, vd, N), attn.transpose(1, 2)).reshape(-1, vd, H, W)
+            feat = torch.matmul(v.reshape(B, vd, N), attn.transpose(1, 2)).reshape(B, vd, H, W)
             outs.append(feat)
         return self.proj(torch.relu(torch.cat(outs, 1)))  # (B, C, H, W)
 
@@ -108,11 +109,12 @@ class FastWindowAttention(nn.Module):
         if pad_b or pad_r:
             x = F.pad(x, (0, pad_r, 0, pad_b))
         nH, nW = (H + pad_b) // ws, (W + pad_r) // ws
+        B = -1 if self.size else x.shape[0]  # as in the attention: symbolic only in exports
         # (B, C, nH, ws, nW, ws) -> (B*nH*nW, C, ws, ws)
-        x = x.reshape(-1, C, nH, ws, nW, ws).permute(0, 2, 4, 1, 3, 5).reshape(-1, C, ws, ws)
+        x = x.reshape(B, C, nH, ws, nW, ws).permute(0, 2, 4, 1, 3, 5).reshape(-1 if B == -1 else B * nH * nW, C, ws, ws)
         x = self.attn(x)
         # (B, nH, nW, C, ws, ws) -> (B, C, nH*ws, nW*ws)
-        x = x.reshape(-1, nH, nW, C, ws, ws).permute(0, 3, 1, 4, 2, 5).reshape(-1, C, nH * ws, nW * ws)
+        x = x.reshape(B, nH, nW, C, ws, ws).permute(0, 3, 1, 4, 2, 5).reshape(B, C, nH * ws, nW * ws)
         if pad_b or pad_r:
             x = x[:, :, :H, :W]
         return x

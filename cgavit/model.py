@@ -1,63 +1,25 @@
-"""The EfficientViT network: patch embedding, sandwich blocks, subsample blocks, stages, head."""
+"""The EfficientViT network: patch embedding, subsample blocks, stages of sandwich blocks
+(:mod:`cgavit.sandwich`), the head, and the checkpoint key names of the official release and of
+timm's port (:func:`convert_state_dict`, this model's ``checkpoint_filter_fn``)."""
 
 from __future__ import annotations
 
+import operator
+import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import LocalWindowAttention
 from .bounds import MIN_INPUT_SIZE
-from .layers import FFN, BNLinear, ConvBN, PatchMerging, Residual
+from .layers import BNLinear, ConvBN, PatchMerging
+from .sandwich import SandwichBlock, dw_ffn_pair
 from .variants import EfficientViTConfig, pretrained_cfg
 
 PATCH_SIZE = 16
-
-
-def _dw_ffn_pair(dim: int, ffn_ratio: float, drop: float) -> list[nn.Module]:
-    """Residual depthwise 3x3 Conv-BN (local token interaction) then residual FFN."""
-    return [
-        Residual(ConvBN(dim, dim, 3, 1, 1, groups=dim, bn_weight_init=0.0), drop),
-        Residual(FFN(dim, int(dim * ffn_ratio)), drop),
-    ]
-
-
-class SandwichBlock(nn.Module):
-    """``pre`` (dw + FFN) x N, one local-window cascaded group attention, ``post`` (dw + FFN) x M.
-
-    The paper's block is N = M = 1 (``ffn_per_side=1``); ``(0, 1)`` is the standard
-    attention-then-FFN layout used by the ablation study.
-
-    Args:
-        dim: channels.
-        window: attention window side.
-        ffn_per_side: ``(N, M)`` dw+FFN pairs before and after the attention.
-        ffn_ratio: FFN expansion.
-        drop_path: stochastic-depth rate of every residual branch.
-        **attn_kwargs: forwarded to :class:`~cgavit.attention.CascadedGroupAttention`.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        window: int,
-        ffn_per_side: tuple[int, int] = (1, 1),
-        ffn_ratio: float = 2.0,
-        drop_path: float = 0.0,
-        **attn_kwargs,
-    ) -> None:
-        super().__init__()
-        before, after = ffn_per_side
-        self.pre = nn.Sequential(*[m for _ in range(before) for m in _dw_ffn_pair(dim, ffn_ratio, drop_path)])
-        self.mixer = Residual(LocalWindowAttention(dim, window, **attn_kwargs), drop_path)
-        self.post = nn.Sequential(*[m for _ in range(after) for m in _dw_ffn_pair(dim, ffn_ratio, drop_path)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post(self.mixer(self.pre(x)))
 
 
 class Stage(nn.Module):
@@ -78,9 +40,9 @@ class Stage(nn.Module):
         if downsample:
             self.downsample = nn.Sequential(
                 OrderedDict(
-                    res1=nn.Sequential(*_dw_ffn_pair(in_dim, ffn_ratio, 0.0)),
+                    res1=nn.Sequential(*dw_ffn_pair(in_dim, ffn_ratio, 0.0)),
                     patchmerge=PatchMerging(in_dim, dim),
-                    res2=nn.Sequential(*_dw_ffn_pair(dim, ffn_ratio, 0.0)),
+                    res2=nn.Sequential(*dw_ffn_pair(dim, ffn_ratio, 0.0)),
                 )
             )
         else:
@@ -134,21 +96,35 @@ def stage_resolution(size: int, stage: int) -> int:
     return r
 
 
+def _count(value: object, name: str, low: int) -> int:
+    """``value`` as a whole number >= ``low`` (ints and numpy integers; not bools, floats or text)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})") from None
+    if number < low:
+        raise ValueError(f"{name} must be >= {low}, got {number}")
+    return number
+
+
 def _check_build_args(
-    cfg: EfficientViTConfig, num_classes: int, in_chans: int, img_size, drop_path_rate: float
-) -> tuple[int, int]:
-    """Raise ``ValueError`` for arguments the network cannot be built with; returns ``(H, W)``."""
-    cfg.validate()
-    if num_classes < 0:
-        raise ValueError(f"num_classes must be >= 0, got {num_classes}")
-    if in_chans < 1:
-        raise ValueError(f"in_chans must be >= 1, got {in_chans}")
-    if not 0.0 <= drop_path_rate < 1.0:
-        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-    img_hw = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-    if len(img_hw) != 2 or min(img_hw) < MIN_INPUT_SIZE:
-        raise ValueError(f"img_size must be an int or (H, W) of at least {MIN_INPUT_SIZE}, got {img_size}")
-    return img_hw
+    cfg: EfficientViTConfig, num_classes: object, in_chans: object, img_size: object, drop_path_rate: object
+) -> tuple[int, int, tuple[int, int], float]:
+    """``(num_classes, in_chans, (H, W), drop_path_rate)`` checked and normalised; ``ValueError``
+    naming the argument otherwise (the config checks itself when it is made)."""
+    if not isinstance(cfg, EfficientViTConfig):
+        raise ValueError(f"cfg must be an EfficientViTConfig, got {type(cfg).__name__}")
+    num_classes = _count(num_classes, "num_classes", 0)
+    in_chans = _count(in_chans, "in_chans", 1)
+    sizes = [img_size, img_size] if not isinstance(img_size, (tuple, list)) else list(img_size)
+    if len(sizes) != 2:
+        raise ValueError(f"img_size must be an int or (H, W), got {img_size!r}")
+    img_hw = tuple(_count(s, "img_size", MIN_INPUT_SIZE) for s in sizes)
+    if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or not 0.0 <= drop_path_rate < 1.0:
+        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
+    return num_classes, in_chans, img_hw, float(drop_path_rate)
 
 
 def _patch_embed(in_chans: int, dim: int) -> nn.Sequential:
@@ -218,7 +194,9 @@ class EfficientViT(nn.Module):
         name: str = "",
     ) -> None:
         super().__init__()
-        img_hw = _check_build_args(cfg, num_classes, in_chans, img_size, drop_path_rate)
+        num_classes, in_chans, img_hw, drop_path_rate = _check_build_args(
+            cfg, num_classes, in_chans, img_size, drop_path_rate
+        )
         self.cfg = cfg
         self.img_size = img_hw
         self.in_chans = in_chans
@@ -238,7 +216,6 @@ class EfficientViT(nn.Module):
             BNLinear(self.num_features, num_classes) if distillation and num_classes > 0 else None
         )
         self.pretrained_cfg = pretrained_cfg(name, num_classes, img_hw, in_chans)
-        self.default_cfg = self.pretrained_cfg  # the older timm name of the same dict
 
     # ----------------------------------------------------------------------------- interface
     def check_input(self, x: torch.Tensor) -> None:
@@ -349,11 +326,9 @@ class EfficientViT(nn.Module):
         """Replace the classifier (and distillation head) with fresh ones for ``num_classes``."""
         if global_pool not in (None, "avg"):
             raise ValueError(f"only average pooling is supported, got global_pool={global_pool!r}")
-        if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0, got {num_classes}")
+        num_classes = _count(num_classes, "num_classes", 0)
         self.num_classes = num_classes
         self.pretrained_cfg = dict(self.pretrained_cfg, num_classes=num_classes)
-        self.default_cfg = self.pretrained_cfg
         device = next(self.parameters()).device
         self.head = (BNLinear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()).to(device)
         self.head_dist = (
@@ -364,3 +339,63 @@ class EfficientViT(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (the attention bias tables)."""
         return {n for n, _ in self.named_parameters() if n.endswith("attention_biases")}
+
+
+# ---------------------------------------------------------------------------- checkpoint key names
+_BLOCK_PARTS = {"dw0": "pre.0", "ffn0": "pre.1", "dw1": "post.0", "ffn1": "post.1"}
+_DOWN_PARTS = {0: "downsample.res1", 1: "downsample.patchmerge", 2: "downsample.res2"}
+
+
+def detect_format(sd: Mapping[str, torch.Tensor]) -> str:
+    """``'official'``, ``'timm'`` or ``'cgavit'``, judged by the key names."""
+    keys = list(sd)
+    if any(k.startswith(("blocks1.", "patch_embed.0.")) for k in keys):
+        return "official"
+    if any(re.search(r"\.(dw0|ffn0|dw1|ffn1)\.", k) for k in keys):
+        return "timm"
+    return "cgavit"
+
+
+def _rename_parts(key: str) -> str:
+    parts = key.split(".")
+    parts = [{"c": "conv", "l": "linear"}.get(p, p) if i < len(parts) - 1 else p for i, p in enumerate(parts)]
+    return ".".join(_BLOCK_PARTS.get(p, p) for p in parts)
+
+
+def convert_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename an official or timm state dict to this package's names (own format: unchanged)."""
+    fmt = detect_format(sd)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key.endswith("attention_bias_idxs"):
+            continue  # derived from the window; rebuilt by the model
+        if fmt == "official":
+            m = re.match(r"patch_embed\.(\d+)\.(.*)", key)
+            if m:
+                key = f"patch_embed.conv{int(m.group(1)) // 2 + 1}.{m.group(2)}"
+            m = re.match(r"blocks(\d)\.(\d+)\.(.*)", key)
+            if m:
+                stage, idx, rest = int(m.group(1)) - 1, int(m.group(2)), m.group(3)
+                if stage == 0:
+                    key = f"stages.0.blocks.{idx}.{rest}"
+                elif idx < 3:
+                    key = f"stages.{stage}.{_DOWN_PARTS[idx]}.{rest}"
+                else:
+                    key = f"stages.{stage}.blocks.{idx - 3}.{rest}"
+            key = _rename_parts(key)
+        elif fmt == "timm":
+            key = _rename_parts(key)
+        out[key] = value
+    return out
+
+
+def to_timm_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This package's names to timm's ``efficientvit_msra`` names: the inverse of
+    :func:`convert_state_dict` on a timm file (only the sandwich parts are named differently)."""
+    theirs = {ours: name for name, ours in _BLOCK_PARTS.items()}
+    out = {}
+    for key, value in sd.items():
+        for ours, name in theirs.items():
+            key = key.replace(f".{ours}.", f".{name}.")
+        out[key] = value
+    return out

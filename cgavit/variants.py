@@ -2,37 +2,84 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .attention import check_attention_dims
+from .reallocation import allocation_dials, allocation_of, value_width
 
 #: ImageNet normalisation, the same numbers as ``timm.data.IMAGENET_DEFAULT_MEAN/STD`` (a test checks);
 #: kept here so the model core depends on torch alone.
 IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
 
-#: Largest value of each architecture field (per entry). Far above any published or studied model;
-#: they stop a typo or a hostile file from asking for gigabytes before anything is built.
-CONFIG_LIMITS = {
-    "embed_dim": 2048, "depth": 32, "num_heads": 64, "window_size": 64, "kernels": 31, "key_dim": 512,
-    "ffn_per_side": 16,
+#: Inclusive ``(low, high)`` bounds of each entry of the integer architecture fields. The highs are
+#: far above any published or studied model; they stop a typo or a hostile file from asking for
+#: gigabytes before anything is built.
+CONFIG_LIMITS: dict[str, tuple[int, int]] = {
+    "embed_dim": (8, 2048), "depth": (1, 32), "num_heads": (1, 64), "window_size": (1, 64), "kernels": (1, 31),
+    "key_dim": (1, 512), "ffn_per_side": (0, 16),
 }
+#: Largest value of each ratio dial (both must be above 0).
 MAX_FFN_RATIO = 16.0
 MAX_ATTN_RATIO = 64.0
+#: Most query kernels a config may list (one per head is used; the last repeats for more heads).
+MAX_KERNELS = CONFIG_LIMITS["num_heads"][1]
 
 RELEASE_URL = "https://github.com/xinyuliu-jeffrey/EfficientViT_Model_Zoo/releases/download/v1.0/{name}.pth"
 
+_PER_STAGE = ("embed_dim", "depth", "num_heads", "window_size", "key_dim")
+_FLAGS = ("cascade", "group_split")
 
-def _per_stage(name: str, value, cast) -> tuple:
-    """Broadcast one value to the three stages, or check a 3-sequence."""
-    if isinstance(value, (str, bytes)) or value is None:
-        raise ValueError(f"{name} must be a number or three numbers (one per stage), got {value!r}")
-    if isinstance(value, Sequence):
-        if len(value) != 3:
-            raise ValueError(f"{name} needs one value per stage (3), got {len(value)}: {list(value)}")
-        return tuple(cast(v) for v in value)
-    return (cast(value),) * 3
+
+class DialError(ValueError):
+    """A design dial or architecture field that cannot work; ``dial`` names it (``"key_dim"``), so a
+    command line can name its own flag for it."""
+
+    def __init__(self, dial: str, message: str) -> None:
+        super().__init__(message)
+        self.dial = dial
+
+
+def _whole(name: str, value) -> int:
+    """``value`` as an int (ints and numpy integers; not bools, floats or text)."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise DialError(name, f"{name} must be whole numbers, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise DialError(name, f"{name} must be whole numbers, got {value!r}") from None
+
+
+def _real(name: str, value) -> float:
+    """``value`` as a finite float (ints, floats, numpy reals; not bools or text)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise DialError(name, f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _entries(name: str, value, count: int | None, cast) -> tuple:
+    """One value broadcast to ``count`` entries, or a sequence of exactly ``count`` (any length with
+    ``count=None``), each cast."""
+    if isinstance(value, (str, bytes)) or value is None or isinstance(value, Mapping):
+        raise DialError(name, f"{name} must be a number or a list of numbers (one per stage), got {value!r}")
+    if isinstance(value, (Sequence, Iterable)) and not isinstance(value, numbers.Number):
+        values = tuple(value)
+        if count is not None and len(values) != count:
+            raise DialError(name, f"{name} needs one value per stage ({count}), got {len(values)}: {list(values)}")
+        if not values or len(values) > MAX_KERNELS:
+            raise DialError(name, f"{name} needs 1 to {MAX_KERNELS} values, got {len(values)}")
+        return tuple(cast(name, v) for v in values)
+    return (cast(name, value),) * (count or 1)
+
+
+def _bounded(name: str, values: tuple[int, ...]) -> None:
+    lo, hi = CONFIG_LIMITS[name]
+    if any(not lo <= v <= hi for v in values):
+        raise DialError(name, f"{name} entries must be at most {hi} (and at least {lo}), got {list(values)}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +87,9 @@ class EfficientViTConfig:
     """Architecture of one EfficientViT, including the seed's design dials.
 
     The dial defaults are the paper's; every variant M0-M5 differs only in the first five fields.
+    Every config is checked when it is made (:meth:`validate`, the one home of these rules):
+    numbers are normalised to tuples of ints / floats, and a layout that cannot work raises
+    :class:`DialError` (a ``ValueError``) naming the dial to change.
     """
 
     embed_dim: tuple[int, int, int]  # channels per stage
@@ -50,83 +100,87 @@ class EfficientViTConfig:
     # --- design dials (seed chapters 2, 4-6) ---
     key_dim: tuple[int, int, int] = (16, 16, 16)  # Q/K width per head (narrow: chapter 6)
     attn_ratio: tuple[float, float, float] | None = None  # V width = attn_ratio * key_dim;
-    #   None = embed_dim / (key_dim * heads), so a head's output is as wide as the next head's group
+    #   None = embed_dim / heads, so a head's output is as wide as the next head's group
     ffn_ratio: float = 2.0  # FFN expansion (paper 2, standard ViT 4)
     ffn_per_side: tuple[int, int] = (1, 1)  # sandwich N: dw+FFN pairs before / after attention
     cascade: bool = True  # add head j's output to head j+1's input (chapter 5)
     group_split: bool = True  # each head reads its own channel group (chapter 4)
 
+    def __post_init__(self) -> None:
+        for name in _PER_STAGE:
+            object.__setattr__(self, name, _entries(name, getattr(self, name), 3, _whole))
+        object.__setattr__(self, "kernels", _entries("kernels", self.kernels, None, _whole))
+        object.__setattr__(self, "ffn_per_side", _entries("ffn_per_side", self.ffn_per_side, 2, _whole))
+        if self.attn_ratio is not None:
+            object.__setattr__(self, "attn_ratio", _entries("attn_ratio", self.attn_ratio, 3, _real))
+        object.__setattr__(self, "ffn_ratio", _real("ffn_ratio", self.ffn_ratio))
+        for flag in _FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise DialError(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        self.validate()
+
     def value_dim(self, stage: int) -> int:
-        """Value width per head in ``stage``."""
-        if self.attn_ratio is None:
-            return self.embed_dim[stage] // self.num_heads[stage]
-        return int(self.attn_ratio[stage] * self.key_dim[stage])
+        """Value width per head in ``stage`` (:func:`cgavit.reallocation.value_width`)."""
+        ratio = None if self.attn_ratio is None else self.attn_ratio[stage]
+        return value_width(self.embed_dim[stage], self.num_heads[stage], self.key_dim[stage], ratio)
+
+    @property
+    def allocation(self) -> str:
+        """The parameter allocation these widths follow: ``"paper"``, ``"uniform"`` or ``"custom"``
+        (:mod:`cgavit.reallocation`)."""
+        return allocation_of(self.embed_dim, self.num_heads, self.key_dim, self.attn_ratio, self.ffn_ratio)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the dial to change when this layout cannot work."""
-        for name in ("embed_dim", "depth", "num_heads", "window_size", "key_dim"):
-            vals = getattr(self, name)
-            if len(vals) != 3 or any(int(v) != v or v < 1 for v in vals):
-                raise ValueError(f"{name} must be three positive integers, got {vals}")
-        for name, hi in CONFIG_LIMITS.items():
-            vals = getattr(self, name)
-            if any(v > hi for v in vals):
-                raise ValueError(f"{name} entries must be at most {hi}, got {list(vals)}")
-        if self.ffn_ratio > MAX_FFN_RATIO or (self.attn_ratio is not None and max(self.attn_ratio) > MAX_ATTN_RATIO):
-            raise ValueError(
-                f"ffn_ratio must be at most {MAX_FFN_RATIO:g} and attn_ratio at most {MAX_ATTN_RATIO:g}, "
-                f"got {self.ffn_ratio} and {self.attn_ratio}"
-            )
+        """Raise :class:`DialError` naming the dial to change when this layout cannot work."""
+        for name in (*_PER_STAGE, "kernels", "ffn_per_side"):
+            _bounded(name, getattr(self, name))
+        if any(k % 2 == 0 for k in self.kernels):
+            raise DialError("kernels", f"kernels must be odd positive sizes, got {self.kernels}")
+        if not 0 < self.ffn_ratio <= MAX_FFN_RATIO:
+            raise DialError("ffn_ratio", f"ffn_ratio must be within (0, {MAX_FFN_RATIO:g}], got {self.ffn_ratio}")
+        if self.attn_ratio is not None and not all(0 < r <= MAX_ATTN_RATIO for r in self.attn_ratio):
+            raise DialError("attn_ratio", f"attn_ratio must be within (0, {MAX_ATTN_RATIO:g}], got {self.attn_ratio}")
         if self.embed_dim[0] % 8:
-            raise ValueError(
-                f"the stage-1 width must be a multiple of 8 (the patch embedding uses C/8, C/4, C/2), "
-                f"got {self.embed_dim[0]}"
+            raise DialError(
+                "embed_dim", "the stage-1 width must be a multiple of 8 (the patch embedding uses C/8, C/4, "
+                f"C/2), got {self.embed_dim[0]}"
             )
-        if not self.kernels or any(k < 1 or k % 2 == 0 for k in self.kernels):
-            raise ValueError(f"kernels must be odd positive sizes, got {self.kernels}")
-        if not self.ffn_ratio > 0:
-            raise ValueError(f"ffn_ratio must be positive, got {self.ffn_ratio}")
-        if len(self.ffn_per_side) != 2 or min(self.ffn_per_side) < 0:
-            raise ValueError(f"ffn_per_side must be N >= 0 or a pair (before, after), got {self.ffn_per_side}")
-        if self.attn_ratio is not None and any(not r > 0 for r in self.attn_ratio):
-            raise ValueError(f"attn_ratio must be positive, got {self.attn_ratio}")
         for i in range(3):
+            if int(self.embed_dim[i] * self.ffn_ratio) < 1:
+                raise DialError("ffn_ratio", f"ffn_ratio {self.ffn_ratio} leaves the stage-{i + 1} FFN of width "
+                                f"{self.embed_dim[i]} no hidden channel; raise it")
             try:
                 check_attention_dims(
-                    self.embed_dim[i],
-                    self.key_dim[i],
-                    self.num_heads[i],
-                    None if self.attn_ratio is None else self.value_dim(i),
-                    self.cascade,
-                    self.group_split,
+                    self.embed_dim[i], self.key_dim[i], self.num_heads[i],
+                    None if self.attn_ratio is None else self.value_dim(i), self.cascade, self.group_split,
                 )
             except ValueError as err:
-                raise ValueError(f"stage {i + 1}: {err}") from None
+                dial = "attn_ratio" if "value width" in str(err) else "num_heads"
+                dial = "group_split" if "group_split" in str(err) else dial
+                raise DialError(dial, f"stage {i + 1}: {err}") from None
 
     def with_dials(self, **dials) -> "EfficientViTConfig":
-        """A copy with dials / fields changed; scalars broadcast to the three stages."""
-        unknown = set(dials) - set(self.__dataclass_fields__)
+        """A copy with dials / fields changed; scalars broadcast to the three stages.
+
+        ``allocation="paper"|"uniform"`` sets ``key_dim``, ``attn_ratio`` and ``ffn_ratio`` by the
+        scheme of :mod:`cgavit.reallocation` (for the widths and heads of this call); any of those
+        three given explicitly too wins.
+
+        Raises:
+            DialError: an unknown name, or a value or layout that cannot work.
+        """
+        names = set(self.__dataclass_fields__)
+        unknown = set(dials) - names - {"allocation"}
         if unknown:
-            raise ValueError(
-                f"unknown option(s) {sorted(unknown)}; valid: {sorted(self.__dataclass_fields__)}"
-            )
-        out = dict(dials)
-        for name in ("embed_dim", "depth", "num_heads", "window_size", "key_dim"):
-            if name in out:
-                out[name] = _per_stage(name, out[name], int)
-        if out.get("attn_ratio") is not None:
-            out["attn_ratio"] = _per_stage("attn_ratio", out["attn_ratio"], float)
-        if "ffn_per_side" in out:
-            n = out["ffn_per_side"]
-            out["ffn_per_side"] = (int(n), int(n)) if isinstance(n, (int, float)) else tuple(int(v) for v in n)
-        if "kernels" in out:
-            out["kernels"] = tuple(int(k) for k in out["kernels"])
-        for flag in ("cascade", "group_split"):
-            if flag in out and not isinstance(out[flag], bool):
-                raise ValueError(f"{flag} must be True or False, got {out[flag]!r}")
-        cfg = replace(self, **out)
-        cfg.validate()
-        return cfg
+            raise DialError(sorted(unknown)[0], f"unknown option(s) {sorted(unknown)}; valid: {sorted(names | {'allocation'})}")
+        if "allocation" in dials:
+            scheme = dials.pop("allocation")
+            probe = replace(self, **{k: v for k, v in dials.items() if k in ("embed_dim", "num_heads")})
+            try:
+                dials = {**allocation_dials(scheme, probe.embed_dim, probe.num_heads), **dials}
+            except ValueError as err:
+                raise DialError("allocation", str(err)) from None
+        return replace(self, **dials)
 
 
 @dataclass(frozen=True)

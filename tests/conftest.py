@@ -97,8 +97,8 @@ def _build_digits(root: Path) -> None:
     from cgavit import save_weights
     from cgavit.bench import load_labelled
     from cgavit.train.demo import DIGITS_MEAN, DIGITS_STD, write_digits
-    from cgavit.train.inference import ModelInfo
-    from cgavit.weights import WeightsMeta
+    from cgavit import ModelInfo
+    from cgavit.schema import WeightsMeta
 
     write_digits(root / "data")
     info = ModelInfo([str(c) for c in range(10)], img_size=DIGITS_SIZE, crop_pct=1.0, mean=DIGITS_MEAN, std=DIGITS_STD)
@@ -117,7 +117,7 @@ def trained_digits(tmp_path_factory) -> TrainedDigits:
     from filelock import FileLock
 
     from cgavit.bench import load_labelled
-    from cgavit.train import load_model
+    from cgavit import load_model
 
     pytest.importorskip("sklearn", reason="the digits come with scikit-learn (cgavit[train])")
     root = tmp_path_factory.getbasetemp()

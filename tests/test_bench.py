@@ -24,7 +24,7 @@ from cgavit.cli import main
 from cgavit.info import count_macs
 from cgavit.testing import randomize_, rel_err
 from cgavit.timing import Timings, iqr, round_robin
-from cgavit.weights import to_timm_state_dict
+from cgavit.model import to_timm_state_dict
 
 
 def test_timm_port_gets_our_weights():

@@ -20,7 +20,9 @@ import cgavit
 from cgavit.attention import CascadedGroupAttention
 from cgavit.cli import main
 from cgavit.testing import randomize_, rel_err
-from cgavit.weights import CheckpointError, resize_bias_table, save_weights
+from cgavit.attention import resize_bias_table
+from cgavit.io import CheckpointError
+from cgavit.weights import save_weights
 
 pytest.importorskip("torchvision")
 pytest.importorskip("pycocotools")

@@ -237,7 +237,7 @@ def test_image_attention(server):
 # ------------------------------------------------------------------------------- model and command
 def test_checkpoint_model(tmp_path):
     from cgavit import create_model, save_weights
-    from cgavit.weights import CheckpointError
+    from cgavit.io import CheckpointError
 
     src = randomize_(create_model("m0", num_classes=10, cascade=False), 3)
     path = save_weights(src, tmp_path / "m0.safetensors")

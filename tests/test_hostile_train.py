@@ -35,12 +35,14 @@ from PIL import Image
 
 from cgavit.cli import main
 from cgavit.io import DataError
-from cgavit.train import TrainConfig, load_model, predict, train
+from cgavit import factory, load_model
+from cgavit.train import TrainConfig, predict, train
 from cgavit.train import checkpoint as ckpt_io
-from cgavit.train import inference
-from cgavit.train.config import BOUNDS, DIAL_BOUNDS
+from cgavit.train.config import BOUNDS
+from cgavit.variants import CONFIG_LIMITS
 from cgavit.train.data import MAX_IMAGE_PIXELS, load_image
-from cgavit.weights import CheckpointError, read_weights_meta, save_weights
+from cgavit.io import CheckpointError
+from cgavit.weights import read_weights_meta, save_weights
 
 from test_train import TINY_ARGV, make_folder, tiny
 
@@ -432,7 +434,7 @@ def test_recorded_options_are_checked_before_a_network_is_built(world, monkeypat
     def refuse(*args, **kwargs):
         raise AssertionError("a network was built from an untrusted record")
 
-    monkeypatch.setattr(inference, "create_model", refuse)
+    monkeypatch.setattr(factory, "EfficientViT", refuse)
     for kind in RECORD_KINDS:
         with pytest.raises(CheckpointError):
             load_model(world[kind])
@@ -468,7 +470,7 @@ def test_any_record_is_read_within_bounds_or_refused_with_a_value_error(base, ch
     for name, (lo, hi) in BOUNDS.items():
         value = getattr(cfg, name)
         assert all(v is None or lo <= v <= hi for v in (value if isinstance(value, tuple) else (value,))), name
-    for name, (lo, hi) in DIAL_BOUNDS.items():
+    for name, (lo, hi) in CONFIG_LIMITS.items():
         value = cfg.dials.get(name)
         assert value is None or all(lo <= v <= hi for v in (value if isinstance(value, tuple) else (value,))), name
     assert set(cfg.dials) <= set(f for f in record if record[f] is not None)

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import cgavit
+from cgavit.io import CheckpointError
+from cgavit.schema import WeightsMeta
 from cgavit.variants import CONFIG_LIMITS
-from cgavit.weights import CheckpointError, WeightsMeta, read_weights_meta, save_weights
+from cgavit.weights import read_weights_meta, save_weights
 
 SMALL = dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3))
 
@@ -74,7 +76,7 @@ def test_dials_of_the_older_layout_cannot_name_other_arguments(tmp_path, tensors
 
 
 def test_config_limits_hold_in_create_model():
-    for name, hi in CONFIG_LIMITS.items():
+    for name, (lo, hi) in CONFIG_LIMITS.items():
         value = hi + 1 if name not in ("kernels",) else (hi + 2, hi + 2)
         with pytest.raises(ValueError, match=name):
             cgavit.create_model("m0", **{name: value})

@@ -21,7 +21,7 @@ import cgavit
 from cgavit.attention import CascadedGroupAttention, FusedCascadedGroupAttention
 from cgavit.testing import randomize_, rel_err
 from cgavit.variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from cgavit.weights import resize_bias_table
+from cgavit.attention import resize_bias_table
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3))

@@ -14,7 +14,7 @@ from PIL import Image
 from cgavit.train import TrainConfig, train
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train.data import BadImageError, check_layout
-from cgavit.weights import CheckpointError
+from cgavit.io import CheckpointError
 
 TINY = dict(
     img_size=32, dials=dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3)),

@@ -16,7 +16,7 @@ from cgavit.train import TrainConfig, TrainResult
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train.config import DIAL_NAMES, NOT_RESUMED, train_defaults
 from cgavit.train.demo import demo_config
-from cgavit.weights import CheckpointError
+from cgavit.io import CheckpointError
 
 PACKAGE = Path(cgavit.__file__).parent
 

@@ -85,7 +85,7 @@ def test_sigterm_saves_a_valid_checkpoint(tmp_path):
     assert "SIGTERM" in err and "--resume" in err
     ck = ckpt_io.load(out / "last.pt")
     assert 1 <= ck["next_epoch"] < 500
-    from cgavit.train import load_model
+    from cgavit import load_model
 
     model, info = load_model(out / "last.pt")
     assert info.class_names == ["class_0", "class_1"]

@@ -12,9 +12,10 @@ from PIL import Image
 
 from cgavit import create_model
 from cgavit.cli import main
-from cgavit.train import load_model, predict, train
+from cgavit import load_model
+from cgavit.train import predict, train
 from cgavit.train.data import to_rgb
-from cgavit.train.inference import imagenet_classes
+from cgavit.imagenet import imagenet_classes
 from cgavit.weights import read_weights_meta, save_weights
 
 from test_train import make_folder, tiny
@@ -79,9 +80,11 @@ def test_predict_any_mode_and_size_with_dataset_names(tmp_path, capsys):
 def test_predict_imagenet_names_for_third_party_files(tmp_path, capsys):
     assert len(imagenet_classes()) == 1000 and imagenet_classes()[0][0] == "n01440764"
     model = create_model("m0", num_classes=1000, **DIALS).eval()
-    save_weights(model, tmp_path / "w.safetensors")  # no model name recorded: like a foreign file
+    save_weights(model, tmp_path / "w.safetensors")  # no model name, but the architecture is recorded
+    assert load_model(tmp_path / "w.safetensors")[0].cfg == model.cfg
+    torch.save({"model": model.state_dict()}, tmp_path / "bare.pth")  # a foreign file records nothing
     with pytest.raises(ValueError, match="--model"):
-        load_model(tmp_path / "w.safetensors")
+        load_model(tmp_path / "bare.pth")
     torch.save({"model": model.state_dict()}, tmp_path / "w.pth")
     img = tmp_path / "x.png"
     Image.new("RGB", (64, 48), (200, 30, 30)).save(img)

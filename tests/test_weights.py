@@ -11,7 +11,9 @@ import torch
 
 import cgavit
 from cgavit.testing import randomize_
-from cgavit.weights import CheckpointError, load_checkpoint, read_metadata, save_weights
+from cgavit.io import CheckpointError
+from cgavit.loading import load_checkpoint
+from cgavit.weights import read_metadata, save_weights
 
 timm = pytest.importorskip("timm")
 
@@ -171,7 +173,7 @@ def test_other_variant_names_first_mismatched_key_and_shapes(tmp_path):
 def test_other_class_count_drops_classifier(tmp_path, caplog):
     src = randomize_(cgavit.create_model("efficientvit_m0"))
     path = save_weights(src, tmp_path / "w.safetensors")
-    with caplog.at_level(logging.INFO, logger="cgavit.weights"):
+    with caplog.at_level(logging.INFO, logger="cgavit.loading"):
         model = cgavit.create_model("efficientvit_m0", checkpoint_path=path, num_classes=10)
     assert "classifier left as initialised" in caplog.text
     assert model.head.linear.weight.shape == (10, 192)

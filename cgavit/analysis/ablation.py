@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from ..deploy import fuse
-from ..factory import create_model, resolve_name
+from ..factory import create_model, load_model, resolve_name
 from ..info import count_macs
 from ..io import write_json, write_text
 from ..timing import round_robin, time_call
-from ..train import TrainConfig, TrainResult, evaluate_checkpoint, load_model, train
+from ..train import TrainConfig, TrainResult, evaluate_checkpoint, train
 from ..train import checkpoint as train_checkpoint
-from ..train.config import check_dials, train_defaults
+from ..train.config import train_defaults
 from ..train.data import check_folder, list_split
 from ..train.records import read_metrics
 from ..variants import VARIANTS
@@ -225,10 +225,9 @@ class AblationConfig:
         owned = sorted(set(self.train_args) & {*budget, "seed", "output", "resume"})
         if owned:
             raise ValueError(f"--train-args cannot set {', '.join(owned)}: the study sets them (use its own options)")
+        arch = {k: getattr(self, k) for k in ("embed_dim", "num_heads", "depth") if getattr(self, k) is not None}
         for seed in self.seeds:  # the training options every run gets, within the trainer's bounds
-            TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": {}}).check_values()
-        check_dials({k: getattr(self, k) for k in ("embed_dim", "num_heads", "depth") if getattr(self, k) is not None})
-        check_dials(self.train_args.get("dials", {}))
+            TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": arch}).check_values()
 
 
 def ablation_defaults() -> dict[str, object]:

@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..factory import create_model
-from ..io import write_json
-from ..train import load_model
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
+from ..factory import create_model, load_model
+from ..io import write_json
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
 from .taylor import BlockImportance, kept_fraction, plot_importance, taylor_importance

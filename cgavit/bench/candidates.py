@@ -23,7 +23,7 @@ from ..factory import create_model
 from ..testing import randomize_, rel_err
 from ..timing import iqr, round_robin
 from ..variants import VARIANTS
-from ..weights import to_timm_state_dict
+from ..model import to_timm_state_dict
 from .optional import create_timm_model, reparameterize
 
 log = logging.getLogger(__name__)

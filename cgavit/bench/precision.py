@@ -32,9 +32,9 @@ from ..deploy import (
     optimize,
     runtime_path,
 )
+from ..factory import ModelInfo, load_model
 from ..timing import round_robin
 from ..train.data import build_transform, list_split, load_image
-from ..train.inference import ModelInfo, load_model
 
 log = logging.getLogger(__name__)
 

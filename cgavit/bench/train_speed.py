@@ -11,7 +11,7 @@ from torch import nn
 
 from ..factory import create_model
 from ..timing import round_robin
-from ..weights import to_timm_state_dict
+from ..model import to_timm_state_dict
 from .optional import create_timm_model
 
 

@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
     p.add_argument("--checkpoint", type=Path, default=None, help="weights for the image panel (cgavit, official or timm file)")
-    p.add_argument("--model", default="efficientvit_m0", help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
+    p.add_argument("--model", default=None, help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
     p.add_argument("--img-size", type=int, default=224, help="side the uploaded image is resized and centre-cropped to, 32..4096 (default 224)")
     p.add_argument(
         "--allow-host", action="append", default=[], metavar="NAME",

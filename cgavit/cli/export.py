@@ -9,8 +9,7 @@ from torch import nn
 
 from ..bench.precision import LabelledImages, load_labelled
 from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported, require_format
-from ..factory import create_model
-from ..train.inference import ModelInfo, load_model
+from ..factory import ModelInfo, create_model, load_model
 from .common import add_dial_args, dials_from_args, image_size
 
 __all__ = ["EXPORT_TOLERANCE", "register", "run"]

@@ -44,6 +44,12 @@ class RuntimeModule(nn.Module):
         self.rel_err: float | None = None
         self.choice: PathChoice | None = None
 
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.ndim == 4 and x.shape[0] == 0:
+            # an empty batch: the runtimes' reshapes cannot infer a batch of 0; one image's logits give the shape
+            return super().__call__(x.new_zeros(1, *x.shape[1:]), *args, **kwargs)[:0]
+        return super().__call__(x, *args, **kwargs)
+
 
 def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
     """``x`` ``(n, ...)`` with copies of its last item appended up to ``batch`` items (n <= batch)."""

@@ -22,10 +22,12 @@ from timm.layers import freeze_batch_norm_2d
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock
 
-from ..factory import resolve_name, create_model
-from ..model import EfficientViT
+from ..factory import create_model, resolve_name
+from ..hub import download_release
+from ..loading import load_checkpoint
+from ..model import EfficientViT, convert_state_dict
 from ..variants import VARIANTS
-from ..weights import convert_state_dict, download_release, load_checkpoint, read_state_dict
+from ..weights import read_state_dict
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,10 @@ from torch import nn
 
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
-from ..io import CheckpointError, UnreadableFileError, check_readable_file, sniff_format
-from ..variants import VARIANTS, EfficientViTConfig
+from ..io import CheckpointError, sniff_format
+from ..schema import check_finite, check_name, check_state_dict, check_tensor
+from ..variants import VARIANTS, DialError, EfficientViTConfig
+from ..weights import checked_path, read_weights_file
 from .models import KINDS, build_detector
 from .schema import MAX_CATEGORIES, is_int, is_number, shown
 
@@ -42,29 +44,23 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         CheckpointError: missing, empty, a folder or pipe, unreadable, truncated, or not a cgavit
             detection checkpoint.
     """
-    try:
-        path = check_readable_file(path, "checkpoint")
-    except UnreadableFileError as err:
-        raise CheckpointError(str(err)) from None
+    path = checked_path(path)
     kind = sniff_format(path)
     if kind not in ("zip", "pickle"):
         what = "a safetensors file" if kind == "safetensors" else "not a PyTorch checkpoint (truncated, or another kind of file?)"
         raise CheckpointError(f"{path} is {what}: expected model.pth or checkpoint.pth written by `cgavit detect train`")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated files, pickles with code, other formats
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise CheckpointError(f"cannot read {path} as a detection checkpoint (truncated or damaged?): {first}") from None
+        ckpt = read_weights_file(path).content
+    except CheckpointError as err:  # truncated files, pickles with code, other formats
+        raise CheckpointError(f"cannot read {path} as a detection checkpoint (truncated or damaged?): {err}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"{path} is not a cgavit detection checkpoint (written by `cgavit detect train`); "
             "for ImageNet backbone weights use --pretrained-backbone"
         )
-    state = ckpt.get("model")
-    if not isinstance(ckpt.get("config"), dict) or not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
+    if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("model"), dict):
         raise CheckpointError(f"{path} is damaged: it needs a 'config' dict and a 'model' dict of tensors")
+    ckpt["model"] = check_state_dict(ckpt["model"], str(path))
     return ckpt
 
 
@@ -92,6 +88,8 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
         isinstance(c, (list, tuple)) and len(c) == 2 and is_int(c[0]) and isinstance(c[1], str) for c in cats
     )):
         raise ValueError(f"'categories' must list {num_classes - 1} [category id, name] pairs, got {shown(cats)}")
+    for i, (_, name) in enumerate(cats):
+        check_name(name, f"category name {i}")
     for key in ("min_size", "max_size"):
         value = config.get(key, 800 if key == "min_size" else 1333)
         if not (is_int(value) and IMG_SIZE_RANGE[0] <= value <= IMG_SIZE_RANGE[1]):
@@ -103,25 +101,16 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def backbone_config(backbone: str, dials: Any) -> EfficientViTConfig:
-    """The EfficientViT layout a config's ``backbone`` and ``dials`` describe (ValueError if none)."""
-    cfg = VARIANTS[resolve_name(backbone)].cfg
-    try:
-        return cfg.with_dials(**check_dials(dials))
-    except TypeError as err:  # a value of the wrong kind for its dial (a number where a list goes, ...)
-        raise ValueError(f"'dials' {shown(dials)} do not describe a network: {err}") from None
-
-
-def check_dials(dials: Any) -> dict[str, Any]:
-    """Design dials as stored in a config: a dict of EfficientViT config fields to plain values
-    (numbers, booleans, lists of numbers); the variant's own check then validates the layout."""
+    """The EfficientViT layout a config's ``backbone`` and ``dials`` describe, checked by the model
+    config itself (ValueError naming the dial otherwise)."""
     names = {f.name for f in fields(EfficientViTConfig)}
     if not isinstance(dials, dict) or not set(dials) <= names:
         raise ValueError(f"'dials' must be a dict with keys among {sorted(names)}, got {shown(dials)}")
-    for key, value in dials.items():
-        values = value if isinstance(value, (list, tuple)) else [value]
-        if not (isinstance(value, bool) or (len(values) <= 64 and all(is_number(v) for v in values))):
-            raise ValueError(f"dial {key!r} must be a number, a boolean or a short list of numbers, got {shown(value)}")
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in dials.items()}
+    try:
+        return VARIANTS[resolve_name(backbone)].cfg.with_dials(**{k: tuple(v) if isinstance(v, list) else v
+                                                                 for k, v in dials.items()})
+    except DialError as err:
+        raise ValueError(f"'dials' {shown(dials)} do not describe a network: {err}") from None
 
 
 def check_model_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -169,6 +158,9 @@ def check_against_tensors(config: Mapping[str, Any], state: Mapping[str, torch.T
         detail += [f"{len(missing)} missing, e.g. {missing[0]}"] if missing else []
         detail += [f"{len(extra)} unexpected, e.g. {extra[0]}"] if extra else []
         raise CheckpointError(f"{source}: its config and its weights disagree ({'; '.join(detail)}); the file is damaged")
+    meta_state = model.state_dict()
+    for key, value in state.items():
+        check_tensor(key, value, meta_state[key], str(source))
     unstored = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name not in stored)
     if unstored > MAX_UNSTORED_BYTES:
         raise CheckpointError(
@@ -197,9 +189,7 @@ def load_detector(path: str | os.PathLike, device: str | torch.device = "cpu") -
     except ValueError as err:
         raise CheckpointError(f"{path}: bad detector config: {err}") from None
     check_against_tensors(config, ckpt["model"], path)
-    bad = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise CheckpointError(f"{path} holds NaN or infinite weights ({len(bad)} tensors, e.g. {bad[0]}): the training diverged")
+    check_finite(ckpt["model"], path)
     model = build_detector(config)
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), config

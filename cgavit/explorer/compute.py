@@ -33,11 +33,10 @@ from PIL import Image, ImageOps
 
 from ..analysis.heads import map_similarity, mean_off_diagonal
 from ..attention import CascadedGroupAttention, LocalWindowAttention
-from ..factory import create_model
+from ..factory import create_model, load_model
 from ..model import EfficientViT, stage_resolution
 from ..testing import randomize_
 from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from ..weights import load_checkpoint, read_weights_meta
 from .limits import MAX_IMAGE_PIXELS, MAX_UPLOAD_BYTES, Budget, Limits, TooLarge
 
 log = logging.getLogger(__name__)
@@ -145,22 +144,23 @@ class ToyCGA:
 # ----------------------------------------------------------------------------------- real model
 def build_model(
     checkpoint: str | os.PathLike | None = None,
-    model_name: str = "efficientvit_m0",
+    model_name: str | None = None,
     img_size: int = 224,
     trust: bool = False,
     **dials,
 ) -> tuple[EfficientViT, str]:
     """The model whose attention the page shows, and an honest sentence about where it came from.
 
-    A cgavit checkpoint rebuilds its own architecture from its metadata (read and validated by
-    :func:`~cgavit.weights.read_weights_meta`); official and timm files are loaded into
-    ``model_name`` (with ``dials``). Without a checkpoint the model is randomly initialised, with
-    BatchNorm statistics and bias tables randomised (seed 0).
+    A checkpoint is rebuilt by :func:`cgavit.load_model`: a cgavit file from the architecture it
+    records, an official or timm file as ``model_name`` (with ``dials``). Without a checkpoint the
+    model is a randomly initialised ``model_name`` (default ``efficientvit_m0``), with BatchNorm
+    statistics and bias tables randomised (seed 0).
 
     Raises:
         ValueError: unknown model, impossible dials, or an unusable checkpoint (``CheckpointError``).
     """
     if checkpoint is None:
+        model_name = model_name or "efficientvit_m0"
         model = create_model(model_name, img_size=img_size, **dials)
         randomize_(model, 0)
         about = (
@@ -169,19 +169,9 @@ def build_model(
             "not what a trained network looks at."
         )
         return model.eval(), about
-    path = Path(checkpoint)
-    meta = read_weights_meta(path)
-    if meta is not None:
-        if dials:
-            raise ValueError(f"{path} records its own architecture; drop the dial options ({sorted(dials)})")
-        model = EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, distillation=meta.distillation)
-        arch = "the architecture recorded in its metadata"
-    else:
-        model = create_model(model_name, img_size=img_size, **dials)
-        arch = model_name
-    report = load_checkpoint(model, path, trust=trust)
-    log.info("explorer: loaded %s (skipped %s, resized %s)", path, report["skipped"], report["resized"])
-    return model.eval(), f"checkpoint {path.name} loaded into {arch}."
+    model, _ = load_model(checkpoint, model_name, dials or None, img_size=img_size, trust=trust)
+    arch = model.pretrained_cfg["architecture"] or "the architecture it records"
+    return model, f"checkpoint {Path(checkpoint).name} loaded into {arch}."
 
 
 def _blocks(model: EfficientViT) -> list[tuple[int, int, LocalWindowAttention]]:

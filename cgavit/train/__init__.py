@@ -7,12 +7,11 @@ Python entry points:
 - :func:`evaluate_checkpoint`: top-1 / top-5 / loss of a checkpoint on an image folder.
 - :func:`evaluate`: the same metrics of a model over a loader (exact under ``torchrun``).
 - :func:`predict`: top-k classes with names for image files.
-- :func:`load_model`: rebuild a network from any checkpoint (trained here, official, timm).
 """
 
 from .config import TrainConfig, TrainResult
 from .engine import train
 from .evaluation import evaluate
-from .inference import evaluate_checkpoint, load_model, predict
+from .inference import evaluate_checkpoint, predict
 
-__all__ = ["TrainConfig", "TrainResult", "evaluate", "evaluate_checkpoint", "load_model", "predict", "train"]
+__all__ = ["TrainConfig", "TrainResult", "evaluate", "evaluate_checkpoint", "predict", "train"]

@@ -19,13 +19,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..factory import resolve_name
-from ..variants import CONFIG_LIMITS, MAX_ATTN_RATIO, MAX_FFN_RATIO, VARIANTS, EfficientViTConfig
+from ..variants import VARIANTS, DialError, EfficientViTConfig
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..io import CheckpointError
 from . import checkpoint
 
-#: The design dials a run may set: every :class:`~cgavit.EfficientViTConfig` field.
-DIAL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EfficientViTConfig))
+#: The design dials a run may set: every :class:`~cgavit.EfficientViTConfig` field, and ``allocation``
+#: (:mod:`cgavit.reallocation`).
+DIAL_NAMES: tuple[str, ...] = (*(f.name for f in fields(EfficientViTConfig)), "allocation")
 
 #: Options that only steer one invocation: never taken from a checkpoint on resume.
 NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress", "interrupt_after"})
@@ -52,15 +53,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "log_interval": (1, 2**31), "interrupt_after": (0, 2**63 - 1),
     "mean": (0.0, 1.0), "std": (1e-3, 10.0), "scale": (1e-4, 1.0),
 }
-#: Inclusive ``(low, high)`` bounds per entry of the integer design dials; widths, depths and windows
-#: beyond these are refused before a network is built (a checkpoint's record is untrusted input).
-DIAL_BOUNDS: dict[str, tuple[int, int]] = {
-    name: ({"embed_dim": 8, "ffn_per_side": 0}.get(name, 1), hi) for name, hi in CONFIG_LIMITS.items()
-}
-#: Largest value of each ratio dial (the model core's limits).
-RATIO_BOUNDS = {"ffn_ratio": MAX_FFN_RATIO, "attn_ratio": MAX_ATTN_RATIO}
-
-
 @dataclass
 class TrainConfig:
     """One training run. Defaults are the official recipe; see the module docstring.
@@ -164,8 +156,8 @@ class TrainConfig:
 
     def check_values(self) -> None:
         """Raise ``ValueError`` naming the option when a value has the wrong type, lies outside
-        :data:`BOUNDS`, is no allowed choice, or the dials are out of :data:`DIAL_BOUNDS` or do not
-        form a network. Cheap, and builds nothing: safe on a checkpoint's untrusted record."""
+        :data:`BOUNDS`, is no allowed choice, or the dials do not form a network (the model config's own
+        check). Cheap, and builds nothing: safe on a checkpoint's untrusted record."""
         for f in fields(self):
             _check_type(f.name, f.type, getattr(self, f.name))
         for name, (lo, hi) in BOUNDS.items():
@@ -181,8 +173,10 @@ class TrainConfig:
                               ("distillation_type", DISTILLATION_TYPES), ("amp_dtype", AMP_DTYPES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        check_dials(self.dials)
-        VARIANTS[resolve_name(self.model)].cfg.with_dials(**self.dials)  # names the dial that does not fit
+        try:  # the model config's own check, the one home of the dial rules
+            VARIANTS[resolve_name(self.model)].cfg.with_dials(**self.dials)
+        except DialError as err:
+            raise ValueError(f"--{_flag(err.dial)}: {err}") from None
 
     # ------------------------------------------------------------------------------ resume
     @classmethod
@@ -287,26 +281,6 @@ def normalize_dials(dials: Mapping) -> dict:
             value = (value,)
         out[name] = value
     return out
-
-
-def check_dials(dials: Mapping) -> None:
-    """Raise ``ValueError`` unless every dial has a valid type and lies within :data:`DIAL_BOUNDS`
-    (integers per stage) or :data:`RATIO_BOUNDS` (ratios); builds nothing."""
-    for name, value in dials.items():
-        values = value if isinstance(value, tuple) else (value,)
-        if name in ("cascade", "group_split"):
-            ok = isinstance(value, bool)
-            want = "on or off (True or False)"
-        elif name in DIAL_BOUNDS:
-            lo, hi = DIAL_BOUNDS[name]
-            ok = bool(values) and all(_is_int(v) and lo <= v <= hi for v in values)
-            want = f"whole numbers within {lo}..{hi}"
-        else:  # attn_ratio, ffn_ratio
-            hi = RATIO_BOUNDS[name]
-            ok = bool(values) and all(_is_number(v) and 0 < v <= hi for v in values)
-            want = f"numbers within (0, {hi:g}]"
-        if not ok:
-            raise ValueError(f"--{_flag(name)} must be {want}, got {_dial_text(value)}")
 
 
 def _is_int(v) -> bool:

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..factory import load_model
 from ..io import write_json, write_text
 from .config import TrainConfig, TrainResult
 from .engine import train
-from .inference import evaluate_checkpoint, export_weights, load_model
+from .inference import evaluate_checkpoint, export_weights
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,10 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
-from ..io import DataError, WriteError, remove_stale_temporaries
-from ..weights import CheckpointError, load_checkpoint, save_weights
+from ..io import CheckpointError, DataError, WriteError, remove_stale_temporaries
+from ..loading import load_checkpoint
+from ..schema import check_finite
+from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult
@@ -210,9 +212,9 @@ def _check_input_files(cfg: TrainConfig) -> None:
     checked before the run folder is made."""
     for flag, path in (("--finetune", cfg.finetune), ("--teacher-weights", cfg.teacher_weights)):
         if path:
-            ckpt_io.readable(path, f"{flag} file")
+            checked_path(path, f"{flag} file")
     if cfg.teacher and Path(cfg.teacher).exists():
-        ckpt_io.readable(cfg.teacher, "--teacher checkpoint")
+        checked_path(cfg.teacher, "--teacher checkpoint")
 
 
 def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
@@ -255,7 +257,7 @@ def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, 
     model = build_model(cfg, num_classes)
     if cfg.finetune:
         report = load_checkpoint(model, cfg.finetune)
-        ckpt_io.check_finite(model.state_dict(), cfg.finetune)
+        check_finite(model.state_dict(), cfg.finetune)
         log.info("fine-tuning from %s (%d classifier tensors re-initialised)", cfg.finetune, len(report["skipped"]))
     model.to(env.device)
     loaders = build_loaders(cfg, env, layout)
@@ -445,7 +447,7 @@ def _save(run: _Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> 
 def _resume(run: _Run, ck: dict) -> None:
     """Load a checkpoint's weights, optimiser, schedule and progress into ``run``; drop metric rows
     written after it."""
-    ckpt_io.check_finite(ck["model"], run.cfg.resume)
+    check_finite(ck["model"], run.cfg.resume)
     state, env = run.state, run.env
     try:
         _restore(ck, run)

@@ -18,13 +18,13 @@ from timm.scheduler import CosineLRScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..factory import create_model, resolve_name
-from ..weights import load_checkpoint, read_state_dict
-from . import checkpoint as ckpt_io
+from ..factory import create_model, load_model, resolve_name
+from ..loading import load_checkpoint
+from ..schema import check_finite
+from ..weights import read_state_dict
 from .config import TrainConfig
 from .data import ImageFolderDataset, build_transform, eval_sampler, make_loader, train_sampler
 from .distributed import DistEnv
-from .inference import load_model
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def build_teacher(cfg: TrainConfig, num_classes: int, device: torch.device) -> n
         raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
     else:
         teacher = _named_teacher(cfg.teacher, cfg.teacher_weights, num_classes, cfg.img_size)
-        ckpt_io.check_finite(teacher.state_dict(), cfg.teacher_weights)
+        check_finite(teacher.state_dict(), cfg.teacher_weights)
     out_classes = getattr(teacher, "num_classes", num_classes)
     if out_classes != num_classes:
         raise ValueError(f"the teacher predicts {out_classes} classes, the dataset has {num_classes}")

@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..analysis.plots import pyplot
 from ..io import append_jsonl, atomic_write, read_jsonl, write_jsonl
-from ..weights import WeightsMeta
+from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from ..schema import WeightsMeta
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,126 @@
+"""Fitting a checkpoint's tensors into a model: names converted, every tensor checked against the
+model by :mod:`cgavit.schema` before anything is copied, heads for another class count left as
+initialised, official 2-D 1x1 weights reshaped, bias tables of another window resized.
+
+:func:`fit_state_dict` does the checking and fitting against any model's state dict (the meta-device
+one of a network not built yet, as :func:`cgavit.load_model` uses); :func:`load_checkpoint` is the
+same for a model you have.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .attention import resize_bias_table
+from .io import CheckpointError
+from .model import convert_state_dict
+from .schema import check_finite, check_state_dict, check_tensor, shown
+from .weights import read_state_dict
+
+log = logging.getLogger(__name__)
+
+
+def fit_state_dict(
+    sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], source: str, num_classes: object = "?"
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """``sd`` (official, timm or cgavit names) made to fit ``target`` (a model's state dict, on any
+    device, meta included), after checking every tensor.
+
+    A classifier for another class count is dropped (left as initialised, as fine-tuning needs); a
+    distillation head absent on one side is skipped; attention-bias tables for another window are
+    resized bicubically; anything else that differs raises before anything is copied.
+
+    Returns:
+        ``(fitted state dict, {"skipped": [...], "resized": [...], "missing": [...]})``.
+
+    Raises:
+        CheckpointError: a tensor the schema refuses, an unknown key, a shape mismatch (naming the key
+            and both shapes), or a model tensor the file lacks.
+    """
+    sd = convert_state_dict(check_state_dict(sd, source))
+    report: dict[str, list[str]] = {"skipped": [], "resized": [], "missing": []}
+    _drop_foreign_heads(sd, target, report, num_classes)
+    for key, value in list(sd.items()):
+        if key not in target:
+            raise CheckpointError(
+                f"{source}: key {shown(key)} (shape {tuple(value.shape)}) does not exist in the model; "
+                "is it a checkpoint of another architecture?"
+            )
+        fit = check_tensor(key, value, target[key], source)
+        if fit == "reshape":
+            sd[key] = value.reshape(target[key].shape)  # official files keep some 1x1 conv weights 2-D
+        elif fit == "resize":
+            sd[key] = resize_bias_table(value, math.isqrt(target[key].shape[1]))
+            report["resized"].append(key)
+    _check_complete(sd, target, report, source)
+    return sd, report
+
+
+def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: object) -> None:
+    """Skip a distillation head the model lacks, and a classifier for another class count."""
+    for key in [k for k in sd if k.startswith("head_dist.") and k not in target]:
+        report["skipped"].append(key)
+        del sd[key]
+    head_w = sd.get("head.linear.weight")
+    want_w = target.get("head.linear.weight")
+    if head_w is not None and (want_w is None or head_w.shape != want_w.shape):
+        for key in [k for k in sd if re.match(r"head(_dist)?\.linear\.", k)]:
+            report["skipped"].append(key)
+            del sd[key]
+        log.info("checkpoint classifier has %d classes, the model %s: classifier left as initialised",
+                 head_w.shape[0], num_classes)
+
+
+def _check_complete(sd: Mapping, target: Mapping, report: dict, source: str) -> None:
+    """Every model tensor must come from the file, except heads deliberately left as initialised."""
+    for key in target:
+        if key in sd:
+            continue
+        if key.startswith("head_dist.") or (key.startswith("head.linear.") and "head.linear.weight" in report["skipped"]):
+            report["missing"].append(key)
+            continue
+        raise CheckpointError(
+            f"{source}: the model's {key!r} (shape {tuple(target[key].shape)}) is not in the checkpoint; "
+            "it is incomplete or for another variant"
+        )
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike | Mapping[str, torch.Tensor],
+    trust: bool = False,
+    prefer_ema: bool = False,
+) -> dict[str, list[str]]:
+    """Load official, timm or cgavit weights into ``model`` after checking every tensor
+    (:func:`fit_state_dict`); weights holding NaN or inf are refused.
+
+    Args:
+        model: the network to load into.
+        path: a checkpoint file, or a state dict.
+        trust: allow pickled objects in the file (runs code from it; only for files you trust).
+        prefer_ema: take the EMA weights when the file holds both.
+
+    Returns:
+        ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
+
+    Raises:
+        CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
+            and both shapes).
+    """
+    source = "state dict" if isinstance(path, Mapping) else str(path)
+    raw = path if isinstance(path, Mapping) else read_state_dict(path, trust=trust, prefer_ema=prefer_ema)
+    sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))
+    check_finite(sd, source)
+    model.load_state_dict(sd, strict=False)
+    if report["resized"]:
+        log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
+    if report["missing"]:
+        log.info("left as initialised: %s", ", ".join(report["missing"]))
+    return report
