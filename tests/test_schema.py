@@ -205,3 +205,8 @@ def test_an_empty_batch_gives_empty_logits():
     assert model(x).shape == (0, 3)
     fast = cgavit.optimize(model, torch.randn(2, 3, 64, 64), backend="torch", compile=False)
     assert fast(x).shape == (0, 3)
+
+
+def test_optimize_needs_an_example_image_and_says_so():
+    with pytest.raises(ValueError, match="at least one image"):
+        cgavit.optimize(_model(), torch.randn(0, 3, 64, 64))

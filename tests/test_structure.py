@@ -4,7 +4,13 @@ shared across modules, no oversized functions."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "cgavit"
 MAX_FUNCTION_LINES = 60
@@ -119,3 +125,74 @@ def test_functions_are_short():
                 if n > MAX_FUNCTION_LINES and not (mod.startswith("cgavit.cli") and node.name.startswith("register")):
                     long.append(f"{mod}.{node.name} ({n})")
     assert not long, long
+
+
+#: The applications: packages built on the library, which the library never imports.
+APPLICATIONS = ("cgavit.train", "cgavit.bench", "cgavit.analysis", "cgavit.explorer", "cgavit.detection", "cgavit.cli",
+                "cgavit.__main__")
+
+
+def _is_application(module: str) -> bool:
+    return any(module == app or module.startswith(app + ".") for app in APPLICATIONS)
+
+
+def test_the_library_never_imports_an_application():
+    """The model core (cgavit/*.py), deploy/ and kernels/ stand without train, bench, analysis,
+    explorer, detection and the command layer, at any depth of the import graph."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for src, dst, _ in _imports(modules):
+        graph[src].add(dst)
+    library = [m for m in modules if m != "cgavit" and not _is_application(m)]
+    for start in library:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                assert not _is_application(nxt), f"{start} reaches the application module {nxt}"
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+
+
+def _extra_requirements(extras: dict[str, list[str]], name: str) -> set[str]:
+    """The distribution names an extra installs, its nested ``cgavit[...]`` extras included."""
+    out: set[str] = set()
+    for req in extras[name]:
+        base = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].strip().lower()
+        if base == "cgavit":
+            for inner in re.search(r"\[(.*)\]", req).group(1).split(","):
+                out |= _extra_requirements(extras, inner.strip())
+        else:
+            out.add(base)
+    return out
+
+
+def test_the_deploy_extra_brings_no_training_stack():
+    extras = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    deploy = _extra_requirements(extras, "deploy")
+    assert {"onnxruntime", "safetensors"} <= deploy
+    assert not deploy & {"timm", "scikit-learn", "matplotlib", "tqdm"}, deploy
+
+
+_WITHOUT_TRAINING_STACK = """
+import sys
+for name in ("timm", "sklearn", "matplotlib", "tqdm", "PIL", "torchvision"):
+    sys.modules[name] = None  # importing it raises ImportError, as if it were not installed
+import torch, cgavit
+model = cgavit.create_model("efficientvit_m0", num_classes=3, img_size=64, embed_dim=(16, 32, 48), depth=(1, 1, 1),
+                            num_heads=(2, 2, 2), kernels=(3, 3))
+path = cgavit.save_weights(model, sys.argv[1])
+loaded, info = cgavit.load_model(path)
+fast = cgavit.optimize(loaded, torch.randn(2, 3, 64, 64))
+print(type(fast).__name__, tuple(fast(torch.randn(1, 3, 64, 64)).shape))
+"""
+
+
+def test_load_and_deploy_run_without_the_training_stack(tmp_path):
+    """What ``pip install 'cgavit[deploy]'`` has: torch, safetensors, ONNX Runtime; no timm, PIL,
+    matplotlib, scikit-learn, tqdm or torchvision."""
+    pytest.importorskip("onnxruntime")
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_TRAINING_STACK, str(tmp_path / "w.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["OnnxModule", "(1,", "3)"]

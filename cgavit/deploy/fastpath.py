@@ -165,8 +165,9 @@ def _checked_inputs(
     example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """The example and the calibration batches as float32, checked."""
-    if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4:
-        raise ValueError("example_input must be an image batch tensor (B, C, H, W), e.g. torch.randn(16, 3, 224, 224)")
+    if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4 or len(example_input) == 0:
+        raise ValueError("example_input must be an image batch tensor (B, C, H, W) of at least one image, e.g. "
+                         "torch.randn(16, 3, 224, 224); the result then runs any batch size, 0 included")
     batches = None if calibration is None else [b.float() for b in calibration]
     if batches is not None and not batches:
         raise ValueError("calibration is empty: give image batches (a few hundred training images), or None")
