@@ -39,7 +39,8 @@ from cgavit.train import TrainConfig, load_model, predict, train
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train import inference
 from cgavit.train.config import BOUNDS, DIAL_BOUNDS
-from cgavit.train.data import MAX_IMAGE_PIXELS, load_image
+from cgavit.bounds import MAX_IMAGE_PIXELS
+from cgavit.images import load_image
 from cgavit.weights import CheckpointError, read_weights_meta, save_weights
 
 from test_train import TINY_ARGV, make_folder, tiny

@@ -13,7 +13,7 @@ from PIL import Image
 from cgavit import create_model
 from cgavit.cli import main
 from cgavit.train import load_model, predict, train
-from cgavit.train.data import to_rgb
+from cgavit.images import to_rgb
 from cgavit.train.inference import imagenet_classes
 from cgavit.weights import read_weights_meta, save_weights
 
