@@ -11,7 +11,7 @@ from timm.layers import freeze_batch_norm_2d as freeze_batchnorm  # timm's, unde
 from .annotations import CocoCheck, check_coco
 from .backbone import EfficientViTFPN, detection_body
 from .checkpoint import load_detector, read_checkpoint
-from .data import CocoDetection, open_image
+from .data import CocoDetection
 from .draw import draw_detections
 from .engine import TrainConfig, evaluate, evaluate_checkpoint, train
 from .models import build_detector, maskrcnn, retinanet
@@ -33,7 +33,6 @@ __all__ = [
     "freeze_batchnorm",
     "load_detector",
     "maskrcnn",
-    "open_image",
     "predict_images",
     "read_checkpoint",
     "retinanet",
