@@ -364,7 +364,7 @@ def test_hostile_input_gives_one_line(table, case):
 # ------------------------------------------------------------------------------ silent nonsense
 def test_training_on_unreadable_images_stops_without_best(world, tmp_path):
     out = tmp_path / "run"
-    with pytest.raises(DataError, match="made no update"):
+    with pytest.raises(DataError, match="3 class folder.s. in .* hold no image that could be read .class_0, class_1, class_2."):
         train(tiny(data=str(world["broken_ds"]), epochs=2, output=str(out)))
     assert not (out / "best.pt").exists() and not (out / "last.pt").exists()
     assert not (out / "best.safetensors").exists() and not (out / "run.lock").exists()

@@ -38,7 +38,7 @@ from ..weights import CheckpointError, load_checkpoint, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult
-from .data import check_layout, epoch_seed, seed_all
+from .data import check_layout, epoch_seed, seed_all, unreadable_classes
 from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
 from .recipe import (
@@ -72,8 +72,9 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     Raises:
         ValueError: bad options (the message says what to change).
-        DataError: a bad data layout, or data that cannot train: an epoch in which no update could be
-            made (every image unreadable), or no validation image readable. No checkpoint is written.
+        DataError: a bad data layout, or data that cannot train: a class of either split none of
+            whose images can be read, an epoch in which no update could be made, or no validation
+            image readable. No checkpoint is written.
         CheckpointError: an unreadable or damaged ``resume``, ``finetune``, ``teacher`` or
             ``teacher_weights`` file.
     """
@@ -92,6 +93,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             output = _make_output(cfg, env, resumed is not None)
             cfg = replace(cfg, output=str(output))
             with RunLock(output, env), _run_log(output, env):
+                problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
+                problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
+                if problem:
+                    raise DataError(problem)
                 run = _setup(cfg, env, stopper, layout, output)
                 if resumed is not None:
                     _resume(run, resumed)
