@@ -92,8 +92,7 @@ def open_image(
                 probe.verify()  # structure check, decoding nothing
         img = _open(source, allowed)
     except Image.DecompressionBombError as err:  # Pillow's own ceiling, above any bound of ours
-        bound = _megapixels(max_pixels)
-        raise ImageTooLarge(f"{name} is too large to decode ({_reason(err)}); the bound is {bound}: downscale it") from None
+        raise ImageTooLarge(f"{name} is too large to decode ({_reason(err)}); {_limit(max_pixels)}: downscale it") from None
     except Image.UnidentifiedImageError:
         accepted = f" (accepted: {', '.join(formats)})" if formats else ""
         raise BadImageError(f"cannot read {name}: cannot identify an image format in it{accepted}") from None
@@ -104,9 +103,9 @@ def open_image(
         img.draft("RGB", (cover, cover))  # far fewer pixels decoded, the same picture after a resize
     if img.width * img.height > max_pixels:
         img.close()
-        at = f" (at the reduced scale {img.width}x{img.height})" if img.size != declared else ""
-        size = f"{declared[0]}x{declared[1]} pixels{at}, {img.width * img.height / 1e6:.0f} MP"
-        raise ImageTooLarge(f"{name} declares {size}: too large to decode, the bound is {_megapixels(max_pixels)}; downscale it")
+        n = img.width * img.height
+        size = f"{declared[0]}x{declared[1]} pixels" + (f", at least {img.width}x{img.height} decoded" if img.size != declared else "")
+        raise ImageTooLarge(f"{name} declares {size} = {n:,} ({n / 1e6:.1f} MP), too large to decode: {_limit(max_pixels)}; downscale it")
     return img, declared
 
 
@@ -201,8 +200,8 @@ def _pillow_formats() -> tuple[str, ...]:
     return tuple(Image.OPEN)
 
 
-def _megapixels(pixels: int) -> str:
-    return f"{pixels / 1e6:g} megapixels"
+def _limit(pixels: int) -> str:
+    return f"the limit is {pixels:,} pixels ({pixels / 1e6:g} megapixels)"
 
 
 def _reason(err: Exception) -> str:
