@@ -103,9 +103,7 @@ def open_image(
         img.draft("RGB", (cover, cover))  # far fewer pixels decoded, the same picture after a resize
     if img.width * img.height > max_pixels:
         img.close()
-        n = img.width * img.height
-        size = f"{declared[0]}x{declared[1]} pixels" + (f", at least {img.width}x{img.height} decoded" if img.size != declared else "")
-        raise ImageTooLarge(f"{name} declares {size} = {n:,} ({n / 1e6:.1f} MP), too large to decode: {_limit(max_pixels)}; downscale it")
+        raise _too_large(name, declared, img.size, max_pixels)
     return img, declared
 
 
@@ -198,6 +196,12 @@ def _open(source: Source, formats: tuple[str, ...]) -> Image.Image:
 def _pillow_formats() -> tuple[str, ...]:
     Image.init()  # registers every plugin Pillow has
     return tuple(Image.OPEN)
+
+
+def _too_large(name: str, declared: tuple[int, int], decoded: tuple[int, int], max_pixels: int) -> ImageTooLarge:
+    size = f"{declared[0]}x{declared[1]} pixels" + (f", at least {decoded[0]}x{decoded[1]} decoded" if decoded != declared else "")
+    n = decoded[0] * decoded[1]
+    return ImageTooLarge(f"{name} declares {size} = {n:,} ({n / 1e6:.1f} MP), too large to decode: {_limit(max_pixels)}; downscale it")
 
 
 def _limit(pixels: int) -> str:

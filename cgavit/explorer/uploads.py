@@ -34,7 +34,9 @@ def open_upload(data: bytes, cover: int) -> tuple[Image.Image, tuple[int, int]]:
         TooLarge: it decodes to more than :data:`~cgavit.bounds.MAX_UPLOAD_PIXELS` pixels.
     """
     try:
-        return open_image(data, name=UPLOAD_NAME, max_pixels=MAX_UPLOAD_PIXELS, formats=UPLOAD_FORMATS, cover=cover, verify=True)
+        return open_image(
+            data, name=UPLOAD_NAME, max_pixels=MAX_UPLOAD_PIXELS, formats=UPLOAD_FORMATS, cover=cover, verify=True
+        )
     except ImageTooLarge as err:
         raise TooLarge(str(err)) from None
 

@@ -79,11 +79,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             ``teacher_weights`` file.
     """
     cfg.validate()
-    t_start = time.perf_counter()
     env = setup(cfg.device)
     stopper = _Stopper()
     try:
         stopper.install()
+        t_start = time.perf_counter()
         resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
         _check_input_files(cfg)
         with _quiet_unless_main(env):
@@ -97,7 +97,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
                 if problem:
                     raise DataError(problem)
-                run = _setup(cfg, env, stopper, layout, output)
+                run = _build_run(cfg, env, stopper, layout, output)
                 if resumed is not None:
                     _resume(run, resumed)
                 return _fit(run, t_start)
@@ -122,7 +122,7 @@ class TrainState:
 
 @dataclass
 class Run:
-    """What one run trains with, built once by the set-up, and its :class:`TrainState`."""
+    """What one run trains with (built once, by :func:`_build_run`) and its :class:`TrainState`."""
 
     cfg: TrainConfig
     env: DistEnv
@@ -142,7 +142,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
 
 
-def _setup(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
+def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
     """Seed, then build the network (fine-tuned weights loaded), data, optimiser, schedule, mixup,
     losses (with the distillation teacher), gradient scaler and EMA."""
     num_classes = len(layout["classes"])
@@ -246,7 +246,10 @@ class EpochStats:
 
     def add(self, loss: float, n: int) -> None:
         """Count one update on ``n`` images whose mean loss was ``loss``."""
-        self.loss_sum, self.seen, self.timed, self.updates = self.loss_sum + loss * n, self.seen + n, self.timed + n, self.updates + 1
+        self.loss_sum += loss * n
+        self.seen += n
+        self.timed += n
+        self.updates += 1
 
     @property
     def loss(self) -> float:
