@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cgavit import create_model
-from cgavit.analysis import ablation
+from cgavit.analysis.ablation import runs
 from cgavit.analysis.ablation import RUNGS, AblationConfig, build_ladder, rung_dials
 from cgavit.cli import main
 from cgavit.cli.ablate import train_args
@@ -62,7 +62,7 @@ def test_ablation_config_and_train_args():
         with pytest.raises(ValueError, match=match):
             replace(cfg, **bad).validate()
     variant = build_ladder("m0", dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2)), 2, 32, rungs=["cascade"])[0][0]
-    options = ablation.train_options(
+    options = runs.train_options(
         replace(cfg, train_args={"workers": 0, "dials": {"cascade": False}}), variant, 3, "data", "run"
     )
     assert options["seed"] == 3 and options["workers"] == 0 and options["output"] == "run"
@@ -99,7 +99,7 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch):
     data = _dataset(tmp_path / "data")
     out = tmp_path / "study"
     calls = []
-    real_train = ablation.train
+    real_train = runs.train
 
     def spy(cfg):
         run = cfg.output
@@ -108,7 +108,7 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch):
             cfg = replace(cfg, interrupt_after=1)  # as if stopped (SIGTERM) after one update
         return real_train(cfg)
 
-    monkeypatch.setattr(ablation, "train", spy)
+    monkeypatch.setattr(runs, "train", spy)
     common = [
         "ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--embed-dim", "16,24,32",
         "--num-heads", "2,2,2", "--depth", "1,1,1", "--img-size", "32", "--batch-size", "8", "--heads-images", "4",

@@ -28,6 +28,7 @@ pytest.importorskip("torchvision")
 pytest.importorskip("pycocotools")
 
 from torchvision.models.detection import MaskRCNN, RetinaNet  # noqa: E402
+from timm.layers import freeze_batch_norm_2d  # noqa: E402
 from torchvision.ops import FrozenBatchNorm2d  # noqa: E402
 
 from cgavit.detection import (  # noqa: E402
@@ -37,7 +38,6 @@ from cgavit.detection import (  # noqa: E402
     detection_body,
     evaluate,
     evaluate_checkpoint,
-    freeze_batchnorm,
     load_detector,
     maskrcnn,
     predict_images,
@@ -132,7 +132,8 @@ def test_detectors_are_torchvision_models_with_7x7_windows_and_frozen_bn():
         assert centres.max() == (max(f.shape[-2:]) - 1) * stride
 
 
-def test_freeze_batchnorm_keeps_the_function_and_drops_the_parameters():
+def test_timm_freeze_batch_norm_keeps_the_function_and_drops_the_parameters():
+    """timm's ``freeze_batch_norm_2d``, which ``detection_body(freeze_bn=True)`` applies, on our network."""
     model = cgavit.create_model("efficientvit_m0", num_classes=0, img_size=128)
     randomize_(model, seed=3)
     model.eval()
@@ -141,7 +142,7 @@ def test_freeze_batchnorm_keeps_the_function_and_drops_the_parameters():
         ref = model.forward_intermediates(x)
     n_params = sum(p.numel() for p in model.parameters())
     n_bn = sum(2 * m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
-    frozen = freeze_batchnorm(model).train()  # train mode: frozen BN still uses the stored statistics
+    frozen = freeze_batch_norm_2d(model).train()  # train mode: frozen BN still uses the stored statistics
     with torch.no_grad():
         out = frozen.forward_intermediates(x)
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(out, ref))

@@ -17,7 +17,8 @@ import torch
 
 from cgavit.analysis import head_similarity, map_similarity, mean_off_diagonal
 from cgavit.attention import CascadedGroupAttention
-from cgavit.explorer.compute import MAX_UPLOAD_BYTES, ImageAttention, ToyCGA, build_model
+from cgavit.explorer import ImageAttention, ToyCGA, build_model
+from cgavit.explorer.limits import MAX_UPLOAD_BYTES
 from cgavit.explorer.server import STATIC_DIR, ExplorerServer
 from cgavit.testing import randomize_
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgavit.explorer.compute import ImageAttention, build_model
+from cgavit.explorer import ImageAttention, build_model
 from cgavit.explorer.server import ExplorerServer
 
 pytestmark = pytest.mark.browser

@@ -33,10 +33,10 @@ from PIL import Image, ImageDraw
 
 from cgavit import cli, create_model, save_weights
 from cgavit.cli import explore as explore_command
-from cgavit.explorer import compute
-from cgavit.explorer.compute import ImageAttention, build_model
+from cgavit.bounds import MAX_UPLOAD_PIXELS
+from cgavit.explorer import ImageAttention, build_model, loading
 from cgavit.explorer.guard import HostCheck, Refused, split_host
-from cgavit.explorer.limits import MAX_IMAGE_PIXELS, MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
+from cgavit.explorer.limits import MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
 from cgavit.explorer.server import ApiError, ExplorerServer, parse_int
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -238,7 +238,7 @@ def test_huge_declared_sizes_are_refused_before_decoding(images, body, why):
 
 
 def test_real_sixteen_megapixel_png_is_served(server):
-    side = int(MAX_IMAGE_PIXELS**0.5)  # 4000
+    side = int(MAX_UPLOAD_PIXELS**0.5)  # 4000
     status, _, reply = post(server, "/api/image", png_bytes((side, side), mode="1", colour=1))
     assert status == 200 and reply["original_size"] == [side, side]
 
@@ -572,7 +572,7 @@ def test_bad_checkpoints_fail_at_startup_in_one_line(tmp_path, monkeypatch, caps
     for name, path in files.items():
         with monkeypatch.context() as m:
             if name in ("num_classes", "config"):
-                m.setattr(compute, "EfficientViT", never)  # refused before any allocation
+                m.setattr(loading, "EfficientViT", never)  # refused before any allocation
             start = time.monotonic()
             assert cli.main(["explore", "--port", "0", "--checkpoint", str(path)]) == 2, name
             assert time.monotonic() - start < 20, name
@@ -646,9 +646,9 @@ def test_parallel_big_uploads_stay_within_the_pixel_budget():
         proc.wait(timeout=30)
     assert results[:40] == [413] * 40
     assert set(results[40:]) <= {200, 503} and results[40:].count(200) >= 2, results
-    assert grown < 2 * MAX_IMAGE_PIXELS * 8 / 2**20 + 60, f"peak memory grew by {grown:.0f} MB"
+    assert grown < 2 * MAX_UPLOAD_PIXELS * 8 / 2**20 + 60, f"peak memory grew by {grown:.0f} MB"
 
 
 def test_upload_limit_constant_is_what_the_page_reports(server):
     status, _, info = get(server, "/api/model")
-    assert info["max_upload_bytes"] == MAX_UPLOAD_BYTES and info["max_image_pixels"] == MAX_IMAGE_PIXELS
+    assert info["max_upload_bytes"] == MAX_UPLOAD_BYTES and info["max_image_pixels"] == MAX_UPLOAD_PIXELS

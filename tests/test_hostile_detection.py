@@ -418,7 +418,7 @@ def test_unreadable_training_images_stop_training_before_any_checkpoint(files, t
                      "--backbone", "m0", "--train-bn", "--device", "cpu", "--workers", workers, "--epochs", "1",
                      "--min-size", str(SIZE), "--max-size", str(SIZE), "--output", str(out)]) == 2
         line = _one_error_line(capsys.readouterr().err)
-        assert "train_0000" in line and "damaged or truncated" in line and "Caught" not in line
+        assert "train_0000" in line and "image file is truncated" in line and "Caught" not in line
         assert not (out / "checkpoint.pth").exists() and not (out / "model.pth").exists()
 
 

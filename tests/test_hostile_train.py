@@ -38,10 +38,11 @@ from cgavit.io import DataError
 from cgavit import factory, load_model
 from cgavit.train import TrainConfig, predict, train
 from cgavit.train import checkpoint as ckpt_io
+from cgavit.bounds import MAX_IMAGE_PIXELS
+from cgavit.images import load_image
+from cgavit.io import CheckpointError
 from cgavit.train.config import BOUNDS
 from cgavit.variants import CONFIG_LIMITS
-from cgavit.train.data import MAX_IMAGE_PIXELS, load_image
-from cgavit.io import CheckpointError
 from cgavit.weights import read_weights_meta, save_weights
 
 from test_train import TINY_ARGV, make_folder, tiny
@@ -365,7 +366,7 @@ def test_hostile_input_gives_one_line(table, case):
 # ------------------------------------------------------------------------------ silent nonsense
 def test_training_on_unreadable_images_stops_without_best(world, tmp_path):
     out = tmp_path / "run"
-    with pytest.raises(DataError, match="made no update"):
+    with pytest.raises(DataError, match="3 class folder.s. in .* hold no image that could be read .class_0, class_1, class_2."):
         train(tiny(data=str(world["broken_ds"]), epochs=2, output=str(out)))
     assert not (out / "best.pt").exists() and not (out / "last.pt").exists()
     assert not (out / "best.safetensors").exists() and not (out / "run.lock").exists()

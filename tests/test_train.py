@@ -13,6 +13,7 @@ from PIL import Image
 
 from cgavit.train import TrainConfig, train
 from cgavit.train import checkpoint as ckpt_io
+from cgavit.io import DataError
 from cgavit.train.data import BadImageError, check_layout
 from cgavit.io import CheckpointError
 
@@ -94,6 +95,22 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
     assert '"skipped_images": 2' in row
     with pytest.raises(BadImageError, match="broken.png|cut.jpg"):
         train(tiny(**{**args, "workers": 0}, output=str(tmp_path / "strict"), strict=True))
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_class_with_no_readable_image_stops_the_run_before_training(tmp_path, split):
+    """A class whose only images cannot be read is refused like a class with no image, before any
+    update; the line names the class. (Classes that keep one readable image still train.)"""
+    root = make_folder(tmp_path / "ds", classes=3, train=4, val=2)
+    for f in (root / split / "class_1").iterdir():
+        f.write_bytes(f.read_bytes()[:60])  # truncated: the header opens, the pixels do not
+    (root / split / "class_2" / "0.png").write_bytes(b"not an image")  # class_2 keeps readable ones
+    out = tmp_path / "run"
+    with pytest.raises(DataError) as err:
+        train(tiny(data=str(root), epochs=1, output=str(out), mixup=0, cutmix=0))
+    assert str(err.value).startswith(f"1 class folder(s) in {root / split} hold no image that could be read (class_1); e.g. ")
+    assert "image file is truncated" in str(err.value)  # what was wrong with one of them
+    assert not (out / "last.pt").exists() and not (out / "metrics.jsonl").exists() and not (out / "run.lock").exists()
 
 
 def test_layout_problems_reported_before_training(tmp_path):

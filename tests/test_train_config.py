@@ -152,7 +152,7 @@ def test_result_to_dict_keeps_the_summary_keys():
 
 
 def _library_files() -> list[Path]:
-    return sorted((PACKAGE / "train").glob("*.py")) + [PACKAGE / "analysis" / "ablation.py"]
+    return sorted((PACKAGE / "train").rglob("*.py")) + sorted((PACKAGE / "analysis" / "ablation").glob("*.py"))
 
 
 def test_training_library_has_no_argparse_and_imports_our_modules_at_the_top():

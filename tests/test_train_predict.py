@@ -13,9 +13,9 @@ from PIL import Image
 from cgavit import create_model
 from cgavit.cli import main
 from cgavit import load_model
-from cgavit.train import predict, train
-from cgavit.train.data import to_rgb
+from cgavit.images import to_rgb
 from cgavit.imagenet import imagenet_classes
+from cgavit.train import predict, train
 from cgavit.weights import read_weights_meta, save_weights
 
 from test_train import make_folder, tiny

@@ -12,7 +12,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transf
 from torch.utils.data import Dataset
 
 from ..io import DataError
-from ..train.data import BadImageError, load_image
+from ..images import BadImageError, load_image
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ def eval_transform(img_size: int, crop_pct: float = 0.875, mean=None, std=None):
 class ImageList(Dataset):
     """``(image tensor, label)`` pairs over image files; label -1 where there are no labels.
 
-    Images are read with :func:`cgavit.train.data.load_image` (any mode; pipes never opened; sizes
-    bounded), which raises :class:`~cgavit.train.data.BadImageError` naming an unreadable file."""
+    Images are read with :func:`cgavit.images.load_image` (any mode; pipes never opened; sizes
+    bounded), which raises :class:`~cgavit.images.BadImageError` naming an unreadable file."""
 
     def __init__(self, paths: Sequence[Path], labels: Sequence[int] | None, transform) -> None:
         self.paths = list(paths)

@@ -1,9 +1,10 @@
-"""COCO-format detection data for torchvision's detectors, and image files read with bounds.
+"""COCO-format detection data for torchvision's detectors.
 
 :class:`CocoDetection` serves ``(image, target)`` pairs of a file :func:`~.annotations.check_coco`
 has checked, in the form torchvision's RetinaNet and Mask R-CNN take (boxes ``xyxy`` in pixels,
-contiguous labels ``1..K``, binary masks). Every image is read through :func:`open_image`, which
-never opens a pipe or device and refuses an image too large to decode before decoding it.
+contiguous labels ``1..K``, binary masks). Every image is read through the package's one opener,
+:mod:`cgavit.images`, which never opens a pipe or device and refuses an image too large to decode
+before decoding it.
 
 Loader workers hand a failed read back as an :class:`UnreadableItem` (see :class:`Guarded` and
 :func:`batches`), so the main process raises it as the one-line error it is rather than wrapped in
@@ -12,7 +13,6 @@ the worker's traceback.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,50 +23,10 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from ..io import DataError, UnreadableFileError, check_readable_file
+from ..images import decode, open_image
+from ..io import DataError, UnreadableFileError
 from .annotations import CocoCheck
 from .coco import decode_masks, segmentation_rle
-from .schema import MAX_IMAGE_PIXELS
-
-
-def open_image(path: str | Path, expect_size: tuple[int, int] | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """The RGB pixels of an image file, decoded only once its header shows a size within bounds.
-
-    Args:
-        path: image file.
-        expect_size: ``(width, height)`` the image must have (e.g. as an annotation file declares).
-        max_pixels: largest ``width * height`` decoded (default :data:`~.schema.MAX_IMAGE_PIXELS`).
-
-    Raises:
-        UnreadableFileError: missing, a folder, a pipe or device (never opened), empty, not permitted.
-        DataError: not an image, damaged or truncated, larger than ``max_pixels`` (a decompression
-            bomb among them), or not of ``expect_size``; the message names the file.
-    """
-    path = check_readable_file(path, "image")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            img = Image.open(path)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise DataError(f"image {path} is too large to decode safely ({err}); resize it") from None
-        except (OSError, ValueError, SyntaxError) as err:
-            raise DataError(f"cannot read image {path}: not an image file, or damaged ({err})") from None
-    with img:
-        w, h = img.size
-        if w * h > max_pixels:
-            raise DataError(
-                f"image {path} is {w}x{h} ({w * h / 1e6:.0f} megapixels), above the {max_pixels / 1e6:.0f}-megapixel "
-                "bound for detection images; resize it"
-            )
-        if expect_size is not None and (w, h) != tuple(expect_size):
-            raise DataError(
-                f"image {path} is {w}x{h} but the annotation file says {expect_size[0]}x{expect_size[1]}; "
-                "fix the file's width/height entries"
-            )
-        try:
-            return img.convert("RGB")
-        except Exception as err:  # PIL's decoders raise OSError, ValueError, SyntaxError, struct.error, ...
-            raise DataError(f"cannot decode image {path}: damaged or truncated ({type(err).__name__}: {err})") from None
 
 
 def train_transform(hflip: float = 0.5) -> v2.Transform | None:
@@ -92,7 +52,7 @@ class CocoDetection(torch.utils.data.Dataset):
         masks: include instance masks.
         transforms: a torchvision ``v2`` transform applied to ``(image, target)``.
 
-    Reading an item raises :class:`~cgavit.io.DataError` (or ``UnreadableFileError``) naming the
+    Reading an item raises :class:`~cgavit.io.DataError` naming the
     image when it cannot be read.
     """
 
@@ -109,12 +69,25 @@ class CocoDetection(torch.utils.data.Dataset):
         return len(self.ids)
 
     def load_image(self, image_id: int) -> Image.Image:
-        """The RGB image of ``image_id``, checked against the size the annotation file gives it."""
+        """The RGB image of ``image_id``, checked against the size the annotation file gives it.
+
+        Raises:
+            DataError: the image cannot be read (:class:`~cgavit.images.BadImageError`: missing, a
+                pipe, not an image, damaged, truncated, too large) or is not of the annotated size;
+                the message names the image id and the file.
+        """
         info = self.coco.imgs[image_id]
-        declared = (info["width"], info["height"]) if "width" in info and "height" in info else None
+        path = self.image_dir / info["file_name"]
         try:
-            return open_image(self.image_dir / info["file_name"], declared)
-        except (DataError, UnreadableFileError) as err:
+            img, size = open_image(path)
+            with img:
+                if "width" in info and "height" in info and size != (info["width"], info["height"]):
+                    raise DataError(
+                        f"image {path} is {size[0]}x{size[1]} but the annotation file says {info['width']}x{info['height']}; "
+                        "fix the file's width/height entries"
+                    )
+                return decode(img, f"image {path}")
+        except DataError as err:
             raise DataError(f"image {image_id}: {err}") from None
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torchvision.transforms.v2 import functional as TF
 
+from ..images import load_image
 from ..io import DataError, UnreadableFileError, atomic_write, check_readable_file
 from ..train.distributed import DistEnv
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
 from .checkpoint import load_detector
-from .data import open_image
 from .draw import draw_detections
 
 
@@ -90,7 +90,7 @@ def _predictions(
     try:
         for p in paths:
             try:
-                raw = TF.pil_to_tensor(open_image(p))  # (3, H, W) uint8
+                raw = TF.pil_to_tensor(load_image(p))  # (3, H, W) uint8
             except (DataError, UnreadableFileError) as err:
                 skipped.append(str(err))
                 continue

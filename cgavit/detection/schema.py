@@ -14,8 +14,6 @@ from typing import Any
 
 from ..bounds import MAX_IMAGE_PIXELS
 
-#: Largest image (declared in the annotation file, or found in its header) a detection dataset may
-#: hold: 50 megapixels, e.g. 8660 x 5773; one such image is 600 MB as the float tensor the models take.
 #: Most categories a detection dataset may list (LVIS has 1203): a RetinaNet head for this many
 #: classes already holds 200 million parameters.
 MAX_CATEGORIES = 10_000
@@ -43,7 +41,10 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 def image_size_problem(width: Any, height: Any) -> str | None:
-    """Why an image's declared ``width`` / ``height`` cannot be used, else None (both must be given)."""
+    """Why an image's declared ``width`` / ``height`` cannot be used, else None (both must be given).
+
+    The size bound is :data:`~cgavit.bounds.MAX_IMAGE_PIXELS` (50 megapixels, e.g. 8660 x 5773; one
+    such image is 600 MB as the float tensor the models take), as for every image file opened."""
     for name, value in (("width", width), ("height", height)):
         if not (is_int(value) and value >= 1):
             return f"'{name}' must be a positive whole number of pixels, got {shown(value)}"

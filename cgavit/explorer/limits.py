@@ -3,8 +3,8 @@
 Two kinds of bound:
 
 * Per item, fixed: an upload is at most :data:`MAX_UPLOAD_BYTES` and decodes to at most
-  :data:`MAX_IMAGE_PIXELS` (checked from the image header, before any pixel is decoded). Over
-  either is :class:`TooLarge` (HTTP 413).
+  :data:`~cgavit.bounds.MAX_UPLOAD_PIXELS` (checked from the image header, before any pixel is
+  decoded: a 5 KB PNG can declare 6300x6300). Over either is :class:`TooLarge` (HTTP 413).
 * Shared, per server (:class:`Limits`): connections served at once, request bodies and decoded
   pixels held at once (each a :class:`Budget`), and how long a client may stay idle or take over
   one request. A request that finds a budget spent waits a moment, then gets :class:`Busy`
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from ..bounds import MAX_UPLOAD_PIXELS
 
 MAX_UPLOAD_BYTES = 5 * 1024 * 1024
-MAX_IMAGE_PIXELS = MAX_UPLOAD_PIXELS  # decoded size: a 5 KB PNG can declare 6300x6300
 
 
 class TooLarge(ValueError):
@@ -63,7 +62,7 @@ class Limits:
     idle_timeout: float = 5.0
     request_timeout: float = 30.0
     upload_bytes: int = 4 * MAX_UPLOAD_BYTES
-    decoded_pixels: int = 2 * MAX_IMAGE_PIXELS
+    decoded_pixels: int = 2 * MAX_UPLOAD_PIXELS
     budget_wait: float = 5.0
 
     def __post_init__(self) -> None:
@@ -71,10 +70,10 @@ class Limits:
             raise ValueError("max_connections and listen_queue must be at least 1")
         if min(self.connection_wait, self.budget_wait) < 0 or min(self.idle_timeout, self.request_timeout) <= 0:
             raise ValueError("waits must be >= 0 seconds and timeouts > 0 seconds")
-        if self.upload_bytes < MAX_UPLOAD_BYTES or self.decoded_pixels < MAX_IMAGE_PIXELS:
+        if self.upload_bytes < MAX_UPLOAD_BYTES or self.decoded_pixels < MAX_UPLOAD_PIXELS:
             raise ValueError(
                 f"the shared budgets must hold at least one maximal upload ({MAX_UPLOAD_BYTES} bytes, "
-                f"{MAX_IMAGE_PIXELS} pixels)"
+                f"{MAX_UPLOAD_PIXELS} pixels)"
             )
 
 

@@ -6,7 +6,7 @@ Routes:
 
 * ``GET /`` and ``GET /static/<file>``: the page, only from the ``static/`` folder next to this file.
 * ``GET /api/cga?heads=H&cascade=0|1&groups=0|1&seed=S``: six tokens through a cascaded group
-  attention (:class:`~cgavit.explorer.compute.ToyCGA`).
+  attention (:class:`~cgavit.explorer.toy.ToyCGA`).
 * ``GET /api/model``: the real model behind the image panel and its blocks.
 * ``POST /api/image`` (body: the image file, at most 5 MB and 16 megapixels): validate, keep,
   return an id.
@@ -38,9 +38,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
-from .compute import ImageAttention, ToyCGA, build_model
+from .image_attention import ImageAttention
+from .loading import build_model
 from .guard import HostCheck, Refused
 from .limits import MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
+from .toy import ToyCGA
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import FusedCascadedGroupAttention, LocalWindowAttention
-from .cga import CgaLayout, CgaWeights, cga_forward
+from .cga import CgaLayout, CgaWeights, cga_forward, interpreted
+
+__all__ = ["TritonWindowAttention", "interpreted", "swap_triton_modules"]  # interpreted: cga's, for kernels.interpreted()
 
 
 def _kernel_size(conv: nn.Conv2d) -> int:

@@ -1,5 +1,11 @@
-"""The training loop: one function, :func:`train`, that the ``cgavit train`` command and Python code
-share, single-process or under ``torchrun``.
+"""The training loop: :func:`train`, which the ``cgavit train`` command and Python code share,
+single-process or under ``torchrun``.
+
+Read top to bottom: :func:`train` sets up (process group, run folder and its lock, data, network,
+optimiser, schedule, mixup, losses, EMA) and runs the epochs; each epoch is
+:func:`train_one_epoch` (the update loop), :func:`~cgavit.train.evaluation.evaluate`, a row in
+``metrics.jsonl`` and the checkpoints (``last.pt``; ``best.pt`` and ``best.safetensors`` when top-1
+improved). Only rank 0 writes files and logs below warnings.
 
 Reproducibility: randomness is keyed, not streamed. Each sample's augmentation is seeded from
 ``(seed, epoch, rank, position in the epoch)`` and each update's mixup and drop path from
@@ -12,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -34,7 +40,7 @@ from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult
-from .data import Batch, check_layout, epoch_seed, seed_all
+from .data import check_layout, epoch_seed, seed_all, unreadable_classes
 from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
 from .recipe import (
@@ -52,6 +58,8 @@ from .recipe import (
 
 log = logging.getLogger("cgavit.train")
 
+__all__ = ["train"]
+
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run one training and return its summary (``cgavit train`` calls this).
@@ -66,8 +74,9 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     Raises:
         ValueError: bad options (the message says what to change).
-        DataError: a bad data layout, or data that cannot train: an epoch in which no update could be
-            made (every image unreadable), or no validation image readable. No checkpoint is written.
+        DataError: a bad data layout, or data that cannot train: a class of either split none of
+            whose images can be read, an epoch in which no update could be made, or no validation
+            image readable. No checkpoint is written.
         CheckpointError: an unreadable or damaged ``resume``, ``finetune``, ``teacher`` or
             ``teacher_weights`` file.
     """
@@ -76,10 +85,468 @@ def train(cfg: TrainConfig) -> TrainResult:
     stopper = _Stopper()
     try:
         stopper.install()
-        return _run(cfg, env, stopper)
+        t_start = time.perf_counter()
+        resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
+        _check_input_files(cfg)
+        with _quiet_unless_main(env):
+            layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
+            if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != layout["classes"]:
+                raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
+            output = _make_output(cfg, env, resumed is not None)
+            cfg = replace(cfg, output=str(output))
+            with RunLock(output, env), _run_log(output, env):
+                problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
+                problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
+                if problem:
+                    raise DataError(problem)
+                run = _build_run(cfg, env, stopper, layout, output)
+                if resumed is not None:
+                    _resume(run, resumed)
+                return _fit(run, t_start)
     finally:
         stopper.uninstall()
         teardown(env)
+
+
+@dataclass
+class TrainState:
+    """Where the run is, and its best result so far: what a checkpoint records besides weights."""
+
+    next_epoch: int = 0
+    next_step: int = 0  # updates of next_epoch already made (0 at an epoch boundary)
+    global_step: int = 0  # optimiser updates made in all
+    best_top1: float = -1.0
+    best_top5: float = 0.0
+    best_epoch: int = -1
+    partial: dict = field(default_factory=dict)  # running sums of an unfinished epoch
+    rng: list | None = None  # per-rank RNG states at a mid-epoch save
+
+
+@dataclass
+class Run:
+    """What one run trains with (built once, by :func:`_build_run`) and its :class:`TrainState`."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    output: Path
+    classes: list[str]
+    model: nn.Module  # the network itself
+    net: nn.Module  # what the forward runs through: the model, or its DistributedDataParallel wrapper
+    criterion: DistillationLoss
+    optimizer: torch.optim.Optimizer
+    scheduler: CosineLRScheduler
+    scaler: torch.amp.GradScaler  # enabled for float16 AMP only; otherwise every call passes through
+    ema: ModelEmaV3 | None
+    mixup: Mixup | None
+    loaders: Loaders
+    lr: float  # peak learning rate
+    stopper: _Stopper
+    state: TrainState = field(default_factory=TrainState)
+
+
+def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
+    """Seed, then build the network (fine-tuned weights loaded), data, optimiser, schedule, mixup,
+    losses (with the distillation teacher), gradient scaler and EMA."""
+    num_classes = len(layout["classes"])
+    if cfg.amp and env.device.type != "cuda":
+        log.warning("--amp works on GPU only; training in float32 on %s", env.device)
+    seed_all(cfg.seed)
+    model = build_model(cfg, num_classes)
+    if cfg.finetune:
+        report = load_checkpoint(model, cfg.finetune)
+        check_finite(model.state_dict(), cfg.finetune)
+        log.info("fine-tuning from %s (%d classifier tensors re-initialised)", cfg.finetune, len(report["skipped"]))
+    model.to(env.device)
+    loaders = build_loaders(cfg, env, layout)
+    lr = peak_lr(cfg, env.world)
+    if lr < cfg.min_lr:
+        log.warning("peak lr %.2e (from the total batch) is below --min-lr %.2e: the cosine will rise, not decay; "
+                    "give --lr or a lower --min-lr", lr, cfg.min_lr)
+    optimizer = build_optimizer(model, cfg, lr)
+    scheduler = build_scheduler(optimizer, cfg, len(loaders.train))
+    mixup = build_mixup(cfg, num_classes)
+    teacher = build_teacher(cfg, num_classes, env.device) if cfg.distillation_type != "none" else None
+    criterion = DistillationLoss(
+        build_base_loss(cfg, mixup), teacher, cfg.distillation_type, cfg.distillation_alpha, cfg.distillation_tau
+    )
+    fp16 = cfg.amp and env.device.type == "cuda" and cfg.amp_dtype == "float16"
+    return Run(
+        cfg=cfg, env=env, output=output, classes=layout["classes"], model=model, net=model, criterion=criterion,
+        optimizer=optimizer, scheduler=scheduler, scaler=torch.amp.GradScaler("cuda", enabled=fp16),
+        ema=ModelEmaV3(model, decay=cfg.model_ema_decay) if cfg.model_ema else None,
+        mixup=mixup, loaders=loaders, lr=lr, stopper=stopper,
+    )
+
+
+def _fit(run: Run, t_start: float) -> TrainResult:
+    """The epochs: train one, evaluate, record, save; stop on a signal, saving where it stopped."""
+    cfg, env, state, output = run.cfg, run.env, run.state, run.output
+    if env.distributed:
+        run.net = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    total_epochs = cfg.epochs + cfg.cooldown_epochs
+    log.info(
+        "%s (%.2fM params), %d classes, %d train / %d val images, %d process(es) x batch %d, lr %.2e, %d epochs -> %s",
+        cfg.model, sum(p.numel() for p in run.model.parameters()) / 1e6, len(run.classes), len(run.loaders.train.dataset),
+        len(run.loaders.val.dataset), env.world, cfg.batch_size, run.lr, total_epochs, output,
+    )
+    rows = records.read_metrics(output / "metrics.jsonl") if env.is_main else []  # rank 0 keeps the record
+    skipped: set[str] = set()  # unreadable images met so far, each warned about once
+    val: dict = {}
+    interrupted = False
+    for epoch in range(state.next_epoch, total_epochs):
+        start_step = state.next_step if epoch == state.next_epoch else 0
+        stats = train_one_epoch(run, epoch, total_epochs, start_step)
+        bad = sorted({p for paths in gather_objects(env, sorted(stats.bad)) for p in paths})
+        _report_bad(bad, skipped)
+        if stats.updates == 0 and not stats.interrupted:
+            raise DataError(_no_update(epoch, bad, len(run.loaders.train.dataset)))
+        if stats.interrupted:
+            _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
+            log.warning("saved %s at epoch %d, update %d; continue with --resume %s", output / "last.pt", epoch + 1,
+                        stats.next_step, output / "last.pt")
+            interrupted = True
+            break
+        val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
+        _report_bad(val["bad_paths"], skipped)
+        if val["n"] == 0:
+            raise DataError(
+                f"none of the {len(run.loaders.val.dataset)} validation images could be read (e.g. {val['bad_paths'][0]}); "
+                "fix or remove them (see the warnings) and run again"
+            )
+        row, is_best = _record(run, epoch, total_epochs, stats, val, len(skipped))
+        if env.is_main:
+            rows.append(row)
+        _save(run, output / "last.pt", epoch + 1, 0, mid=False)
+        if is_best:
+            _save(run, output / "best.pt", epoch + 1, 0, mid=False)
+            if env.is_main:
+                meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
+                save_weights(run.model, output / "best.safetensors", meta)
+        if run.stopper.signum is not None or _forced_stop(cfg, state):
+            interrupted = True
+            log.warning("stopped after epoch %d; continue with --resume %s", epoch + 1, output / "last.pt")
+            break
+    barrier(env)
+    if env.is_main and rows:
+        records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}")
+    return _result(run, rows, skipped, val, interrupted, t_start)
+
+
+@dataclass
+class EpochStats:
+    """One epoch's (or its trained part's) training figures; the sums are over ranks once it ends."""
+
+    loss_sum: float = 0.0  # loss x images of the epoch (a resumed epoch starts from the saved sums)
+    seen: int = 0  # images trained on in the epoch
+    timed: int = 0  # images trained on in this invocation, for the speed
+    updates: int = 0  # optimiser updates made in this invocation (the same on every rank)
+    bad: set[str] = field(default_factory=set)  # unreadable images met, this rank
+    lr: float = 0.0  # the learning rate of the last update
+    seconds: float = 0.0
+    next_step: int = 0  # the update to continue from
+    interrupted: bool = False
+
+    def add(self, loss: float, n: int) -> None:
+        """Count one update on ``n`` images whose mean loss was ``loss``."""
+        self.loss_sum += loss * n
+        self.seen += n
+        self.timed += n
+        self.updates += 1
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.seen, 1)
+
+    @property
+    def img_per_s(self) -> float:
+        return self.timed / max(self.seconds, 1e-9)
+
+
+def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) -> EpochStats:
+    """Train epoch ``epoch`` from update ``start_step`` (0, or where a stopped run left it), stopping
+    early, after the update in progress, on SIGTERM or SIGINT.
+
+    Each update: the batch -> mixup -> forward (AMP) -> loss (with distillation) -> backward ->
+    clipping -> optimiser step -> EMA -> progress; a per-update schedule steps before it.
+    """
+    cfg, env, state, loader = run.cfg, run.env, run.state, run.loaders.train
+    _start_epoch(run, epoch, start_step)
+    steps = start_step + len(loader)
+    bar = records.Progress(steps, epoch, total_epochs, env.is_main, cfg.progress, cfg.log_interval)
+    resumed = state.partial if start_step > 0 else {}
+    stats = EpochStats(float(resumed.get("loss_sum", 0.0)), int(resumed.get("seen", 0)), next_step=steps)
+    stats.lr = run.optimizer.param_groups[0]["lr"]
+    t0 = time.perf_counter()
+    for step, batch in enumerate(loader, start=start_step):
+        seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))  # mixup, drop path: keyed to the update
+        stats.bad.update(batch.bad)
+        if cfg.sched_on_updates:
+            run.scheduler.step_update(state.global_step)
+        stats.lr = run.optimizer.param_groups[0]["lr"]
+        n = len(batch) - (len(batch) % 2 if run.mixup is not None else 0)  # timm's batch mixup pairs images
+        if any_true(env, n < 2):  # a batch emptied by unreadable images: every rank skips the update
+            bar.update(step, 0, None, stats.lr)
+        else:
+            x = batch.images[:n].to(env.device, non_blocking=True)  # (n, 3, H, W)
+            y = batch.labels[:n].to(env.device, non_blocking=True)  # (n,)
+            if run.mixup is not None:
+                x, y = run.mixup(x, y)  # y: (n, classes), mixed soft targets
+            with _autocast(cfg, env):
+                loss = run.criterion(x, run.net(x), y)  # DeiT's distillation loss when a teacher is set
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ValueError(f"the loss became {value} at epoch {epoch + 1}, update {step + 1}; lower --lr or check the data")
+            run.optimizer.zero_grad(set_to_none=True)
+            run.scaler.scale(loss).backward()
+            if cfg.clip_grad > 0:
+                run.scaler.unscale_(run.optimizer)
+                dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+            state.global_step += 1
+            if run.ema is not None:
+                run.ema.update(run.model, step=state.global_step)
+            stats.add(value, n)
+            bar.update(step, n * env.world, value, stats.lr)
+        stop = run.stopper.signum is not None or _forced_stop(cfg, state)
+        if any_true(env, stop) and step + 1 < steps:
+            stats.next_step, stats.interrupted = step + 1, True
+            break
+    loader.sampler.start = 0
+    bar.close()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    stats.seconds = time.perf_counter() - t0
+    stats.loss_sum, stats.seen, stats.timed = reduce_sum(env, [stats.loss_sum, stats.seen, stats.timed])
+    state.partial = {"loss_sum": stats.loss_sum / env.world, "seen": int(stats.seen / env.world)} if stats.interrupted else {}
+    return stats
+
+
+def _start_epoch(run: Run, epoch: int, start_step: int) -> None:
+    """Key the epoch's data order and augmentation to ``(seed, epoch, rank)``; skip the updates a
+    resumed epoch already trained on; step a per-epoch schedule."""
+    cfg = run.cfg
+    run.net.train()
+    sampler = run.loaders.train.sampler  # a SeededSampler: per-sample seeds from (seed, epoch, rank, position)
+    sampler.set_epoch(epoch)
+    sampler.start = start_step * cfg.batch_size
+    run.loaders.generator.manual_seed(epoch_seed(cfg.seed, epoch, run.env.rank, stream=3))
+    if not cfg.sched_on_updates:
+        run.scheduler.step(epoch)
+
+
+def _forced_stop(cfg: TrainConfig, state: TrainState) -> bool:
+    return cfg.interrupt_after is not None and state.global_step >= cfg.interrupt_after
+
+
+def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
+    if cfg.amp and env.device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16 if cfg.amp_dtype == "bfloat16" else torch.float16)
+    return contextlib.nullcontext()
+
+
+def _record(run: Run, epoch: int, total_epochs: int, stats: EpochStats, val: dict, skipped: int) -> tuple[dict, bool]:
+    """The epoch's metrics row (the EMA weights evaluated too when asked), logged and appended to
+    ``metrics.jsonl``; whether its top-1 is the best so far (then recorded as such)."""
+    cfg, state = run.cfg, run.state
+    row = {
+        "epoch": epoch,
+        "train_loss": stats.loss,
+        "lr": stats.lr,
+        "val_loss": val["loss"],
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "img_per_s": stats.img_per_s,
+        "epoch_s": stats.seconds,
+        "skipped_images": skipped,
+    }
+    if run.ema is not None and cfg.model_ema_eval:
+        ema_val = evaluate(run.ema.module, run.loaders.val, run.env, autocast=_autocast(cfg, run.env))
+        row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"], ema_loss=ema_val["loss"])
+    is_best = val["top1"] > state.best_top1
+    if is_best:
+        state.best_top1, state.best_top5, state.best_epoch = val["top1"], val["top5"], epoch
+    log.info(
+        "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, top-5 %.2f%% (best %.2f%% at %d), %.0f img/s%s",
+        epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], val["top5"], state.best_top1,
+        state.best_epoch + 1, stats.img_per_s, f", {skipped} unreadable images skipped" if skipped else "",
+    )
+    if run.env.is_main:
+        records.append_metrics(run.output / "metrics.jsonl", row)
+    return row, is_best
+
+
+def _report_bad(paths, seen: set[str]) -> None:
+    """Log each unreadable image once per run and add it to ``seen``."""
+    for path in sorted(set(paths) - seen):
+        log.warning("skipped unreadable image %s", path)
+        seen.add(path)
+
+
+def _no_update(epoch: int, bad: list[str], total: int) -> str:
+    """What to say when an epoch trained on nothing."""
+    if bad:
+        return (
+            f"epoch {epoch + 1} made no update: {len(bad)} of the {total} training images could not be read "
+            f"(e.g. {bad[0]}), leaving no batch of two or more; fix or remove them (see the warnings) and run again"
+        )
+    return f"epoch {epoch + 1} made no update: no batch held two or more readable images; check --data and --batch-size"
+
+
+def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupted: bool, t_start: float) -> TrainResult:
+    state, output, found = run.state, run.output, run.state.best_epoch >= 0
+    return TrainResult(
+        best_top1=state.best_top1 if found else None,
+        best_top5=state.best_top5 if found else None,
+        best_epoch=state.best_epoch if found else None,
+        final_top1=val.get("top1"),
+        final_top5=val.get("top5"),
+        final_loss=val.get("loss"),
+        epochs=len(rows) if run.env.is_main else None,  # rank 0 keeps the record
+        output=str(output),
+        checkpoint=str(output / "best.pt"),
+        last=str(output / "last.pt"),
+        weights=str(output / "best.safetensors"),
+        curves=str(output / "curves.png"),
+        wall_s=round(time.perf_counter() - t_start, 2),
+        skipped_images=len(skipped),
+        interrupted=interrupted,
+        signal=run.stopper.signum,
+        world_size=run.env.world,
+        classes=run.classes,
+    )
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _save(run: Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> None:
+    """Write a training checkpoint on rank 0 (RNG states of every rank gathered first; a collective,
+    so every rank calls it)."""
+    rngs = gather_objects(run.env, ckpt_io.rng_state(run.env.device))
+    if not run.env.is_main:
+        return
+    state = run.state
+    ckpt_io.save(
+        path,
+        {
+            "model": run.model.state_dict(),
+            "model_ema": run.ema.module.state_dict() if run.ema is not None else None,
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+            "next_epoch": next_epoch,
+            "next_step": next_step,
+            "global_step": state.global_step,
+            "rng": rngs,  # used on resume only mid-epoch: every epoch start re-seeds
+            "progress": {
+                "best_top1": state.best_top1,
+                "best_top5": state.best_top5,
+                "best_epoch": state.best_epoch,
+                "partial": state.partial if mid else {},
+            },
+            "world_size": run.env.world,
+            "args": run.cfg.to_record(),
+            "classes": list(run.classes),
+            "saved": datetime.now().isoformat(timespec="seconds"),
+        },
+    )
+
+
+def _resume(run: Run, ck: dict) -> None:
+    """Load a checkpoint's weights, optimiser, schedule and progress into ``run``; drop metric rows
+    written after it."""
+    check_finite(ck["model"], run.cfg.resume)
+    state, env = run.state, run.env
+    try:
+        run.model.load_state_dict(ck["model"])
+        if run.ema is not None:
+            run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
+        run.optimizer.load_state_dict(ck["optimizer"])
+        run.scheduler.load_state_dict(ck["scheduler"])
+        if run.scaler.is_enabled() and ck.get("scaler"):
+            run.scaler.load_state_dict(ck["scaler"])
+        saved = ck.get("progress") or {}
+        state.next_epoch = int(ck["next_epoch"])
+        state.next_step = int(ck.get("next_step", 0))
+        state.global_step = int(ck.get("global_step", 0))
+        state.best_top1 = float(saved.get("best_top1", -1.0))
+        state.best_top5 = float(saved.get("best_top5", 0.0))
+        state.best_epoch = int(saved.get("best_epoch", -1))
+        state.partial = dict(saved.get("partial") or {})
+        state.rng = ck.get("rng")
+        if state.rng and len(state.rng) == env.world:
+            ckpt_io.set_rng_state(state.rng[env.rank], env.device)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
+    if env.is_main:
+        records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch)
+    log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
+
+
+# ------------------------------------------------------------------------ run folder, logs, signals
+def _check_input_files(cfg: TrainConfig) -> None:
+    """Every file the run will read is a readable, non-empty regular file (never opening a pipe):
+    checked before the run folder is made."""
+    for flag, path in (("--finetune", cfg.finetune), ("--teacher-weights", cfg.teacher_weights)):
+        if path:
+            checked_path(path, f"{flag} file")
+    if cfg.teacher and Path(cfg.teacher).exists():
+        checked_path(cfg.teacher, "--teacher checkpoint")
+
+
+def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
+    """The run folder (``--output``, or ``runs/<model>-<time>``), made by rank 0; refused when it is a
+    file, or holds another run and this one does not resume it."""
+    if cfg.output:
+        out = Path(cfg.output)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("runs") / f"{cfg.model}-{stamp}"
+    out = Path(broadcast_object(env, str(out)))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
+    taken = not resuming and env.is_main and (out / "last.pt").exists()
+    if broadcast_object(env, taken):  # every rank raises, so none waits for the others
+        raise ValueError(
+            f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
+        )
+    if env.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteError(err.errno, f"cannot create the run folder {out}: {err.strerror or err}; choose another --output") from None
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_unless_main(env: DistEnv) -> Iterator[None]:
+    """Ranks other than 0 log warnings and errors only, for the block."""
+    quiet = logging.getLogger("cgavit")
+    old_level = quiet.level
+    if not env.is_main:
+        quiet.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        quiet.setLevel(old_level)
+
+
+@contextlib.contextmanager
+def _run_log(output: Path, env: DistEnv) -> Iterator[None]:
+    """On rank 0, for the block: ``train.log`` in the run folder gets the package's log lines; first,
+    temporaries left by an interrupted write are removed (the lock is held)."""
+    if not env.is_main:
+        yield
+        return
+    handler = logging.FileHandler(output / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("cgavit").addHandler(handler)
+    try:
+        for tmp in remove_stale_temporaries(output):
+            log.info("removed %s, left by an interrupted write", tmp)
+        yield
+    finally:
+        logging.getLogger("cgavit").removeHandler(handler)
+        handler.close()
 
 
 class _Stopper:
@@ -105,463 +572,3 @@ class _Stopper:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
-
-
-@dataclass
-class _State:
-    """Mutable run state that goes into checkpoints."""
-
-    next_epoch: int = 0
-    next_step: int = 0
-    global_step: int = 0
-    best_top1: float = -1.0
-    best_top5: float = 0.0
-    best_epoch: int = -1
-    partial: dict = field(default_factory=dict)  # running sums of an unfinished epoch
-    rng: list | None = None  # per-rank RNG states at a mid-epoch save
-
-
-@dataclass
-class _Run:
-    """The objects one run trains with."""
-
-    cfg: TrainConfig
-    env: DistEnv
-    output: Path
-    classes: list[str]
-    model: nn.Module  # the network itself
-    net: nn.Module  # what the forward runs through: the model, or its DistributedDataParallel wrapper
-    criterion: DistillationLoss
-    optimizer: torch.optim.Optimizer
-    scheduler: CosineLRScheduler
-    scaler: torch.amp.GradScaler | None  # float16 AMP only
-    ema: ModelEmaV3 | None
-    mixup: Mixup | None
-    loaders: Loaders
-    lr: float  # peak learning rate
-    stopper: _Stopper
-    state: _State = field(default_factory=_State)
-
-
-@dataclass
-class _History:
-    """What the epochs of this invocation left: the metric rows (all of the run's, on rank 0), the
-    unreadable images seen, the last validation and whether the run was stopped early."""
-
-    rows: list[dict]
-    skipped: set[str] = field(default_factory=set)
-    last_val: dict = field(default_factory=dict)
-    interrupted: bool = False
-
-
-@dataclass
-class _EpochStats:
-    """One epoch's (or its trained part's) training figures, summed over ranks."""
-
-    loss: float
-    lr: float
-    img_per_s: float
-    epoch_s: float
-    bad: set[str]
-    interrupted: bool
-    next_step: int
-    updates: int  # optimiser updates made (the same on every rank)
-
-
-def _file_log(output: Path) -> logging.Handler:
-    handler = logging.FileHandler(output / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("cgavit").addHandler(handler)
-    return handler
-
-
-def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
-    t_start = time.perf_counter()
-    resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
-    _check_input_files(cfg)
-    quiet = logging.getLogger("cgavit")
-    old_level = None
-    if not env.is_main:  # only rank 0 logs below warnings
-        old_level = quiet.level
-        quiet.setLevel(logging.WARNING)
-    handler = None
-    try:
-        layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
-        if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != layout["classes"]:
-            raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
-        output = _choose_output(cfg, env, resumed is not None)
-        cfg = replace(cfg, output=str(output))
-        if env.is_main:
-            _make_folder(output)
-        with RunLock(output, env):
-            if env.is_main:
-                handler = _file_log(output)
-                for tmp in remove_stale_temporaries(output):
-                    log.info("removed %s, left by an interrupted write", tmp)
-            return _train(cfg, env, stopper, layout, resumed, t_start)
-    finally:
-        if handler is not None:
-            quiet.removeHandler(handler)
-            handler.close()
-        if old_level is not None:
-            quiet.setLevel(old_level)
-
-
-def _check_input_files(cfg: TrainConfig) -> None:
-    """Every file the run will read is a readable, non-empty regular file (never opening a pipe):
-    checked before the run folder is made."""
-    for flag, path in (("--finetune", cfg.finetune), ("--teacher-weights", cfg.teacher_weights)):
-        if path:
-            checked_path(path, f"{flag} file")
-    if cfg.teacher and Path(cfg.teacher).exists():
-        checked_path(cfg.teacher, "--teacher checkpoint")
-
-
-def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
-    if cfg.output:
-        out = Path(cfg.output)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / f"{cfg.model}-{stamp}"
-    out = Path(broadcast_object(env, str(out)))
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
-    taken = not resuming and env.is_main and (out / "last.pt").exists()
-    if broadcast_object(env, taken):  # every rank raises, so none waits for the others
-        raise ValueError(
-            f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
-        )
-    return out
-
-
-def _make_folder(output: Path) -> None:
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise WriteError(err.errno, f"cannot create the run folder {output}: {err.strerror or err}; choose another --output") from None
-
-
-def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
-    if cfg.amp and env.device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16 if cfg.amp_dtype == "bfloat16" else torch.float16)
-    return contextlib.nullcontext()
-
-
-def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> _Run:
-    """Seed, then build the network (fine-tuned weights loaded), data, optimiser, schedule and losses."""
-    classes = layout["classes"]
-    num_classes = len(classes)
-    if cfg.amp and env.device.type != "cuda":
-        log.warning("--amp works on GPU only; training in float32 on %s", env.device)
-    seed_all(cfg.seed)
-    model = build_model(cfg, num_classes)
-    if cfg.finetune:
-        report = load_checkpoint(model, cfg.finetune)
-        check_finite(model.state_dict(), cfg.finetune)
-        log.info("fine-tuning from %s (%d classifier tensors re-initialised)", cfg.finetune, len(report["skipped"]))
-    model.to(env.device)
-    loaders = build_loaders(cfg, env, layout)
-    lr = peak_lr(cfg, env.world)
-    if lr < cfg.min_lr:
-        log.warning("peak lr %.2e (from the total batch) is below --min-lr %.2e: the cosine will rise, not decay; "
-                    "give --lr or a lower --min-lr", lr, cfg.min_lr)
-    optimizer = build_optimizer(model, cfg, lr)
-    scheduler = build_scheduler(optimizer, cfg, len(loaders.train))
-    mixup = build_mixup(cfg, num_classes)
-    teacher = build_teacher(cfg, num_classes, env.device) if cfg.distillation_type != "none" else None
-    criterion = DistillationLoss(
-        build_base_loss(cfg, mixup), teacher, cfg.distillation_type, cfg.distillation_alpha, cfg.distillation_tau
-    )
-    use_scaler = cfg.amp and env.device.type == "cuda" and cfg.amp_dtype == "float16"
-    return _Run(
-        cfg=cfg, env=env, output=output, classes=classes, model=model, net=model, criterion=criterion,
-        optimizer=optimizer, scheduler=scheduler, scaler=torch.amp.GradScaler("cuda") if use_scaler else None,
-        ema=ModelEmaV3(model, decay=cfg.model_ema_decay) if cfg.model_ema else None,
-        mixup=mixup, loaders=loaders, lr=lr, stopper=stopper,
-    )
-
-
-def _train(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, resumed: dict | None, t_start: float) -> TrainResult:
-    output = Path(cfg.output)
-    run = _build_run(cfg, env, stopper, layout, output)
-    if resumed is not None:
-        _resume(run, resumed)
-    if env.distributed:
-        run.net = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-    total_epochs = cfg.epochs + cfg.cooldown_epochs
-    if env.is_main:
-        log.info(
-            "%s (%.2fM params), %d classes, %d train / %d val images, %d process(es) x batch %d, lr %.2e, %d epochs -> %s",
-            cfg.model, sum(p.numel() for p in run.model.parameters()) / 1e6, len(run.classes),
-            len(run.loaders.train.dataset), len(run.loaders.val.dataset), env.world, cfg.batch_size, run.lr,
-            total_epochs, output,
-        )
-    history = _History(rows=records.read_metrics(output / "metrics.jsonl") if env.is_main else [])
-    for epoch in range(run.state.next_epoch, total_epochs):
-        start_step = run.state.next_step if epoch == run.state.next_epoch else 0
-        stats = _train_one_epoch(run, epoch, total_epochs, start_step)
-        bad = gather_objects(env, sorted(stats.bad))
-        _report_bad({p for paths in bad for p in paths}, history.skipped)
-        if stats.updates == 0 and not stats.interrupted:
-            raise DataError(_no_update(epoch, sorted({p for paths in bad for p in paths}), len(run.loaders.train.dataset)))
-        if stats.interrupted:
-            _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
-            history.interrupted = True
-            log.warning("saved %s at epoch %d, update %d; continue with --resume %s", output / "last.pt", epoch + 1,
-                        stats.next_step, output / "last.pt")
-            break
-        _finish_epoch(run, epoch, total_epochs, stats, history)
-        if stopper.signum is not None or _forced_stop(cfg, run.state):
-            history.interrupted = True
-            log.warning("stopped after epoch %d; continue with --resume %s", epoch + 1, output / "last.pt")
-            break
-    barrier(env)
-    if env.is_main and history.rows:
-        records.plot_curves(history.rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}")
-    return _result(run, history, t_start)
-
-
-def _no_update(epoch: int, bad: list[str], total: int) -> str:
-    """What to say when an epoch trained on nothing."""
-    if bad:
-        return (
-            f"epoch {epoch + 1} made no update: {len(bad)} of the {total} training images could not be read "
-            f"(e.g. {bad[0]}), leaving no batch of two or more; fix or remove them (see the warnings) and run again"
-        )
-    return f"epoch {epoch + 1} made no update: no batch held two or more readable images; check --data and --batch-size"
-
-
-def _finish_epoch(run: _Run, epoch: int, total_epochs: int, stats: _EpochStats, history: _History) -> None:
-    """Evaluate after a completed epoch, record it, and save ``last.pt`` (and the best files)."""
-    cfg, env, state = run.cfg, run.env, run.state
-    val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
-    history.last_val = val
-    _report_bad(val["bad_paths"], history.skipped)
-    if val["n"] == 0:
-        raise DataError(
-            f"none of the {len(run.loaders.val.dataset)} validation images could be read (e.g. {val['bad_paths'][0]}); "
-            "fix or remove them (see the warnings) and run again"
-        )
-    row = {
-        "epoch": epoch,
-        "train_loss": stats.loss,
-        "lr": stats.lr,
-        "val_loss": val["loss"],
-        "val_top1": val["top1"],
-        "val_top5": val["top5"],
-        "img_per_s": stats.img_per_s,
-        "epoch_s": stats.epoch_s,
-        "skipped_images": len(history.skipped),
-    }
-    if run.ema is not None and cfg.model_ema_eval:
-        ema_val = evaluate(run.ema.module, run.loaders.val, env, autocast=_autocast(cfg, env))
-        row.update(ema_top1=ema_val["top1"], ema_top5=ema_val["top5"], ema_loss=ema_val["loss"])
-    is_best = val["top1"] > state.best_top1
-    if is_best:
-        state.best_top1, state.best_top5, state.best_epoch = val["top1"], val["top5"], epoch
-    log.info(
-        "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, top-5 %.2f%% (best %.2f%% at %d), %.0f img/s%s",
-        epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], val["top5"], state.best_top1,
-        state.best_epoch + 1, stats.img_per_s,
-        f", {len(history.skipped)} unreadable images skipped" if history.skipped else "",
-    )
-    if env.is_main:
-        records.append_metrics(run.output / "metrics.jsonl", row)
-        history.rows.append(row)
-    _save(run, run.output / "last.pt", epoch + 1, 0, mid=False)
-    if is_best:
-        _save(run, run.output / "best.pt", epoch + 1, 0, mid=False)
-        if env.is_main:
-            meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
-            save_weights(run.model, run.output / "best.safetensors", meta)
-
-
-def _result(run: _Run, history: _History, t_start: float) -> TrainResult:
-    state, output, found = run.state, run.output, run.state.best_epoch >= 0
-    return TrainResult(
-        best_top1=state.best_top1 if found else None,
-        best_top5=state.best_top5 if found else None,
-        best_epoch=state.best_epoch if found else None,
-        final_top1=history.last_val.get("top1"),
-        final_top5=history.last_val.get("top5"),
-        final_loss=history.last_val.get("loss"),
-        epochs=len(history.rows) if run.env.is_main else None,  # rank 0 keeps the record
-        output=str(output),
-        checkpoint=str(output / "best.pt"),
-        last=str(output / "last.pt"),
-        weights=str(output / "best.safetensors"),
-        curves=str(output / "curves.png"),
-        wall_s=round(time.perf_counter() - t_start, 2),
-        skipped_images=len(history.skipped),
-        interrupted=history.interrupted,
-        signal=run.stopper.signum,
-        world_size=run.env.world,
-        classes=run.classes,
-    )
-
-
-def _report_bad(paths, seen: set[str]) -> None:
-    """Log each unreadable image once per run and add it to ``seen``."""
-    for path in sorted(set(paths) - seen):
-        log.warning("skipped unreadable image %s", path)
-        seen.add(path)
-
-
-def _forced_stop(cfg: TrainConfig, state: _State) -> bool:
-    return cfg.interrupt_after is not None and state.global_step >= cfg.interrupt_after
-
-
-def _save(run: _Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> None:
-    """Write a training checkpoint on rank 0 (RNG states of every rank gathered first; a collective,
-    so every rank calls it)."""
-    rngs = gather_objects(run.env, ckpt_io.rng_state(run.env.device))
-    if not run.env.is_main:
-        return
-    state = run.state
-    ckpt_io.save(
-        path,
-        {
-            "model": run.model.state_dict(),
-            "model_ema": run.ema.module.state_dict() if run.ema is not None else None,
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-            "next_epoch": next_epoch,
-            "next_step": next_step,
-            "global_step": state.global_step,
-            "rng": rngs,  # used on resume only mid-epoch: every epoch start re-seeds
-            "progress": {
-                "best_top1": state.best_top1,
-                "best_top5": state.best_top5,
-                "best_epoch": state.best_epoch,
-                "partial": state.partial if mid else {},
-            },
-            "world_size": run.env.world,
-            "args": run.cfg.to_record(),
-            "classes": list(run.classes),
-            "saved": datetime.now().isoformat(timespec="seconds"),
-        },
-    )
-
-
-def _resume(run: _Run, ck: dict) -> None:
-    """Load a checkpoint's weights, optimiser, schedule and progress into ``run``; drop metric rows
-    written after it."""
-    check_finite(ck["model"], run.cfg.resume)
-    state, env = run.state, run.env
-    try:
-        _restore(ck, run)
-        if state.rng and len(state.rng) == env.world:
-            ckpt_io.set_rng_state(state.rng[env.rank], env.device)
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
-        raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
-    if env.is_main:
-        records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch)
-    log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
-
-
-def _restore(ck: dict, run: _Run) -> None:
-    run.model.load_state_dict(ck["model"])
-    if run.ema is not None:
-        run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
-    run.optimizer.load_state_dict(ck["optimizer"])
-    run.scheduler.load_state_dict(ck["scheduler"])
-    if run.scaler is not None and ck.get("scaler"):
-        run.scaler.load_state_dict(ck["scaler"])
-    progress = ck.get("progress") or {}
-    state = run.state
-    state.next_epoch = int(ck["next_epoch"])
-    state.next_step = int(ck.get("next_step", 0))
-    state.global_step = int(ck.get("global_step", 0))
-    state.best_top1 = float(progress.get("best_top1", -1.0))
-    state.best_top5 = float(progress.get("best_top5", 0.0))
-    state.best_epoch = int(progress.get("best_epoch", -1))
-    state.partial = dict(progress.get("partial") or {})
-    state.rng = ck.get("rng")
-
-
-def _start_epoch(run: _Run, epoch: int, start_step: int) -> None:
-    """Key the epoch's data order and augmentation to ``(seed, epoch, rank)``; skip the updates a
-    resumed epoch already trained on; step a per-epoch schedule."""
-    cfg = run.cfg
-    run.net.train()
-    sampler = run.loaders.train.sampler  # a SeededSampler: per-sample seeds from (seed, epoch, rank, position)
-    sampler.set_epoch(epoch)
-    sampler.start = start_step * cfg.batch_size
-    run.loaders.generator.manual_seed(epoch_seed(cfg.seed, epoch, run.env.rank, stream=3))
-    if not cfg.sched_on_updates:
-        run.scheduler.step(epoch)
-
-
-def _train_one_epoch(run: _Run, epoch: int, total_epochs: int, start_step: int) -> _EpochStats:
-    cfg, env, state, loader = run.cfg, run.env, run.state, run.loaders.train
-    _start_epoch(run, epoch, start_step)
-    steps = start_step + len(loader)
-    progress = records.Progress(steps, epoch, total_epochs, env.is_main, cfg.progress, cfg.log_interval)
-    partial = state.partial if start_step > 0 else {}
-    loss_sum, seen, bad = float(partial.get("loss_sum", 0.0)), int(partial.get("seen", 0)), set()
-    images_timed, next_step, interrupted, updates = 0, steps, False, 0
-    lr = run.optimizer.param_groups[0]["lr"]
-    t0 = time.perf_counter()
-    for step, batch in enumerate(loader, start=start_step):
-        # mixup and drop path draw from (seed, epoch, rank, update): independent of loader workers
-        seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))
-        bad.update(batch.bad)
-        if cfg.sched_on_updates:
-            run.scheduler.step_update(state.global_step)
-        lr = run.optimizer.param_groups[0]["lr"]
-        n = len(batch)
-        if run.mixup is not None and n % 2:
-            n -= 1  # timm's batch mixup pairs images: drop one after a skipped unreadable image
-        if any_true(env, n < 2):  # a batch emptied by unreadable images: every rank skips the update
-            progress.update(step, 0, None, lr)
-        else:
-            value = _update(run, batch, n, epoch, step)
-            loss_sum, seen, images_timed, updates = loss_sum + value * n, seen + n, images_timed + n, updates + 1
-            progress.update(step, n * env.world, value, lr)
-        stop = run.stopper.signum is not None or _forced_stop(cfg, state)
-        if any_true(env, stop) and step + 1 < steps:
-            next_step, interrupted = step + 1, True
-            break
-    run.loaders.train.sampler.start = 0
-    progress.close()
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
-    elapsed = time.perf_counter() - t0
-    loss_sum, seen, images_timed = reduce_sum(env, [loss_sum, seen, images_timed])
-    state.partial = {"loss_sum": loss_sum / env.world, "seen": int(seen / env.world)} if interrupted else {}
-    return _EpochStats(
-        loss=loss_sum / max(seen, 1), lr=lr, img_per_s=images_timed / max(elapsed, 1e-9), epoch_s=elapsed,
-        bad=bad, interrupted=interrupted, next_step=next_step, updates=updates,
-    )
-
-
-def _update(run: _Run, batch: Batch, n: int, epoch: int, step: int) -> float:
-    """One optimiser update on the first ``n`` images of ``batch``; returns the loss."""
-    cfg, env = run.cfg, run.env
-    x = batch.images[:n].to(env.device, non_blocking=True)
-    y = batch.labels[:n].to(env.device, non_blocking=True)
-    if run.mixup is not None:
-        x, y = run.mixup(x, y)
-    with _autocast(cfg, env):
-        loss = run.criterion(x, run.net(x), y)
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise ValueError(f"the loss became {value} at epoch {epoch + 1}, update {step + 1}; lower --lr or check the data")
-    run.optimizer.zero_grad(set_to_none=True)
-    if run.scaler is not None:
-        run.scaler.scale(loss).backward()
-        if cfg.clip_grad > 0:
-            run.scaler.unscale_(run.optimizer)
-            dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-    else:
-        loss.backward()
-        if cfg.clip_grad > 0:
-            dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
-        run.optimizer.step()
-    run.state.global_step += 1
-    if run.ema is not None:
-        run.ema.update(run.model, step=run.state.global_step)
-    return value

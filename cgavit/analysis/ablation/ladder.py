@@ -1,0 +1,108 @@
+"""The ablation ladder: the five rungs' design dials, and rung 1's depth matched in parameters to
+rung 2's (:func:`match_depth`). The rungs are described in :mod:`cgavit.analysis.ablation`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ...factory import create_model, resolve_name
+from ...variants import VARIANTS
+
+RUNGS = ("standard", "sandwich", "groups", "cascade", "realloc")
+RUNG_TITLES = {
+    "standard": "1 standard (attn+FFN, MHSA, tied Q/K/V, FFN x4)",
+    "sandwich": "2 + sandwich layout",
+    "groups": "3 + channel groups",
+    "cascade": "4 + cascade",
+    "realloc": "5 + reallocation (Q/K 16, FFN x2)",
+}
+ARCH_FIELDS = ("embed_dim", "depth", "num_heads", "window_size", "kernels")
+
+
+def _base_arch(model: str, overrides: dict) -> dict:
+    """The base architecture fields (widths, depths, heads, windows, kernels) with overrides."""
+    cfg = VARIANTS[resolve_name(model)].cfg.with_dials(**overrides)
+    return {f: tuple(getattr(cfg, f)) for f in ARCH_FIELDS}
+
+
+def count_params(model_name: str, dials: dict, num_classes: int, img_size: int) -> int:
+    """Parameters of ``model_name`` built with ``dials``."""
+    m = create_model(model_name, num_classes=num_classes, img_size=img_size, **dials)
+    return sum(p.numel() for p in m.parameters())
+
+
+def rung_dials(rung: str, arch: dict) -> dict:
+    """The design dials of one rung on top of the base architecture ``arch`` (depth not matched)."""
+    if rung not in RUNGS:
+        raise ValueError(f"unknown rung {rung!r}; choose from {', '.join(RUNGS)}")
+    tied = tuple(c // h for c, h in zip(arch["embed_dim"], arch["num_heads"]))
+    if any(c % h for c, h in zip(arch["embed_dim"], arch["num_heads"])):
+        raise ValueError(f"widths {arch['embed_dim']} must be divisible by the heads {arch['num_heads']} for tied Q/K/V widths")
+    d = dict(arch)
+    d.update(ffn_per_side=(0, 1), group_split=False, cascade=False, key_dim=tied, attn_ratio=1.0, ffn_ratio=4.0)
+    if RUNGS.index(rung) >= 1:
+        d["ffn_per_side"] = (1, 1)
+    if RUNGS.index(rung) >= 2:
+        d["group_split"] = True
+    if RUNGS.index(rung) >= 3:
+        d["cascade"] = True
+    if RUNGS.index(rung) >= 4:
+        d.update(key_dim=(16, 16, 16), ffn_ratio=2.0)
+        del d["attn_ratio"]  # the default: value width C/h
+    return d
+
+
+def match_depth(model_name: str, arch: dict, num_classes: int, img_size: int) -> tuple[tuple[int, int, int], int, int]:
+    """Depth for rung 1 whose parameter count is closest to rung 2's.
+
+    Searches every non-decreasing depth ``(d1 <= d2 <= d3)`` with ``base_i <= d_i <= 2 * base_i + 1``;
+    ties go to the smaller total depth.
+
+    Returns:
+        ``(depth, params of rung 1 at that depth, params of rung 2)``.
+    """
+    target = count_params(model_name, rung_dials("sandwich", arch), num_classes, img_size)
+    base = arch["depth"]
+    best = None
+    for depth in itertools.product(*[range(b, 2 * b + 2) for b in base]):
+        if any(a > b for a, b in zip(depth, depth[1:])):
+            continue  # keep the base's non-decreasing depth profile
+        d = rung_dials("standard", {**arch, "depth": depth})
+        n = count_params(model_name, d, num_classes, img_size)
+        key = (abs(n - target), sum(depth))
+        if best is None or key < best[0]:
+            best = (key, depth, n)
+    return best[1], best[2], target
+
+
+@dataclass
+class Variant:
+    """One rung of the ladder: its name and the full dial set it is built with."""
+
+    rung: str
+    dials: dict
+
+    @property
+    def title(self) -> str:
+        return RUNG_TITLES[self.rung]
+
+
+def build_ladder(model_name: str, arch_overrides: dict, num_classes: int, img_size: int, rungs=RUNGS) -> tuple[list[Variant], dict]:
+    """The variants to train, and a note on the parameter matching done."""
+    arch = _base_arch(model_name, arch_overrides)
+    depth, p1, p2 = match_depth(model_name, arch, num_classes, img_size)
+    note = dict(
+        base_depth=list(arch["depth"]),
+        standard_depth=list(depth),
+        standard_params=p1,
+        sandwich_params=p2,
+        rule="rung 1 depth: the non-decreasing (d1, d2, d3) with base_i <= d_i <= 2*base_i+1 whose parameter count is closest to rung 2's",
+    )
+    out = []
+    for r in rungs:
+        d = rung_dials(r, arch)
+        if r == "standard":
+            d["depth"] = depth
+        out.append(Variant(r, d))
+    return out, note

@@ -1,0 +1,127 @@
+"""One (rung, seed) of a study: its data, its training (continued where it stopped) and its
+measurements, written to ``runs/<rung>/seed<seed>/result.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ...factory import load_model
+from ...info import count_macs
+from ...io import write_json
+from ...train import TrainConfig, TrainResult, evaluate_checkpoint, train
+from ...train import checkpoint as train_checkpoint
+from ...train.data import check_folder
+from ...train.records import read_metrics
+from ..data import balanced_subset, list_images
+from ..heads import head_similarity, mean_similarity
+from .config import AblationConfig
+from .ladder import Variant
+
+log = logging.getLogger(__name__)
+
+
+class StudyStopped(Exception):
+    """A training run was stopped by a signal (its checkpoint is saved; the study can continue)."""
+
+
+def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int, seed: int = 0) -> Path:
+    """The dataset folder the trainer reads: ``data`` itself, or balanced, seeded subsets as symlinks.
+
+    ``data`` needs ``train/`` and ``val/`` (or ``test/``) class folders. When a subset is asked for, or
+    the held-out split is named ``test``, ``out/data/{train,val}/<class>/`` is filled with links to the
+    chosen files (once; a later call with other sizes is refused).
+    """
+    root = check_folder(data)
+    held = next((s for s in ("val", "test") if (root / s).is_dir()), None)
+    if not (root / "train").is_dir() or held is None:
+        raise ValueError(f"{root} needs train/<class>/ and val/<class>/ (or test/<class>/) image folders")
+    if not train_subset and not val_subset and held == "val":
+        return root
+    dest = out / "data"
+    spec = dict(source=str(root.resolve()), train_subset=train_subset, val_subset=val_subset, seed=seed)
+    marker = dest / "subset.json"
+    if marker.exists():
+        if json.loads(marker.read_text()) != spec:
+            raise ValueError(f"{dest} was made from other data or subset sizes ({marker.read_text().strip()}); use another --output")
+        return dest
+    for split, src, n in (("train", "train", train_subset), ("val", held, val_subset)):
+        paths, labels, classes = list_images([root / src])
+        if labels is None:
+            raise ValueError(f"{root / src} has no class folders")
+        for i in balanced_subset(labels, len(paths), n, seed):
+            link = dest / split / classes[labels[i]] / paths[i].name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(paths[i].resolve())
+    write_json(marker, spec)
+    return dest
+
+
+def _trained_epochs(last: Path) -> int:
+    return int(train_checkpoint.load(last)["next_epoch"]) if last.exists() else 0
+
+
+def train_options(cfg: AblationConfig, variant: Variant, seed: int, data_dir: Path, run_dir: Path) -> dict:
+    """The :class:`~cgavit.train.TrainConfig` fields of one (variant, seed) run: the study's budget,
+    the rung's dials, then ``cfg.train_args`` (which win)."""
+    extra = dict(cfg.train_args)
+    dials = {**variant.dials, **extra.pop("dials", {})}
+    return dict(
+        data=str(data_dir), model=cfg.model, epochs=cfg.epochs, batch_size=cfg.batch_size, img_size=cfg.img_size,
+        lr=cfg.lr, seed=seed, output=str(run_dir), dials=dials, **extra,
+    )
+
+
+def _train_variant(cfg: AblationConfig, variant: Variant, seed: int, options: dict, last: Path) -> TrainResult | None:
+    """Train (or continue) one run; None when it had finished before."""
+    if _trained_epochs(last) >= cfg.epochs:
+        log.info("%s seed %d: training finished before, measuring", variant.rung, seed)
+        return None
+    if last.exists():
+        log.info("%s seed %d: resuming %s", variant.rung, seed, last)
+        run_cfg = TrainConfig.resume_from(last, **options)
+    else:
+        run_cfg = TrainConfig(**options)
+        log.info("%s seed %d: training  cgavit train %s", variant.rung, seed, " ".join(run_cfg.to_argv()))
+    summary = train(run_cfg)
+    if summary.interrupted:
+        raise StudyStopped(f"training of {variant.rung} seed {seed} was stopped; run the same command again to continue")
+    return summary
+
+
+def run_variant(variant: Variant, seed: int, cfg: AblationConfig, data_dir: Path, out: Path, heads_batch: torch.Tensor) -> dict:
+    """Train (or continue) one (variant, seed) and measure it; returns and writes its ``result.json``."""
+    run_dir = out / "runs" / variant.rung / f"seed{seed}"
+    result_file = run_dir / "result.json"
+    if result_file.exists():
+        log.info("%s seed %d: done before, reading %s", variant.rung, seed, result_file)
+        return json.loads(result_file.read_text())
+    options = train_options(cfg, variant, seed, data_dir, run_dir)
+    last = run_dir / "last.pt"
+    summary = _train_variant(cfg, variant, seed, options, last)
+    ev = evaluate_checkpoint(data_dir, last, batch_size=cfg.batch_size, workers=0, device="cpu")
+    model, _ = load_model(last, device="cpu")
+    blocks = head_similarity(model, heads_batch)
+    res = dict(
+        rung=variant.rung,
+        title=variant.title,
+        seed=seed,
+        dials={k: list(v) if isinstance(v, tuple) else v for k, v in variant.dials.items()},
+        params=sum(p.numel() for p in model.parameters()),
+        macs=count_macs(model, (cfg.img_size, cfg.img_size)),
+        top1=ev["top1"],
+        top5=ev["top5"],
+        val_loss=ev["loss"],
+        val_images=ev["n"],
+        best_top1=summary.best_top1 if summary is not None else None,
+        head_similarity=mean_similarity(blocks),
+        head_similarity_blocks=[b.to_dict() for b in blocks],
+        train_epoch_s=round(sum(r.get("epoch_s", 0.0) for r in read_metrics(run_dir / "metrics.jsonl")), 1),
+        train_argv=TrainConfig(**options).to_argv(),
+    )
+    write_json(result_file, res)
+    return res

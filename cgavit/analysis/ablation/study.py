@@ -1,0 +1,110 @@
+"""The whole study: data, ladder and ``study.json``, every (rung, seed) not done yet, then the
+throughput of all rungs and the summary files (:func:`run_ablation`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...factory import create_model
+from ...io import write_json, write_text
+from ...train import TrainConfig
+from ...train.data import list_split
+from ..data import load_images
+from .config import AblationConfig
+from .ladder import RUNGS, Variant, build_ladder
+from .runs import prepare_data, run_variant
+from .summary import plot_study, summarize, table_markdown
+from .throughput import measure_throughput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StudySummary:
+    """What :func:`run_ablation` wrote: one row per rung, the markdown table, the depth matching of
+    rung 1, and the files."""
+
+    rows: list[dict]
+    table: str
+    matching: dict
+    json_path: Path
+    table_path: Path
+    plots: list[Path]
+
+
+@dataclass
+class _Study:
+    data_dir: Path
+    classes: list[str]
+    variants: list[Variant]
+    matching: dict
+    spec: dict
+
+
+def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
+    """Data, ladder and ``study.json``; refuses a folder that holds a study with other settings."""
+    data_dir = prepare_data(cfg.data, out, cfg.train_subset, cfg.val_subset)
+    classes, _ = list_split(data_dir, "train")
+    overrides = {k: getattr(cfg, k) for k in ("embed_dim", "num_heads", "depth") if getattr(cfg, k) is not None}
+    variants, note = build_ladder(cfg.model, overrides, len(classes), cfg.img_size, rungs=[r for r in RUNGS if r in cfg.rungs])
+    spec = json.loads(json.dumps(dict(
+        model=cfg.model, arch=overrides and {k: list(v) for k, v in overrides.items()}, epochs=cfg.epochs,
+        batch_size=cfg.batch_size, img_size=cfg.img_size, lr=cfg.lr, train_args=cfg.train_args,
+        data=str(Path(cfg.data).resolve()), train_subset=cfg.train_subset, val_subset=cfg.val_subset,
+    )))
+    spec_file = out / "study.json"
+    if spec_file.exists():
+        old = json.loads(spec_file.read_text())["spec"]
+        if old != spec:
+            changed = sorted(k for k in spec if old.get(k) != spec[k])
+            raise ValueError(f"{out} holds a study with other settings ({', '.join(changed)}); use another --output or the same options")
+    variants_json = [
+        dict(rung=v.rung, dials={k: list(x) if isinstance(x, tuple) else x for k, x in v.dials.items()}) for v in variants
+    ]
+    write_json(spec_file, dict(spec=spec, matching=note, variants=variants_json))
+    return _Study(data_dir, classes, variants, note, spec)
+
+
+def run_ablation(cfg: AblationConfig) -> StudySummary:
+    """Train and measure every (rung, seed) not done yet, then write the summary.
+
+    Seed-major: a study cut short still has every rung for the first seeds.
+
+    Raises:
+        StudyStopped: a training run was stopped by a signal (run the same study again to continue).
+        ValueError: bad options, data, or a folder holding a study with other settings.
+    """
+    cfg.validate()
+    torch.set_num_threads(max(1, cfg.threads))
+    out = Path(cfg.output)
+    t0 = time.perf_counter()
+    study = _prepare_study(cfg, out)
+    crop = TrainConfig(**cfg.train_args).crop_pct
+    heads_batch, _, _ = load_images([study.data_dir / "val"], cfg.img_size, cfg.heads_images, crop_pct=crop, seed=0)
+    results = [run_variant(v, seed, cfg, study.data_dir, out, heads_batch) for seed in cfg.seeds for v in study.variants]
+    throughput = None
+    if not cfg.no_throughput:
+        log.info("measuring CPU throughput of %d variants (interleaved)", len(study.variants))
+        models = {
+            v.rung: create_model(cfg.model, num_classes=len(study.classes), img_size=cfg.img_size, **v.dials)
+            for v in study.variants
+        }
+        throughput = measure_throughput(models, cfg.img_size, rounds=cfg.speed_rounds, seconds=cfg.speed_seconds)
+    rows = summarize(results, throughput, [v.rung for v in study.variants])
+    table = table_markdown(rows)
+    plots = plot_study(rows, out)
+    protocol = ("torch.set_num_threads(1), batch 16, fp32, BatchNorm fused, traced, random weights; "
+                f"{cfg.speed_rounds} interleaved rounds of ~{cfg.speed_seconds:g} s per variant, median")
+    json_path = write_json(out / "ablation.json", dict(
+        spec=study.spec, matching=study.matching, seeds=list(cfg.seeds), rows=rows, throughput_protocol=protocol,
+        this_invocation_s=round(time.perf_counter() - t0, 1),
+        train_epoch_s_total=round(sum(x["train_epoch_s"] for x in results), 1),
+    ))
+    table_path = write_text(out / "ablation_table.md", table)
+    return StudySummary(rows, table, study.matching, json_path, table_path, plots)

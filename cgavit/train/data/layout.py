@@ -1,0 +1,145 @@
+"""The image-folder layout: listing a split's classes and images, and checking a dataset before a
+run starts.
+
+Layout (the ImageNet-1k one)::
+
+    DIR/train/<class>/<image>     DIR/val/<class>/<image>
+
+Class indices are the sorted class-folder names, so an ImageNet ``val`` folder of synset names gets
+the standard 1000-class order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ...images import BadImageError, load_image
+from ...io import DataError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+
+
+def check_folder(path: str | Path, what: str = "data folder") -> Path:
+    """Return ``path`` if it is a folder that can be listed; raise :class:`~cgavit.io.DataError`
+    naming it and saying what is wrong otherwise (missing, a file, a pipe, or not permitted)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{what} {path} does not exist; check the path")
+    if not path.is_dir():
+        raise DataError(f"{what} {path} is not a folder (a file, pipe or device); give the folder")
+    try:
+        next(path.iterdir(), None)
+    except OSError as err:
+        raise DataError(f"{what} {path} cannot be listed ({err.strerror or err}); fix its permissions") from None
+    return path
+
+
+def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], list[tuple[str, int]]]:
+    """Class names and ``(path, class index)`` samples of one image-folder split.
+
+    Args:
+        root: the dataset folder (``split`` is looked up inside it), or the split folder itself
+            when ``split`` is None.
+        split: ``"train"``, ``"val"``, ... or None.
+
+    Raises:
+        DataError: the folder is missing, not a folder, has no class folders, or a class folder holds
+            no image; the message names the folder and says what the layout must be.
+    """
+    if split:
+        check_folder(root)
+    folder = Path(root) / split if split else Path(root)
+    if not folder.exists():
+        raise DataError(
+            f"data folder {folder} does not exist; expected the image-folder layout "
+            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>"
+        )
+    check_folder(folder)
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
+    samples: list[tuple[str, int]] = []
+    empty = []
+    for idx, name in enumerate(classes):
+        files = sorted(
+            p for p in (folder / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+        )
+        if not files:
+            empty.append(name)
+        samples.extend((str(p), idx) for p in files)
+    if empty:
+        raise DataError(
+            f"{len(empty)} class folder(s) in {folder} hold no images ({_first_few(empty)}); remove them or add images "
+            f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
+        )
+    return classes, samples
+
+
+def check_layout(root: str | Path, train_split: str = "train", val_split: str = "val") -> dict:
+    """Check both splits before training starts and that they name the same classes.
+
+    Returns:
+        ``{"classes": [...], "train": samples, "val": samples}``.
+
+    Raises:
+        DataError: a missing or empty split or class folder, or class sets that differ.
+    """
+    train_classes, train_samples = list_split(root, train_split)
+    val_classes, val_samples = list_split(root, val_split)
+    if train_classes != val_classes:
+        only_t = sorted(set(train_classes) - set(val_classes))[:5]
+        only_v = sorted(set(val_classes) - set(train_classes))[:5]
+        raise DataError(
+            f"the {train_split} and {val_split} splits of {root} name different classes "
+            f"(only in {train_split}: {only_t}; only in {val_split}: {only_v}); both need the same class folders"
+        )
+    return {"classes": train_classes, "train": train_samples, "val": val_samples}
+
+
+def unreadable_classes(layout: dict, root: str | Path, train_split: str = "train", val_split: str = "val") -> str | None:
+    """What is wrong when a class of either split has no image that can be read, else None.
+
+    A class folder with no image file is refused by :func:`list_split`; this finds the class whose
+    files are all unreadable (damaged, truncated, too large, not images), which training would
+    otherwise skip image by image and never learn. Each class's images are decoded in order until
+    one works, so a readable dataset costs one decode per class and split.
+
+    Args:
+        layout: what :func:`check_layout` returned.
+        root: the dataset folder, for the message.
+        train_split, val_split: the split folder names, for the message.
+
+    Returns:
+        One line naming the classes and an example error, or None when every class has an image.
+    """
+    for split, key in ((train_split, "train"), (val_split, "val")):
+        failed = _classes_without_an_image(layout[key], len(layout["classes"]))
+        if failed:
+            names = [layout["classes"][i] for i in failed]
+            first = failed[min(failed)]
+            return (
+                f"{len(names)} class folder(s) in {Path(root) / split} hold no image that could be read "
+                f"({_first_few(names)}); e.g. {first}. Fix or replace their images, or remove the class folders"
+            )
+    return None
+
+
+def _classes_without_an_image(samples: Sequence[tuple[str, int]], num_classes: int) -> dict[int, str]:
+    """``{class index: the first image's error}`` for every class none of whose images decodes."""
+    readable: set[int] = set()
+    errors: dict[int, str] = {}
+    for path, label in samples:
+        if label in readable:
+            continue
+        try:
+            load_image(path)
+        except BadImageError as err:
+            errors.setdefault(label, str(err))
+        else:
+            readable.add(label)
+    return {i: errors[i] for i in range(num_classes) if i not in readable and i in errors}
+
+
+def _first_few(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")

@@ -1,0 +1,130 @@
+"""Image-folder samples as batches: the dataset, its collate function and the loader.
+
+An image that cannot be decoded is reported by path and skipped (the paths travel with each batch,
+so the count is exact across loader workers), or raises with ``strict``. So is an image that
+declares more than :data:`~cgavit.bounds.MAX_IMAGE_PIXELS` pixels (a decompression bomb): its
+header is read, never its pixels. Images are opened by :func:`cgavit.images.load_image`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ...images import BadImageError, load_image
+from .samplers import seed_all
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """Placeholder a dataset returns for an unreadable image (filtered out by :func:`collate`)."""
+
+    path: str
+    error: str
+
+
+class ImageFolderDataset(Dataset):
+    """``(path, label)`` samples decoded with :func:`~cgavit.images.load_image` and transformed.
+
+    ``__getitem__`` returns ``(image, label, index)``, or a :class:`BadSample` for a file that
+    cannot be decoded (raises :class:`~cgavit.images.BadImageError` instead when ``strict``).
+
+    Args:
+        samples: ``(path, class index)`` pairs, e.g. from :func:`~cgavit.train.data.list_split`.
+        classes: class names, index order.
+        transform: PIL image -> tensor.
+        strict: stop at the first unreadable image instead of skipping it.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        classes: Sequence[str],
+        transform: Callable | None = None,
+        strict: bool = False,
+    ) -> None:
+        self.samples = list(samples)
+        self.classes = list(classes)
+        self.transform = transform
+        self.strict = strict
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, item: int | tuple[int, int]):
+        """``item``: an index, or ``(index, seed)`` from :class:`~cgavit.train.data.SeededSampler`,
+        which seeds python, numpy and torch first so the sample's augmentation depends on the seed
+        alone (not on which loader worker draws it, nor on what that worker drew before)."""
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        path, label = self.samples[index]
+        try:
+            img = load_image(path)
+        except BadImageError as err:
+            if self.strict:
+                raise BadImageError(f"{err} (run without --strict to skip unreadable images)") from None
+            return BadSample(path, str(err))
+        if seed is not None:
+            seed_all(seed)
+        return (self.transform(img) if self.transform else img), label, index
+
+
+@dataclass
+class Batch:
+    """A collated batch: images ``(B, 3, H, W)``, labels ``(B,)``, dataset indices ``(B,)`` and the
+    paths of the samples that were skipped because they could not be read."""
+
+    images: torch.Tensor | None
+    labels: torch.Tensor | None
+    indices: torch.Tensor | None
+    bad: list[str]
+
+    def __len__(self) -> int:
+        return 0 if self.labels is None else len(self.labels)
+
+
+def collate(items: list) -> Batch:
+    """Stack the good samples and keep the paths of the bad ones."""
+    good = [it for it in items if not isinstance(it, BadSample)]
+    bad = [it.path for it in items if isinstance(it, BadSample)]
+    if not good:
+        return Batch(None, None, None, bad)
+    return Batch(
+        torch.stack([g[0] for g in good]),
+        torch.tensor([g[1] for g in good], dtype=torch.long),
+        torch.tensor([g[2] for g in good], dtype=torch.long),
+        bad,
+    )
+
+
+def _worker_init(worker_id: int) -> None:
+    # torch seeds python's random and itself per worker from the loader's generator; numpy too:
+    np.random.seed(torch.initial_seed() % 2**32)
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    sampler: Sampler,
+    workers: int,
+    *,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+    generator: torch.Generator | None = None,
+) -> DataLoader:
+    """A DataLoader with :func:`collate` and per-worker numpy seeding."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        worker_init_fn=_worker_init if workers > 0 else None,
+        generator=generator,
+        persistent_workers=False,
+    )

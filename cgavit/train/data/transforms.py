@@ -1,0 +1,64 @@
+"""The training and evaluation transforms: timm's, PIL image -> normalised tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from PIL import Image, ImageOps
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data.auto_augment import posterize
+
+
+def build_transform(
+    img_size: int,
+    training: bool,
+    *,
+    auto_augment: str | None = "rand-m9-mstd0.5-inc1",
+    interpolation: str = "bicubic",
+    re_prob: float = 0.25,
+    crop_pct: float = 0.875,
+    hflip: float = 0.5,
+    scale: tuple[float, float] = (0.08, 1.0),
+    color_jitter: float = 0.4,
+    mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
+    std: Sequence[float] = IMAGENET_DEFAULT_STD,
+) -> Callable:
+    """timm's train (RandomResizedCrop, flip, RandAugment, random erasing) or eval (resize, center
+    crop) transform, PIL image -> normalised tensor ``(3, img_size, img_size)``."""
+    if training:
+        return _pillow_safe(create_transform(
+            img_size,
+            is_training=True,
+            auto_augment=auto_augment or None,
+            interpolation=interpolation,
+            re_prob=re_prob,
+            re_mode="pixel",
+            re_count=1,
+            hflip=hflip,
+            scale=scale,
+            color_jitter=color_jitter,
+            mean=tuple(mean),
+            std=tuple(std),
+        ))
+    return create_transform(
+        img_size, is_training=False, interpolation=interpolation, crop_pct=crop_pct, mean=tuple(mean), std=tuple(std)
+    )
+
+
+def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """Posterize that keeps 0 bits as older Pillow did (a black image); Pillow >= 10 raises instead."""
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return img.point(lambda _: 0)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def _pillow_safe(transform: Callable) -> Callable:
+    """Patch the RandAugment ops of a timm transform (this instance only) so ``PosterizeIncreasing``
+    at the top magnitude (``rand-m9-mstd0.5-inc1`` reaches it) does not raise on current Pillow."""
+    for t in getattr(transform, "transforms", []):
+        for op in getattr(t, "ops", []):
+            if getattr(op, "aug_fn", None) is posterize:
+                op.aug_fn = _posterize_any_bits
+    return transform
