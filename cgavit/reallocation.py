@@ -62,7 +62,7 @@ def allocation_dials(scheme: str, embed_dim: Sequence[int], num_heads: Sequence[
             f"divisible by the heads {list(num_heads)}"
         )
     tied = tuple(c // h for c, h in zip(embed_dim, num_heads))
-    return {"key_dim": tied, "attn_ratio": (1.0,) * len(tied), "ffn_ratio": UNIFORM_FFN_RATIO}
+    return {"key_dim": tied, "attn_ratio": 1.0, "ffn_ratio": UNIFORM_FFN_RATIO}
 
 
 def allocation_of(

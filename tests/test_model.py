@@ -202,3 +202,20 @@ def test_no_batchnorm_in_attention_core_is_shared():
     model = _tiny()
     ids = [id(m) for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert len(ids) == len(set(ids))
+
+
+def test_parameter_reallocation_is_a_dial():
+    """Seed chapter 6: the paper's allocation (Q/K 16, V C/h, FFN x2) against the uniform one (Q/K = V = C/h, FFN x4)."""
+    paper = cgavit.VARIANTS["efficientvit_m0"].cfg
+    assert paper.allocation == "paper"
+    uniform = paper.with_dials(allocation="uniform")
+    assert uniform.allocation == "uniform" and uniform.ffn_ratio == 4.0
+    assert uniform.key_dim == (16, 32, 48) and [uniform.value_dim(i) for i in range(3)] == [16, 32, 48]
+    assert uniform.with_dials(allocation="paper") == paper
+    assert paper.with_dials(allocation="uniform", ffn_ratio=2.0).allocation == "custom"  # explicit dials win
+    small, big = (sum(p.numel() for p in _tiny(allocation=a).parameters()) for a in ("paper", "uniform"))
+    assert small < big
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        _tiny(allocation="wide")
+    with pytest.raises(ValueError, match="divisible"):
+        paper.with_dials(num_heads=(3, 3, 3), group_split=False, cascade=False, allocation="uniform")

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 
 from ...factory import create_model, resolve_name
+from ...reallocation import allocation_dials
 from ...variants import VARIANTS
 
 RUNGS = ("standard", "sandwich", "groups", "cascade", "realloc")
@@ -33,23 +34,23 @@ def count_params(model_name: str, dials: dict, num_classes: int, img_size: int) 
 
 
 def rung_dials(rung: str, arch: dict) -> dict:
-    """The design dials of one rung on top of the base architecture ``arch`` (depth not matched)."""
+    """The design dials of one rung on top of the base architecture ``arch`` (depth not matched).
+
+    Rungs 1-4 use the uniform allocation of :mod:`cgavit.reallocation` (Q/K = V = C/h, FFN x4);
+    rung 5 reallocates (Q/K 16, V C/h, FFN x2): the dials are that module's, written out.
+    """
     if rung not in RUNGS:
         raise ValueError(f"unknown rung {rung!r}; choose from {', '.join(RUNGS)}")
-    tied = tuple(c // h for c, h in zip(arch["embed_dim"], arch["num_heads"]))
-    if any(c % h for c, h in zip(arch["embed_dim"], arch["num_heads"])):
-        raise ValueError(f"widths {arch['embed_dim']} must be divisible by the heads {arch['num_heads']} for tied Q/K/V widths")
+    scheme = "paper" if RUNGS.index(rung) >= 4 else "uniform"
     d = dict(arch)
-    d.update(ffn_per_side=(0, 1), group_split=False, cascade=False, key_dim=tied, attn_ratio=1.0, ffn_ratio=4.0)
+    d.update(ffn_per_side=(0, 1), group_split=False, cascade=False)
+    d.update({k: v for k, v in allocation_dials(scheme, arch["embed_dim"], arch["num_heads"]).items() if v is not None})
     if RUNGS.index(rung) >= 1:
         d["ffn_per_side"] = (1, 1)
     if RUNGS.index(rung) >= 2:
         d["group_split"] = True
     if RUNGS.index(rung) >= 3:
         d["cascade"] = True
-    if RUNGS.index(rung) >= 4:
-        d.update(key_dim=(16, 16, 16), ffn_ratio=2.0)
-        del d["attn_ratio"]  # the default: value width C/h
     return d
 
 
