@@ -309,7 +309,7 @@ def _train(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, resu
                         stats.next_step, output / "last.pt")
             break
         _finish_epoch(run, epoch, total_epochs, stats, history)
-        if stopper.signum is not None or _forced_stop(cfg, run.state):
+        if stopper.signum is not None:
             history.interrupted = True
             log.warning("stopped after epoch %d; continue with --resume %s", epoch + 1, output / "last.pt")
             break
@@ -403,10 +403,6 @@ def _report_bad(paths, seen: set[str]) -> None:
     for path in sorted(set(paths) - seen):
         log.warning("skipped unreadable image %s", path)
         seen.add(path)
-
-
-def _forced_stop(cfg: TrainConfig, state: _State) -> bool:
-    return cfg.interrupt_after is not None and state.global_step >= cfg.interrupt_after
 
 
 def _save(run: _Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> None:
@@ -517,7 +513,7 @@ def _train_one_epoch(run: _Run, epoch: int, total_epochs: int, start_step: int) 
             value = _update(run, batch, n, epoch, step)
             loss_sum, seen, images_timed, updates = loss_sum + value * n, seen + n, images_timed + n, updates + 1
             progress.update(step, n * env.world, value, lr)
-        stop = run.stopper.signum is not None or _forced_stop(cfg, state)
+        stop = run.stopper.signum is not None
         if any_true(env, stop) and step + 1 < steps:
             next_step, interrupted = step + 1, True
             break
