@@ -13,7 +13,7 @@ from .backbone import EfficientViTFPN, detection_body
 from .checkpoint import load_detector, read_checkpoint
 from .data import CocoDetection, open_image
 from .draw import draw_detections
-from .engine import TrainConfig, evaluate, evaluate_checkpoint, train
+from .engine import DetectionTrainConfig, evaluate, evaluate_checkpoint, train
 from .models import build_detector, maskrcnn, retinanet
 from .predict import Prediction, predict_images
 from .shapes import write_shapes_dataset
@@ -21,9 +21,9 @@ from .shapes import write_shapes_dataset
 __all__ = [
     "CocoCheck",
     "CocoDetection",
+    "DetectionTrainConfig",
     "EfficientViTFPN",
     "Prediction",
-    "TrainConfig",
     "build_detector",
     "check_coco",
     "detection_body",
