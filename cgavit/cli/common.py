@@ -49,11 +49,6 @@ def add_dial_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=dest, type=typ, default=None, help=text)
 
 
-def dial_flags() -> dict[str, str]:
-    """``{keyword: command-line flag}`` for every dial, e.g. ``{"cascade": "--cascade", ...}``."""
-    return {dest: flag for flag, dest, _, _ in _DIALS}
-
-
 def dials_from_args(args: argparse.Namespace) -> dict:
     """The dials given on the command line, as keyword arguments for ``create_model``."""
     out = {}
