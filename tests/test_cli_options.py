@@ -17,7 +17,7 @@ from cgavit.analysis.reports import AnalysisConfig
 from cgavit.cli import build_parser
 from cgavit.cli.ablate import MEASURE_FIELDS, STUDY_FIELDS, ablation_config
 from cgavit.cli.analyze import ANALYSIS_FIELDS, analysis_config
-from cgavit.cli.options import add_options, field_help, option_values
+from cgavit.cli.options import add_options, option_values
 from cgavit.fields import option
 
 
@@ -74,7 +74,6 @@ def test_help_is_the_field_text_then_the_dataclass_default():
     assert helps["strict"] == "a switch" and helps["frozen"] == "unfreeze" and helps["files"] == "files"
     text = p.format_help()  # argparse formats help with %: a default holding one must not break it
     assert "(default: 5%)" in text and "-j WORKERS" in text and "--ema, --no-ema" in text and "[files ...]" in text
-    assert field_help(Toy, "size") == "image size in pixels"
 
 
 def test_suppressed_defaults_leave_out_what_was_not_typed():

@@ -44,11 +44,13 @@ class MissingExtra:
         self.extra, self.names, self.err = extra, names, err
 
     def register(self, sub: argparse._SubParsersAction) -> None:
+        """Add the module's commands, listed with the extra they need."""
         for name in self.names:
             p = sub.add_parser(name, help=f"(needs pip install 'cgavit[{self.extra}]')", add_help=False)
             p.set_defaults(func=self.run)
 
     def run(self, args: argparse.Namespace) -> int:
+        """Say which extra to install (as a user error: one line, exit 2)."""
         raise ValueError(
             f"this command needs {self.err.name or 'a package'} ({self.err}); install it with "
             f"pip install 'cgavit[{self.extra}]'"

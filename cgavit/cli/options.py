@@ -63,11 +63,6 @@ def option_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
-def field_help(config: type, name: str) -> str:
-    """The help text of field ``name`` of the dataclass ``config``."""
-    return next(f for f in fields(config) if f.name == name).metadata["help"]
-
-
 def _keywords(f: Field, hint: Any, suppress: bool, positional: bool = False) -> dict[str, Any]:
     """The ``add_argument`` keywords of the field ``f`` whose resolved annotation is ``hint``."""
     meta = f.metadata
@@ -81,10 +76,10 @@ def _keywords(f: Field, hint: Any, suppress: bool, positional: bool = False) -> 
     else:
         kw.update(_value_keywords(f.name, kind, meta))
     kw.update({key: meta[key] for key in ("choices", "metavar", "nargs") if key in meta})
-    if default is MISSING:
-        kw.update({} if positional else {"required": True})
-    else:
+    if default is not MISSING:
         kw["default"] = argparse.SUPPRESS if suppress else default
+    elif not positional:
+        kw["required"] = True
     kw["help"] = meta["help"] + _shown_default(default, kw, meta)
     return kw
 
