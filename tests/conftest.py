@@ -1,10 +1,13 @@
+import contextlib
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # Triton kernels run in Triton's CPU interpreter when there is no GPU; the variable must be set
 # before any test module imports triton (torch.compile may import it first)
@@ -29,6 +32,33 @@ def one_thread():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@contextlib.contextmanager
+def _sigterm_after(updates: int):
+    """Inside the block, this process receives a real SIGTERM right after its ``updates``-th optimiser
+    step (counted from the block's start), as if ``kill`` arrived then; the training engine's handler
+    runs at once (``signal.raise_signal``), so the run stops after exactly that update."""
+    count = 0
+
+    def after_step(optimizer, args, kwargs) -> None:
+        nonlocal count
+        count += 1
+        if count == updates:
+            assert callable(signal.getsignal(signal.SIGTERM)), "no SIGTERM handler: the engine must install one"
+            signal.raise_signal(signal.SIGTERM)
+
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@pytest.fixture
+def sigterm_after():
+    """``with sigterm_after(n): train(cfg)`` stops the run as SIGTERM does, after its n-th update."""
+    return _sigterm_after
 
 
 # ------------------------------------------------------------------------------ trained digits model

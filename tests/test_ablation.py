@@ -95,7 +95,7 @@ def _dataset(root, per_class=20, held=5):
     return root
 
 
-def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch):
+def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch, sigterm_after):
     data = _dataset(tmp_path / "data")
     out = tmp_path / "study"
     calls = []
@@ -105,7 +105,8 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch):
         run = cfg.output
         calls.append((run.split("/runs/")[1], cfg.resume is not None))
         if run.endswith("sandwich/seed0") and cfg.resume is None:
-            cfg = replace(cfg, interrupt_after=1)  # as if stopped (SIGTERM) after one update
+            with sigterm_after(1):  # stopped by SIGTERM after one update
+                return real_train(cfg)
         return real_train(cfg)
 
     monkeypatch.setattr(runs, "train", spy)

@@ -33,7 +33,7 @@ from torchvision.ops import FrozenBatchNorm2d  # noqa: E402
 
 from cgavit.detection import (  # noqa: E402
     CocoDetection,
-    TrainConfig,
+    DetectionTrainConfig,
     check_coco,
     detection_body,
     evaluate,
@@ -70,7 +70,7 @@ def _config(shapes, out, **kw):
         lr_steps=(), batch_size=2, workers=0, log_every=1, device="cpu",
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return DetectionTrainConfig(**base)
 
 
 def _epoch_rows(out):

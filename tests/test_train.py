@@ -52,17 +52,19 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
-def test_resume_equals_uninterrupted(data, tmp_path):
+def test_resume_equals_uninterrupted(data, tmp_path, sigterm_after):
     # every RNG consumer on: RandAugment, random erasing, mixup/cutmix, drop path, EMA; a worker process
     common = dict(data=str(data), epochs=3, drop_path=0.1, seed=3)
     full = train(tiny(**common, output=str(tmp_path / "full")))
     assert full.epochs == 3 and not full.interrupted
     out = tmp_path / "resumed"
-    first = train(tiny(**common, output=str(out), interrupt_after=4))  # 4 updates = end of epoch 1
+    with sigterm_after(4):  # SIGTERM after 4 updates = the end of epoch 1
+        first = train(tiny(**common, output=str(out)))
     assert first.interrupted and first.epochs == 1
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (1, 0)
-    second = train(TrainConfig.resume_from(out / "last.pt", interrupt_after=6, workers=0))  # mid-epoch 2
+    with sigterm_after(2):  # 2 more: mid-epoch 2
+        second = train(TrainConfig.resume_from(out / "last.pt", workers=0))
     assert second.interrupted
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (1, 2)

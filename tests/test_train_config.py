@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import cgavit
-from cgavit.cli.train import TRAIN_OPTIONS, add_train_args, config_from_args, dest
+from cgavit.cli.train import TRAIN_FIELDS, add_train_args, config_from_args
 from cgavit.train import TrainConfig, TrainResult
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train.config import DIAL_NAMES, NOT_RESUMED, train_defaults
@@ -76,7 +76,7 @@ def _fake_checkpoint(path: Path, record: dict) -> Path:
 
 def test_resume_takes_the_stored_options_and_the_given_ones_win(tmp_path):
     stored = TrainConfig(
-        data="d", epochs=7, seed=3, lr=0.5, workers=2, device="cpu", log_interval=5, progress=True, interrupt_after=9,
+        data="d", epochs=7, seed=3, lr=0.5, workers=2, device="cpu", log_interval=5, progress=True,
         finetune="w.pt", output="elsewhere", dials={"cascade": False, "depth": (1, 1, 1)},
     )
     (tmp_path / "run").mkdir()
@@ -113,15 +113,34 @@ def test_record_round_trip_and_layout():
 
 def test_cli_defaults_are_the_dataclass_defaults():
     defaults = train_defaults()
-    assert {dest(flags) for flags, _ in TRAIN_OPTIONS} == set(defaults) - {"dials", "interrupt_after"}
+    assert set(TRAIN_FIELDS) == set(defaults) - {"dials"}  # every option has a flag; the dials have theirs
     assert config_from_args(_parser().parse_args(["--data", "d"])) == TrainConfig(data="d")
-    helps = {a.dest: a.help for a in _parser()._actions}
-    for name, value in defaults.items():
-        if name in ("dials", "interrupt_after") or value in (None, False):
+    assert all(f.name == "dials" or f.metadata["help"] for f in fields(TrainConfig))
+
+
+def test_every_training_flag_help_is_its_field_help_and_the_dataclass_default():
+    # one text per option: the --help line is the field's metadata help, then the default the dataclass
+    # gives (none for switches and None); nothing in cgavit/cli restates either
+    actions = {a.dest: a for a in _parser()._actions}
+    for f in fields(TrainConfig):
+        if f.name == "dials":
             continue
-        shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        expect = f"(default: {'on' if value is True else shown})"
-        assert helps[name].endswith(expect), (name, helps[name])
+        action, default, text = actions[f.name], train_defaults()[f.name], f.metadata["help"]
+        assert action.default is argparse.SUPPRESS, f.name  # typed options can be told from defaults
+        if default is None or isinstance(action, argparse._StoreTrueAction):
+            assert action.help == text, f.name
+            continue
+        if isinstance(default, bool):
+            assert isinstance(action, argparse.BooleanOptionalAction), f.name  # --x / --no-x
+            shown = "on" if default else "off"
+        else:
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        assert action.help == f"{text} (default: {shown})", f.name
+    assert actions["batch_size"].option_strings == ["--batch-size", "-b"]
+    assert actions["workers"].option_strings == ["--workers", "-j"]
+    assert actions["mean"].nargs == 3 and actions["scale"].metavar == ("MIN", "MAX")
+    assert actions["interpolation"].choices == ("bicubic", "bilinear", "nearest")
+    assert "interrupt_after" not in actions and "interrupt_after" not in train_defaults()  # no test-only option
 
 
 def test_to_argv_spells_the_config_for_the_command_line():

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from ..factory import create_model, load_model
+from ..fields import option
 from ..io import write_json
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
@@ -33,36 +34,30 @@ MAX_BATCH_PIXELS = 2**26
 
 @dataclass
 class AnalysisConfig:
-    """The model to analyse and the images to run it on.
+    """The model to analyse and the images to run it on. Each field is documented by its ``help``
+    text, the line ``cgavit analyze heads --help`` shows for it.
 
     Attributes:
-        output: folder for the JSON and PNG files.
-        model: variant (default: the checkpoint's, else ``efficientvit_m0``).
-        checkpoint: weights file; trained-here files record architecture and preprocessing.
-        pretrained: use the published ImageNet-1k weights of ``model``.
-        data: image folder, ``DIR/<class>/<img>`` (labelled) or ``DIR/<img>``; or give ``images``.
-        images: image files (instead of ``data``).
-        img_size: input size (default: the checkpoint's, else 224).
-        crop_pct: centre-crop fraction after resizing (default: the checkpoint's, else 0.875).
-        num_images: images used, balanced over classes (0 = all).
-        num_classes: classifier size of a randomly initialised model (default 1000).
-        batch_size: images per forward pass.
-        seed: seed of the image sample and of random weights.
         dials: design dials for ``create_model`` (random models, or files without an architecture).
     """
 
-    output: str
-    model: str | None = None
-    checkpoint: str | None = None
-    pretrained: bool = False
-    data: str | None = None
-    images: tuple[str, ...] = ()
-    img_size: int | None = None
-    crop_pct: float | None = None
-    num_images: int = 64
-    num_classes: int | None = None
-    batch_size: int = 32
-    seed: int = 0
+    output: str = option(help="folder for the JSON and PNG files")
+    model: str | None = option(None, "variant (default: the checkpoint's, else efficientvit_m0)")
+    checkpoint: str | None = option(
+        None, "weights: best.pt/last.pt/*.safetensors trained here (architecture and preprocessing read from the file), "
+        "or an official/timm file (give --model and dials)",
+    )
+    pretrained: bool = option(
+        False, "use the published ImageNet-1k weights of --model (downloaded once to the torch hub cache)"
+    )
+    data: str | None = option(None, "image folder: DIR/<class>/<img> (labelled) or DIR/<img>")
+    images: tuple[str, ...] = option((), "image files (instead of --data)", flags=("images",), nargs="*")
+    img_size: int | None = option(None, "input size (default: the checkpoint's, else 224)")
+    crop_pct: float | None = option(None, "centre-crop fraction after resizing (default: the checkpoint's, else 0.875)")
+    num_images: int = option(64, "images to use, balanced over classes (0 = all)")
+    num_classes: int | None = option(None, "classifier size (default: the checkpoint's, else 1000)")
+    batch_size: int = option(32, "images per forward pass")
+    seed: int = option(0, "seed for the image sample and random weights")
     dials: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:

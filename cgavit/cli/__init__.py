@@ -1,50 +1,93 @@
 """The ``cgavit`` command: one entry point over the library.
 
 Every parser and every ``args -> typed call`` step lives in this package, one module per command
-group; the library never sees argparse. Each module listed in :data:`COMMANDS` provides
+group; the library never sees argparse. Each module in :data:`COMMANDS` provides
 ``register(subparsers)``, adding parsers whose ``func`` default takes the parsed namespace and
 returns an exit code.
 
-Command modules are imported by name in :func:`build_parser`, the one place that imports them
-lazily: a group whose optional extra is not installed (say ``cgavit[detect]``) is still listed, and
-running it says which extra to install instead of failing the whole command.
+A command group whose optional extra is not installed (say ``cgavit[detect]``) is still listed: its
+import below fails, and a :class:`MissingExtra` stands in for it, so that running one of its
+commands says which extra to install instead of failing the whole command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
 from ..io import CheckpointError, WriteError
+from . import info, roofline  # no optional dependency
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
 USER_ERRORS = (ValueError, CheckpointError, WriteError, FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)
 
-#: (module, extra that provides its dependencies, sub-commands it registers)
-COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("cgavit.cli.info", "", ("info",)),
-    ("cgavit.cli.train", "train", ("train", "eval", "predict", "demo")),
-    ("cgavit.cli.explore", "explorer", ("explore",)),
-    ("cgavit.cli.analyze", "train", ("analyze",)),
-    ("cgavit.cli.ablate", "train", ("ablate",)),
-    ("cgavit.cli.detect", "detect", ("detect",)),
-    ("cgavit.cli.bench", "bench", ("bench",)),
-    ("cgavit.cli.export", "deploy", ("export",)),
-    ("cgavit.cli.roofline", "", ("roofline",)),
-)
 
+class MissingExtra:
+    """Stands in for a command module that could not be imported for want of an optional extra: it
+    registers the module's commands, each of which fails with the ``pip install`` line that fixes it.
 
-def _missing_extra(module: str, extra: str, err: ImportError):
-    def run(args: argparse.Namespace) -> int:
+    Args:
+        extra: the extra that provides the module's dependencies, e.g. ``"detect"``.
+        names: the sub-commands the module registers.
+        err: the import error.
+
+    Raises:
+        ImportError: ``err`` itself when it is one of our own modules that failed (a bug, not a
+            missing extra).
+    """
+
+    def __init__(self, extra: str, names: tuple[str, ...], err: ImportError) -> None:
+        if (err.name or "").startswith("cgavit"):
+            raise err
+        self.extra, self.names, self.err = extra, names, err
+
+    def register(self, sub: argparse._SubParsersAction) -> None:
+        """Add the module's commands, listed with the extra they need."""
+        for name in self.names:
+            p = sub.add_parser(name, help=f"(needs pip install 'cgavit[{self.extra}]')", add_help=False)
+            p.set_defaults(func=self.run)
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Say which extra to install (as a user error: one line, exit 2)."""
         raise ValueError(
-            f"this command needs {err.name or 'a package'} ({err}); install it with "
-            f"pip install 'cgavit[{extra or 'all'}]'"
+            f"this command needs {self.err.name or 'a package'} ({self.err}); install it with "
+            f"pip install 'cgavit[{self.extra}]'"
         )
 
-    return run
+
+try:
+    from . import train
+except ImportError as err:
+    train = MissingExtra("train", ("train", "eval", "predict", "demo"), err)
+try:
+    from . import explore
+except ImportError as err:
+    explore = MissingExtra("explorer", ("explore",), err)
+try:
+    from . import analyze
+except ImportError as err:
+    analyze = MissingExtra("train", ("analyze",), err)
+try:
+    from . import ablate
+except ImportError as err:
+    ablate = MissingExtra("train", ("ablate",), err)
+try:
+    from . import detect
+except ImportError as err:
+    detect = MissingExtra("detect", ("detect",), err)
+try:
+    from . import bench
+except ImportError as err:
+    bench = MissingExtra("bench", ("bench",), err)
+try:
+    from . import export
+except ImportError as err:
+    export = MissingExtra("deploy", ("export",), err)
+
+#: The command groups, in the order ``cgavit --help`` lists them.
+COMMANDS = (info, train, explore, analyze, ablate, detect, bench, export, roofline)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,15 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true", help="show the full traceback when a command fails")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module, extra, names in COMMANDS:
-        try:
-            importlib.import_module(module).register(sub)
-        except ImportError as err:
-            if (err.name or "").startswith("cgavit"):
-                raise  # our own module is broken: that is a bug, not a missing extra
-            for name in names:
-                p = sub.add_parser(name, help=f"(needs pip install 'cgavit[{extra or 'all'}]')", add_help=False)
-                p.set_defaults(func=_missing_extra(module, extra, err))
+    for command in COMMANDS:
+        command.register(sub)
     for p in _all_subparsers(sub):  # --debug also after the command name
         if "--debug" not in p._option_string_actions:
             p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

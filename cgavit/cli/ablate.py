@@ -7,14 +7,19 @@ import argparse
 import logging
 import shlex
 
-from ..analysis.ablation import RUNGS, AblationConfig, StudyStopped, ablation_defaults, run_ablation
+from ..analysis.ablation import AblationConfig, StudyStopped, run_ablation
+from .options import add_options, option_values
 from .train import add_train_args, typed_options
 
 log = logging.getLogger(__name__)
 
-
-def _stages(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
+#: The AblationConfig fields with a generated flag, in the order ``--help`` lists them: the study's,
+#: then ``--train-args`` (spelled by hand: ``cgavit train`` options in one string), then the timing's.
+STUDY_FIELDS: tuple[str, ...] = (
+    "data", "output", "epochs", "model", "embed_dim", "num_heads", "depth", "img_size", "batch_size", "lr", "seeds",
+    "rungs", "train_subset", "val_subset", "heads_images", "threads",
+)
+MEASURE_FIELDS: tuple[str, ...] = ("no_throughput", "speed_rounds", "speed_seconds")
 
 
 class _TrainArgsParser(argparse.ArgumentParser):
@@ -33,13 +38,8 @@ def train_args(text: str) -> dict:
 
 def ablation_config(args: argparse.Namespace) -> AblationConfig:
     """The study the command line asks for."""
-    return AblationConfig(
-        data=args.data, output=args.output, epochs=args.epochs, model=args.model, embed_dim=args.embed_dim,
-        num_heads=args.num_heads, depth=args.depth, img_size=args.img_size, batch_size=args.batch_size, lr=args.lr,
-        seeds=tuple(args.seeds), rungs=tuple(args.rungs), train_subset=args.train_subset, val_subset=args.val_subset,
-        heads_images=args.heads_images, threads=args.threads, train_args=train_args(args.train_args),
-        no_throughput=args.no_throughput, speed_rounds=args.speed_rounds, speed_seconds=args.speed_seconds,
-    )
+    values = option_values(args, STUDY_FIELDS + MEASURE_FIELDS)
+    return AblationConfig(**values, train_args=train_args(args.train_args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d = ablation_defaults()
     p = sub.add_parser(
         "ablate",
         help="train the sandwich / group / cascade / reallocation ladder and tabulate it",
@@ -65,26 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "groups, (4) + cascade, (5) + reallocation; then measure params, MACs, CPU throughput, top-1 and head "
         "similarity. Each (variant, seed) keeps its own folder and result file, so an interrupted study continues "
         "where it stopped.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--data", required=True, help="dataset folder: DIR/train/<class>/<img> and DIR/val (or DIR/test)")
-    p.add_argument("--output", required=True, help="study folder (per-variant folders, results, table, plots)")
-    p.add_argument("--epochs", type=int, required=True, help="training epochs of every variant")
-    p.add_argument("--model", default=d["model"], help="base variant whose widths/heads/depths the ladder starts from")
-    p.add_argument("--embed-dim", type=_stages, default=d["embed_dim"], help="base widths, three values (default: the variant's)")
-    p.add_argument("--num-heads", type=_stages, default=d["num_heads"], help="base heads per stage (default: the variant's)")
-    p.add_argument("--depth", type=_stages, default=d["depth"], help="base depths (rungs 2-5; rung 1 is matched)")
-    p.add_argument("--img-size", type=int, default=d["img_size"], help="training and evaluation size")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"])
-    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW, cosine)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(d["seeds"]), help="one training run per seed and variant")
-    p.add_argument("--rungs", nargs="+", choices=RUNGS, default=list(d["rungs"]), help="which rungs to run")
-    p.add_argument("--train-subset", type=int, default=d["train_subset"], help="use this many training images, balanced per class (0 = all)")
-    p.add_argument("--val-subset", type=int, default=d["val_subset"], help="use this many validation images, balanced per class (0 = all)")
-    p.add_argument("--heads-images", type=int, default=d["heads_images"], help="validation images for the head-similarity measurement")
-    p.add_argument("--threads", type=int, default=d["threads"], help="torch threads for training")
+    add_options(p, AblationConfig, STUDY_FIELDS)
     p.add_argument("--train-args", default="", help="extra options passed to the trainer, as one quoted string")
-    p.add_argument("--no-throughput", action="store_true", help="skip the CPU throughput measurement")
-    p.add_argument("--speed-rounds", type=int, default=d["speed_rounds"], help="interleaved timing rounds per variant (throughput: the median)")
-    p.add_argument("--speed-seconds", type=float, default=d["speed_seconds"], help="seconds per timing round")
+    add_options(p, AblationConfig, MEASURE_FIELDS)
     p.set_defaults(func=run)

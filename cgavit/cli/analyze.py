@@ -6,16 +6,20 @@ import argparse
 
 from ..analysis.reports import TARGETS, AnalysisConfig, run_heads, run_taylor
 from .common import add_dial_args, dials_from_args
+from .options import add_options, option_values
+
+#: The AnalysisConfig fields both analyses take as flags, in the order ``--help`` lists them (then the dials).
+ANALYSIS_FIELDS: tuple[str, ...] = (
+    "model", "checkpoint", "pretrained", "data", "images", "output", "img_size", "crop_pct", "num_images",
+    "num_classes", "batch_size", "seed",
+)
 
 
 def analysis_config(args: argparse.Namespace) -> AnalysisConfig:
     """The options both analyses share, as the library's config."""
-    return AnalysisConfig(
-        output=args.output, model=args.model, checkpoint=args.checkpoint, pretrained=args.pretrained,
-        data=args.data, images=tuple(args.images), img_size=args.img_size, crop_pct=args.crop_pct,
-        num_images=args.num_images, num_classes=args.num_classes, batch_size=args.batch_size, seed=args.seed,
-        dials=dials_from_args(args),
-    )
+    values = option_values(args, ANALYSIS_FIELDS)
+    values["images"] = tuple(values["images"])
+    return AnalysisConfig(**values, dials=dials_from_args(args))
 
 
 def _similarity(value: float | None) -> str:
@@ -48,18 +52,7 @@ def run_taylor_command(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="variant (default: the checkpoint's, else efficientvit_m0)")
-    p.add_argument("--checkpoint", help="weights: best.pt/last.pt/*.safetensors trained here (architecture and preprocessing read from the file), or an official/timm file (give --model and dials)")
-    p.add_argument("--pretrained", action="store_true", help="use the published ImageNet-1k weights of --model (downloaded once to the torch hub cache)")
-    p.add_argument("--data", help="image folder: DIR/<class>/<img> (labelled) or DIR/<img>")
-    p.add_argument("images", nargs="*", help="image files (instead of --data)")
-    p.add_argument("--output", required=True, help="folder for the JSON and PNG files")
-    p.add_argument("--img-size", type=int, default=None, help="input size (default: the checkpoint's, else 224)")
-    p.add_argument("--crop-pct", type=float, default=None, help="centre-crop fraction after resizing (default: the checkpoint's, else 0.875)")
-    p.add_argument("--num-images", type=int, default=64, help="images to use, balanced over classes (default 64; 0 = all)")
-    p.add_argument("--num-classes", type=int, default=None, help="classifier size (default: the checkpoint's, else 1000)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per forward pass (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the image sample and random weights (default 0)")
+    add_options(p, AnalysisConfig, ANALYSIS_FIELDS)
     add_dial_args(p)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bounds import IMG_SIZE_RANGE
+from ..reallocation import ALLOCATIONS
 
 
 def _on_off(text: str) -> bool:
@@ -14,6 +15,12 @@ def _on_off(text: str) -> bool:
     if t in ("off", "false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def _allocation(text: str) -> str:
+    if text not in ALLOCATIONS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(ALLOCATIONS)}, got {text!r}")
+    return text
 
 
 def _ints(text: str) -> int | tuple[int, ...]:
@@ -34,6 +41,8 @@ _DIALS = (
     ("--key-dim", "key_dim", _ints, "Q/K width per head, one value or three per stage (paper: 16)"),
     ("--attn-ratio", "attn_ratio", _floats, "V width = attn_ratio x key_dim, one value or three (paper: width/(key_dim*heads))"),
     ("--ffn-ratio", "ffn_ratio", float, "FFN expansion (paper: 2)"),
+    ("--allocation", "allocation", _allocation, "parameter reallocation: paper (Q/K 16, V C/h, FFN x2) or uniform (Q/K = V "
+     "= C/h, FFN x4); --key-dim, --attn-ratio, --ffn-ratio given too win (paper: paper)"),
     ("--num-heads", "num_heads", _ints, "heads per stage, one value or three"),
     ("--embed-dim", "embed_dim", _ints, "channels per stage, three values"),
     ("--depth", "depth", _ints, "sandwich blocks per stage, three values"),
@@ -47,11 +56,6 @@ def add_dial_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("design dials (default: the variant's published values)")
     for flag, dest, typ, text in _DIALS:
         group.add_argument(flag, dest=dest, type=typ, default=None, help=text)
-
-
-def dial_flags() -> dict[str, str]:
-    """``{keyword: command-line flag}`` for every dial, e.g. ``{"cascade": "--cascade", ...}``."""
-    return {dest: flag for flag, dest, _, _ in _DIALS}
 
 
 def dials_from_args(args: argparse.Namespace) -> dict:

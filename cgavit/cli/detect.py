@@ -9,11 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..detection import TrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
+from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
 from .common import add_dial_args, dials_from_args
+from .options import add_options, option_values
+
+#: The DetectionTrainConfig fields ``detect train`` has a flag for (the dials and ``--model-arg``, the
+#: dict fields, are spelled by hand).
+TRAIN_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DetectionTrainConfig) if f.name not in ("dials", "model_kwargs"))
+#: The options ``detect train`` and ``detect eval`` share.
+COMMON_FIELDS = ("device", "batch_size", "workers", "strict")
 
 
 def coco_paths(args: argparse.Namespace, train: bool) -> None:
@@ -43,19 +51,12 @@ def model_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
+def train_config(args: argparse.Namespace) -> DetectionTrainConfig:
     """The ``detect train`` options as the library's config."""
     coco_paths(args, train=True)
-    return TrainConfig(
-        train_json=args.train_json or "", train_images=args.train_images or "",
-        val_json=args.val_json, val_images=args.val_images, output=args.output, model=args.model,
-        backbone=args.backbone, dials=dials_from_args(args), model_kwargs=model_args(args.model_arg),
-        pretrained_backbone=args.pretrained_backbone, trust_checkpoint=args.trust_checkpoint, freeze_bn=not args.train_bn,
-        min_size=args.min_size, max_size=args.max_size, epochs=args.epochs, lr_steps=tuple(args.lr_steps),
-        warmup_iters=args.warmup_iters, warmup_ratio=args.warmup_ratio, lr=args.lr, weight_decay=args.weight_decay,
-        hflip=args.hflip, batch_size=args.batch_size, workers=args.workers, seed=args.seed, eval_every=args.eval_every,
-        resume=args.resume, strict=args.strict, device=args.device, log_every=args.log_every,
-    )
+    values = option_values(args, TRAIN_FIELDS)
+    values["lr_steps"] = tuple(values["lr_steps"])
+    return DetectionTrainConfig(**values, dials=dials_from_args(args), model_kwargs=model_args(args.model_arg))
 
 
 def _is_main() -> bool:
@@ -101,13 +102,6 @@ def run_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (GPU of this process if any), cpu or cuda (default auto)")
-    p.add_argument("--batch-size", type=int, default=2, help="images per process and step (default 2; paper: 8 GPUs x 2)")
-    p.add_argument("--workers", type=int, default=4, help="data-loading processes per process (default 4)")
-    p.add_argument("--strict", action="store_true", help="refuse degenerate boxes (width or height <= 0, or outside the image) and masks (polygons under 3 points) instead of skipping them with a warning")
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     det = sub.add_parser(
         "detect",
@@ -128,38 +122,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g = t.add_argument_group("data")
     g.add_argument("--data", metavar="COCO_ROOT", help="a COCO 2017 folder (train2017/, val2017/, annotations/instances_*2017.json)")
-    g.add_argument("--train-json", help="training instances JSON")
-    g.add_argument("--train-images", help="folder of the training images")
-    g.add_argument("--val-json", help="validation instances JSON (evaluated with COCOeval)")
-    g.add_argument("--val-images", help="folder of the validation images")
+    add_options(g, DetectionTrainConfig, ("train_json", "train_images", "val_json", "val_images"))
     m = t.add_argument_group("model")
-    m.add_argument("--model", choices=("retinanet", "maskrcnn"), default="retinanet", help="detector (default retinanet)")
-    m.add_argument("--backbone", default="efficientvit_m4", help="EfficientViT variant m0..m5 (default efficientvit_m4, as the paper)")
-    m.add_argument("--pretrained-backbone", metavar="PATH", help="ImageNet checkpoint for the backbone (official, timm or cgavit file), or 'imagenet' to download the official release")
-    m.add_argument("--train-bn", action="store_true",
-                   help="train the backbone's BatchNorm instead of freezing it (paper: frozen, with ImageNet weights); "
-                   "needed without --pretrained-backbone, since frozen zero-initialised BN scales keep a random backbone's residual branches at zero")
-    m.add_argument("--trust-checkpoint", action="store_true", help="allow pickled objects in --pretrained-backbone (only for files you trust)")
+    add_options(m, DetectionTrainConfig, ("model", "backbone", "pretrained_backbone", "freeze_bn", "trust_checkpoint"))
     m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="a torchvision detector setting, e.g. box_detections_per_img=300 or rpn_batch_size_per_image=128 (repeatable)")
-    m.add_argument("--min-size", type=int, default=800, help="resize so the shorter side is this (default 800)")
-    m.add_argument("--max-size", type=int, default=1333, help="... unless the longer side would exceed this (default 1333)")
+    add_options(m, DetectionTrainConfig, ("min_size", "max_size"))
     add_dial_args(t)
     r = t.add_argument_group("recipe")
-    r.add_argument("--epochs", type=int, default=12, help="default 12 (1x schedule)")
-    r.add_argument("--lr-steps", type=int, nargs="*", default=[8, 11], metavar="EPOCH", help="divide the lr by 10 after these epochs (default 8 11)")
-    r.add_argument("--warmup-iters", type=int, default=500, help="linear warm-up iterations (default 500)")
-    r.add_argument("--warmup-ratio", type=float, default=0.001, help="warm-up starts at this fraction of --lr (default 0.001)")
-    r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4, for 16 images per step)")
-    r.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay (default 0.05)")
-    r.add_argument("--hflip", type=float, default=0.5, help="horizontal-flip probability (default 0.5; 0 turns augmentation off)")
-    r.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    _common(t)
+    add_options(r, DetectionTrainConfig, ("epochs", "lr_steps", "warmup_iters", "warmup_ratio", "lr", "weight_decay", "hflip", "seed"))
+    add_options(t, DetectionTrainConfig, COMMON_FIELDS)
     o = t.add_argument_group("output")
-    o.add_argument("--output", default="runs/detect", help="folder for checkpoints and metrics (default runs/detect)")
-    o.add_argument("--resume", metavar="CKPT", help="continue from a checkpoint.pth; 'auto' = --output's checkpoint.pth if present")
-    o.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (0: after the last only; default 1)")
-    o.add_argument("--log-every", type=int, default=20, help="iterations between metrics.jsonl lines (default 20)")
+    add_options(o, DetectionTrainConfig, ("output", "resume", "eval_every", "log_every"))
     t.set_defaults(func=run_train)
 
     e = cmds.add_parser("eval", help="COCO bbox (and segm) mAP of a trained checkpoint",
@@ -169,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--val-json", help="instances JSON")
     e.add_argument("--val-images", help="image folder")
     e.add_argument("--json", action="store_true", help="print only the metrics as JSON")
-    _common(e)
+    add_options(e, DetectionTrainConfig, COMMON_FIELDS)  # the same options, texts and defaults as training's
     e.set_defaults(func=run_eval)
 
     p = cmds.add_parser("predict", help="draw a checkpoint's detections (boxes, labels, scores, masks) on images",

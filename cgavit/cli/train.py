@@ -1,9 +1,9 @@
 """``cgavit train``, ``cgavit eval``, ``cgavit predict`` and ``cgavit demo``: thin over :mod:`cgavit.train`.
 
-The training flags are one flat table below; their defaults (shown in ``--help``) are read from
-:class:`~cgavit.train.TrainConfig`, so the command and the library cannot disagree. Flags are parsed
-with ``argparse.SUPPRESS`` defaults, so the options a user typed can be told apart: on ``--resume``
-they win over the ones stored in the checkpoint.
+The training flags are generated from :class:`~cgavit.train.TrainConfig` (:mod:`.options`): each
+field's flag, help and default (shown in ``--help``) come from the dataclass, so the command and the
+library cannot disagree. Flags are parsed with ``argparse.SUPPRESS`` defaults, so the options a user
+typed can be told apart: on ``--resume`` they win over the ones stored in the checkpoint.
 """
 
 from __future__ import annotations
@@ -12,117 +12,28 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 
+from ..bounds import INTERPOLATIONS
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
-from ..train.config import AMP_DTYPES, CLIP_MODES, DISTILLATION_TYPES, INTERPOLATIONS, train_defaults
 from ..train.demo import run_demo, summary_lines
 from .common import add_dial_args, dials_from_args, image_size
+from .options import add_options, option_values
 
-# (flags, argparse keywords): every TrainConfig field but the dials, in the order --help lists them
-TRAIN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
-    # data
-    (("--data",), dict(metavar="DIR", help="dataset root with train/<class>/ and val/<class>/ image folders")),
-    (("--train-split",), dict(help="training split folder name")),
-    (("--val-split",), dict(help="validation split folder name")),
-    (("--img-size",), dict(type=int, help="training and evaluation image size in pixels")),
-    (("--crop-pct",), dict(type=float, help="evaluation centre-crop fraction (resize to img_size/crop_pct first)")),
-    (("--interpolation",), dict(choices=INTERPOLATIONS, help="resize interpolation")),
-    (("--mean",), dict(type=float, nargs=3, metavar=("R", "G", "B"), help="normalisation mean (ImageNet's)")),
-    (("--std",), dict(type=float, nargs=3, metavar=("R", "G", "B"), help="normalisation std (ImageNet's)")),
-    (("--workers", "-j"), dict(type=int, help="data-loading worker processes per training process")),
-    (("--strict",), dict(action="store_true", help="stop at the first unreadable image instead of skipping it")),
-    # model
-    (("--model",), dict(help="variant efficientvit_m0..m5 (dials below change it)")),
-    (("--drop-path",), dict(type=float, help="stochastic-depth rate")),
-    (("--finetune",), dict(metavar="CKPT", help="start from these weights (official, timm or cgavit file); "
-                           "a classifier for another class count is replaced")),
-    # optimisation
-    (("--epochs",), dict(type=int, help="epochs of the cosine schedule")),
-    (("--cooldown-epochs",), dict(type=int, help="extra epochs at --min-lr after the cosine (timm semantics). "
-                                  "The official config names 10, but its DeiT loop stops at --epochs")),
-    (("--batch-size", "-b"), dict(type=int, help="batch size per process (official: 256 x 8 GPUs)")),
-    (("--lr",), dict(type=float, help="peak learning rate (default: --lr-base x total batch / --lr-base-size)")),
-    (("--lr-base",), dict(type=float, help="learning rate at the reference batch size")),
-    (("--lr-base-size",), dict(type=int, help="reference total batch size for --lr-base")),
-    (("--opt",), dict(help="timm optimiser name")),
-    (("--opt-eps",), dict(type=float, help="optimiser epsilon")),
-    (("--momentum",), dict(type=float, help="momentum (SGD-type optimisers)")),
-    (("--weight-decay",), dict(type=float, help="weight decay (none on attention biases, norms, biases)")),
-    (("--warmup-epochs",), dict(type=int, help="linear warm-up epochs")),
-    (("--warmup-lr",), dict(type=float, help="learning rate at the start of the warm-up")),
-    (("--min-lr",), dict(type=float, help="learning rate at the end of the cosine")),
-    (("--sched-on-updates",), dict(action="store_true", help="step the schedule every update instead of every epoch "
-                                   "(smoother for short runs)")),
-    (("--clip-grad",), dict(type=float, help="gradient clipping value; 0 disables")),
-    (("--clip-mode",), dict(choices=CLIP_MODES, help="gradient clipping mode")),
-    # augmentation and regularisation
-    (("--aa",), dict(help="timm auto-augment policy; 'none' disables")),
-    (("--reprob",), dict(type=float, help="random-erasing probability")),
-    (("--hflip",), dict(type=float, help="horizontal-flip probability")),
-    (("--scale",), dict(type=float, nargs=2, metavar=("MIN", "MAX"), help="random-resized-crop area range")),
-    (("--color-jitter",), dict(type=float, help="colour-jitter strength (ignored when --aa is set)")),
-    (("--smoothing",), dict(type=float, help="label smoothing")),
-    (("--mixup",), dict(type=float, help="mixup alpha; 0 disables")),
-    (("--cutmix",), dict(type=float, help="cutmix alpha; 0 disables")),
-    (("--mixup-prob",), dict(type=float, help="probability of applying mixup or cutmix to a batch")),
-    (("--mixup-switch-prob",), dict(type=float, help="probability of cutmix rather than mixup when both are on")),
-    (("--aug-repeats",), dict(type=int, help="repeated augmentation (DeiT) across processes; used when "
-                              "running several processes, 0 or 1 disables")),
-    (("--model-ema",), dict(action=argparse.BooleanOptionalAction, help="keep an exponential moving average of the weights")),
-    (("--model-ema-decay",), dict(type=float, help="EMA decay per update")),
-    (("--model-ema-eval",), dict(action="store_true", help="also evaluate the EMA weights every epoch")),
-    # distillation (DeiT)
-    (("--distillation-type",), dict(choices=DISTILLATION_TYPES, help="DeiT distillation through the distillation head")),
-    (("--distillation-alpha",), dict(type=float, help="weight of the distillation loss")),
-    (("--distillation-tau",), dict(type=float, help="temperature of soft distillation")),
-    (("--teacher",), dict(help="teacher: a timm or cgavit model name (with --teacher-weights), or a checkpoint "
-                          "trained here")),
-    (("--teacher-weights",), dict(metavar="FILE", help="local weights file for --teacher (never downloaded)")),
-    # run
-    (("--output",), dict(metavar="DIR", help="run folder for last.pt, best.pt, metrics.jsonl, curves.png "
-                         "(default runs/<model>-<time>)")),
-    (("--resume",), dict(metavar="CKPT", help="continue the run saved in CKPT (e.g. DIR/last.pt); options not "
-                         "given again are taken from it")),
-    (("--seed",), dict(type=int, help="random seed")),
-    (("--device",), dict(help="auto, cpu or cuda")),
-    (("--amp",), dict(action="store_true", help="mixed precision on GPU (ignored on CPU)")),
-    (("--amp-dtype",), dict(choices=AMP_DTYPES, help="mixed-precision type")),
-    (("--log-interval",), dict(type=int, help="updates between log lines when not on a terminal")),
-    (("--progress",), dict(action=argparse.BooleanOptionalAction, help="progress bar (default: when stderr is a terminal)")),
-)
-
-
-def dest(flags: tuple[str, ...]) -> str:
-    """The TrainConfig field of a flag: ``--batch-size`` -> ``batch_size``."""
-    return flags[0].lstrip("-").replace("-", "_")
-
-
-def _with_default(kw: dict, default: object) -> dict:
-    """``kw`` with the default named in its help text."""
-    kw = dict(kw)
-    if kw.get("action") == argparse.BooleanOptionalAction:
-        if default is not None:
-            kw["help"] = f"{kw['help']} (default: {'on' if default else 'off'})"
-    elif default not in (None, False):
-        shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
-        kw["help"] = f"{kw['help']} (default: {shown})"
-    return kw
+#: The TrainConfig fields ``cgavit train`` has a flag for, in the order ``--help`` lists them (the
+#: design dials, the ``dials`` field, follow as flags of their own).
+TRAIN_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TrainConfig) if f.name != "dials")
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """Add every training option and the design dials to ``parser`` (defaults: SUPPRESS)."""
-    defaults = train_defaults()
-    for flags, kw in TRAIN_OPTIONS:
-        parser.add_argument(*flags, dest=dest(flags), default=argparse.SUPPRESS, **_with_default(kw, defaults[dest(flags)]))
-    # a testing aid: behave as if SIGTERM arrived after this many updates (same code path)
-    parser.add_argument("--interrupt-after", dest="interrupt_after", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    add_options(parser, TrainConfig, TRAIN_FIELDS, suppress=True)
     add_dial_args(parser)
 
 
 def typed_options(args: argparse.Namespace) -> dict:
     """The training options given on the command line, as TrainConfig fields (dials under ``dials``)."""
-    names = [dest(flags) for flags, _ in TRAIN_OPTIONS] + ["interrupt_after"]
-    typed = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    typed = option_values(args, TRAIN_FIELDS)
     dials = dials_from_args(args)
     if dials:
         typed["dials"] = dials

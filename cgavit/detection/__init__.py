@@ -11,7 +11,7 @@ from .backbone import EfficientViTFPN, detection_body
 from .checkpoint import load_detector
 from .data import CocoDetection
 from .draw import draw_detections
-from .engine import TrainConfig, evaluate, evaluate_checkpoint, train
+from .engine import DetectionTrainConfig, evaluate, evaluate_checkpoint, train
 from .models import maskrcnn, retinanet
 from .predict import Prediction, predict_images
 from .shapes import write_shapes_dataset
@@ -19,9 +19,9 @@ from .shapes import write_shapes_dataset
 __all__ = [
     "CocoCheck",
     "CocoDetection",
+    "DetectionTrainConfig",
     "EfficientViTFPN",
     "Prediction",
-    "TrainConfig",
     "check_coco",
     "detection_body",
     "draw_detections",

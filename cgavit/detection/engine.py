@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..analysis.plots import training_curves
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
+from ..fields import option
 from ..io import CheckpointError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
 from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
@@ -43,7 +44,7 @@ from .schema import is_int, is_number
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "STAT_NAMES", "TrainConfig", "coco_metrics", "evaluate", "evaluate_checkpoint",
+    "CHECKPOINT_FORMAT", "DetectionTrainConfig", "STAT_NAMES", "coco_metrics", "evaluate", "evaluate_checkpoint",
     "load_detector", "lr_factor", "model_config", "param_groups", "plot_losses", "read_checkpoint",
     "to_coco_results", "train",
 ]
@@ -51,42 +52,55 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------- recipe
 @dataclass
-class TrainConfig:
+class DetectionTrainConfig:
     """A detection training run. Defaults are the paper's 1x COCO recipe (per process batch 2:
     the paper trained with 8 GPUs x 2 images = 16).
 
-    Attributes mirror ``cgavit detect train --help``.
+    Each field is documented by its ``help`` text, the line ``cgavit detect train --help`` shows for
+    its flag (the field name with dashes, except ``freeze_bn``: ``--train-bn`` turns it off).
     """
 
-    train_json: str = ""
-    train_images: str = ""
-    val_json: str | None = None
-    val_images: str | None = None
-    output: str = "runs/detect"
-    model: str = "retinanet"  # retinanet | maskrcnn
-    backbone: str = "efficientvit_m4"
-    dials: dict = field(default_factory=dict)
-    pretrained_backbone: str | None = None
-    trust_checkpoint: bool = False
-    freeze_bn: bool = True  # paper: frozen BatchNorm (set False to train a random backbone)
-    model_kwargs: dict = field(default_factory=dict)  # torchvision detector settings
-    min_size: int = 800
-    max_size: int = 1333
-    epochs: int = 12
-    lr_steps: tuple[int, ...] = (8, 11)  # epochs after which the rate is divided by 10
-    warmup_iters: int = 500
-    warmup_ratio: float = 0.001
-    lr: float = 1e-4
-    weight_decay: float = 0.05
-    hflip: float = 0.5  # horizontal-flip probability (the only augmentation of the 1x recipe)
-    batch_size: int = 2  # per process
-    workers: int = 4
-    seed: int = 0
-    eval_every: int = 1  # epochs; 0 evaluates only after the last one
-    resume: str | None = None  # checkpoint path, or "auto" (output/checkpoint.pth when present)
-    strict: bool = False  # refuse degenerate boxes instead of skipping them
-    device: str = "auto"
-    log_every: int = 20  # iterations between metrics.jsonl step lines
+    train_json: str = option("", "training instances JSON")
+    train_images: str = option("", "folder of the training images")
+    val_json: str | None = option(None, "validation instances JSON (evaluated with COCOeval)")
+    val_images: str | None = option(None, "folder of the validation images")
+    output: str = option("runs/detect", "folder for checkpoints and metrics")
+    model: str = option("retinanet", "detector", choices=KINDS)
+    backbone: str = option("efficientvit_m4", "EfficientViT variant m0..m5 (paper: efficientvit_m4)")
+    dials: dict = field(default_factory=dict)  # design dials of the backbone, e.g. {"cascade": False}
+    pretrained_backbone: str | None = option(
+        None, "ImageNet checkpoint for the backbone (official, timm or cgavit file), or 'imagenet' to download the "
+        "official release", metavar="PATH",
+    )
+    trust_checkpoint: bool = option(False, "allow pickled objects in --pretrained-backbone (only for files you trust)")
+    freeze_bn: bool = option(
+        True, "train the backbone's BatchNorm instead of freezing it (paper: frozen, with ImageNet weights); needed "
+        "without --pretrained-backbone, since frozen zero-initialised BN scales keep a random backbone's residual "
+        "branches at zero", flags=("--train-bn",), action="store_false",
+    )
+    model_kwargs: dict = field(default_factory=dict)  # torchvision detector settings, e.g. {"box_detections_per_img": 300}
+    min_size: int = option(800, "resize so the shorter side is this")
+    max_size: int = option(1333, "... unless the longer side would exceed this")
+    epochs: int = option(12, "training epochs (paper: 12, the 1x schedule)")
+    lr_steps: tuple[int, ...] = option((8, 11), "divide the lr by 10 after these epochs", nargs="*", metavar="EPOCH")
+    warmup_iters: int = option(500, "linear warm-up iterations")
+    warmup_ratio: float = option(0.001, "warm-up starts at this fraction of --lr")
+    lr: float = option(1e-4, "AdamW learning rate, for 16 images per step")
+    weight_decay: float = option(0.05, "AdamW weight decay")
+    hflip: float = option(0.5, "horizontal-flip probability (0 turns augmentation off)")
+    batch_size: int = option(2, "images per process and step (paper: 8 GPUs x 2)")
+    workers: int = option(4, "data-loading processes per process")
+    seed: int = option(0, "random seed")
+    eval_every: int = option(1, "evaluate every N epochs (0: after the last only)")
+    resume: str | None = option(
+        None, "continue from a checkpoint.pth; 'auto' = --output's checkpoint.pth if present", metavar="CKPT"
+    )
+    strict: bool = option(
+        False, "refuse degenerate boxes (width or height <= 0, or outside the image) and masks (polygons under 3 "
+        "points) instead of skipping them with a warning",
+    )
+    device: str = option("auto", "auto (GPU of this process if any), cpu or cuda")
+    log_every: int = option(20, "iterations between metrics.jsonl lines")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (its command-line flag) that is missing or out of bounds."""
@@ -111,13 +125,13 @@ class TrainConfig:
             raise ValueError(f"--output {self.output} is not a folder; give a folder for the run's files")
 
 
-#: (TrainConfig field, lowest, highest) of its whole-number options; the flag is the field's name.
+#: (DetectionTrainConfig field, lowest, highest) of its whole-number options; the flag is the field's name.
 _INT_BOUNDS = (
     ("epochs", 1, 10_000), ("batch_size", 1, 1024), ("workers", 0, 256), ("min_size", *IMG_SIZE_RANGE),
     ("max_size", *IMG_SIZE_RANGE), ("warmup_iters", 0, 10**7), ("eval_every", 0, 10_000), ("log_every", 0, 10**7),
     ("seed", 0, 2**32 - 1),
 )
-#: (TrainConfig field, lowest, highest) of its real-valued options (the learning rate must also be > 0).
+#: (DetectionTrainConfig field, lowest, highest) of its real-valued options (the learning rate must also be > 0).
 _FLOAT_BOUNDS = (("lr", 0.0, 10.0), ("weight_decay", 0.0, 10.0), ("warmup_ratio", 0.0, 1.0), ("hflip", 0.0, 1.0))
 
 
@@ -248,7 +262,7 @@ def evaluate_checkpoint(
 
 
 # --------------------------------------------------------------------------------------- training
-def model_config(cfg: TrainConfig, categories: Sequence[tuple[int, str]]) -> dict[str, Any]:
+def model_config(cfg: DetectionTrainConfig, categories: Sequence[tuple[int, str]]) -> dict[str, Any]:
     """The plain dict that rebuilds the run's detector (stored in every checkpoint)."""
     if cfg.model not in KINDS:
         raise ValueError(f"unknown --model {cfg.model!r}; choose one of {', '.join(KINDS)}")
@@ -273,7 +287,7 @@ def plot_losses(metrics_file: str | os.PathLike, out: str | os.PathLike) -> Path
     return training_curves(steps, Path(out), x="iter", rate="lr", skip=("type", "epoch"))
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
     """Train a detector on COCO-format data; return the last epoch's record (with its evaluation
     when ``val_json`` is given; empty when a resumed run had no epoch left).
 
@@ -283,7 +297,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     and ``loss.png``.
 
     Raises:
-        ValueError: bad options (:meth:`TrainConfig.validate`), diverged loss.
+        ValueError: bad options (:meth:`DetectionTrainConfig.validate`), diverged loss.
         DataError: bad data (every offending annotation named), an image that cannot be read.
         CheckpointError: a ``resume`` or ``pretrained_backbone`` file that cannot be used.
     """
@@ -299,7 +313,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 class _Run:
     """What every epoch of one training run shares."""
 
-    cfg: TrainConfig
+    cfg: DetectionTrainConfig
     env: DistEnv
     config: dict[str, Any]  # model_config(): stored in every checkpoint
     model: nn.Module  # wrapped in DistributedDataParallel with more than one process
@@ -318,7 +332,7 @@ class _Run:
         return self.out / "metrics.jsonl"
 
 
-def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
+def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
     train_check, train_set, val_set = _datasets(cfg)
     config = model_config(cfg, train_check.categories)
     resume, ckpt = _resume_checkpoint(cfg, config)
@@ -369,7 +383,7 @@ def _epochs(run: _Run, val_set: CocoDetection | None, start_epoch: int) -> dict[
     return row
 
 
-def _datasets(cfg: TrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
+def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
     """``(training check, training set, validation set or None)``, every file checked first."""
     masks = cfg.model == "maskrcnn"
     train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks)
@@ -388,7 +402,7 @@ def _datasets(cfg: TrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection
     return train_check, train_set, val_set
 
 
-def _resume_checkpoint(cfg: TrainConfig, config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(path, checkpoint)`` to continue from (``"auto"``: the output's checkpoint.pth if present),
     checked to describe the same detector and data; ``(None, None)`` for a fresh run."""
     resume = cfg.resume
@@ -410,7 +424,7 @@ def _resume_checkpoint(cfg: TrainConfig, config: Mapping[str, Any]) -> tuple[str
     return resume, ckpt
 
 
-def _setup(cfg: TrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | None, train_set: CocoDetection) -> _Run:
+def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | None, train_set: CocoDetection) -> _Run:
     """Model, optimizer, schedule and loader of a run, restored from ``ckpt`` when resuming."""
     torch.manual_seed(cfg.seed)
     model = build_detector(config, None if ckpt else cfg.pretrained_backbone, trust=cfg.trust_checkpoint)

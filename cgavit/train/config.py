@@ -5,9 +5,10 @@ Official recipe (ImageNet-1k, 8 GPUs x 256): AdamW, lr 1e-3 x total batch / 512,
 lr 1e-5, AGC clipping 0.02, RandAugment rand-m9-mstd0.5-inc1, bicubic, mixup 0.8, cutmix 1.0, label
 smoothing 0.1, random erasing 0.25, repeated augmentation x3, model EMA 0.99996, seed 0.
 
-Field names are timm's ``train.py`` option names, and each is the ``cgavit train`` flag with dashes
-(``batch_size`` is ``--batch-size``); the design dials are the :class:`~cgavit.EfficientViTConfig`
-field names (``dials={"cascade": False}`` is ``--cascade off``).
+Field names are timm's ``train.py`` option names. Each is the ``cgavit train`` flag with dashes
+(``batch_size`` is ``--batch-size``), and its ``help`` (:func:`cgavit.fields.option`) is that flag's
+``--help`` text. The design dials are the :class:`~cgavit.EfficientViTConfig` field names
+(``dials={"cascade": False}`` is ``--cascade off``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from ..factory import resolve_name
 from ..variants import VARIANTS, DialError, EfficientViTConfig
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
+from ..fields import option
 from ..io import CheckpointError
 from . import checkpoint
 
@@ -29,7 +31,7 @@ from . import checkpoint
 DIAL_NAMES: tuple[str, ...] = (*(f.name for f in fields(EfficientViTConfig)), "allocation")
 
 #: Options that only steer one invocation: never taken from a checkpoint on resume.
-NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress", "interrupt_after"})
+NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress"})
 
 CLIP_MODES = ("agc", "norm", "value")
 DISTILLATION_TYPES = ("none", "soft", "hard")
@@ -50,7 +52,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "smoothing": (0.0, 1.0), "mixup": (0.0, 100.0), "cutmix": (0.0, 100.0), "mixup_prob": (0.0, 1.0),
     "mixup_switch_prob": (0.0, 1.0), "aug_repeats": (0, 64), "model_ema_decay": (0.0, 1.0),
     "distillation_alpha": (0.0, 1.0), "distillation_tau": (1e-3, 1e3), "seed": (0, 2**63 - 1),
-    "log_interval": (1, 2**31), "interrupt_after": (0, 2**63 - 1),
+    "log_interval": (1, 2**31),
     "mean": (0.0, 1.0), "std": (1e-3, 10.0), "scale": (1e-4, 1.0),
 }
 @dataclass
@@ -59,72 +61,89 @@ class TrainConfig:
 
     Build it directly (``TrainConfig(data="DIR", epochs=10)``) or, to continue a run, with
     :meth:`resume_from`. Paths may be ``str`` or ``Path`` (kept as ``str``); sequences become tuples.
+    Each field is documented by its ``help`` text, the line ``cgavit train --help`` shows for it.
     """
 
     # --- data
-    data: str | None = None  # dataset root with train/<class>/ and val/<class>/ image folders
-    train_split: str = "train"  # training split folder name
-    val_split: str = "val"  # validation split folder name
-    img_size: int = 224  # training and evaluation image size (pixels)
-    crop_pct: float = 0.875  # evaluation centre-crop fraction (resize to img_size / crop_pct first)
-    interpolation: str = "bicubic"  # resize interpolation: bicubic, bilinear or nearest
-    mean: tuple[float, float, float] | None = None  # normalisation mean; None = ImageNet's
-    std: tuple[float, float, float] | None = None  # normalisation std; None = ImageNet's
-    workers: int = 4  # data-loading worker processes per training process
-    strict: bool = False  # stop at the first unreadable image instead of skipping it
+    data: str | None = option(None, "dataset root with train/<class>/ and val/<class>/ image folders", metavar="DIR")
+    train_split: str = option("train", "training split folder name")
+    val_split: str = option("val", "validation split folder name")
+    img_size: int = option(224, "training and evaluation image size in pixels")
+    crop_pct: float = option(0.875, "evaluation centre-crop fraction (resize to img_size/crop_pct first)")
+    interpolation: str = option("bicubic", "resize interpolation", choices=INTERPOLATIONS)
+    mean: tuple[float, float, float] | None = option(None, "normalisation mean (ImageNet's)", metavar=("R", "G", "B"))
+    std: tuple[float, float, float] | None = option(None, "normalisation std (ImageNet's)", metavar=("R", "G", "B"))
+    workers: int = option(4, "data-loading worker processes per training process", flags=("--workers", "-j"))
+    strict: bool = option(False, "stop at the first unreadable image instead of skipping it")
     # --- model
-    model: str = "efficientvit_m0"  # variant efficientvit_m0..m5
+    model: str = option("efficientvit_m0", "variant efficientvit_m0..m5 (dials below change it)")
     dials: dict = field(default_factory=dict)  # design dials changing the variant, e.g. {"cascade": False}
-    drop_path: float = 0.0  # stochastic-depth rate
-    finetune: str | None = None  # start from these weights; a classifier for another class count is replaced
+    drop_path: float = option(0.0, "stochastic-depth rate")
+    finetune: str | None = option(
+        None, "start from these weights (official, timm or cgavit file); a classifier for another class count is replaced",
+        metavar="CKPT",
+    )
     # --- optimisation
-    epochs: int = 300  # epochs of the cosine schedule
-    cooldown_epochs: int = 0  # extra epochs at min_lr after the cosine (the official DeiT loop runs none)
-    batch_size: int = 256  # batch size per process (official: 256 x 8 GPUs)
-    lr: float | None = None  # peak learning rate; None = lr_base x total batch / lr_base_size
-    lr_base: float = 1e-3  # learning rate at the reference batch size
-    lr_base_size: int = 512  # reference total batch size for lr_base
-    opt: str = "adamw"  # timm optimiser name
-    opt_eps: float = 1e-8  # optimiser epsilon
-    momentum: float = 0.9  # momentum (SGD-type optimisers)
-    weight_decay: float = 0.025  # weight decay (none on attention biases, norms, biases)
-    warmup_epochs: int = 5  # linear warm-up epochs
-    warmup_lr: float = 1e-6  # learning rate at the start of the warm-up
-    min_lr: float = 1e-5  # learning rate at the end of the cosine
-    sched_on_updates: bool = False  # step the schedule every update instead of every epoch
-    clip_grad: float = 0.02  # gradient clipping value; 0 disables
-    clip_mode: str = "agc"  # gradient clipping mode: agc, norm or value
+    epochs: int = option(300, "epochs of the cosine schedule")
+    cooldown_epochs: int = option(
+        0, "extra epochs at --min-lr after the cosine (timm semantics). The official config names 10, but its DeiT loop "
+        "stops at --epochs",
+    )
+    batch_size: int = option(256, "batch size per process (official: 256 x 8 GPUs)", flags=("--batch-size", "-b"))
+    lr: float | None = option(None, "peak learning rate (default: --lr-base x total batch / --lr-base-size)")
+    lr_base: float = option(1e-3, "learning rate at the reference batch size")
+    lr_base_size: int = option(512, "reference total batch size for --lr-base")
+    opt: str = option("adamw", "timm optimiser name")
+    opt_eps: float = option(1e-8, "optimiser epsilon")
+    momentum: float = option(0.9, "momentum (SGD-type optimisers)")
+    weight_decay: float = option(0.025, "weight decay (none on attention biases, norms, biases)")
+    warmup_epochs: int = option(5, "linear warm-up epochs")
+    warmup_lr: float = option(1e-6, "learning rate at the start of the warm-up")
+    min_lr: float = option(1e-5, "learning rate at the end of the cosine")
+    sched_on_updates: bool = option(
+        False, "step the schedule every update instead of every epoch (smoother for short runs)"
+    )
+    clip_grad: float = option(0.02, "gradient clipping value; 0 disables")
+    clip_mode: str = option("agc", "gradient clipping mode", choices=CLIP_MODES)
     # --- augmentation and regularisation
-    aa: str = "rand-m9-mstd0.5-inc1"  # timm auto-augment policy; "none" disables
-    reprob: float = 0.25  # random-erasing probability
-    hflip: float = 0.5  # horizontal-flip probability
-    scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area range
-    color_jitter: float = 0.4  # colour-jitter strength (ignored when aa is set)
-    smoothing: float = 0.1  # label smoothing
-    mixup: float = 0.8  # mixup alpha; 0 disables
-    cutmix: float = 1.0  # cutmix alpha; 0 disables
-    mixup_prob: float = 1.0  # probability of applying mixup or cutmix to a batch
-    mixup_switch_prob: float = 0.5  # probability of cutmix rather than mixup when both are on
-    aug_repeats: int = 3  # repeated augmentation (DeiT) across processes; 0 or 1 disables
-    model_ema: bool = True  # keep an exponential moving average of the weights
-    model_ema_decay: float = 0.99996  # EMA decay per update
-    model_ema_eval: bool = False  # also evaluate the EMA weights every epoch
+    aa: str = option("rand-m9-mstd0.5-inc1", "timm auto-augment policy; 'none' disables")
+    reprob: float = option(0.25, "random-erasing probability")
+    hflip: float = option(0.5, "horizontal-flip probability")
+    scale: tuple[float, float] = option((0.08, 1.0), "random-resized-crop area range", metavar=("MIN", "MAX"))
+    color_jitter: float = option(0.4, "colour-jitter strength (ignored when --aa is set)")
+    smoothing: float = option(0.1, "label smoothing")
+    mixup: float = option(0.8, "mixup alpha; 0 disables")
+    cutmix: float = option(1.0, "cutmix alpha; 0 disables")
+    mixup_prob: float = option(1.0, "probability of applying mixup or cutmix to a batch")
+    mixup_switch_prob: float = option(0.5, "probability of cutmix rather than mixup when both are on")
+    aug_repeats: int = option(
+        3, "repeated augmentation (DeiT) across processes; used when running several processes, 0 or 1 disables"
+    )
+    model_ema: bool = option(True, "keep an exponential moving average of the weights")
+    model_ema_decay: float = option(0.99996, "EMA decay per update")
+    model_ema_eval: bool = option(False, "also evaluate the EMA weights every epoch")
     # --- distillation (DeiT)
-    distillation_type: str = "none"  # none, soft or hard, through the distillation head
-    distillation_alpha: float = 0.5  # weight of the distillation loss
-    distillation_tau: float = 1.0  # temperature of soft distillation
-    teacher: str | None = None  # a timm or cgavit model name (with teacher_weights), or a checkpoint
-    teacher_weights: str | None = None  # local weights file for teacher (never downloaded)
+    distillation_type: str = option("none", "DeiT distillation through the distillation head", choices=DISTILLATION_TYPES)
+    distillation_alpha: float = option(0.5, "weight of the distillation loss")
+    distillation_tau: float = option(1.0, "temperature of soft distillation")
+    teacher: str | None = option(
+        None, "teacher: a timm or cgavit model name (with --teacher-weights), or a checkpoint trained here"
+    )
+    teacher_weights: str | None = option(None, "local weights file for --teacher (never downloaded)", metavar="FILE")
     # --- run
-    output: str | None = None  # run folder; None = runs/<model>-<time>
-    resume: str | None = None  # continue the run saved in this checkpoint (see resume_from)
-    seed: int = 0  # random seed
-    device: str = "auto"  # auto, cpu or cuda
-    amp: bool = False  # mixed precision on GPU (ignored on CPU)
-    amp_dtype: str = "bfloat16"  # mixed-precision type: bfloat16 or float16
-    log_interval: int = 50  # updates between log lines when not on a terminal
-    progress: bool | None = None  # progress bar; None = when stderr is a terminal
-    interrupt_after: int | None = None  # testing aid: stop as on SIGTERM after this many updates
+    output: str | None = option(
+        None, "run folder for last.pt, best.pt, metrics.jsonl, curves.png (default runs/<model>-<time>)", metavar="DIR"
+    )
+    resume: str | None = option(
+        None, "continue the run saved in CKPT (e.g. DIR/last.pt); options not given again are taken from it",
+        metavar="CKPT",
+    )
+    seed: int = option(0, "random seed")
+    device: str = option("auto", "auto, cpu or cuda")
+    amp: bool = option(False, "mixed precision on GPU (ignored on CPU)")
+    amp_dtype: str = option("bfloat16", "mixed-precision type", choices=AMP_DTYPES)
+    log_interval: int = option(50, "updates between log lines when not on a terminal")
+    progress: bool | None = option(None, "progress bar (default: when stderr is a terminal)")
 
     def __post_init__(self) -> None:
         for name in _PATH_FIELDS:
@@ -356,7 +375,7 @@ class TrainResult:
             and curves (curves.png) are the files in it.
         wall_s: seconds the call took.
         skipped_images: unreadable images skipped.
-        interrupted: stopped before the last epoch (a signal or ``interrupt_after``).
+        interrupted: stopped before the last epoch (by SIGTERM or SIGINT).
         signal: the signal number that stopped it, or None.
         world_size: processes that trained.
         classes: the dataset's class names, index order.

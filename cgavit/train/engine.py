@@ -222,7 +222,7 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             if env.is_main:
                 meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
                 save_weights(run.model, output / "best.safetensors", meta)
-        if run.stopper.signum is not None or _forced_stop(cfg, state):
+        if run.stopper.signum is not None:
             interrupted = True
             log.warning("stopped after epoch %d; continue with --resume %s", epoch + 1, output / "last.pt")
             break
@@ -308,7 +308,7 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
                 run.ema.update(run.model, step=state.global_step)
             stats.add(value, n)
             bar.update(step, n * env.world, value, stats.lr)
-        stop = run.stopper.signum is not None or _forced_stop(cfg, state)
+        stop = run.stopper.signum is not None
         if any_true(env, stop) and step + 1 < steps:
             stats.next_step, stats.interrupted = step + 1, True
             break
@@ -333,10 +333,6 @@ def _start_epoch(run: Run, epoch: int, start_step: int) -> None:
     run.loaders.generator.manual_seed(epoch_seed(cfg.seed, epoch, run.env.rank, stream=3))
     if not cfg.sched_on_updates:
         run.scheduler.step(epoch)
-
-
-def _forced_stop(cfg: TrainConfig, state: TrainState) -> bool:
-    return cfg.interrupt_after is not None and state.global_step >= cfg.interrupt_after
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:

@@ -24,7 +24,7 @@ One module per job: :mod:`.ladder` (the rungs' dials, depth matching), :mod:`.co
 (:func:`run_ablation`, the whole study).
 """
 
-from .config import AblationConfig, ablation_defaults
+from .config import AblationConfig
 from .ladder import RUNGS, Variant, build_ladder, match_depth, rung_dials
 from .runs import StudyStopped
 from .study import StudySummary, run_ablation
@@ -36,7 +36,6 @@ __all__ = [
     "StudyStopped",
     "StudySummary",
     "Variant",
-    "ablation_defaults",
     "build_ladder",
     "match_depth",
     "measure_throughput",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 
+from ...fields import option
 from ...train import TrainConfig
 from ...train.config import train_defaults
 from .ladder import RUNGS
@@ -11,50 +12,37 @@ from .ladder import RUNGS
 
 @dataclass
 class AblationConfig:
-    """One study; the fields are the ``cgavit ablate`` options.
+    """One study; the fields are the ``cgavit ablate`` options, each documented by its ``help`` text
+    (the line ``cgavit ablate --help`` shows for it).
 
     Args:
-        data: dataset folder: ``DIR/train/<class>/<img>`` and ``DIR/val`` (or ``DIR/test``).
-        output: study folder (per-variant folders, results, table, plots).
-        epochs: training epochs of every variant.
-        model: base variant whose widths / heads / depths the ladder starts from.
-        embed_dim, num_heads, depth: base widths, heads, depths (three values each; default: the
-            variant's). Rung 1's depth is matched in parameters to rung 2's.
-        img_size: training and evaluation size (pixels).
-        batch_size: training batch size.
-        lr: peak learning rate (AdamW, cosine).
-        seeds: one training run per seed and variant.
-        rungs: which rungs to run (of :data:`RUNGS`).
-        train_subset, val_subset: use this many images, balanced per class (0 = all).
-        heads_images: validation images for the head-similarity measurement.
-        threads: torch threads for training.
         train_args: further :class:`~cgavit.train.TrainConfig` fields for every run (dials under
-            ``"dials"``; they win over the rung's).
-        no_throughput: skip the CPU throughput measurement.
-        speed_rounds: interleaved timing rounds per variant (throughput: the median).
-        speed_seconds: seconds per timing round.
+            ``"dials"``; they win over the rung's). The command takes them as ``cgavit train``
+            options in one string, ``--train-args``.
     """
 
-    data: str
-    output: str
-    epochs: int
-    model: str = "efficientvit_m0"
-    embed_dim: tuple[int, ...] | None = None
-    num_heads: tuple[int, ...] | None = None
-    depth: tuple[int, ...] | None = None
-    img_size: int = 224
-    batch_size: int = 64
-    lr: float = 1e-3
-    seeds: tuple[int, ...] = (0,)
-    rungs: tuple[str, ...] = RUNGS
-    train_subset: int = 0
-    val_subset: int = 0
-    heads_images: int = 64
-    threads: int = 1
+    data: str = option(help="dataset folder: DIR/train/<class>/<img> and DIR/val (or DIR/test)")
+    output: str = option(help="study folder (per-variant folders, results, table, plots)")
+    epochs: int = option(help="training epochs of every variant")
+    model: str = option("efficientvit_m0", "base variant whose widths/heads/depths the ladder starts from")
+    embed_dim: tuple[int, ...] | None = option(None, "base widths, three values (default: the variant's)", sep=",")
+    num_heads: tuple[int, ...] | None = option(None, "base heads per stage (default: the variant's)", sep=",")
+    depth: tuple[int, ...] | None = option(
+        None, "base depths (rungs 2-5; rung 1 is matched in parameters to rung 2; default: the variant's)", sep=","
+    )
+    img_size: int = option(224, "training and evaluation size in pixels")
+    batch_size: int = option(64, "training batch size")
+    lr: float = option(1e-3, "peak learning rate (AdamW, cosine)")
+    seeds: tuple[int, ...] = option((0,), "one training run per seed and variant")
+    rungs: tuple[str, ...] = option(RUNGS, "which rungs to run", choices=RUNGS)
+    train_subset: int = option(0, "use this many training images, balanced per class (0 = all)")
+    val_subset: int = option(0, "use this many validation images, balanced per class (0 = all)")
+    heads_images: int = option(64, "validation images for the head-similarity measurement")
+    threads: int = option(1, "torch threads for training")
     train_args: dict = field(default_factory=dict)
-    no_throughput: bool = False
-    speed_rounds: int = 5
-    speed_seconds: float = 1.0
+    no_throughput: bool = option(False, "skip the CPU throughput measurement")
+    speed_rounds: int = option(5, "interleaved timing rounds per variant (throughput: the median)")
+    speed_seconds: float = option(1.0, "seconds per timing round")
 
     def __post_init__(self) -> None:
         self.data, self.output = str(self.data), str(self.output)
@@ -86,14 +74,3 @@ class AblationConfig:
         arch = {k: getattr(self, k) for k in ("embed_dim", "num_heads", "depth") if getattr(self, k) is not None}
         for seed in self.seeds:  # the training options every run gets, within the trainer's bounds
             TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": arch}).check_values()
-
-
-def ablation_defaults() -> dict[str, object]:
-    """``{option: default}`` of :class:`AblationConfig` (None for the required ones)."""
-    out: dict[str, object] = {}
-    for f in fields(AblationConfig):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        else:
-            out[f.name] = f.default_factory() if f.default_factory is not MISSING else None
-    return out

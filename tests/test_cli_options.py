@@ -1,0 +1,200 @@
+"""Commands generated from config dataclasses (cgavit/cli/options.py): flags, types, help and defaults come
+from the fields; every generated command's help is its field's text; a group whose extra is missing is
+still listed and says what to install."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import MISSING, dataclass, field, fields
+
+import pytest
+
+from cgavit.analysis.ablation import AblationConfig
+from cgavit.analysis.reports import AnalysisConfig
+from cgavit.cli import build_parser
+from cgavit.cli.ablate import MEASURE_FIELDS, STUDY_FIELDS, ablation_config
+from cgavit.cli.analyze import ANALYSIS_FIELDS, analysis_config
+from cgavit.cli.options import add_options, option_values
+from cgavit.fields import option
+
+
+@dataclass
+class Toy:
+    name: str = option(help="a required name")
+    size: int = option(224, "image size in pixels")
+    ratio: float | None = option(None, "a ratio (default: worked out)")
+    widths: tuple[int, ...] | None = option(None, "widths per stage", sep=",")
+    pair: tuple[float, float] = option((0.5, 1.0), "a range", metavar=("MIN", "MAX"))
+    seeds: tuple[int, ...] = option((0,), "seeds")
+    steps: tuple[int, ...] = option((8, 11), "steps", nargs="*", metavar="STEP")
+    mode: str = option("a", "a mode", choices=("a", "b"))
+    label: str = option("5%", "a label")
+    strict: bool = option(False, "a switch")
+    ema: bool = option(True, "on or off")
+    bar: bool | None = option(None, "on, off or unset")
+    frozen: bool = option(True, "unfreeze", flags=("--train-it",), action="store_false")
+    workers: int = option(4, "worker processes", flags=("--workers", "-j"))
+    files: tuple[str, ...] = option((), "files", flags=("files",), nargs="*")
+    extra: dict = field(default_factory=dict, metadata={"help": "settings"})
+
+
+def _toy(suppress: bool = False) -> tuple[argparse.ArgumentParser, tuple[str, ...]]:
+    p = argparse.ArgumentParser(prog="toy", exit_on_error=False)
+    return p, add_options(p, Toy, exclude=("extra",), suppress=suppress)
+
+
+def test_options_follow_the_fields():
+    p, names = _toy()
+    assert names == tuple(f.name for f in fields(Toy))[:-1]
+    assert Toy(**option_values(p.parse_args(["--name", "x"]), names)) == Toy(name="x")  # the defaults are the dataclass's
+    argv = ["--name", "x", "--size", "32", "--ratio", "0.5", "--widths", "16,32", "--pair", "0.1", "0.9", "--seeds", "1",
+            "2", "--steps", "--mode", "b", "--strict", "--no-ema", "--bar", "--train-it", "-j", "2", "f1", "f2"]
+    assert option_values(p.parse_args(argv), names) == dict(
+        name="x", size=32, ratio=0.5, widths=(16, 32), pair=[0.1, 0.9], seeds=[1, 2], steps=[], mode="b", label="5%",
+        strict=True, ema=False, bar=True, frozen=False, workers=2, files=["f1", "f2"],
+    )
+    for bad in ([], ["--name", "x", "--mode", "c"], ["--name", "x", "--size", "big"], ["--name", "x", "--widths", "1,a"]):
+        with pytest.raises((argparse.ArgumentError, SystemExit)):
+            p.parse_args(bad)
+
+
+def test_help_is_the_field_text_then_the_dataclass_default():
+    p, _ = _toy()
+    helps = {a.dest: a.help for a in p._actions}
+    assert helps["name"] == "a required name"  # required: no default to show
+    assert helps["size"] == "image size in pixels (default: 224)"
+    assert helps["ratio"] == "a ratio (default: worked out)"  # None: the text says it
+    assert helps["widths"] == "widths per stage"
+    assert helps["pair"] == "a range (default: 0.5 1.0)" and helps["steps"] == "steps (default: 8 11)"
+    assert helps["seeds"] == "seeds (default: 0)" and helps["mode"] == "a mode (default: a)"
+    assert helps["ema"] == "on or off (default: on)" and helps["bar"] == "on, off or unset"
+    assert helps["strict"] == "a switch" and helps["frozen"] == "unfreeze" and helps["files"] == "files"
+    text = p.format_help()  # argparse formats help with %: a default holding one must not break it
+    assert "(default: 5%)" in text and "-j WORKERS" in text and "--ema, --no-ema" in text and "[files ...]" in text
+
+
+def test_suppressed_defaults_leave_out_what_was_not_typed():
+    p, names = _toy(suppress=True)
+    assert option_values(p.parse_args(["--name", "x", "-j", "0"]), names) == {"name": "x", "workers": 0}
+    assert {a.dest: a.help for a in p._actions}["size"] == "image size in pixels (default: 224)"  # still shown
+
+
+def test_fields_without_a_spelling_are_refused():
+    with pytest.raises(TypeError, match="no command-line spelling"):
+        add_options(argparse.ArgumentParser(), Toy, ("extra",))  # a dict field: the command spells it by hand
+
+    @dataclass
+    class Bare:
+        n: int = 3
+
+    with pytest.raises(TypeError, match="no help text"):
+        add_options(argparse.ArgumentParser(), Bare)
+    with pytest.raises(TypeError, match="needs help text"):
+        option(1, "text", flag="--n")  # a misspelt key
+    with pytest.raises(TypeError, match="needs help text"):
+        option(1)
+
+
+# ---------------------------------------------------------------------------- the generated commands
+def _subparser(*names: str) -> argparse.ArgumentParser:
+    p = build_parser()
+    for name in names:
+        p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return p
+
+
+def _shown(default, sep: str) -> str:
+    if default is MISSING or default is None or default in ("", ()):
+        return ""
+    if isinstance(default, bool):
+        return f" (default: {'on' if default else 'off'})"
+    return f" (default: {sep.join(map(str, default)) if isinstance(default, tuple) else default})"
+
+
+def _check_helps(parser: argparse.ArgumentParser, config: type, names) -> None:
+    """Each field's option shows the field's help, then the dataclass default (switches: none)."""
+    actions = {a.dest: a for a in parser._actions}
+    for f in fields(config):
+        if f.name not in names:
+            continue
+        action = actions[f.name]
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        shown = "" if switch else _shown(default, f.metadata.get("sep", " "))
+        assert action.help == f.metadata["help"] + shown, f.name
+
+
+def test_ablate_and_analyze_are_generated_from_their_configs():
+    p = _subparser("ablate")
+    _check_helps(p, AblationConfig, STUDY_FIELDS + MEASURE_FIELDS)
+    required = ["--data", "d", "--output", "o", "--epochs", "1"]
+    assert ablation_config(build_parser().parse_args(["ablate", *required])) == AblationConfig(data="d", output="o", epochs=1)
+    cfg = ablation_config(build_parser().parse_args(["ablate", *required, "--embed-dim", "16,24,32", "--seeds", "0", "1"]))
+    assert cfg.embed_dim == (16, 24, 32) and cfg.seeds == (0, 1)
+    for sub in ("heads", "taylor"):
+        _check_helps(_subparser("analyze", sub), AnalysisConfig, ANALYSIS_FIELDS)
+        assert analysis_config(build_parser().parse_args(["analyze", sub, "--output", "o"])) == AnalysisConfig(output="o")
+    cfg = analysis_config(build_parser().parse_args(["analyze", "heads", "a.png", "b.png", "--output", "o", "--cascade", "off"]))
+    assert cfg == AnalysisConfig(output="o", images=("a.png", "b.png"), dials={"cascade": False})
+
+
+def test_detect_train_is_generated_from_its_config():
+    pytest.importorskip("torchvision")
+    from cgavit.cli.detect import TRAIN_FIELDS, train_config
+    from cgavit.detection import DetectionTrainConfig
+
+    p = _subparser("detect", "train")
+    _check_helps(p, DetectionTrainConfig, TRAIN_FIELDS)
+    assert set(TRAIN_FIELDS) == {f.name for f in fields(DetectionTrainConfig)} - {"dials", "model_kwargs"}
+    assert set(TRAIN_FIELDS) <= {a.dest for a in p._actions}  # each has its flag
+    args = ["detect", "train", "--train-json", "a.json", "--train-images", "imgs"]
+    assert train_config(build_parser().parse_args(args)) == DetectionTrainConfig(train_json="a.json", train_images="imgs")
+    cfg = train_config(build_parser().parse_args([*args, "--train-bn", "--lr-steps", "3", "--model-arg", "a=1"]))
+    assert (cfg.freeze_bn, cfg.lr_steps, cfg.model_kwargs) == (False, (3,), {"a": 1})
+    _check_helps(_subparser("detect", "eval"), DetectionTrainConfig, ("device", "batch_size", "workers", "strict"))
+
+
+# ---------------------------------------------------------------------------- a missing optional extra
+_RUN_WITHOUT = """
+import contextlib, io, json, sys
+sys.modules[sys.argv[1]] = None  # as if not installed
+from cgavit.cli import main
+out = {}
+for argv in json.loads(sys.argv[2]):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    out[" ".join(argv)] = [code, stdout.getvalue(), stderr.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def _cli_without(module: str, *commands: list[str]) -> subprocess.CompletedProcess:
+    """``cgavit`` run with each argv of ``commands`` in a fresh interpreter in which ``module`` cannot
+    be imported; stdout is ``{argv: [exit code, stdout, stderr]}`` as JSON."""
+    argv = [sys.executable, "-c", _RUN_WITHOUT, module, json.dumps(commands)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+
+def test_a_group_whose_extra_is_missing_is_listed_and_says_what_to_install():
+    res = _cli_without("timm", ["--help"], ["detect"], ["train"], ["info", "--model", "m0"])
+    assert res.returncode == 0, res.stderr
+    runs = json.loads(res.stdout)
+    code, text, _ = runs["--help"]
+    assert code == 0
+    for name in ("train", "ablate", "detect", "bench", "export", "info", "roofline"):
+        assert f"\n    {name} " in text, name
+    assert "(needs pip install 'cgavit[detect]')" in text
+    code, _, err = runs["detect"]
+    assert code == 2 and "needs timm" in err and "pip install 'cgavit[detect]'" in err
+    code, _, err = runs["train"]
+    assert code == 2 and "pip install 'cgavit[train]'" in err
+    assert runs["info --model m0"][0] == 0  # the core's commands still run
+    res = _cli_without("cgavit.cli.detect", ["info"])  # our own module broken: a bug, shown as one
+    assert res.returncode == 1 and "Traceback" in res.stderr and "cgavit.cli.detect" in res.stderr
