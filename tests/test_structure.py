@@ -196,3 +196,13 @@ def test_load_and_deploy_run_without_the_training_stack(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["OnnxModule", "(1,", "3)"]
+
+
+def test_the_model_core_imports_with_torch_alone():
+    """``pip install cgavit`` depends on torch only: importing the package and building a model must
+    not need numpy, PIL or safetensors (each comes with an extra)."""
+    code = ("import sys\nfor name in ('numpy', 'PIL', 'safetensors', 'onnxruntime', 'openvino', 'timm'):\n"
+            "    sys.modules[name] = None\nimport torch, cgavit\n"
+            "m = cgavit.create_model('m0', num_classes=2, img_size=64).eval()\nprint(tuple(m(torch.randn(1, 3, 64, 64)).shape))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "(1, 2)", run.stderr[-2000:]

@@ -18,7 +18,6 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -97,7 +96,7 @@ class TfliteModule(FixedBatchModule):
     def run_batch(self, x: torch.Tensor) -> torch.Tensor:
         self.interpreter.set_tensor(self.input["index"], x.numpy())
         self.interpreter.invoke()
-        return torch.from_numpy(np.array(self.interpreter.get_tensor(self.output["index"])))
+        return torch.from_numpy(self.interpreter.get_tensor(self.output["index"]).copy())
 
 
 def tflite_path(fused: nn.Module, example_input: torch.Tensor) -> TfliteModule:
