@@ -36,6 +36,7 @@ from cgavit.detection.coco import decode_masks, encode_masks, segmentation_rle  
 from cgavit.detection.models import build_detector  # noqa: E402
 from cgavit.detection.schema import compressed_counts, segmentation_problem  # noqa: E402
 from cgavit.io import DataError, save_torch  # noqa: E402
+from cgavit.train.distributed import DistEnv, RunLock  # noqa: E402
 from cgavit.weights import CheckpointError  # noqa: E402
 
 SIZE = 64
@@ -446,9 +447,9 @@ def test_nan_loss_stops_training(files, tmp_path, capsys):
             "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
             "--max-size", str(SIZE), "--pretrained-backbone", str(backbone), "--output", str(out)]
     out.mkdir()
-    (out / "run.lock").write_text(str(os.getpid()))  # a live run writes here
-    assert main(argv) == 2
-    assert "another run (pid" in _one_error_line(capsys.readouterr().err)
+    with RunLock(out, DistEnv()):  # a live run holds the folder (here this process, through another open file)
+        assert main(argv) == 2
+    assert f"another run (pid {os.getpid()})" in _one_error_line(capsys.readouterr().err)
     (out / "run.lock").write_text("999999999")  # left by a process that is gone
     stale = out / ".checkpoint.pth.k9x2a.tmp"  # what kill -9 mid-write leaves
     stale.write_bytes(b"half")

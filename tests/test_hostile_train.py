@@ -14,17 +14,22 @@ property test feeds random records to the reader of training checkpoints' option
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
+import multiprocessing
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,12 +39,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from cgavit.cli import main
-from cgavit.io import DataError
+from cgavit.io import DataError, WriteError, atomic_write, save_torch, write_text
 from cgavit.train import TrainConfig, load_model, predict, train
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train import inference
 from cgavit.train.config import BOUNDS, DIAL_BOUNDS
 from cgavit.train.data import MAX_IMAGE_PIXELS, load_image
+from cgavit.train.distributed import DistEnv, RunLock
 from cgavit.weights import CheckpointError, read_weights_meta, save_weights
 
 from test_train import TINY_ARGV, make_folder, tiny
@@ -180,7 +186,20 @@ def world(tmp_path_factory) -> dict[str, Path]:
     bomb_ds = make_folder(root / "bomb_ds", classes=3, train=4, val=1)
     (bomb_ds / "train" / "class_1" / "bomb.png").write_bytes(w["img"]["bomb"].read_bytes())
     w["bomb_ds"] = bomb_ds
+    w["locks"] = _odd_lock_folders(root / "locks", w["file"]["text"])
     return w
+
+
+def _odd_lock_folders(root: Path, target: Path) -> dict[str, Path]:
+    """Run folders whose ``run.lock`` is no lock file: a pipe (reading it would block), a symbolic
+    link to a file that must stay untouched, a folder."""
+    out = {kind: root / kind for kind in LOCK_KINDS}
+    for folder in out.values():
+        folder.mkdir(parents=True)
+    os.mkfifo(out["fifo"] / "run.lock")
+    (out["symlink"] / "run.lock").symlink_to(target)
+    (out["folder"] / "run.lock").mkdir()
+    return out
 
 
 # ------------------------------------------------------------------------------ the table
@@ -188,6 +207,8 @@ TINY_ABLATE = ["--embed-dim", "16,24,32", "--num-heads", "2,2,2", "--depth", "1,
                "--batch-size", "4", "--epochs", "1", "--no-throughput", "--threads", "1"]
 CKPT_KINDS = ("empty", "truncated", "text", "truncated_st", "pickle", "pickle_as_st", "folder", "fifo", "missing", "unreadable")
 IMAGE_KINDS = ("empty", "truncated", "text", "folder", "fifo", "missing", "bomb", "unreadable")
+LOCK_KINDS = ("fifo", "symlink", "folder")
+LOCK_SAYS = {"fifo": "not a regular file", "symlink": "symbolic link", "folder": "is a folder, not a lock file"}
 RECORD_KINDS = ("rec_img_size", "rec_crop_pct", "rec_embed_dim", "rec_ffn_ratio", "rec_wide", "rec_type",
                 "rec_not_dict", "rec_classes", "rec_class_count")
 #: what each kind's one line must mention
@@ -233,6 +254,14 @@ def _cases(w: dict) -> dict[str, tuple[list[str], str]]:
         cases[f"train --data {kind}"] = (["train", "--data", p, *TINY_ARGV, "--epochs", "1", "--output", str(out / f"d-{kind}")], says)
         cases[f"eval --data {kind}"] = (["eval", "--data", p, "--checkpoint", str(w["best_pt"]), "-j", "0"], says)
         cases[f"ablate --data {kind}"] = (["ablate", "--data", p, "--output", str(out / f"a-{kind}"), *TINY_ABLATE], says)
+    for kind in LOCK_KINDS:  # a run.lock this package did not make: refused at once, nothing followed or opened
+        lock = w["root"] / "locks" / kind
+        cases[f"train --output with run.lock a {kind}"] = (
+            ["train", "--data", d, *TINY_ARGV, "--epochs", "1", "--output", str(lock)], LOCK_SAYS[kind])
+    last = str(w["root"] / "run" / "last.pt")
+    cases["train --resume with another --model"] = (["train", "--resume", last, "--model", "m1", "-j", "0"], r"--model (efficientvit_)?m1 differs")
+    cases["train --resume with another --embed-dim"] = (
+        ["train", "--resume", last, "--embed-dim", "16,32,64", "-j", "0"], r"--embed-dim 16,32,64 \(the run has 16,32,48\)")
     ck = str(w["best_pt"])
     flags = {  # name: (argv, what the line must say)
         "predict --img-size 0": (["predict", img, "--checkpoint", ck, "--img-size", "0"], "--img-size"),
@@ -472,3 +501,155 @@ def test_any_record_is_read_within_bounds_or_refused_with_a_value_error(base, ch
         value = cfg.dials.get(name)
         assert value is None or all(lo <= v <= hi for v in (value if isinstance(value, tuple) else (value,))), name
     assert set(cfg.dials) <= set(f for f in record if record[f] is not None)
+
+
+# ------------------------------------------------------------------------------ the run folder
+RACE_CONTENDERS = 8
+RACE_ROUNDS = 250  # per case; the lock before flock had two holders in about 4 % of such rounds
+
+
+def _contend(root: str, rounds: int, barrier, results) -> None:
+    """One racing process: each round, take folder ROUND's lock together with the others and hold it
+    until every contender has tried; report ``(round, pid, "won" or the error's message)``."""
+    env = DistEnv()
+    for r in range(rounds):
+        barrier.wait()
+        lock = RunLock(Path(root) / str(r), env)
+        try:
+            lock.__enter__()
+            outcome = "won"
+        except Exception as err:  # noqa: BLE001 - reported to the test, which names it
+            outcome = f"{type(err).__name__}: {err}"
+        barrier.wait()  # every contender has tried: only now may the holder let go
+        if outcome == "won":
+            lock.__exit__(None, None, None)
+        results.put((r, os.getpid(), outcome))
+
+
+@pytest.mark.parametrize("left", ["nothing", "a dead run's lock"])
+def test_racing_processes_never_both_take_a_run_folder(tmp_path, left):
+    """Issue 19: two `cgavit train` on one new folder both ran. 8 processes x 250 rounds, each round
+    on a fresh folder (empty, or holding the lock file of a run that is gone): exactly one holder,
+    and every other process names the holder's pid."""
+    for r in range(RACE_ROUNDS):
+        (tmp_path / str(r)).mkdir()
+        if left != "nothing":
+            (tmp_path / str(r) / "run.lock").write_text("999999999")  # no such process
+    ctx = multiprocessing.get_context("fork")  # the package is imported already: the contenders start at once
+    barrier, results = ctx.Barrier(RACE_CONTENDERS, timeout=60), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(str(tmp_path), RACE_ROUNDS, barrier, results)) for _ in range(RACE_CONTENDERS)]
+    for p in procs:
+        p.start()
+    try:
+        rows = [results.get(timeout=60) for _ in range(RACE_ROUNDS * RACE_CONTENDERS)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    tries = defaultdict(list)
+    for r, pid, outcome in rows:
+        tries[r].append((pid, outcome))
+    for r in range(RACE_ROUNDS):
+        holders = [pid for pid, outcome in tries[r] if outcome == "won"]
+        assert len(holders) == 1, f"round {r}: {len(holders)} processes took the lock: {tries[r]}"
+        for pid, outcome in tries[r]:
+            assert outcome == "won" or f"another run (pid {holders[0]}) is writing to" in outcome, outcome
+        assert not (tmp_path / str(r) / "run.lock").exists()  # the holder's exit removed it
+
+
+def _hold_lock(folder: str, ready) -> None:
+    with RunLock(Path(folder), DistEnv()):
+        ready.set()
+        time.sleep(120)  # killed long before
+
+
+def test_lock_of_a_killed_run_is_taken_over_and_its_temporaries_removed(world, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(out), ready))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(ValueError, match=rf"another run \(pid {holder.pid}\)"):
+            train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # what the OOM killer or kill -9 does: no clean-up ran
+        holder.join()
+    assert (out / "run.lock").read_text() == str(holder.pid)  # left behind, but the kernel released its lock
+    stale = out / ".last.pt.k9x2a.tmp"
+    stale.write_bytes(b"half")
+    with pytest.raises(DataError, match="made no update"):  # the run takes the folder, then fails on its data
+        train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+    assert not stale.exists() and not (out / "run.lock").exists()
+
+
+def test_a_symlinked_lock_is_refused_and_its_target_untouched(world):
+    target = world["file"]["text"]
+    before = target.read_bytes()
+    with pytest.raises(ValueError, match="symbolic link"):
+        RunLock(world["locks"]["symlink"], DistEnv()).__enter__()
+    assert target.read_bytes() == before and (world["locks"]["symlink"] / "run.lock").is_symlink()
+
+
+def test_read_only_output_is_one_line(world, mount_tmpfs, capsys):
+    """Issue 19: `--output` on a read-only file system gave an OSError traceback from run.lock."""
+    ro = mount_tmpfs(folders=("run",), read_only=True)
+    run = ["train", "--data", str(world["data"]), *TINY_ARGV, "--epochs", "1"]
+    for argv in ([*run, "--output", str(ro / "run")], [*run, "--output", str(ro / "new")],
+                 ["demo", "--output", str(ro / "run"), "--epochs", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert re.search(rf"cgavit {argv[0]}: error: cannot .*{ro}.*: the file system is read-only; ", err), err
+    with pytest.raises(WriteError) as info:
+        RunLock(ro / "run", DistEnv()).__enter__()
+    assert info.value.errno == errno.EROFS
+
+
+def test_write_errors_keep_their_cause_and_say_what_to_do(tmp_path, mount_tmpfs):
+    """Issue 19: "is a directory" and "disk full" both read `[Errno 5] ...`."""
+    folder = tmp_path / "weights.pt"
+    folder.mkdir()
+    with pytest.raises(WriteError) as info:
+        write_text(folder, "x")
+    assert info.value.errno == errno.EISDIR and str(info.value).startswith(f"cannot write {folder}: it is a folder")
+    assert "give the path of a file" in str(info.value) and "Errno" not in str(info.value)
+
+    def full(tmp: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(WriteError, match="the disk is full .*free some space") as info:
+        atomic_write(tmp_path / "a.txt", full)
+    assert info.value.errno == errno.ENOSPC and not list(tmp_path.glob(".a.txt.*"))
+
+    disk = mount_tmpfs(size="256k")  # a real full disk, for a plain write and for torch.save
+    write_text(disk / "old.txt", "kept")
+    for name, write in (("old.txt", lambda p: write_text(p, "x" * 2**20)),
+                        ("t.pt", lambda p: save_torch(p, torch.randn(2**18)))):  # 1 MiB each
+        with pytest.raises(WriteError) as info:
+            write(disk / name)
+        assert info.value.errno == errno.ENOSPC, str(info.value)
+        assert re.match(rf"cannot write {disk / name}: the disk is full \((the previous file is untouched|nothing was written)\); "
+                        "free some space and run again$", str(info.value)), str(info.value)
+    assert (disk / "old.txt").read_text() == "kept" and sorted(p.name for p in disk.iterdir()) == ["old.txt"]
+
+
+def test_resume_continues_as_the_network_it_is(world, tmp_path):
+    """Issue 19: resuming with another --model ran the checkpoint's M0 weights labelled M1."""
+    run = tmp_path / "run"
+    shutil.copytree(world["root"] / "run", run, ignore=shutil.ignore_patterns("run.lock"))
+    last = run / "last.pt"
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    for overrides, says in ((dict(model="efficientvit_m1"), "--model efficientvit_m1 differs"),
+                            (dict(dials={"embed_dim": (16, 32, 64)}), "--embed-dim 16,32,64"),
+                            (dict(dials={"cascade": False}), "--cascade off")):
+        with pytest.raises(ValueError, match=says):
+            TrainConfig.resume_from(last, epochs=2, **overrides)
+    stored = TrainConfig.resume_from(last)
+    with pytest.raises(ValueError, match="--model efficientvit_m1 differs"):  # a config built by hand is held to it too
+        train(replace(stored, model="efficientvit_m1", epochs=2))
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing written
+    same = TrainConfig.resume_from(last, model="m0", dials={"cascade": True, "embed_dim": [16, 32, 48]}, epochs=2)
+    assert same.model == "m0" and same.dials["embed_dim"] == (16, 32, 48)  # the same network, spelled out: fine

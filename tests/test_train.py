@@ -14,6 +14,7 @@ from PIL import Image
 from cgavit.train import TrainConfig, train
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train.data import BadImageError, check_layout
+from cgavit.train.distributed import DistEnv, RunLock
 from cgavit.weights import CheckpointError
 
 TINY = dict(
@@ -110,9 +111,9 @@ def test_layout_problems_reported_before_training(tmp_path):
 def test_corrupt_checkpoint_refused_and_left_alone(data, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.lock").write_text(str(os.getpid()))  # a live run writes here
-    with pytest.raises(ValueError, match="another run"):
-        train(tiny(data=str(data), epochs=1, output=str(run)))
+    with RunLock(run, DistEnv()):  # a live run holds the folder (here this process, through another open file)
+        with pytest.raises(ValueError, match=rf"another run \(pid {os.getpid()}\)"):
+            train(tiny(data=str(data), epochs=1, output=str(run)))
     (run / "run.lock").write_text("999999999")  # left by a process that is gone: taken over
     train(tiny(data=str(data), epochs=1, output=str(run)))
     assert not (run / "run.lock").exists()

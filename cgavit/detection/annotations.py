@@ -80,9 +80,11 @@ def check_coco(
     image's reach, run-length masks of exactly the image's size).
 
     Degenerate boxes (width or height <= 0, or nothing left after clipping to the image) and, with
-    ``require_masks``, polygons of fewer than three points are dropped with one warning listing them
-    all; a file left without annotations is trained on with a warning. With ``strict=True`` both
-    are errors.
+    ``require_masks``, empty segmentations and polygons of fewer than three points (crowd regions
+    included) are dropped with one warning listing them all; a file left without annotations is
+    trained on with a warning. With ``strict=True`` both are errors. A polygon of an odd count of
+    numbers is malformed, an error. Without ``require_masks`` (RetinaNet: boxes only),
+    ``segmentation`` is never read, so it is not checked.
 
     Args:
         ann_file: instances JSON.
@@ -277,7 +279,7 @@ def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | Non
         problem = segmentation_problem(ann["segmentation"], img["height"], img["width"])
         if problem:
             return BAD_MASKS, f"{where}: {problem}"
-        why = None if ann.get("iscrowd", 0) else _degenerate_polygons(ann["segmentation"])
+        why = _degenerate_polygons(ann["segmentation"])  # crowd regions too: COCOeval rasterises them
     return None, why or _box_problem(box, img)
 
 
@@ -285,10 +287,10 @@ def _degenerate_polygons(seg: Any) -> str | None:
     """Why a (well-formed) segmentation is degenerate: no polygon, or one of fewer than three points."""
     if isinstance(seg, list):
         if not seg:
-            return "empty segmentation"
-        for poly in seg:
-            if len(poly) < 6 or len(poly) % 2:
-                return f"polygon with {len(poly)} coordinates (needs 3 or more x, y points)"
+            return "empty segmentation (no polygon)"
+        for i, poly in enumerate(seg):
+            if len(poly) < 6:
+                return f"polygon {i + 1} has {len(poly) // 2} points (a polygon needs 3 or more)"
     return None
 
 

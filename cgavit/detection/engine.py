@@ -334,13 +334,12 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
         elif run.metrics_path.exists():
             log.warning("%s exists: appending to it (use --resume auto to continue that run)", run.metrics_path)
-        run.out.mkdir(parents=True, exist_ok=True)
         log.info(
             "%s on %s: %d images (%d categories), %d process(es) x batch %d, %d iterations/epoch, epochs %d..%d",
             cfg.model, cfg.backbone, len(train_set), len(train_check.categories), env.world, cfg.batch_size,
             len(run.loader), start_epoch + 1, cfg.epochs,
         )
-    with RunLock(run.out, env):  # one run per folder; what an interrupted write left is cleared under it
+    with RunLock(run.out, env):  # makes the folder; one run per folder; stale temporaries cleared under it
         if env.is_main:
             for tmp in remove_stale_temporaries(run.out):
                 log.info("removed %s, left by an interrupted write", tmp)

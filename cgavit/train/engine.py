@@ -27,11 +27,11 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
-from ..io import DataError, WriteError, remove_stale_temporaries
+from ..io import DataError, make_folder, remove_stale_temporaries
 from ..weights import CheckpointError, load_checkpoint, save_weights
 from . import checkpoint as ckpt_io
 from . import records
-from .config import TrainConfig, TrainResult
+from .config import TrainConfig, TrainResult, check_same_network
 from .data import Batch, check_layout, epoch_seed, seed_all
 from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
@@ -176,6 +176,8 @@ def _file_log(output: Path) -> logging.Handler:
 def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
     t_start = time.perf_counter()
     resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
+    if resumed is not None:  # the weights must go on as the network the record names, whatever cfg says
+        check_same_network(TrainConfig.from_checkpoint(resumed, cfg.resume), cfg, cfg.resume)
     _check_input_files(cfg)
     quiet = logging.getLogger("cgavit")
     old_level = None
@@ -190,7 +192,7 @@ def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
         output = _choose_output(cfg, env, resumed is not None)
         cfg = replace(cfg, output=str(output))
         if env.is_main:
-            _make_folder(output)
+            make_folder(output, "run folder")
         with RunLock(output, env):
             if env.is_main:
                 handler = _file_log(output)
@@ -230,13 +232,6 @@ def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
             f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
         )
     return out
-
-
-def _make_folder(output: Path) -> None:
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise WriteError(err.errno, f"cannot create the run folder {output}: {err.strerror or err}; choose another --output") from None
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
