@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -273,6 +274,8 @@ def test_malformed_coco_fields_are_named(files, tmp_path, edit, names, capsys):
         ({"size": [SIZE, SIZE], "counts": 5}, "'counts' must be"),
         ([[0, 0, 10, 0, 1e9, 1e9]], "far outside"),  # the rasteriser would allocate in proportion
         ([[0, 0, 10, "a", 5, 5]], "finite x, y numbers"),
+        ([[0, 0, 10, 0, 10, 10, 5]], "polygon 1 has 7 numbers, an odd count"),  # pycocotools dropped the 5 silently
+        ([[0, 0, 10, 0, 10, 10], [1, 2, 3]], "polygon 2 has 3 numbers, an odd count"),
         ("mask", "polygons (a list) or run-length"),
     ],
 )
@@ -297,6 +300,30 @@ def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
         d["annotations"][0].update(iscrowd=1, segmentation={"size": [SIZE + 1, SIZE], "counts": [SIZE * SIZE + SIZE]})
     with pytest.raises(DataError, match="annotation 1 .*disagrees"):  # COCOeval decodes crowd masks too
         check_coco(_write(tmp_path, _edited(files, crowd)), files["train_images"], require_masks=True)
+
+
+def test_odd_and_empty_polygons_are_refused_or_skipped_by_name(files, tmp_path, capsys):
+    """Issue 19: polygons of odd length, or empty, trained silently (crowd regions were not looked at)."""
+    def seg(segmentation, crowd):
+        return lambda d: d["annotations"][0].update(segmentation=segmentation, iscrowd=crowd)
+
+    odd = _write(tmp_path, _edited(files, seg([[4, 4, 24, 4, 24, 24, 9]], 1)), "odd.json")
+    with pytest.raises(DataError, match=r"annotation 1 \(image 1 train_00000.png\): 'segmentation': polygon 1 has 7 numbers"):
+        check_coco(odd, files["train_images"], require_masks=True)
+    argv = ["detect", "train", "--model", "maskrcnn", "--train-json", str(odd), "--train-images", str(files["train_images"]),
+            "--output", str(tmp_path / "o")]
+    assert main(argv) == 2 and "polygon 1 has 7 numbers" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+    assert check_coco(odd, files["train_images"]).dataset  # RetinaNet trains on boxes and never reads segmentation
+    for empty, says in (([], "empty segmentation"), ([[]], "polygon 1 has 0 points"), ([[1, 2, 3, 4]], "polygon 1 has 2 points")):
+        for crowd in (0, 1):
+            path = _write(tmp_path, _edited(files, seg(empty, crowd)), "empty.json")
+            check = check_coco(path, files["train_images"], require_masks=True)
+            assert check.skipped == [f"annotation 1 (image 1 train_00000.png): {says} (a polygon needs 3 or more)"
+                                     if "points" in says else f"annotation 1 (image 1 train_00000.png): {says} (no polygon)"]
+            assert all(a["id"] != 1 for a in check.dataset["annotations"])
+            with pytest.raises(DataError, match="refused with --strict"):
+                check_coco(path, files["train_images"], require_masks=True, strict=True)
 
 
 def test_json_that_is_no_coco_file(files, tmp_path):
@@ -541,6 +568,17 @@ def test_analysis_sample_is_bounded_by_pixels(tmp_path, capsys):
     assert main(["analyze", "heads", "--data", str(tmp_path / "d"), "--output", str(tmp_path / "o"), "--img-size", "4096",
                  "--num-images", "0"]) == 2
     assert "--num-images 16 or fewer" in _one_error_line(capsys.readouterr().err, "analyze")
+
+
+def test_read_only_output_is_one_line(files, mount_tmpfs, capsys):
+    """Issue 19: `--output` on a read-only file system gave an OSError traceback."""
+    ro = mount_tmpfs(folders=("run",), read_only=True)
+    for out in (ro / "run", ro / "new"):
+        argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+                "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+                "--max-size", str(SIZE), "--output", str(out)]
+        assert main(argv) == 2
+        assert re.search(rf"cannot .*{out}: the file system is read-only; ", _one_error_line(capsys.readouterr().err))
 
 
 def test_output_that_is_a_file_is_refused(files, capsys):
