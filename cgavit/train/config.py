@@ -289,15 +289,22 @@ def check_same_network(run: TrainConfig, resumed: TrainConfig, source: str | os.
             f"--model {resumed.model} differs from the model of the run in {source} ({run.model}): a resumed run "
             "continues as the network it is; drop --model, or start a new run in another --output"
         )
-    variant = VARIANTS[resolve_name(run.model)].cfg
-    was, now = variant.with_dials(**run.dials), variant.with_dials(**resumed.dials)
-    changed = [f.name for f in fields(was) if getattr(was, f.name) != getattr(now, f.name)]
+    was, now = _network(run.model, run.dials), _network(run.model, resumed.dials)
+    changed = [name for name in DIAL_NAMES if was.get(name) != now.get(name)]
     if changed:
-        said = ", ".join(f"--{_flag(n)} {_dial_text(getattr(now, n))} (the run has {_dial_text(getattr(was, n))})" for n in changed)
+        said = ", ".join(f"--{_flag(n)} {_dial_text(now.get(n))} (the run has {_dial_text(was.get(n))})" for n in changed)
         raise ValueError(
             f"{said}: the run in {source} was another network; a resumed run continues as the network it is, so "
             "drop these options, or start a new run in another --output"
         )
+
+
+def _network(model: str, dials: Mapping) -> dict:
+    """``{dial: value}`` of the network ``model`` with ``dials`` builds: every config field as
+    :meth:`~cgavit.EfficientViTConfig.with_dials` resolves it, other dials as given."""
+    arch = {f.name for f in fields(EfficientViTConfig)}
+    cfg = VARIANTS[resolve_name(model)].cfg.with_dials(**{k: v for k, v in dials.items() if k in arch})
+    return {**dials, **asdict(cfg)}
 
 
 def normalize_dials(dials: Mapping) -> dict:
