@@ -81,6 +81,12 @@ def shown(text: str, limit: int = 40) -> str:
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
+def printable(text: str) -> str:
+    """``text`` as it may go to a log (and so a terminal): control characters (ESC, CR, the C1 range),
+    and formatting ones such as U+202E, written as escapes; printable text unchanged."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def parse_query(url_query: str, allowed: dict[str, str | None]) -> dict[str, str]:
     """Query parameters checked against ``allowed`` (name -> default; None = required).
 
@@ -284,7 +290,7 @@ class ExplorerHandler(BaseHTTPRequestHandler):
         return True
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
-        log.debug("%s %s", self.address_string(), format % args)
+        log.debug("%s %s", self.address_string(), printable(format % args))  # the request line is the client's text
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Every error as JSON, the base class's own (400, 414, 431, 501, ...) included; closes the connection."""
@@ -348,7 +354,7 @@ class ExplorerHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             log.debug("explorer: client gone during %s (%s)", self.path, type(err).__name__)
         except Exception:
-            log.exception("explorer request %s failed", self.path)
+            log.exception("explorer request %s failed", printable(self.path[:200]))
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the server's log")
 
     def _target(self) -> tuple[str, str]:
