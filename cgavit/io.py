@@ -17,6 +17,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -153,6 +154,34 @@ def write_reason(err: BaseException, folder: str | os.PathLike) -> tuple[int, st
         return (code, *_WRITE_REASONS[code])
     text = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
     return code, text, "check the disk and run again"
+
+
+def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
+    """Open the regular file ``path`` for appending text (created if missing), never following a
+    symbolic link there (which would append to whatever it points at) nor waiting on a pipe.
+
+    Raises:
+        ValueError: ``path`` is a symbolic link, a folder, a pipe, socket or device.
+        WriteError: it cannot be written (read-only, full, not permitted).
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(f"the {what} {path} is a symbolic link; remove it (nothing is written through a link)") from None
+        if err.errno == errno.EISDIR:
+            raise ValueError(f"the {what} {path} is a folder; remove or rename it") from None
+        if err.errno == errno.ENXIO:  # a pipe nobody reads
+            raise ValueError(f"the {what} {path} is not a regular file (a pipe); remove it") from None
+        code, reason, advice = write_reason(err, path.parent)
+        raise WriteError(code, f"cannot write {path}: {reason}; {advice}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"the {what} {path} is not a regular file (a pipe, socket or device); remove it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def make_folder(path: str | os.PathLike, what: str = "folder") -> Path:

@@ -186,19 +186,21 @@ def world(tmp_path_factory) -> dict[str, Path]:
     bomb_ds = make_folder(root / "bomb_ds", classes=3, train=4, val=1)
     (bomb_ds / "train" / "class_1" / "bomb.png").write_bytes(w["img"]["bomb"].read_bytes())
     w["bomb_ds"] = bomb_ds
-    w["locks"] = _odd_lock_folders(root / "locks", w["file"]["text"])
+    w["odd_target"] = root / "precious.txt"
+    w["odd_target"].write_text("precious\n")
+    w["odd"] = _odd_run_folders(root / "odd", w["odd_target"])
     return w
 
 
-def _odd_lock_folders(root: Path, target: Path) -> dict[str, Path]:
-    """Run folders whose ``run.lock`` is no lock file: a pipe (reading it would block), a symbolic
-    link to a file that must stay untouched, a folder."""
-    out = {kind: root / kind for kind in LOCK_KINDS}
-    for folder in out.values():
-        folder.mkdir(parents=True)
-    os.mkfifo(out["fifo"] / "run.lock")
-    (out["symlink"] / "run.lock").symlink_to(target)
-    (out["folder"] / "run.lock").mkdir()
+def _odd_run_folders(root: Path, target: Path) -> dict[str, Path]:
+    """Run folders whose ``run.lock`` or ``train.log`` (``"<file> <kind>"``) is a pipe (opening or
+    reading it would block), a symbolic link to ``target`` (which must stay untouched), a folder."""
+    out = {}
+    for name in ("run.lock", "train.log"):
+        for kind in ODD_KINDS:
+            folder = out[f"{name} {kind}"] = root / f"{name}-{kind}"
+            folder.mkdir(parents=True)
+            {"fifo": os.mkfifo, "symlink": lambda p: p.symlink_to(target), "folder": Path.mkdir}[kind](folder / name)
     return out
 
 
@@ -207,8 +209,8 @@ TINY_ABLATE = ["--embed-dim", "16,24,32", "--num-heads", "2,2,2", "--depth", "1,
                "--batch-size", "4", "--epochs", "1", "--no-throughput", "--threads", "1"]
 CKPT_KINDS = ("empty", "truncated", "text", "truncated_st", "pickle", "pickle_as_st", "folder", "fifo", "missing", "unreadable")
 IMAGE_KINDS = ("empty", "truncated", "text", "folder", "fifo", "missing", "bomb", "unreadable")
-LOCK_KINDS = ("fifo", "symlink", "folder")
-LOCK_SAYS = {"fifo": "not a regular file", "symlink": "symbolic link", "folder": "is a folder, not a lock file"}
+ODD_KINDS = ("fifo", "symlink", "folder")
+ODD_SAYS = {"fifo": "is not a regular file", "symlink": "is a symbolic link", "folder": "is a folder"}
 RECORD_KINDS = ("rec_img_size", "rec_crop_pct", "rec_embed_dim", "rec_ffn_ratio", "rec_wide", "rec_type",
                 "rec_not_dict", "rec_classes", "rec_class_count")
 #: what each kind's one line must mention
@@ -254,10 +256,11 @@ def _cases(w: dict) -> dict[str, tuple[list[str], str]]:
         cases[f"train --data {kind}"] = (["train", "--data", p, *TINY_ARGV, "--epochs", "1", "--output", str(out / f"d-{kind}")], says)
         cases[f"eval --data {kind}"] = (["eval", "--data", p, "--checkpoint", str(w["best_pt"]), "-j", "0"], says)
         cases[f"ablate --data {kind}"] = (["ablate", "--data", p, "--output", str(out / f"a-{kind}"), *TINY_ABLATE], says)
-    for kind in LOCK_KINDS:  # a run.lock this package did not make: refused at once, nothing followed or opened
-        lock = w["root"] / "locks" / kind
-        cases[f"train --output with run.lock a {kind}"] = (
-            ["train", "--data", d, *TINY_ARGV, "--epochs", "1", "--output", str(lock)], LOCK_SAYS[kind])
+    for name in ("run.lock", "train.log"):  # files of the run folder this package did not make: refused, never
+        for kind in ODD_KINDS:  # followed, nor opened in a way that blocks (the log was: even SIGTERM did not help)
+            folder = w["root"] / "odd" / f"{name}-{kind}"
+            cases[f"train --output with {name} a {kind}"] = (
+                ["train", "--data", d, *TINY_ARGV, "--epochs", "1", "--output", str(folder)], f"{name} {ODD_SAYS[kind]}")
     last = str(w["root"] / "run" / "last.pt")
     cases["train --resume with another --model"] = (["train", "--resume", last, "--model", "m1", "-j", "0"], r"--model (efficientvit_)?m1 differs")
     cases["train --resume with another --embed-dim"] = (
@@ -586,12 +589,20 @@ def test_lock_of_a_killed_run_is_taken_over_and_its_temporaries_removed(world, t
     assert not stale.exists() and not (out / "run.lock").exists()
 
 
-def test_a_symlinked_lock_is_refused_and_its_target_untouched(world):
-    target = world["file"]["text"]
-    before = target.read_bytes()
-    with pytest.raises(ValueError, match="symbolic link"):
-        RunLock(world["locks"]["symlink"], DistEnv()).__enter__()
-    assert target.read_bytes() == before and (world["locks"]["symlink"] / "run.lock").is_symlink()
+def test_symlinks_in_a_run_folder_are_never_written_through(world, tmp_path, caplog):
+    """A run folder from elsewhere whose train.log links to a file of the user's: every log line of
+    the run used to be appended to that file."""
+    target = tmp_path / "precious.txt"
+    target.write_text("precious\n")
+    for name in ("run.lock", "train.log"):
+        out = tmp_path / name
+        out.mkdir()
+        (out / name).symlink_to(target)
+        (out / ".last.pt.k9x2a.tmp").write_bytes(b"")  # its removal is logged at INFO, into train.log
+        with caplog.at_level(logging.INFO, logger="cgavit"), pytest.raises(ValueError, match=f"{name} is a symbolic link"):
+            train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+        assert target.read_text() == "precious\n" and (out / name).is_symlink()
+        assert name == "run.lock" or not (out / "run.lock").exists()  # the lock was let go
 
 
 def test_read_only_output_is_one_line(world, mount_tmpfs, capsys):

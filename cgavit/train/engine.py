@@ -27,7 +27,7 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
-from ..io import DataError, make_folder, remove_stale_temporaries
+from ..io import DataError, make_folder, open_append, remove_stale_temporaries
 from ..weights import CheckpointError, load_checkpoint, save_weights
 from . import checkpoint as ckpt_io
 from . import records
@@ -167,7 +167,8 @@ class _EpochStats:
 
 
 def _file_log(output: Path) -> logging.Handler:
-    handler = logging.FileHandler(output / "train.log")
+    handler = logging.FileHandler(output / "train.log", delay=True)
+    handler.stream = open_append(output / "train.log", "run log")  # never through a link, never blocking on a pipe
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("cgavit").addHandler(handler)
     return handler
