@@ -287,6 +287,18 @@ def test_masks_are_checked_before_pycocotools_sees_them(files, tmp_path, seg, wh
         segmentation_rle(seg, SIZE, SIZE)
 
 
+@pytest.mark.parametrize("name", ["\x1b[2J\x1b]0;owned\x07square", "circle\r", "tri\u202eelgna", "a\x00b", "", "x" * 1025])
+def test_category_names_that_would_rewrite_the_terminal_are_refused(files, tmp_path, name, capsys):
+    """`detect predict` printed the names a training file gave its categories, escape sequences and all
+    (and the checkpoint reader refuses such names, so the trained run could not be used)."""
+    path = _write(tmp_path, _edited(files, lambda d: d["categories"][0].update(name=name)))
+    with pytest.raises(DataError, match=r"category 1: 'name' must be printable text of 1 to 1024 characters"):
+        check_coco(path, files["train_images"])
+    argv = ["detect", "train", "--train-json", str(path), "--train-images", str(files["train_images"]), "--output", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert _one_error_line(capsys.readouterr().err).isprintable() and not (tmp_path / "o").exists()
+
+
 def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
     half = _write(tmp_path, _edited(files, lambda d: d["images"][0].pop("width")), "half.json")
     with pytest.raises(DataError, match="image 1: needs both 'width' and 'height'"):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..io import DataError, UnreadableFileError, check_readable_file
 from .coco import coco_index
-from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem, shown
+from .schema import MAX_CATEGORIES, MAX_NAME_LENGTH, image_size_problem, is_int, is_number, segmentation_problem, shown
 
 if TYPE_CHECKING:
     from .coco import COCO
@@ -72,7 +72,9 @@ def check_coco(
     Errors (raised together in one :class:`~cgavit.io.DataError` that names every offending entry by
     its id and field): unreadable or malformed JSON; image entries without an integer ``id``, a
     ``file_name``, or with a ``width``/``height`` that is not a positive integer or exceeds
-    :data:`~.schema.MAX_IMAGE_PIXELS`; categories without an integer ``id``; duplicate ids; image
+    :data:`~.schema.MAX_IMAGE_PIXELS`; categories without an integer ``id``, or whose ``name`` is not
+    printable text of 1 to :data:`~.schema.MAX_NAME_LENGTH` characters (names are printed, and a
+    checkpoint with such a name could not be loaded); duplicate ids; image
     files missing from ``image_dir`` or not readable; annotations whose ``image_id`` is not an image,
     whose ``category_id`` is not a category, whose ``bbox`` is not four finite numbers, whose
     ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; and with ``require_masks``, images without
@@ -220,12 +222,16 @@ def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
             got = shown(cat.get("id")) if isinstance(cat, dict) else f"not an object: {shown(cat)}"
             problems[MALFORMED_CATEGORIES].append(f"categories[{i}]: 'id' must be an integer, got {got}")
             continue
-        if not isinstance(cat.get("name", ""), str):
-            problems[MALFORMED_CATEGORIES].append(f"category {cat['id']}: 'name' must be text, got {shown(cat['name'])}")
+        name = cat.get("name", str(cat["id"]))
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()):
+            problems[MALFORMED_CATEGORIES].append(
+                f"category {cat['id']}: 'name' must be printable text of 1 to {MAX_NAME_LENGTH} characters (it is "
+                f"printed and stored in the checkpoint), got {shown(name)}"
+            )
             continue
         if cat["id"] in categories:
             problems["duplicate category ids"].append(f"category {cat['id']}")
-        categories[cat["id"]] = cat.get("name", str(cat["id"]))
+        categories[cat["id"]] = name
     return categories
 
 

@@ -19,6 +19,8 @@ from ..bounds import MAX_IMAGE_PIXELS
 #: Most categories a detection dataset may list (LVIS has 1203): a RetinaNet head for this many
 #: classes already holds 200 million parameters.
 MAX_CATEGORIES = 10_000
+#: Longest category name (the bound the checkpoint reader holds names to).
+MAX_NAME_LENGTH = 1024
 
 _MAX_JSON_INT = 2**53  # larger integers do not survive the float conversions pycocotools makes
 _RLE_CHUNKS = 7  # a count in a compressed RLE string takes at most 7 characters of 5 bits (35 bits)
