@@ -262,3 +262,12 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
             p.unlink(missing_ok=True)
             gone.append(p)
     return gone
+
+
+def printable(text: str) -> str:
+    """``text`` as it may go to a terminal: control characters (ESC, CR, NUL, the C1 range) and
+    formatting ones (U+202E, ...) written as Python escapes, so a file or folder name cannot rewrite
+    the screen; printable text is returned unchanged. Newlines are kept (multi-line messages)."""
+    if text.isprintable():
+        return text
+    return "\n".join(line if line.isprintable() else repr(line)[1:-1] for line in text.split("\n"))

@@ -299,6 +299,15 @@ def test_category_names_that_would_rewrite_the_terminal_are_refused(files, tmp_p
     assert _one_error_line(capsys.readouterr().err).isprintable() and not (tmp_path / "o").exists()
 
 
+def test_predicted_file_names_reach_the_terminal_escaped(files, tmp_path, capsys):
+    image = tmp_path / "\x1b]0;owned\x07\x1b[2J\u202e.png"  # set the title, clear the screen, reverse the line
+    image.write_bytes(Path(files["image"]).read_bytes())
+    assert main(["detect", "predict", str(image), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
+                 "--out", str(tmp_path / "drawn")]) == 0
+    out = capsys.readouterr().out
+    assert out and all(line.isprintable() for line in out.splitlines()) and "\\x1b]0;owned" in out, out
+
+
 def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
     half = _write(tmp_path, _edited(files, lambda d: d["images"][0].pop("width")), "half.json")
     with pytest.raises(DataError, match="image 1: needs both 'width' and 'height'"):

@@ -664,3 +664,32 @@ def test_resume_continues_as_the_network_it_is(world, tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing written
     same = TrainConfig.resume_from(last, model="m0", dials={"cascade": True, "embed_dim": [16, 32, 48]}, epochs=2)
     assert same.model == "m0" and same.dials["embed_dim"] == (16, 32, 48)  # the same network, spelled out: fine
+
+
+# ------------------------------------------------------------------------------ names reaching the terminal
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\r\u202e"  # set the title, clear the screen, return, reverse the text
+
+
+def _terminal_safe(text: str) -> bool:
+    return all(line.isprintable() for line in text.splitlines())
+
+
+def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys):
+    """A file or folder name is the dataset's, not the user's: `predict` and `eval` printed them raw,
+    so a name could clear the screen, set the title or reverse the line."""
+    good = tmp_path / f"{ESCAPES}.png"
+    shutil.copy(world["image"], good)
+    missing = tmp_path / f"gone{ESCAPES}.png"
+    assert main(["predict", str(good), str(missing), "--checkpoint", str(world["best_pt"])]) == 1
+    out, err = capsys.readouterr()
+    assert _terminal_safe(out) and _terminal_safe(err), (out, err)
+    assert "\\x1b]0;owned\\x07" in out and "gone\\x1b]0;owned" in err  # still named, as Python escapes
+    data = tmp_path / "ds"
+    shutil.copytree(world["data"], data)
+    (data / "val" / "class_0" / f"{ESCAPES}.png").write_bytes(b"not an image")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "cgavit", "eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped unreadable image" in proc.stderr and "\\x1b[2J" in proc.stderr, proc.stderr  # the log line, escaped
+    assert _terminal_safe(proc.stderr) and _terminal_safe(proc.stdout), proc.stderr

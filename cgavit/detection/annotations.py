@@ -85,8 +85,7 @@ def check_coco(
     ``require_masks``, empty segmentations and polygons of fewer than three points (crowd regions
     included) are dropped with one warning listing them all; a file left without annotations is
     trained on with a warning. With ``strict=True`` both are errors. A polygon of an odd count of
-    numbers is malformed, an error. Without ``require_masks`` (RetinaNet: boxes only),
-    ``segmentation`` is never read, so it is not checked.
+    numbers is an error. Without ``require_masks`` (RetinaNet) ``segmentation`` is never read or checked.
 
     Args:
         ann_file: instances JSON.

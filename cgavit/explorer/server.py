@@ -38,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
+from ..io import printable
 from .compute import ImageAttention, ToyCGA, build_model
 from .guard import HostCheck, Refused
 from .limits import MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
@@ -79,12 +80,6 @@ class ApiError(Exception):
 def shown(text: str, limit: int = 40) -> str:
     """``text`` quoted for an error message, cut to ``limit`` characters."""
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
-
-
-def printable(text: str) -> str:
-    """``text`` as it may go to a log (and so a terminal): control characters (ESC, CR, the C1 range),
-    and formatting ones such as U+202E, written as escapes; printable text unchanged."""
-    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def parse_query(url_query: str, allowed: dict[str, str | None]) -> dict[str, str]:
