@@ -229,11 +229,30 @@ def save_torch(path: str | os.PathLike, obj) -> Path:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The rows of a JSON-lines file ([] when it does not exist)."""
+    """The rows (JSON objects) of a JSON-lines file ([] when it does not exist).
+
+    Raises:
+        DataError: the file is not UTF-8 text, or a line is not a JSON object (file and line named).
+    """
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text, so not a file of records this package wrote; move it away") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            row = None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {n} is not a JSON record ({printable(line[:60])!r}); fix or delete that line")
+        rows.append(row)
+    return rows
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> Path:

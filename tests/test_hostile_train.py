@@ -189,6 +189,10 @@ def world(tmp_path_factory) -> dict[str, Path]:
     w["odd_target"] = root / "precious.txt"
     w["odd_target"].write_text("precious\n")
     w["odd"] = _odd_run_folders(root / "odd", w["odd_target"])
+    for kind, line in DAMAGED_METRICS.items():  # the run, its metrics.jsonl edited by hand or by another program
+        shutil.copytree(root / "run", root / f"metrics-{kind}")
+        with open(root / f"metrics-{kind}" / "metrics.jsonl", "ab") as f:
+            f.write(line)
     return w
 
 
@@ -209,6 +213,9 @@ TINY_ABLATE = ["--embed-dim", "16,24,32", "--num-heads", "2,2,2", "--depth", "1,
                "--batch-size", "4", "--epochs", "1", "--no-throughput", "--threads", "1"]
 CKPT_KINDS = ("empty", "truncated", "text", "truncated_st", "pickle", "pickle_as_st", "folder", "fifo", "missing", "unreadable")
 IMAGE_KINDS = ("empty", "truncated", "text", "folder", "fifo", "missing", "bomb", "unreadable")
+DAMAGED_METRICS = {"not JSON": b"garbage\n", "not a record": b"[1]\n", "a text epoch": b'{"epoch": "x", "train_loss": 1}\n',
+                   "a text figure": b'{"epoch": 0, "train_loss": 1, "lr": 1, "val_loss": 1, "val_top1": "y", "val_top5": 1}\n',
+                   "not UTF-8": b"\xff\xfe\n"}
 ODD_KINDS = ("fifo", "symlink", "folder")
 ODD_SAYS = {"fifo": "is not a regular file", "symlink": "is a symbolic link", "folder": "is a folder"}
 RECORD_KINDS = ("rec_img_size", "rec_crop_pct", "rec_embed_dim", "rec_ffn_ratio", "rec_wide", "rec_type",
@@ -261,6 +268,9 @@ def _cases(w: dict) -> dict[str, tuple[list[str], str]]:
             folder = w["root"] / "odd" / f"{name}-{kind}"
             cases[f"train --output with {name} a {kind}"] = (
                 ["train", "--data", d, *TINY_ARGV, "--epochs", "1", "--output", str(folder)], f"{name} {ODD_SAYS[kind]}")
+    for kind in DAMAGED_METRICS:  # used to be raw TypeError / AttributeError / KeyError tracebacks
+        cases[f"train --resume with metrics.jsonl {kind}"] = (
+            ["train", "--resume", str(w["root"] / f"metrics-{kind}" / "last.pt"), "-j", "0"], r"metrics\.jsonl.*(line 2|record 2|UTF-8)")
     last = str(w["root"] / "run" / "last.pt")
     cases["train --resume with another --model"] = (["train", "--resume", last, "--model", "m1", "-j", "0"], r"--model (efficientvit_)?m1 differs")
     cases["train --resume with another --embed-dim"] = (
