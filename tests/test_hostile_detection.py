@@ -34,6 +34,7 @@ from cgavit.cli import main  # noqa: E402
 from cgavit.detection import CocoDetection, check_coco, load_detector, write_shapes_dataset  # noqa: E402
 from cgavit.detection.checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_config  # noqa: E402
 from cgavit.detection.coco import decode_masks, encode_masks, segmentation_rle  # noqa: E402
+from cgavit.detection.engine import plot_losses  # noqa: E402
 from cgavit.detection.models import build_detector  # noqa: E402
 from cgavit.detection.schema import compressed_counts, segmentation_problem  # noqa: E402
 from cgavit.io import DataError, save_torch  # noqa: E402
@@ -600,6 +601,23 @@ def test_read_only_output_is_one_line(files, mount_tmpfs, capsys):
                 "--max-size", str(SIZE), "--output", str(out)]
         assert main(argv) == 2
         assert re.search(rf"cannot .*{out}: the file system is read-only; ", _one_error_line(capsys.readouterr().err))
+
+
+def test_damaged_metrics_stop_the_run_at_its_start_and_odd_rows_are_not_plotted(files, tmp_path, capsys):
+    """A metrics.jsonl edited by hand ended the run, after its last epoch, in an AttributeError or KeyError."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"type": "step", "iter": 1, "lr": 0.1, "loss": 2.0}\n[1]\n')
+    argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+            "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+            "--max-size", str(SIZE), "--output", str(out)]
+    assert main(argv) == 2
+    assert "metrics.jsonl line 2 is not a JSON record" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # nothing trained, the lock let go
+    rows = ['{"type": "step", "iter": "x", "lr": 0.1}', '{"type": "step", "lr": 0.1}', '{"type": "epoch"}',
+            '{"type": "step", "iter": 2, "lr": 0.1, "loss": "high"}', '{"type": "step", "iter": 3, "lr": 0.1, "loss": 2.0}']
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert plot_losses(out / "metrics.jsonl", out / "loss.png") == out / "loss.png" and (out / "loss.png").stat().st_size
 
 
 def test_output_that_is_a_file_is_refused(files, capsys):

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..analysis.plots import training_curves
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
-from ..io import CheckpointError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
+from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
 from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
@@ -266,11 +266,23 @@ def model_config(cfg: TrainConfig, categories: Sequence[tuple[int, str]]) -> dic
 
 
 def plot_losses(metrics_file: str | os.PathLike, out: str | os.PathLike) -> Path | None:
-    """Plot the step losses and learning rate of a ``metrics.jsonl`` to ``out`` (PNG); None if empty."""
-    steps = [r for r in read_jsonl(metrics_file) if r.get("type") == "step"]
+    """Plot the step losses and learning rate of a ``metrics.jsonl`` to ``out`` (PNG); None if empty.
+
+    Only step records with a numeric ``iter`` and ``lr`` are drawn, and of them only their numbers
+    (a row edited by hand is left out, not a failure at the end of a run).
+
+    Raises:
+        DataError: a line of the file is not a JSON object (:func:`~cgavit.io.read_jsonl`).
+    """
+    steps = [{k: v for k, v in r.items() if _is_number(v)} for r in read_jsonl(metrics_file)
+             if r.get("type") == "step" and _is_number(r.get("iter")) and _is_number(r.get("lr"))]
     if not steps:
         return None
     return training_curves(steps, Path(out), x="iter", rate="lr", skip=("type", "epoch"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -340,9 +352,17 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             len(run.loader), start_epoch + 1, cfg.epochs,
         )
     with RunLock(run.out, env):  # makes the folder; one run per folder; stale temporaries cleared under it
+        damaged = None
         if env.is_main:
             for tmp in remove_stale_temporaries(run.out):
                 log.info("removed %s, left by an interrupted write", tmp)
+            try:  # a damaged record file stops the run now (every rank), not after its last epoch
+                read_jsonl(run.metrics_path)
+            except DataError as err:
+                damaged = str(err)
+        damaged = broadcast_object(env, damaged)
+        if damaged:
+            raise DataError(damaged)
         return _epochs(run, val_set, start_epoch)
 
 
