@@ -684,7 +684,7 @@ def _terminal_safe(text: str) -> bool:
     return all(line.isprintable() for line in text.splitlines())
 
 
-def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys):
+def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys, monkeypatch):
     """A file or folder name is the dataset's, not the user's: `predict` and `eval` printed them raw,
     so a name could clear the screen, set the title or reverse the line."""
     good = tmp_path / f"{ESCAPES}.png"
@@ -697,9 +697,23 @@ def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys):
     data = tmp_path / "ds"
     shutil.copytree(world["data"], data)
     (data / "val" / "class_0" / f"{ESCAPES}.png").write_bytes(b"not an image")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "cgavit", "eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "skipped unreadable image" in proc.stderr and "\\x1b[2J" in proc.stderr, proc.stderr  # the log line, escaped
-    assert _terminal_safe(proc.stderr) and _terminal_safe(proc.stdout), proc.stderr
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process: the command sets up its own log output
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "skipped unreadable image" in err and "\\x1b[2J" in err, err  # the log line, escaped
+    assert _terminal_safe(out) and _terminal_safe(err), err
+
+
+def test_a_new_run_sets_aside_the_records_of_one_that_left_no_checkpoint(world, tmp_path):
+    """A run whose first last.pt could not be written (a full disk) left metrics.jsonl behind; the
+    next run in that folder appended to it, so epoch 1 was recorded twice and the curves mixed runs."""
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = '{"epoch": 0, "train_loss": 9.0, "lr": 0.1, "val_loss": 9.0, "val_top1": 1.0, "val_top5": 2.0}\n'
+    (out / "metrics.jsonl").write_text(earlier)
+    train(tiny(data=str(world["data"]), epochs=1, output=str(out)))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0] and rows[0]["train_loss"] != 9.0, rows
+    (aside,) = out.glob("metrics-before-*.jsonl")
+    assert aside.read_text() == earlier  # kept, not lost

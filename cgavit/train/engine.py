@@ -195,10 +195,7 @@ def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
         if env.is_main:
             make_folder(output, "run folder")
         with RunLock(output, env):
-            if env.is_main:
-                handler = _file_log(output)
-                for tmp in remove_stale_temporaries(output):
-                    log.info("removed %s, left by an interrupted write", tmp)
+            handler = _open_run_folder(output, env, resumed is not None)
             return _train(cfg, env, stopper, layout, resumed, t_start)
     finally:
         if handler is not None:
@@ -206,6 +203,32 @@ def _run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper) -> TrainResult:
             handler.close()
         if old_level is not None:
             quiet.setLevel(old_level)
+
+
+def _open_run_folder(output: Path, env: DistEnv, resuming: bool) -> logging.Handler | None:
+    """Under the run lock, on rank 0: the run log opened, stale temporaries removed, the records
+    checked (a new run sets aside the records of an earlier one that left no ``last.pt``). An error
+    is raised on every rank, so none waits for the others."""
+    handler, error = None, None
+    if env.is_main:
+        try:
+            handler = _file_log(output)
+            for tmp in remove_stale_temporaries(output):
+                log.info("removed %s, left by an interrupted write", tmp)
+            metrics = output / "metrics.jsonl"
+            if records.read_metrics(metrics) and not resuming:
+                aside = metrics.with_name(f"metrics-before-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+                os.replace(metrics, aside)
+                log.warning("%s held the records of an earlier run that left no last.pt; moved them to %s", metrics, aside.name)
+        except (ValueError, OSError) as err:  # DataError, a link or pipe as the log, WriteError
+            error = err
+    error = broadcast_object(env, error)
+    if error is not None:
+        if handler is not None:
+            logging.getLogger("cgavit").removeHandler(handler)
+            handler.close()
+        raise error
+    return handler
 
 
 def _check_input_files(cfg: TrainConfig) -> None:
