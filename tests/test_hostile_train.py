@@ -14,6 +14,7 @@ property test feeds random records to the reader of training checkpoints' option
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import io
 import json
@@ -42,7 +43,7 @@ from cgavit.cli import main
 from cgavit.io import DataError, WriteError, atomic_write, save_torch, write_text
 from cgavit.train import TrainConfig, load_model, predict, train
 from cgavit.train import checkpoint as ckpt_io
-from cgavit.train import inference
+from cgavit.train import engine, inference
 from cgavit.train.config import BOUNDS, DIAL_BOUNDS
 from cgavit.train.data import MAX_IMAGE_PIXELS, load_image
 from cgavit.train.distributed import DistEnv, RunLock
@@ -717,3 +718,19 @@ def test_a_new_run_sets_aside_the_records_of_one_that_left_no_checkpoint(world, 
     assert [r["epoch"] for r in rows] == [0] and rows[0]["train_loss"] != 9.0, rows
     (aside,) = out.glob("metrics-before-*.jsonl")
     assert aside.read_text() == earlier  # kept, not lost
+
+
+def test_runs_started_in_the_same_second_get_a_folder_each(world, tmp_path, monkeypatch):
+    """Without --output the folder is runs/<model>-<second>: two runs started together shared it."""
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 1, 12, 0, 0)
+
+    monkeypatch.setattr(engine, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(3):  # each fails on its unreadable data after taking its folder
+        with pytest.raises(DataError, match="made no update"):
+            train(tiny(data=str(world["broken_ds"]), epochs=1, output=None))
+    base = "efficientvit_m0-20261201-120000"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [base, f"{base}-2", f"{base}-3"]

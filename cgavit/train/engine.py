@@ -244,9 +244,8 @@ def _check_input_files(cfg: TrainConfig) -> None:
 def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     if cfg.output:
         out = Path(cfg.output)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / f"{cfg.model}-{stamp}"
+    else:  # made now by rank 0, so two runs started in the same second get a folder each
+        out = _new_run_folder(Path("runs") / f"{cfg.model}-{datetime.now():%Y%m%d-%H%M%S}") if env.is_main else None
     out = Path(broadcast_object(env, str(out)))
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
@@ -256,6 +255,21 @@ def _choose_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
             f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
         )
     return out
+
+
+def _new_run_folder(base: Path) -> Path:
+    """``base`` or, when that exists, ``base-2``, ``base-3``, ...: the first that did not, made now."""
+    make_folder(base.parent, "runs folder")
+    for n in range(1, 1000):
+        out = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            continue
+        except OSError:
+            make_folder(out, "run folder")  # raises the WriteError that says why
+    raise ValueError(f"{base} and {base.name}-2 .. -999 all exist; give --output")
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
