@@ -620,6 +620,20 @@ def test_damaged_metrics_stop_the_run_at_its_start_and_odd_rows_are_not_plotted(
     assert plot_losses(out / "metrics.jsonl", out / "loss.png") == out / "loss.png" and (out / "loss.png").stat().st_size
 
 
+@pytest.mark.parametrize("held", ["checkpoint.pth", "model.pth"])
+def test_a_new_run_does_not_overwrite_a_finished_one(files, tmp_path, held, capsys):
+    """`detect train` twice with the default --output (runs/detect) overwrote the first run's model."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / held).write_bytes(b"the first run's weights")
+    argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+            "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+            "--max-size", str(SIZE), "--output", str(out)]
+    assert main(argv) == 2
+    assert f"already holds a run ({held}); continue it with --resume auto" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == [held] and (out / held).read_bytes() == b"the first run's weights"
+
+
 def test_output_that_is_a_file_is_refused(files, capsys):
     assert main(["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
                  "--output", str(files["train_json"])]) == 2

@@ -409,12 +409,16 @@ def _datasets(cfg: TrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection
 
 def _resume_checkpoint(cfg: TrainConfig, config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(path, checkpoint)`` to continue from (``"auto"``: the output's checkpoint.pth if present),
-    checked to describe the same detector and data; ``(None, None)`` for a fresh run."""
+    checked to describe the same detector and data; ``(None, None)`` for a fresh run, which may not
+    start in a folder holding another run's checkpoint.pth or model.pth (it would overwrite them)."""
     resume = cfg.resume
     if resume == "auto":
         path = Path(cfg.output) / "checkpoint.pth"
         resume = str(path) if os.path.lexists(path) else None
     if not resume:
+        held = [n for n in ("checkpoint.pth", "model.pth") if os.path.lexists(Path(cfg.output) / n)]
+        if held:  # a new run would overwrite them
+            raise ValueError(f"{cfg.output} already holds a run ({held[0]}); continue it with --resume auto, or choose another --output")
         return None, None
     ckpt = read_checkpoint(resume)
     old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
