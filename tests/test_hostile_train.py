@@ -695,6 +695,11 @@ def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys, monkeypa
     out, err = capsys.readouterr()
     assert _terminal_safe(out) and _terminal_safe(err), (out, err)
     assert "\\x1b]0;owned\\x07" in out and "gone\\x1b]0;owned" in err  # still named, as Python escapes
+    undecodable = tmp_path / os.fsdecode(b"\xff\xfe.png")  # not UTF-8: a strict stdout could not print it at all
+    shutil.copy(world["image"], undecodable)
+    assert main(["predict", str(undecodable), "--checkpoint", str(world["best_pt"])]) == 0
+    out = capsys.readouterr().out
+    assert _terminal_safe(out) and "\\udcff\\udcfe.png" in out and out.encode("utf-8"), out
     data = tmp_path / "ds"
     shutil.copytree(world["data"], data)
     (data / "val" / "class_0" / f"{ESCAPES}.png").write_bytes(b"not an image")
