@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
 import io
 import json
 import logging
@@ -739,3 +740,12 @@ def test_runs_started_in_the_same_second_get_a_folder_each(world, tmp_path, monk
             train(tiny(data=str(world["broken_ds"]), epochs=1, output=None))
     base = "efficientvit_m0-20261201-120000"
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [base, f"{base}-2", f"{base}-3"]
+
+
+def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
+    def unsupported(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)  # what some network and FUSE file systems answer
+    with pytest.raises(ValueError, match="does not support file locks .*give --output a folder on a local disk"):
+        RunLock(tmp_path, DistEnv()).__enter__()

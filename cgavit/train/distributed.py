@@ -224,6 +224,11 @@ class RunLock:
             return ValueError(f"{self.path} is a symbolic link, not a lock this package made; remove it and run again")
         if err.errno == errno.EISDIR:
             return ValueError(f"{self.path} is a folder, not a lock file; remove it and run again")
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return ValueError(
+                f"cannot lock {self.path}: its file system does not support file locks (flock), so a second run could "
+                "not be kept out of the folder; give --output a folder on a local disk"
+            )
         code, reason, _ = write_reason(err, self.path.parent)
         return WriteError(code, f"cannot write into the run folder {self.path.parent}: {reason}; give --output a folder you can write to")
 
