@@ -250,7 +250,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         except (ValueError, RecursionError):
             row = None
         if not isinstance(row, dict):
-            raise DataError(f"{path} line {n} is not a JSON record ({printable(line[:60])!r}); fix or delete that line")
+            raise DataError(f"{path} line {n} is not a JSON record ({line[:60]!r}); fix or delete that line")
         rows.append(row)
     return rows
 
