@@ -17,6 +17,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -25,7 +26,11 @@ TMP_SUFFIX = ".tmp"
 
 class WriteError(OSError):
     """A file could not be written (disk full, permission, ...); whatever stood at the path before is
-    untouched. The message says which file and why."""
+    untouched. ``errno`` is the real cause (``ENOSPC``, ``EISDIR``, ``EROFS``, ...); the message (all
+    that ``str()`` gives, without an ``[Errno N]`` prefix) says which file, why, and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror if isinstance(self.strerror, str) else super().__str__()
 
 
 class DataError(ValueError):
@@ -87,14 +92,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
     The parent folder is created if needed. The file gets the mode ``open()`` would give it.
 
     Raises:
-        WriteError: the folder or file could not be written (the old file, if any, is kept).
+        WriteError: the folder or file could not be written (the old file, if any, is kept); its
+            ``errno`` is the cause and its message says what to do (:func:`write_reason`).
     """
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     except OSError as err:
-        raise WriteError(err.errno, f"cannot write {path}: {err.strerror or err}; choose another folder") from None
+        raise _write_error(path, err) from None
     os.close(fd)
     try:
         write(tmp)
@@ -104,7 +110,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         _remove(tmp)
-        raise WriteError(errno.EIO, _write_failure(path, err)) from None
+        raise _write_error(path, err) from None
     except BaseException:
         _remove(tmp)
         raise
@@ -116,16 +122,95 @@ def _remove(tmp: str) -> None:
         os.unlink(tmp)
 
 
-def _write_failure(path: Path, err: BaseException) -> str:
-    kept = "the previous file is untouched" if path.exists() else "nothing was written"
+#: errno -> (what happened, what to do), for the messages of :class:`WriteError`
+_WRITE_REASONS = {
+    errno.ENOSPC: ("the disk is full", "free some space and run again"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space and run again"),
+    errno.EISDIR: ("it is a folder", "give the path of a file (a name inside that folder)"),
+    errno.EROFS: ("the file system is read-only", "write to a folder on a writable disk"),
+    errno.EACCES: ("permission denied", "fix the folder's permissions or write somewhere else"),
+    errno.EPERM: ("permission denied", "fix the folder's permissions or write somewhere else"),
+    errno.ENOTDIR: ("a part of its path is a file, not a folder", "give a path whose parents are folders"),
+    errno.ENAMETOOLONG: ("its name is too long", "choose a shorter path"),
+}
+_LOW_SPACE = 64 * 2**20  # bytes: a write failing with less than this left is taken for a full disk
+
+
+def write_reason(err: BaseException, folder: str | os.PathLike) -> tuple[int, str, str]:
+    """``(errno, what happened, what to do)`` for a write into ``folder`` that failed with ``err``.
+
+    ``err`` is an ``OSError`` (its ``errno`` is the cause) or the ``RuntimeError`` that ``torch.save``
+    raises, which carries none: that one counts as a full disk when ``folder`` has under 64 MiB
+    free, else as an I/O error (``EIO``).
+    """
+    code = getattr(err, "errno", None)
+    if code is None or code == errno.EIO:
+        try:
+            low = shutil.disk_usage(folder).free < _LOW_SPACE
+        except OSError:
+            low = False
+        code = errno.ENOSPC if low else errno.EIO
+    if code in _WRITE_REASONS:
+        return (code, *_WRITE_REASONS[code])
+    text = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return code, text, "check the disk and run again"
+
+
+def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
+    """Open the regular file ``path`` for appending text (created if missing), never following a
+    symbolic link there (which would append to whatever it points at) nor waiting on a pipe.
+
+    Raises:
+        ValueError: ``path`` is a symbolic link, a folder, a pipe, socket or device.
+        WriteError: it cannot be written (read-only, full, not permitted).
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        free = shutil.disk_usage(path.parent).free
-    except OSError:
-        free = None
-    if getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < 64 * 2**20):
-        return f"cannot write {path}: the disk is full ({kept}); free some space and run again"
-    reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0][:200]
-    return f"cannot write {path}: {reason} ({kept})"
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(f"the {what} {path} is a symbolic link; remove it (nothing is written through a link)") from None
+        if err.errno == errno.EISDIR:
+            raise ValueError(f"the {what} {path} is a folder; remove or rename it") from None
+        if err.errno == errno.ENXIO:  # a pipe nobody reads
+            raise ValueError(f"the {what} {path} is not a regular file (a pipe); remove it") from None
+        code, reason, advice = write_reason(err, path.parent)
+        raise WriteError(code, f"cannot write {path}: {reason}; {advice}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"the {what} {path} is not a regular file (a pipe, socket or device); remove it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def make_folder(path: str | os.PathLike, what: str = "folder") -> Path:
+    """Create folder ``path`` and its parents (nothing happens when it exists); returns it.
+
+    Raises:
+        WriteError: it cannot be made (read-only, full, not permitted, a file in the way); the
+            message names ``what`` and the path, says why and what to do.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise WriteError(errno.ENOTDIR, f"cannot create the {what} {path}: {blocker} is a file, not a folder; choose another path") from None
+        code, reason, advice = write_reason(err, blocker or path.parent)
+        raise WriteError(code, f"cannot create the {what} {path}: {reason}; {advice}") from None
+    return path
+
+
+def _write_error(path: Path, err: BaseException) -> WriteError:
+    """The :class:`WriteError` for a failed :func:`atomic_write` of ``path``."""
+    parent = next((p for p in path.parents if p.exists()), path.parent)
+    if getattr(err, "errno", None) == errno.EEXIST and not parent.is_dir():  # mkdir(exist_ok) on a file
+        return WriteError(errno.ENOTDIR, f"cannot write {path}: {parent} is a file, not a folder; give a path under a folder")
+    code, reason, advice = write_reason(err, parent)
+    kept = "the previous file is untouched" if path.is_file() else "nothing was written"
+    return WriteError(code, f"cannot write {path}: {reason} ({kept}); {advice}")
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -144,11 +229,30 @@ def save_torch(path: str | os.PathLike, obj) -> Path:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The rows of a JSON-lines file ([] when it does not exist)."""
+    """The rows (JSON objects) of a JSON-lines file ([] when it does not exist).
+
+    Raises:
+        DataError: the file is not UTF-8 text, or a line is not a JSON object (file and line named).
+    """
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text, so not a file of records this package wrote; move it away") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            row = None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {n} is not a JSON record ({line[:60]!r}); fix or delete that line")
+        rows.append(row)
+    return rows
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
@@ -177,3 +281,12 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
             p.unlink(missing_ok=True)
             gone.append(p)
     return gone
+
+
+def printable(text: str) -> str:
+    """``text`` as it may go to a terminal: control characters (ESC, CR, NUL, the C1 range) and
+    formatting ones (U+202E, ...) written as Python escapes, so a file or folder name cannot rewrite
+    the screen; printable text is returned unchanged. Newlines are kept (multi-line messages)."""
+    if text.isprintable():
+        return text
+    return "\n".join(line if line.isprintable() else repr(line)[1:-1] for line in text.split("\n"))

@@ -1,6 +1,8 @@
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,3 +166,30 @@ def trained_digits(tmp_path_factory) -> TrainedDigits:
         acc = float((model(held_out.images).argmax(1) == held_out.labels).float().mean())
     return TrainedDigits(model, root / "digits.safetensors", root / "data", held_out.images, held_out.labels,
                          train.images, train.labels, acc)
+
+
+# ------------------------------------------------------------------------------ real small file systems
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(size="1m", folders=(), read_only=False)``: a real tmpfs of ``size`` mounted under
+    ``tmp_path``, holding the empty ``folders``, remounted read-only if asked; unmounted afterwards.
+    The test is skipped where this process may not mount (it needs root with CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def mount(size: str = "1m", folders: tuple[str, ...] = (), read_only: bool = False) -> Path:
+        point = tmp_path / f"fs{len(mounted)}"
+        point.mkdir()
+        if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True
+        ).returncode:
+            pytest.skip("cannot mount a file system here (needs root with CAP_SYS_ADMIN)")
+        mounted.append(point)
+        for name in folders:
+            (point / name).mkdir(parents=True)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True, capture_output=True)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

@@ -252,7 +252,7 @@ def test_degenerate_boxes_skipped_with_warning_or_refused_with_strict(shapes, tm
         check_coco(missing, shapes["train_images"], require_masks=True)
     line = _bad_json(shapes, tmp_path, lambda d: d["annotations"][0].update(segmentation=[[1, 1, 9, 9]]))
     assert len(check_coco(line, shapes["train_images"], require_masks=True).skipped) == 1
-    with pytest.raises(ValueError, match=f"annotation {anns[0]['id']} .*polygon with 4 coordinates"):
+    with pytest.raises(ValueError, match=f"annotation {anns[0]['id']} .*polygon 1 has 2 points"):
         check_coco(line, shapes["train_images"], require_masks=True, strict=True)
 
 

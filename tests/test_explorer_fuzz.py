@@ -540,6 +540,31 @@ def test_internal_errors_are_json_500(images, monkeypatch, caplog):
         assert any("ZeroDivisionError" in (r.exc_text or "") for r in caplog.records)
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /\x1b[2J\x1b]0;owned\x07 HTTP/1.1\r\nHost: HOST\r\n\r\n",  # clear the screen, set the title
+    b"GET /api/\xe2\x80\xaeevil\r HTTP/1.1\r\nHost: HOST\r\n\r\n",  # U+202E as UTF-8 (C1 bytes as Latin-1), CR
+    b"\x1b[31mGET / HTTP/1.1\r\nHost: HOST\r\n\r\n",
+    b"GET /\x9b31m HTTP/1.1\r\nHost: \x1b[31mevil\r\n\r\n",  # the one-byte CSI
+])
+def test_request_lines_reach_the_log_escaped(images, request_bytes, caplog):
+    """The log (a terminal with `cgavit explore -v`) got the client's request line raw: escape sequences."""
+    with serving(images) as srv, caplog.at_level(logging.DEBUG, logger="cgavit.explorer"):
+        status, _, _ = raw(srv, request_bytes.replace(b"HOST", host_of(srv).encode()))
+    assert status >= 400
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.isprintable() for line in lines), lines
+    assert any("\\x1b" in line or "\\x9b" in line or "\\x80" in line for line in lines), lines
+
+
+def test_internal_errors_log_the_target_escaped(images, monkeypatch, caplog):
+    with serving(images) as srv:
+        monkeypatch.setattr(srv.toy, "run", lambda *a: 1 / 0)
+        with caplog.at_level(logging.ERROR, logger="cgavit.explorer"):
+            assert_json_error(*get(srv, "/api/cga?\x1b[2J"), 400)  # the query is refused before the toy runs
+            assert_json_error(*get(srv, "/api/cga#\x1b]0;x\x07"), 500)
+    assert caplog.records and all(r.getMessage().isprintable() for r in caplog.records)
+
+
 # ------------------------------------------------------------------------------- startup
 def checkpoints(tmp: Path) -> dict[str, Path]:
     """Hostile checkpoint files by name: empty, corrupt, cut short, bad metadata, folder, FIFO, missing."""

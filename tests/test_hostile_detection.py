@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -33,10 +34,12 @@ from cgavit.cli import main  # noqa: E402
 from cgavit.detection import CocoDetection, check_coco, load_detector, write_shapes_dataset  # noqa: E402
 from cgavit.detection.checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_config  # noqa: E402
 from cgavit.detection.coco import decode_masks, encode_masks, segmentation_rle  # noqa: E402
+from cgavit.detection.engine import plot_losses  # noqa: E402
 from cgavit.detection.models import build_detector  # noqa: E402
 from cgavit.detection.schema import compressed_counts, segmentation_problem  # noqa: E402
 from cgavit.io import DataError, save_torch  # noqa: E402
 from cgavit.io import CheckpointError  # noqa: E402
+from cgavit.train.distributed import DistEnv, RunLock  # noqa: E402
 
 SIZE = 64
 ROOT = os.geteuid() == 0  # root reads files whatever their permissions
@@ -272,6 +275,8 @@ def test_malformed_coco_fields_are_named(files, tmp_path, edit, names, capsys):
         ({"size": [SIZE, SIZE], "counts": 5}, "'counts' must be"),
         ([[0, 0, 10, 0, 1e9, 1e9]], "far outside"),  # the rasteriser would allocate in proportion
         ([[0, 0, 10, "a", 5, 5]], "finite x, y numbers"),
+        ([[0, 0, 10, 0, 10, 10, 5]], "polygon 1 has 7 numbers, an odd count"),  # pycocotools dropped the 5 silently
+        ([[0, 0, 10, 0, 10, 10], [1, 2, 3]], "polygon 2 has 3 numbers, an odd count"),
         ("mask", "polygons (a list) or run-length"),
     ],
 )
@@ -281,6 +286,27 @@ def test_masks_are_checked_before_pycocotools_sees_them(files, tmp_path, seg, wh
         check_coco(path, files["train_images"], require_masks=True)
     with pytest.raises(DataError, match="cannot use a mask"):
         segmentation_rle(seg, SIZE, SIZE)
+
+
+@pytest.mark.parametrize("name", ["\x1b[2J\x1b]0;owned\x07square", "circle\r", "tri\u202eelgna", "a\x00b", "", "x" * 1025])
+def test_category_names_that_would_rewrite_the_terminal_are_refused(files, tmp_path, name, capsys):
+    """`detect predict` printed the names a training file gave its categories, escape sequences and all
+    (and the checkpoint reader refuses such names, so the trained run could not be used)."""
+    path = _write(tmp_path, _edited(files, lambda d: d["categories"][0].update(name=name)))
+    with pytest.raises(DataError, match=r"category 1: 'name' must be printable text of 1 to 1024 characters"):
+        check_coco(path, files["train_images"])
+    argv = ["detect", "train", "--train-json", str(path), "--train-images", str(files["train_images"]), "--output", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert _one_error_line(capsys.readouterr().err).isprintable() and not (tmp_path / "o").exists()
+
+
+def test_predicted_file_names_reach_the_terminal_escaped(files, tmp_path, capsys):
+    image = tmp_path / "\x1b]0;owned\x07\x1b[2J\u202e.png"  # set the title, clear the screen, reverse the line
+    image.write_bytes(Path(files["image"]).read_bytes())
+    assert main(["detect", "predict", str(image), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
+                 "--out", str(tmp_path / "drawn")]) == 0
+    out = capsys.readouterr().out
+    assert out and all(line.isprintable() for line in out.splitlines()) and "\\x1b]0;owned" in out, out
 
 
 def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
@@ -296,6 +322,30 @@ def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
         d["annotations"][0].update(iscrowd=1, segmentation={"size": [SIZE + 1, SIZE], "counts": [SIZE * SIZE + SIZE]})
     with pytest.raises(DataError, match="annotation 1 .*disagrees"):  # COCOeval decodes crowd masks too
         check_coco(_write(tmp_path, _edited(files, crowd)), files["train_images"], require_masks=True)
+
+
+def test_odd_and_empty_polygons_are_refused_or_skipped_by_name(files, tmp_path, capsys):
+    """Issue 19: polygons of odd length, or empty, trained silently (crowd regions were not looked at)."""
+    def seg(segmentation, crowd):
+        return lambda d: d["annotations"][0].update(segmentation=segmentation, iscrowd=crowd)
+
+    odd = _write(tmp_path, _edited(files, seg([[4, 4, 24, 4, 24, 24, 9]], 1)), "odd.json")
+    with pytest.raises(DataError, match=r"annotation 1 \(image 1 train_00000.png\): 'segmentation': polygon 1 has 7 numbers"):
+        check_coco(odd, files["train_images"], require_masks=True)
+    argv = ["detect", "train", "--model", "maskrcnn", "--train-json", str(odd), "--train-images", str(files["train_images"]),
+            "--output", str(tmp_path / "o")]
+    assert main(argv) == 2 and "polygon 1 has 7 numbers" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+    assert check_coco(odd, files["train_images"]).dataset  # RetinaNet trains on boxes and never reads segmentation
+    for empty, says in (([], "empty segmentation"), ([[]], "polygon 1 has 0 points"), ([[1, 2, 3, 4]], "polygon 1 has 2 points")):
+        for crowd in (0, 1):
+            path = _write(tmp_path, _edited(files, seg(empty, crowd)), "empty.json")
+            check = check_coco(path, files["train_images"], require_masks=True)
+            assert check.skipped == [f"annotation 1 (image 1 train_00000.png): {says} (a polygon needs 3 or more)"
+                                     if "points" in says else f"annotation 1 (image 1 train_00000.png): {says} (no polygon)"]
+            assert all(a["id"] != 1 for a in check.dataset["annotations"])
+            with pytest.raises(DataError, match="refused with --strict"):
+                check_coco(path, files["train_images"], require_masks=True, strict=True)
 
 
 def test_json_that_is_no_coco_file(files, tmp_path):
@@ -446,9 +496,9 @@ def test_nan_loss_stops_training(files, tmp_path, capsys):
             "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
             "--max-size", str(SIZE), "--pretrained-backbone", str(backbone), "--output", str(out)]
     out.mkdir()
-    (out / "run.lock").write_text(str(os.getpid()))  # a live run writes here
-    assert main(argv) == 2
-    assert "another run (pid" in _one_error_line(capsys.readouterr().err)
+    with RunLock(out, DistEnv()):  # a live run holds the folder (here this process, through another open file)
+        assert main(argv) == 2
+    assert f"another run (pid {os.getpid()})" in _one_error_line(capsys.readouterr().err)
     (out / "run.lock").write_text("999999999")  # left by a process that is gone
     stale = out / ".checkpoint.pth.k9x2a.tmp"  # what kill -9 mid-write leaves
     stale.write_bytes(b"half")
@@ -540,6 +590,48 @@ def test_analysis_sample_is_bounded_by_pixels(tmp_path, capsys):
     assert main(["analyze", "heads", "--data", str(tmp_path / "d"), "--output", str(tmp_path / "o"), "--img-size", "4096",
                  "--num-images", "0"]) == 2
     assert "--num-images 16 or fewer" in _one_error_line(capsys.readouterr().err, "analyze")
+
+
+def test_read_only_output_is_one_line(files, mount_tmpfs, capsys):
+    """Issue 19: `--output` on a read-only file system gave an OSError traceback."""
+    ro = mount_tmpfs(folders=("run",), read_only=True)
+    for out in (ro / "run", ro / "new"):
+        argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+                "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+                "--max-size", str(SIZE), "--output", str(out)]
+        assert main(argv) == 2
+        assert re.search(rf"cannot .*{out}: the file system is read-only; ", _one_error_line(capsys.readouterr().err))
+
+
+def test_damaged_metrics_stop_the_run_at_its_start_and_odd_rows_are_not_plotted(files, tmp_path, capsys):
+    """A metrics.jsonl edited by hand ended the run, after its last epoch, in an AttributeError or KeyError."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"type": "step", "iter": 1, "lr": 0.1, "loss": 2.0}\n[1]\n')
+    argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+            "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+            "--max-size", str(SIZE), "--output", str(out)]
+    assert main(argv) == 2
+    assert "metrics.jsonl line 2 is not a JSON record" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # nothing trained, the lock let go
+    rows = ['{"type": "step", "iter": "x", "lr": 0.1}', '{"type": "step", "lr": 0.1}', '{"type": "epoch"}',
+            '{"type": "step", "iter": 2, "lr": 0.1, "loss": "high"}', '{"type": "step", "iter": 3, "lr": 0.1, "loss": 2.0}']
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert plot_losses(out / "metrics.jsonl", out / "loss.png") == out / "loss.png" and (out / "loss.png").stat().st_size
+
+
+@pytest.mark.parametrize("held", ["checkpoint.pth", "model.pth"])
+def test_a_new_run_does_not_overwrite_a_finished_one(files, tmp_path, held, capsys):
+    """`detect train` twice with the default --output (runs/detect) overwrote the first run's model."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / held).write_bytes(b"the first run's weights")
+    argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+            "--backbone", "m0", "--device", "cpu", "--workers", "0", "--epochs", "1", "--min-size", str(SIZE),
+            "--max-size", str(SIZE), "--output", str(out)]
+    assert main(argv) == 2
+    assert f"already holds a run ({held}); continue it with --resume auto" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == [held] and (out / held).read_bytes() == b"the first run's weights"
 
 
 def test_output_that_is_a_file_is_refused(files, capsys):

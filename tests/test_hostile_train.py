@@ -14,17 +14,24 @@ property test feeds random records to the reader of training checkpoints' option
 from __future__ import annotations
 
 import contextlib
+import datetime
+import errno
+import fcntl
 import io
 import json
 import logging
+import multiprocessing
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,14 +41,15 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from cgavit.cli import main
-from cgavit.io import DataError
 from cgavit import factory, load_model
-from cgavit.train import TrainConfig, predict, train
-from cgavit.train import checkpoint as ckpt_io
 from cgavit.bounds import MAX_IMAGE_PIXELS
 from cgavit.images import load_image
-from cgavit.io import CheckpointError
+from cgavit.io import CheckpointError, DataError, WriteError, atomic_write, save_torch, write_text
+from cgavit.train import TrainConfig, predict, train
+from cgavit.train import checkpoint as ckpt_io
+from cgavit.train import engine
 from cgavit.train.config import BOUNDS
+from cgavit.train.distributed import DistEnv, RunLock
 from cgavit.variants import CONFIG_LIMITS
 from cgavit.weights import read_weights_meta, save_weights
 
@@ -183,7 +191,26 @@ def world(tmp_path_factory) -> dict[str, Path]:
     bomb_ds = make_folder(root / "bomb_ds", classes=3, train=4, val=1)
     (bomb_ds / "train" / "class_1" / "bomb.png").write_bytes(w["img"]["bomb"].read_bytes())
     w["bomb_ds"] = bomb_ds
+    w["odd_target"] = root / "precious.txt"
+    w["odd_target"].write_text("precious\n")
+    w["odd"] = _odd_run_folders(root / "odd", w["odd_target"])
+    for kind, line in DAMAGED_METRICS.items():  # the run, its metrics.jsonl edited by hand or by another program
+        shutil.copytree(root / "run", root / f"metrics-{kind}")
+        with open(root / f"metrics-{kind}" / "metrics.jsonl", "ab") as f:
+            f.write(line)
     return w
+
+
+def _odd_run_folders(root: Path, target: Path) -> dict[str, Path]:
+    """Run folders whose ``run.lock`` or ``train.log`` (``"<file> <kind>"``) is a pipe (opening or
+    reading it would block), a symbolic link to ``target`` (which must stay untouched), a folder."""
+    out = {}
+    for name in ("run.lock", "train.log"):
+        for kind in ODD_KINDS:
+            folder = out[f"{name} {kind}"] = root / f"{name}-{kind}"
+            folder.mkdir(parents=True)
+            {"fifo": os.mkfifo, "symlink": lambda p: p.symlink_to(target), "folder": Path.mkdir}[kind](folder / name)
+    return out
 
 
 # ------------------------------------------------------------------------------ the table
@@ -191,6 +218,11 @@ TINY_ABLATE = ["--embed-dim", "16,24,32", "--num-heads", "2,2,2", "--depth", "1,
                "--batch-size", "4", "--epochs", "1", "--no-throughput", "--threads", "1"]
 CKPT_KINDS = ("empty", "truncated", "text", "truncated_st", "pickle", "pickle_as_st", "folder", "fifo", "missing", "unreadable")
 IMAGE_KINDS = ("empty", "truncated", "text", "folder", "fifo", "missing", "bomb", "unreadable")
+DAMAGED_METRICS = {"not JSON": b"garbage\n", "not a record": b"[1]\n", "a text epoch": b'{"epoch": "x", "train_loss": 1}\n',
+                   "a text figure": b'{"epoch": 0, "train_loss": 1, "lr": 1, "val_loss": 1, "val_top1": "y", "val_top5": 1}\n',
+                   "not UTF-8": b"\xff\xfe\n"}
+ODD_KINDS = ("fifo", "symlink", "folder")
+ODD_SAYS = {"fifo": "is not a regular file", "symlink": "is a symbolic link", "folder": "is a folder"}
 RECORD_KINDS = ("rec_img_size", "rec_crop_pct", "rec_embed_dim", "rec_ffn_ratio", "rec_wide", "rec_type",
                 "rec_not_dict", "rec_classes", "rec_class_count")
 #: what each kind's one line must mention
@@ -236,6 +268,18 @@ def _cases(w: dict) -> dict[str, tuple[list[str], str]]:
         cases[f"train --data {kind}"] = (["train", "--data", p, *TINY_ARGV, "--epochs", "1", "--output", str(out / f"d-{kind}")], says)
         cases[f"eval --data {kind}"] = (["eval", "--data", p, "--checkpoint", str(w["best_pt"]), "-j", "0"], says)
         cases[f"ablate --data {kind}"] = (["ablate", "--data", p, "--output", str(out / f"a-{kind}"), *TINY_ABLATE], says)
+    for name in ("run.lock", "train.log"):  # files of the run folder this package did not make: refused, never
+        for kind in ODD_KINDS:  # followed, nor opened in a way that blocks (the log was: even SIGTERM did not help)
+            folder = w["root"] / "odd" / f"{name}-{kind}"
+            cases[f"train --output with {name} a {kind}"] = (
+                ["train", "--data", d, *TINY_ARGV, "--epochs", "1", "--output", str(folder)], f"{name} {ODD_SAYS[kind]}")
+    for kind in DAMAGED_METRICS:  # used to be raw TypeError / AttributeError / KeyError tracebacks
+        cases[f"train --resume with metrics.jsonl {kind}"] = (
+            ["train", "--resume", str(w["root"] / f"metrics-{kind}" / "last.pt"), "-j", "0"], r"metrics\.jsonl.*(line 2|record 2|UTF-8)")
+    last = str(w["root"] / "run" / "last.pt")
+    cases["train --resume with another --model"] = (["train", "--resume", last, "--model", "m1", "-j", "0"], r"--model (efficientvit_)?m1 differs")
+    cases["train --resume with another --embed-dim"] = (
+        ["train", "--resume", last, "--embed-dim", "16,32,64", "-j", "0"], r"--embed-dim 16,32,64 \(the run has 16,32,48\)")
     ck = str(w["best_pt"])
     flags = {  # name: (argv, what the line must say)
         "predict --img-size 0": (["predict", img, "--checkpoint", ck, "--img-size", "0"], "--img-size"),
@@ -475,3 +519,236 @@ def test_any_record_is_read_within_bounds_or_refused_with_a_value_error(base, ch
         value = cfg.dials.get(name)
         assert value is None or all(lo <= v <= hi for v in (value if isinstance(value, tuple) else (value,))), name
     assert set(cfg.dials) <= set(f for f in record if record[f] is not None)
+
+
+# ------------------------------------------------------------------------------ the run folder
+RACE_CONTENDERS = 8
+RACE_ROUNDS = 250  # per case; the lock before flock had two holders in about 4 % of such rounds
+
+
+def _contend(root: str, rounds: int, barrier, results) -> None:
+    """One racing process: each round, take folder ROUND's lock together with the others and hold it
+    until every contender has tried; report ``(round, pid, "won" or the error's message)``."""
+    env = DistEnv()
+    for r in range(rounds):
+        barrier.wait()
+        lock = RunLock(Path(root) / str(r), env)
+        try:
+            lock.__enter__()
+            outcome = "won"
+        except Exception as err:  # noqa: BLE001 - reported to the test, which names it
+            outcome = f"{type(err).__name__}: {err}"
+        barrier.wait()  # every contender has tried: only now may the holder let go
+        if outcome == "won":
+            lock.__exit__(None, None, None)
+        results.put((r, os.getpid(), outcome))
+
+
+@pytest.mark.parametrize("left", ["nothing", "a dead run's lock"])
+def test_racing_processes_never_both_take_a_run_folder(tmp_path, left):
+    """Issue 19: two `cgavit train` on one new folder both ran. 8 processes x 250 rounds, each round
+    on a fresh folder (empty, or holding the lock file of a run that is gone): exactly one holder,
+    and every other process names the holder's pid."""
+    for r in range(RACE_ROUNDS):
+        (tmp_path / str(r)).mkdir()
+        if left != "nothing":
+            (tmp_path / str(r) / "run.lock").write_text("999999999")  # no such process
+    ctx = multiprocessing.get_context("fork")  # the package is imported already: the contenders start at once
+    barrier, results = ctx.Barrier(RACE_CONTENDERS, timeout=60), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(str(tmp_path), RACE_ROUNDS, barrier, results)) for _ in range(RACE_CONTENDERS)]
+    for p in procs:
+        p.start()
+    try:
+        rows = [results.get(timeout=60) for _ in range(RACE_ROUNDS * RACE_CONTENDERS)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    tries = defaultdict(list)
+    for r, pid, outcome in rows:
+        tries[r].append((pid, outcome))
+    for r in range(RACE_ROUNDS):
+        holders = [pid for pid, outcome in tries[r] if outcome == "won"]
+        assert len(holders) == 1, f"round {r}: {len(holders)} processes took the lock: {tries[r]}"
+        for pid, outcome in tries[r]:
+            assert outcome == "won" or f"another run (pid {holders[0]}) is writing to" in outcome, outcome
+        assert not (tmp_path / str(r) / "run.lock").exists()  # the holder's exit removed it
+
+
+def _hold_lock(folder: str, ready) -> None:
+    with RunLock(Path(folder), DistEnv()):
+        ready.set()
+        time.sleep(120)  # killed long before
+
+
+def test_lock_of_a_killed_run_is_taken_over_and_its_temporaries_removed(world, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(out), ready))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(ValueError, match=rf"another run \(pid {holder.pid}\)"):
+            train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # what the OOM killer or kill -9 does: no clean-up ran
+        holder.join()
+    assert (out / "run.lock").read_text() == str(holder.pid)  # left behind, but the kernel released its lock
+    stale = out / ".last.pt.k9x2a.tmp"
+    stale.write_bytes(b"half")
+    with pytest.raises(DataError, match="could be read|made no update"):  # the run takes the folder, then fails on its data
+        train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+    assert not stale.exists() and not (out / "run.lock").exists()
+
+
+def test_symlinks_in_a_run_folder_are_never_written_through(world, tmp_path, caplog):
+    """A run folder from elsewhere whose train.log links to a file of the user's: every log line of
+    the run used to be appended to that file."""
+    target = tmp_path / "precious.txt"
+    target.write_text("precious\n")
+    for name in ("run.lock", "train.log"):
+        out = tmp_path / name
+        out.mkdir()
+        (out / name).symlink_to(target)
+        (out / ".last.pt.k9x2a.tmp").write_bytes(b"")  # its removal is logged at INFO, into train.log
+        with caplog.at_level(logging.INFO, logger="cgavit"), pytest.raises(ValueError, match=f"{name} is a symbolic link"):
+            train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+        assert target.read_text() == "precious\n" and (out / name).is_symlink()
+        assert name == "run.lock" or not (out / "run.lock").exists()  # the lock was let go
+
+
+def test_read_only_output_is_one_line(world, mount_tmpfs, capsys):
+    """Issue 19: `--output` on a read-only file system gave an OSError traceback from run.lock."""
+    ro = mount_tmpfs(folders=("run",), read_only=True)
+    run = ["train", "--data", str(world["data"]), *TINY_ARGV, "--epochs", "1"]
+    for argv in ([*run, "--output", str(ro / "run")], [*run, "--output", str(ro / "new")],
+                 ["demo", "--output", str(ro / "run"), "--epochs", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert re.search(rf"cgavit {argv[0]}: error: cannot .*{ro}.*: the file system is read-only; ", err), err
+    with pytest.raises(WriteError) as info:
+        RunLock(ro / "run", DistEnv()).__enter__()
+    assert info.value.errno == errno.EROFS
+
+
+def test_write_errors_keep_their_cause_and_say_what_to_do(tmp_path, mount_tmpfs):
+    """Issue 19: "is a directory" and "disk full" both read `[Errno 5] ...`."""
+    folder = tmp_path / "weights.pt"
+    folder.mkdir()
+    with pytest.raises(WriteError) as info:
+        write_text(folder, "x")
+    assert info.value.errno == errno.EISDIR and str(info.value).startswith(f"cannot write {folder}: it is a folder")
+    assert "give the path of a file" in str(info.value) and "Errno" not in str(info.value)
+
+    def full(tmp: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(WriteError, match="the disk is full .*free some space") as info:
+        atomic_write(tmp_path / "a.txt", full)
+    assert info.value.errno == errno.ENOSPC and not list(tmp_path.glob(".a.txt.*"))
+
+    disk = mount_tmpfs(size="256k")  # a real full disk, for a plain write and for torch.save
+    write_text(disk / "old.txt", "kept")
+    for name, write in (("old.txt", lambda p: write_text(p, "x" * 2**20)),
+                        ("t.pt", lambda p: save_torch(p, torch.randn(2**18)))):  # 1 MiB each
+        with pytest.raises(WriteError) as info:
+            write(disk / name)
+        assert info.value.errno == errno.ENOSPC, str(info.value)
+        assert re.match(rf"cannot write {disk / name}: the disk is full \((the previous file is untouched|nothing was written)\); "
+                        "free some space and run again$", str(info.value)), str(info.value)
+    assert (disk / "old.txt").read_text() == "kept" and sorted(p.name for p in disk.iterdir()) == ["old.txt"]
+
+
+def test_resume_continues_as_the_network_it_is(world, tmp_path):
+    """Issue 19: resuming with another --model ran the checkpoint's M0 weights labelled M1."""
+    run = tmp_path / "run"
+    shutil.copytree(world["root"] / "run", run, ignore=shutil.ignore_patterns("run.lock"))
+    last = run / "last.pt"
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    for overrides, says in ((dict(model="efficientvit_m1"), "--model efficientvit_m1 differs"),
+                            (dict(dials={"embed_dim": (16, 32, 64)}), "--embed-dim 16,32,64"),
+                            (dict(dials={"cascade": False}), "--cascade off")):
+        with pytest.raises(ValueError, match=says):
+            TrainConfig.resume_from(last, epochs=2, **overrides)
+    stored = TrainConfig.resume_from(last)
+    with pytest.raises(ValueError, match="--model efficientvit_m1 differs"):  # a config built by hand is held to it too
+        train(replace(stored, model="efficientvit_m1", epochs=2))
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing written
+    same = TrainConfig.resume_from(last, model="m0", dials={"cascade": True, "embed_dim": [16, 32, 48]}, epochs=2)
+    assert same.model == "m0" and same.dials["embed_dim"] == (16, 32, 48)  # the same network, spelled out: fine
+
+
+# ------------------------------------------------------------------------------ names reaching the terminal
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\r\u202e"  # set the title, clear the screen, return, reverse the text
+
+
+def _terminal_safe(text: str) -> bool:
+    return all(line.isprintable() for line in text.splitlines())
+
+
+def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys, monkeypatch):
+    """A file or folder name is the dataset's, not the user's: `predict` and `eval` printed them raw,
+    so a name could clear the screen, set the title or reverse the line."""
+    good = tmp_path / f"{ESCAPES}.png"
+    shutil.copy(world["image"], good)
+    missing = tmp_path / f"gone{ESCAPES}.png"
+    assert main(["predict", str(good), str(missing), "--checkpoint", str(world["best_pt"])]) == 1
+    out, err = capsys.readouterr()
+    assert _terminal_safe(out) and _terminal_safe(err), (out, err)
+    assert "\\x1b]0;owned\\x07" in out and "gone\\x1b]0;owned" in err  # still named, as Python escapes
+    undecodable = tmp_path / os.fsdecode(b"\xff\xfe.png")  # not UTF-8: a strict stdout could not print it at all
+    shutil.copy(world["image"], undecodable)
+    assert main(["predict", str(undecodable), "--checkpoint", str(world["best_pt"])]) == 0
+    out = capsys.readouterr().out
+    assert _terminal_safe(out) and "\\udcff\\udcfe.png" in out and out.encode("utf-8"), out
+    data = tmp_path / "ds"
+    shutil.copytree(world["data"], data)
+    (data / "val" / "class_0" / f"{ESCAPES}.png").write_bytes(b"not an image")
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process: the command sets up its own log output
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "skipped unreadable image" in err and "\\x1b[2J" in err, err  # the log line, escaped
+    assert _terminal_safe(out) and _terminal_safe(err), err
+
+
+def test_a_new_run_sets_aside_the_records_of_one_that_left_no_checkpoint(world, tmp_path):
+    """A run whose first last.pt could not be written (a full disk) left metrics.jsonl behind; the
+    next run in that folder appended to it, so epoch 1 was recorded twice and the curves mixed runs."""
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = '{"epoch": 0, "train_loss": 9.0, "lr": 0.1, "val_loss": 9.0, "val_top1": 1.0, "val_top5": 2.0}\n'
+    (out / "metrics.jsonl").write_text(earlier)
+    with pytest.raises(DataError, match="could be read|made no update"):  # the new run takes the folder, then fails on its data
+        train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
+    assert not (out / "metrics.jsonl").exists()  # the new run's records start afresh
+    (aside,) = out.glob("metrics-before-*.jsonl")
+    assert aside.read_text() == earlier  # kept, not lost
+
+
+def test_runs_started_in_the_same_second_get_a_folder_each(world, tmp_path, monkeypatch):
+    """Without --output the folder is runs/<model>-<second>: two runs started together shared it."""
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 1, 12, 0, 0)
+
+    monkeypatch.setattr(engine, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(3):  # each fails on its unreadable data after taking its folder
+        with pytest.raises(DataError, match="could be read|made no update"):
+            train(tiny(data=str(world["broken_ds"]), epochs=1, output=None))
+    base = "efficientvit_m0-20261201-120000"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [base, f"{base}-2", f"{base}-3"]
+
+
+def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
+    def unsupported(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)  # what some network and FUSE file systems answer
+    with pytest.raises(ValueError, match="does not support file locks .*give --output a folder on a local disk"):
+        RunLock(tmp_path, DistEnv()).__enter__()

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 import cgavit
 from cgavit.cli import main
-from cgavit.io import CheckpointError
+from cgavit.io import CheckpointError, DataError
 from cgavit.schema import WeightsMeta
+from cgavit.train.data import list_split
 from cgavit.train.inference import split_for_model
 from cgavit.weights import save_weights
 
@@ -210,3 +211,15 @@ def test_an_empty_batch_gives_empty_logits():
 def test_optimize_needs_an_example_image_and_says_so():
     with pytest.raises(ValueError, match="at least one image"):
         cgavit.optimize(_model(), torch.randn(0, 3, 64, 64))
+
+
+def test_class_folders_the_checkpoint_could_not_record_are_refused_before_training(tmp_path):
+    """A run on a folder named with an ANSI escape would train, then write a checkpoint its own
+    predict refuses: the data layout refuses the name first, escaped."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("ok", "evil\x1b[2J"):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / split / c / "0.png")
+    with pytest.raises(DataError, match=r"printable text.*evil\\x1b\[2J"):
+        list_split(tmp_path, "train")

@@ -16,6 +16,7 @@ from cgavit.train import checkpoint as ckpt_io
 from cgavit.io import DataError
 from cgavit.train.data import BadImageError, check_layout
 from cgavit.io import CheckpointError
+from cgavit.train.distributed import DistEnv, RunLock
 
 TINY = dict(
     img_size=32, dials=dict(embed_dim=(16, 32, 48), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(3, 3)),
@@ -129,9 +130,9 @@ def test_layout_problems_reported_before_training(tmp_path):
 def test_corrupt_checkpoint_refused_and_left_alone(data, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.lock").write_text(str(os.getpid()))  # a live run writes here
-    with pytest.raises(ValueError, match="another run"):
-        train(tiny(data=str(data), epochs=1, output=str(run)))
+    with RunLock(run, DistEnv()):  # a live run holds the folder (here this process, through another open file)
+        with pytest.raises(ValueError, match=rf"another run \(pid {os.getpid()}\)"):
+            train(tiny(data=str(data), epochs=1, output=str(run)))
     (run / "run.lock").write_text("999999999")  # left by a process that is gone: taken over
     train(tiny(data=str(data), epochs=1, output=str(run)))
     assert not (run / "run.lock").exists()

@@ -81,9 +81,11 @@ def test_resume_takes_the_stored_options_and_the_given_ones_win(tmp_path):
     )
     (tmp_path / "run").mkdir()
     ck = _fake_checkpoint(tmp_path / "run" / "last.pt", stored.to_record())
-    c = TrainConfig.resume_from(ck, epochs=9, dials={"depth": (2, 2, 2)})
+    c = TrainConfig.resume_from(ck, epochs=9, dials={"num_heads": (4, 4, 4)})  # M0's own heads, spelled out
     assert (c.data, c.epochs, c.seed, c.lr) == ("d", 9, 3, 0.5)  # stored, except what was given
-    assert c.dials == {"cascade": False, "depth": (2, 2, 2)}  # a dial given changes only itself
+    assert c.dials == {"cascade": False, "depth": (1, 1, 1), "num_heads": (4, 4, 4)}  # a dial given adds only itself
+    with pytest.raises(ValueError, match=r"--depth 2,2,2 \(the run has 1,1,1\)"):  # another network: refused (issue 19)
+        TrainConfig.resume_from(ck, dials={"depth": (2, 2, 2)})
     assert c.resume == str(ck) and c.output == str(tmp_path / "run")  # the folder the checkpoint is in now
     defaults = TrainConfig()
     for name in NOT_RESUMED - {"resume"}:  # steer one invocation only: never from the checkpoint
@@ -156,8 +158,10 @@ def test_to_argv_spells_the_config_for_the_command_line():
 
 def test_typed_flags_win_on_resume_from_the_command_line(tmp_path):
     ck = _fake_checkpoint(tmp_path / "last.pt", TrainConfig(data="d", epochs=7, seed=3).to_record())
-    c = config_from_args(_parser().parse_args(["--resume", str(ck), "--epochs", "8", "--cascade", "off"]))
-    assert (c.epochs, c.seed, c.resume, c.dials) == (8, 3, str(ck), {"cascade": False})
+    c = config_from_args(_parser().parse_args(["--resume", str(ck), "--epochs", "8", "--cascade", "on"]))
+    assert (c.epochs, c.seed, c.resume, c.dials) == (8, 3, str(ck), {"cascade": True})
+    with pytest.raises(ValueError, match="--cascade off"):  # a typed dial that makes another network is refused
+        config_from_args(_parser().parse_args(["--resume", str(ck), "--cascade", "off"]))
 
 
 def test_result_to_dict_keeps_the_summary_keys():

@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from ..io import CheckpointError, WriteError
+from ..io import CheckpointError, WriteError, printable
 from . import info, roofline  # no optional dependency
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
@@ -119,9 +119,9 @@ def _all_subparsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentPa
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    terminal = logging.StreamHandler()
+    terminal.setFormatter(_PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[terminal])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -141,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip() or type(err).__name__
-    return " ".join(text.split())
+    return printable(" ".join(text.split()))  # names from files and folders may hold escape sequences
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log lines for a terminal: control and formatting characters escaped (:func:`~cgavit.io.printable`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
 
 
 if __name__ == "__main__":

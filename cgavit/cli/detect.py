@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
+from ..io import printable
 from .common import add_dial_args, dials_from_args
 from .options import add_options, option_values
 
@@ -89,9 +90,9 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_predict(args: argparse.Namespace) -> int:
     threshold = args.score_threshold
     for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
-        print(f"{pred.image}: {len(pred.scores)} detections >= {threshold} -> {pred.drawn}")
+        print(printable(f"{pred.image}: {len(pred.scores)} detections >= {threshold} -> {pred.drawn}"))  # names escaped
         for name, score, box in zip(pred.names, pred.scores, pred.boxes):
-            print(f"  {name:<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
+            print(f"  {printable(name):<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
     return 0
 
 

@@ -15,6 +15,7 @@ import sys
 from dataclasses import fields
 
 from ..bounds import INTERPOLATIONS
+from ..io import printable
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
 from ..train.demo import run_demo, summary_lines
 from .common import add_dial_args, dials_from_args, image_size
@@ -114,14 +115,14 @@ def _predict(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(good, indent=1))
     else:
-        for row in good:
-            print(row["image"])
+        for row in good:  # file and class names may hold escape sequences: printed escaped
+            print(printable(str(row["image"])))
             for rank, t in enumerate(row["top"], 1):
-                print(f"  {rank}. {100 * t['prob']:6.2f}%  {t['name']}  (class {t['index']})")
+                print(f"  {rank}. {100 * t['prob']:6.2f}%  {printable(t['name'])}  (class {t['index']})")
     sys.stdout.flush()
     for row in rows:
         if "error" in row:
-            print(f"cgavit predict: error: {' '.join(row['error'].split())}", file=sys.stderr)
+            print(f"cgavit predict: error: {printable(' '.join(row['error'].split()))}", file=sys.stderr)
     if len(good) == len(rows):
         return 0
     return 1 if good else 2

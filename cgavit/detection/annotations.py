@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..io import DataError, UnreadableFileError, check_readable_file
 from .coco import coco_index
-from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem, shown
+from ..schema import MAX_NAME_LENGTH, shown
+from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem
 
 if TYPE_CHECKING:
     from .coco import COCO
@@ -72,7 +73,9 @@ def check_coco(
     Errors (raised together in one :class:`~cgavit.io.DataError` that names every offending entry by
     its id and field): unreadable or malformed JSON; image entries without an integer ``id``, a
     ``file_name``, or with a ``width``/``height`` that is not a positive integer or exceeds
-    :data:`~.schema.MAX_IMAGE_PIXELS`; categories without an integer ``id``; duplicate ids; image
+    :data:`~.schema.MAX_IMAGE_PIXELS`; categories without an integer ``id``, or whose ``name`` is not
+    printable text of 1 to :data:`~.schema.MAX_NAME_LENGTH` characters (names are printed, and a
+    checkpoint with such a name could not be loaded); duplicate ids; image
     files missing from ``image_dir`` or not readable; annotations whose ``image_id`` is not an image,
     whose ``category_id`` is not a category, whose ``bbox`` is not four finite numbers, whose
     ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; and with ``require_masks``, images without
@@ -80,9 +83,10 @@ def check_coco(
     image's reach, run-length masks of exactly the image's size).
 
     Degenerate boxes (width or height <= 0, or nothing left after clipping to the image) and, with
-    ``require_masks``, polygons of fewer than three points are dropped with one warning listing them
-    all; a file left without annotations is trained on with a warning. With ``strict=True`` both
-    are errors.
+    ``require_masks``, empty segmentations and polygons of fewer than three points (crowd regions
+    included) are dropped with one warning listing them all; a file left without annotations is
+    trained on with a warning. With ``strict=True`` both are errors. A polygon of an odd count of
+    numbers is an error. Without ``require_masks`` (RetinaNet) ``segmentation`` is never read or checked.
 
     Args:
         ann_file: instances JSON.
@@ -218,12 +222,16 @@ def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
             got = shown(cat.get("id")) if isinstance(cat, dict) else f"not an object: {shown(cat)}"
             problems[MALFORMED_CATEGORIES].append(f"categories[{i}]: 'id' must be an integer, got {got}")
             continue
-        if not isinstance(cat.get("name", ""), str):
-            problems[MALFORMED_CATEGORIES].append(f"category {cat['id']}: 'name' must be text, got {shown(cat['name'])}")
+        name = cat.get("name", str(cat["id"]))
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()):
+            problems[MALFORMED_CATEGORIES].append(
+                f"category {cat['id']}: 'name' must be printable text of 1 to {MAX_NAME_LENGTH} characters (it is "
+                f"printed and stored in the checkpoint), got {shown(name)}"
+            )
             continue
         if cat["id"] in categories:
             problems["duplicate category ids"].append(f"category {cat['id']}")
-        categories[cat["id"]] = cat.get("name", str(cat["id"]))
+        categories[cat["id"]] = name
     return categories
 
 
@@ -277,7 +285,7 @@ def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | Non
         problem = segmentation_problem(ann["segmentation"], img["height"], img["width"])
         if problem:
             return BAD_MASKS, f"{where}: {problem}"
-        why = None if ann.get("iscrowd", 0) else _degenerate_polygons(ann["segmentation"])
+        why = _degenerate_polygons(ann["segmentation"])  # crowd regions too: COCOeval rasterises them
     return None, why or _box_problem(box, img)
 
 
@@ -285,10 +293,10 @@ def _degenerate_polygons(seg: Any) -> str | None:
     """Why a (well-formed) segmentation is degenerate: no polygon, or one of fewer than three points."""
     if isinstance(seg, list):
         if not seg:
-            return "empty segmentation"
-        for poly in seg:
-            if len(poly) < 6 or len(poly) % 2:
-                return f"polygon with {len(poly)} coordinates (needs 3 or more x, y points)"
+            return "empty segmentation (no polygon)"
+        for i, poly in enumerate(seg):
+            if len(poly) < 6:
+                return f"polygon {i + 1} has {len(poly) // 2} points (a polygon needs 3 or more)"
     return None
 
 

@@ -21,11 +21,11 @@ from torch import nn
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
 from ..io import CheckpointError, sniff_format
-from ..schema import check_finite, check_name, check_state_dict, check_tensor
+from ..schema import check_finite, check_name, check_state_dict, check_tensor, shown
 from ..variants import VARIANTS, DialError, EfficientViTConfig
 from ..weights import checked_path, read_weights_file
 from .models import KINDS, build_detector
-from .schema import MAX_CATEGORIES, is_int, is_number, shown
+from .schema import MAX_CATEGORIES, is_int, is_number
 
 CHECKPOINT_FORMAT = "cgavit-detection/1"
 MAX_SETTING = 10**6  # largest number a torchvision detector setting (model_kwargs) may hold

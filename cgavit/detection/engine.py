@@ -30,7 +30,7 @@ from ..analysis.plots import training_curves
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
 from ..fields import option
-from ..io import CheckpointError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
+from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
 from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
@@ -280,11 +280,23 @@ def model_config(cfg: DetectionTrainConfig, categories: Sequence[tuple[int, str]
 
 
 def plot_losses(metrics_file: str | os.PathLike, out: str | os.PathLike) -> Path | None:
-    """Plot the step losses and learning rate of a ``metrics.jsonl`` to ``out`` (PNG); None if empty."""
-    steps = [r for r in read_jsonl(metrics_file) if r.get("type") == "step"]
+    """Plot the step losses and learning rate of a ``metrics.jsonl`` to ``out`` (PNG); None if empty.
+
+    Only step records with a numeric ``iter`` and ``lr`` are drawn, and of them only their numbers
+    (a row edited by hand is left out, not a failure at the end of a run).
+
+    Raises:
+        DataError: a line of the file is not a JSON object (:func:`~cgavit.io.read_jsonl`).
+    """
+    steps = [{k: v for k, v in r.items() if _is_number(v)} for r in read_jsonl(metrics_file)
+             if r.get("type") == "step" and _is_number(r.get("iter")) and _is_number(r.get("lr"))]
     if not steps:
         return None
     return training_curves(steps, Path(out), x="iter", rate="lr", skip=("type", "epoch"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
@@ -348,16 +360,23 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
             log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
         elif run.metrics_path.exists():
             log.warning("%s exists: appending to it (use --resume auto to continue that run)", run.metrics_path)
-        run.out.mkdir(parents=True, exist_ok=True)
         log.info(
             "%s on %s: %d images (%d categories), %d process(es) x batch %d, %d iterations/epoch, epochs %d..%d",
             cfg.model, cfg.backbone, len(train_set), len(train_check.categories), env.world, cfg.batch_size,
             len(run.loader), start_epoch + 1, cfg.epochs,
         )
-    with RunLock(run.out, env):  # one run per folder; what an interrupted write left is cleared under it
+    with RunLock(run.out, env):  # makes the folder; one run per folder; stale temporaries cleared under it
+        damaged = None
         if env.is_main:
             for tmp in remove_stale_temporaries(run.out):
                 log.info("removed %s, left by an interrupted write", tmp)
+            try:  # a damaged record file stops the run now (every rank), not after its last epoch
+                read_jsonl(run.metrics_path)
+            except DataError as err:
+                damaged = str(err)
+        damaged = broadcast_object(env, damaged)
+        if damaged:
+            raise DataError(damaged)
         return _epochs(run, val_set, start_epoch)
 
 
@@ -404,12 +423,16 @@ def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, Coco
 
 def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(path, checkpoint)`` to continue from (``"auto"``: the output's checkpoint.pth if present),
-    checked to describe the same detector and data; ``(None, None)`` for a fresh run."""
+    checked to describe the same detector and data; ``(None, None)`` for a fresh run, which may not
+    start in a folder holding another run's checkpoint.pth or model.pth (it would overwrite them)."""
     resume = cfg.resume
     if resume == "auto":
         path = Path(cfg.output) / "checkpoint.pth"
         resume = str(path) if os.path.lexists(path) else None
     if not resume:
+        held = [n for n in ("checkpoint.pth", "model.pth") if os.path.lexists(Path(cfg.output) / n)]
+        if held:  # a new run would overwrite them
+            raise ValueError(f"{cfg.output} already holds a run ({held[0]}); continue it with --resume auto, or choose another --output")
         return None, None
     ckpt = read_checkpoint(resume)
     old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from ..bounds import MAX_IMAGE_PIXELS
+from ..schema import MAX_NAME_LENGTH, shown
 
 #: Most categories a detection dataset may list (LVIS has 1203): a RetinaNet head for this many
 #: classes already holds 200 million parameters.
@@ -32,12 +33,6 @@ def is_number(value: Any) -> bool:
     if isinstance(value, float):
         return math.isfinite(value)
     return is_int(value)
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters for an error message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def image_size_problem(width: Any, height: Any) -> str | None:
@@ -62,7 +57,8 @@ def segmentation_problem(seg: Any, height: int, width: int) -> str | None:
     Polygons must be lists of finite numbers within one image size of the image (farther points make
     the rasteriser allocate in proportion to their distance); run-length masks must declare exactly
     the image's ``[height, width]``, and their counts (a list, or COCO's compressed string) must be
-    well formed and cover exactly ``height * width`` pixels. Polygons with fewer than three points are
+    well formed and cover exactly ``height * width`` pixels. A polygon of an odd count of numbers is
+    malformed (a point without its y). Polygons with fewer than three points, and an empty list, are
     not a problem here (they are degenerate, which the caller decides about).
     """
     if isinstance(seg, list):
@@ -73,9 +69,11 @@ def segmentation_problem(seg: Any, height: int, width: int) -> str | None:
 
 
 def _polygon_problem(polygons: list, height: int, width: int) -> str | None:
-    for poly in polygons:
+    for i, poly in enumerate(polygons):
         if not isinstance(poly, list) or not all(is_number(v) for v in poly):
             return f"'segmentation': a polygon must be a flat list of finite x, y numbers, got {shown(poly)}"
+        if len(poly) % 2:  # pycocotools would drop the last number without a word
+            return f"'segmentation': polygon {i + 1} has {len(poly)} numbers, an odd count (each point is an x and a y)"
         xs, ys = poly[0::2], poly[1::2]
         if any(not -width <= x <= 2 * width for x in xs) or any(not -height <= y <= 2 * height for y in ys):
             return f"'segmentation': a polygon has points far outside the {width}x{height} image"

@@ -38,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
+from ..io import printable
 from .image_attention import ImageAttention
 from .loading import build_model
 from .guard import HostCheck, Refused
@@ -286,7 +287,7 @@ class ExplorerHandler(BaseHTTPRequestHandler):
         return True
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
-        log.debug("%s %s", self.address_string(), format % args)
+        log.debug("%s %s", self.address_string(), printable(format % args))  # the request line is the client's text
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Every error as JSON, the base class's own (400, 414, 431, 501, ...) included; closes the connection."""
@@ -350,7 +351,7 @@ class ExplorerHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             log.debug("explorer: client gone during %s (%s)", self.path, type(err).__name__)
         except Exception:
-            log.exception("explorer request %s failed", self.path)
+            log.exception("explorer request %s failed", printable(self.path[:200]))
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the server's log")
 
     def _target(self) -> tuple[str, str]:

@@ -208,9 +208,14 @@ class TrainConfig:
         defaults). The run folder is the checkpoint's folder, where it is now, unless ``output``
         is overridden.
 
+        A resumed run continues as the network it is: a ``model`` or ``dials`` override that builds
+        another network than the checkpoint's is refused (:func:`check_same_network`), as timm's
+        ``--resume`` would fail on it, rather than training the old weights under a new name.
+
         Raises:
             CheckpointError: a missing, corrupt or non-training checkpoint, or one whose recorded
                 options are malformed or out of bounds (nothing is written).
+            ValueError: ``model`` or ``dials`` ask for another network than the checkpoint's.
         """
         stored = cls.from_checkpoint(checkpoint.load(path), path)
         values = {f.name: getattr(stored, f.name) for f in fields(cls) if f.name not in NOT_RESUMED}
@@ -218,7 +223,9 @@ class TrainConfig:
         values.update(overrides, dials=dials, resume=os.fspath(path))
         if "output" not in overrides:
             values["output"] = str(Path(path).parent)
-        return cls(**values)
+        config = cls(**values)
+        check_same_network(stored, config, path)
+        return config
 
     def to_record(self) -> dict:
         """The options as a plain dict for a checkpoint's ``"args"`` (str/int/float/bool/None/list,
@@ -281,6 +288,36 @@ class TrainConfig:
 def train_defaults() -> dict[str, object]:
     """``{field name: default}`` of :class:`TrainConfig` (the recipe in one dict)."""
     return {f.name: _default(f) for f in fields(TrainConfig)}
+
+
+def check_same_network(run: TrainConfig, resumed: TrainConfig, source: str | os.PathLike) -> None:
+    """Raise ``ValueError`` unless ``resumed`` names the model of ``run`` (the options a checkpoint
+    ``source`` recorded) and its dials build the same network: a resumed run is what it was.
+
+    A dial given with the value the run already had (explicitly or as the variant's default) is
+    no change.
+    """
+    if resolve_name(resumed.model) != resolve_name(run.model):
+        raise ValueError(
+            f"--model {resumed.model} differs from the model of the run in {source} ({run.model}): a resumed run "
+            "continues as the network it is; drop --model, or start a new run in another --output"
+        )
+    was, now = _network(run.model, run.dials), _network(run.model, resumed.dials)
+    changed = [name for name in DIAL_NAMES if was.get(name) != now.get(name)]
+    if changed:
+        said = ", ".join(f"--{_flag(n)} {_dial_text(now.get(n))} (the run has {_dial_text(was.get(n))})" for n in changed)
+        raise ValueError(
+            f"{said}: the run in {source} was another network; a resumed run continues as the network it is, so "
+            "drop these options, or start a new run in another --output"
+        )
+
+
+def _network(model: str, dials: Mapping) -> dict:
+    """``{dial: value}`` of the network ``model`` with ``dials`` builds: every config field as
+    :meth:`~cgavit.EfficientViTConfig.with_dials` resolves it, other dials as given."""
+    arch = {f.name for f in fields(EfficientViTConfig)}
+    cfg = VARIANTS[resolve_name(model)].cfg.with_dials(**{k: v for k, v in dials.items() if k in arch})
+    return {**dials, **asdict(cfg)}
 
 
 def normalize_dials(dials: Mapping) -> dict:

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from ..factory import load_model
-from ..io import write_json, write_text
+from ..io import make_folder, write_json, write_text
 from .config import TrainConfig, TrainResult
 from .engine import train
 from .inference import evaluate_checkpoint, export_weights
@@ -66,7 +66,7 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
         return summary
     for split, idx in (("train", idx_train), ("val", idx_val)):
         for c in classes:
-            (root / split / c).mkdir(parents=True, exist_ok=True)
+            make_folder(root / split / c, "demo data folder")
         for i in idx:
             Image.fromarray(images[i], mode="L").save(root / split / str(labels[i]) / f"{i:04d}.png")
     write_text(marker, json.dumps(summary))

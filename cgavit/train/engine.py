@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -33,13 +34,13 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
-from ..io import CheckpointError, DataError, WriteError, remove_stale_temporaries
+from ..io import CheckpointError, DataError, make_folder, open_append, remove_stale_temporaries
 from ..loading import load_checkpoint
 from ..schema import check_finite
 from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
-from .config import TrainConfig, TrainResult
+from .config import TrainConfig, TrainResult, check_same_network
 from .data import check_layout, epoch_seed, seed_all, unreadable_classes
 from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
@@ -87,6 +88,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         stopper.install()
         t_start = time.perf_counter()
         resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
+        if resumed is not None:  # the weights must go on as the network the record names, whatever cfg says
+            check_same_network(TrainConfig.from_checkpoint(resumed, cfg.resume), cfg, cfg.resume)
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
@@ -94,7 +97,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
             output = _make_output(cfg, env, resumed is not None)
             cfg = replace(cfg, output=str(output))
-            with RunLock(output, env), _run_log(output, env):
+            with RunLock(output, env), _run_log(output, env, resumed is not None):
                 problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
                 problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
                 if problem:
@@ -490,13 +493,12 @@ def _check_input_files(cfg: TrainConfig) -> None:
 
 
 def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
-    """The run folder (``--output``, or ``runs/<model>-<time>``), made by rank 0; refused when it is a
-    file, or holds another run and this one does not resume it."""
+    """The run folder (``--output``, or a new ``runs/<model>-<time>``), made by rank 0; refused when it
+    is a file, or holds another run and this one does not resume it."""
     if cfg.output:
         out = Path(cfg.output)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / f"{cfg.model}-{stamp}"
+    else:  # made now by rank 0, so two runs started in the same second get a folder each
+        out = _new_run_folder(Path("runs") / f"{cfg.model}-{datetime.now():%Y%m%d-%H%M%S}") if env.is_main else None
     out = Path(broadcast_object(env, str(out)))
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
@@ -506,11 +508,23 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
             f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
         )
     if env.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise WriteError(err.errno, f"cannot create the run folder {out}: {err.strerror or err}; choose another --output") from None
+        make_folder(out, "run folder")
     return out
+
+
+def _new_run_folder(base: Path) -> Path:
+    """``base`` or, when that exists, ``base-2``, ``base-3``, ...: the first that did not, made now."""
+    make_folder(base.parent, "runs folder")
+    for n in range(1, 1000):
+        out = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            continue
+        except OSError:
+            make_folder(out, "run folder")  # raises the WriteError that says why
+    raise ValueError(f"{base} and {base.name}-2 .. -999 all exist; give --output")
 
 
 @contextlib.contextmanager
@@ -527,22 +541,40 @@ def _quiet_unless_main(env: DistEnv) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _run_log(output: Path, env: DistEnv) -> Iterator[None]:
-    """On rank 0, for the block: ``train.log`` in the run folder gets the package's log lines; first,
-    temporaries left by an interrupted write are removed (the lock is held)."""
-    if not env.is_main:
-        yield
-        return
-    handler = logging.FileHandler(output / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("cgavit").addHandler(handler)
+def _run_log(output: Path, env: DistEnv, resuming: bool) -> Iterator[None]:
+    """For the block, under the run lock: on rank 0 ``train.log`` in the run folder gets the package's
+    log lines (opened never through a link, never blocking on a pipe), temporaries left by an
+    interrupted write are removed, and a new run sets aside the records of an earlier one that left
+    no ``last.pt``. An error is raised on every rank, so none waits for the others."""
+    handler, error = None, None
+    if env.is_main:
+        try:
+            handler = logging.FileHandler(output / "train.log", delay=True)
+            handler.stream = open_append(output / "train.log", "run log")
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger("cgavit").addHandler(handler)
+            _tidy_run_folder(output, resuming)
+        except (ValueError, OSError) as err:  # DataError, a link or pipe as the log, WriteError
+            error = err
+    error = broadcast_object(env, error)
     try:
-        for tmp in remove_stale_temporaries(output):
-            log.info("removed %s, left by an interrupted write", tmp)
+        if error is not None:
+            raise error
         yield
     finally:
-        logging.getLogger("cgavit").removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            logging.getLogger("cgavit").removeHandler(handler)
+            handler.close()
+
+
+def _tidy_run_folder(output: Path, resuming: bool) -> None:
+    for tmp in remove_stale_temporaries(output):
+        log.info("removed %s, left by an interrupted write", tmp)
+    metrics = output / "metrics.jsonl"
+    if records.read_metrics(metrics) and not resuming:
+        aside = metrics.with_name(f"metrics-before-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+        os.replace(metrics, aside)
+        log.warning("%s held the records of an earlier run that left no last.pt; moved them to %s", metrics, aside.name)
 
 
 class _Stopper:

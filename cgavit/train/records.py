@@ -17,9 +17,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..analysis.plots import pyplot
-from ..io import append_jsonl, atomic_write, read_jsonl, write_jsonl
-from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from ..io import DataError, append_jsonl, atomic_write, read_jsonl, write_jsonl
 from ..schema import WeightsMeta
+from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -30,15 +30,35 @@ def append_metrics(path: Path, row: dict) -> None:
     append_jsonl(path, row)
 
 
+#: The figures every epoch's row holds (numbers): what the curves plot and a resumed run reads back.
+METRIC_FIELDS = ("train_loss", "lr", "val_loss", "val_top1", "val_top5")
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` ([] when there is none)."""
-    return read_jsonl(path)
+    """The rows of a ``metrics.jsonl`` ([] when there is none), each checked to be an epoch's row.
+
+    Raises:
+        DataError: a line that is not a JSON object, or a row without a whole ``epoch`` >= 0 or with a
+            figure of :data:`METRIC_FIELDS` (or ``ema_top1``) that is not a number; file and row named.
+    """
+    rows = read_jsonl(path)
+    for n, row in enumerate(rows, 1):
+        epoch = row.get("epoch")
+        bad = [k for k in METRIC_FIELDS if not _is_number(row.get(k))] + [k for k in ("ema_top1",) if k in row and not _is_number(row[k])]
+        if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0) or bad:
+            what = ", ".join(bad) if bad else f"'epoch' {epoch!r}"
+            raise DataError(f"{path}: record {n} is not an epoch's row ({what} missing or not a number); fix or delete that line")
+    return rows
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def truncate_metrics(path: Path, next_epoch: int) -> None:
     """Drop rows of epochs >= ``next_epoch`` (written after the checkpoint a run resumes from)."""
     if path.is_file():
-        write_jsonl(path, [r for r in read_jsonl(path) if r.get("epoch", -1) < next_epoch])
+        write_jsonl(path, [r for r in read_metrics(path) if r["epoch"] < next_epoch])
 
 
 def weights_meta(cfg: TrainConfig, model: nn.Module, classes: list[str], extra: dict[str, str]) -> WeightsMeta:

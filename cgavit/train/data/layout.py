@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ...images import BadImageError, load_image
 from ...io import DataError
+from ...schema import MAX_NAME_LENGTH, shown
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 
@@ -59,6 +60,12 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise DataError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
+    odd = [c for c in classes if not (c.isprintable() and len(c) <= MAX_NAME_LENGTH)]
+    if odd:  # a class name is recorded in every checkpoint and printed by predict: the checkpoint schema refuses these
+        raise DataError(
+            f"class folder names must be printable text of at most {MAX_NAME_LENGTH} characters; {folder} has "
+            f"{', '.join(shown(c) for c in odd[:5])}: rename them"
+        )
     samples: list[tuple[str, int]] = []
     empty = []
     for idx, name in enumerate(classes):
