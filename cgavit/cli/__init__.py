@@ -33,6 +33,7 @@ COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("cgavit.cli.detect", "detect", ("detect",)),
     ("cgavit.cli.bench", "bench", ("bench",)),
     ("cgavit.cli.export", "deploy", ("export",)),
+    ("cgavit.cli.quantize", "deploy", ("quantize",)),
     ("cgavit.cli.roofline", "", ("roofline",)),
 )
 
