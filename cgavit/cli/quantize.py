@@ -66,15 +66,15 @@ def load_images(args: argparse.Namespace, info: ModelInfo, num_classes: int) -> 
         raise ValueError(f"calibration and evaluation must be different images; --train-split and --val-split are "
                          f"both {args.train_split!r}")
     calib = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
-    if len(calib.images) < args.calibration_images:
-        raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
-                         f"{args.calibration_images}; give more images or a smaller count")
     evaluated = load_labelled(args.data, args.val_split, info, args.eval_images)
     named = [n for n in info.class_names if not n.startswith("class ")]
     for split in (evaluated, calib):
         if len(split.classes) != num_classes or (len(named) == num_classes and split.classes != named):
             raise ValueError(f"{split.source} has class folders {_few(split.classes)}, but the checkpoint predicts "
                              f"{num_classes} classes {_few(info.class_names)}: give the folder the model was trained on")
+    if len(calib.images) < args.calibration_images:
+        raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
+                         f"{args.calibration_images}; give more images or a smaller count")
     return calib, evaluated
 
 
@@ -85,14 +85,17 @@ def _few(names: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     target = checked_target(args)
     stem, runtime = output_stem(args)
-    if args.calibration_images < 1 or args.eval_images < 0 or args.epochs < 1 or args.repeats < 1:
-        raise ValueError("--calibration-images, --epochs and --repeats must be at least 1, --eval-images at least 0")
+    if min(args.calibration_images, args.epochs, args.repeats, args.threads) < 1 or args.eval_images < 0 \
+            or (args.max_float_layers is not None and args.max_float_layers < 0):
+        raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images "
+                         "and --max-float-layers at least 0")
     model, info = load_model(args.checkpoint)
     calib, evaluated = load_images(args, info, model.num_classes)
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
           f"{evaluated.source}; target: {target.describe()}")
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels,
+                      sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
                       info=export_info(info, size), threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result)
@@ -123,10 +126,11 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
 
 def write_outputs(result: QuantizeResult, stem: Path) -> int:
     """The report (json, md, png) always; the int8 file only when it meets the target. Exit status 0 or 1."""
-    base = stem.with_name(stem.name + ".quantize")
-    written = [write_json(base.with_suffix(".json"), result.record()),
-               write_text(base.with_suffix(".md"), result.markdown())]
-    plot = plot_curves(result, base.with_suffix(".png"))
+    def beside(suffix: str) -> Path:
+        return stem.with_name(f"{stem.name}.quantize{suffix}")
+
+    written = [write_json(beside(".json"), result.record()), write_text(beside(".md"), result.markdown())]
+    plot = plot_curves(result, beside(".png"))
     written += [plot] if plot else []
     for layer, why in result.reasons.items():
         print(f"kept in float: {layer}: {why}")
@@ -190,6 +194,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluation split folder name (default val)")
+    p.add_argument("--max-float-layers", type=int, help="keep at most N layers in float (default: no cap; 0: all int8)")
+    p.add_argument("--skip-sensitivity", action="store_true",
+                   help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
     p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (NNCF), distilled from fp32")
     p.add_argument("--epochs", type=int, default=2, help="--qat: epochs of fine-tuning (default 2)")
     p.add_argument("--qat-images", type=int, default=0, help="--qat: training images (default 0: all of DIR/train)")

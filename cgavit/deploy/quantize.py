@@ -164,7 +164,7 @@ class QuantizeResult:
         lines = [f"# cgavit quantize: {verdict}", "", f"Target: {self.target.describe()}, on "
                  f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).",
                  f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range))}, "
-                 f"calibration {self.options.calibration}.", "", f"Chosen: {self.describe_point()}.", "",
+                 f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
                  "| runtime | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target |",
                  "|---|---:|---:|---:|---:|---:|---|"]
         for runtime, points in self.curves.items():
@@ -207,6 +207,7 @@ def quantize(
     options: Int8Options = Int8Options(),
     features: CpuFeatures | None = None,
     sensitivity: bool = True,
+    max_float_layers: int | None = None,
     info: ExportInfo | None = None,
     reference: nn.Module | None = None,
     batch: int = 16,
@@ -227,6 +228,7 @@ def quantize(
         features: the CPU to quantise for (default: this machine's).
         sensitivity: measure every layer quantised alone even when every layer in int8 meets the target
             (it is measured anyway when layers must be kept in float).
+        max_float_layers: keep at most this many layers in float (default: no cap; 0: every layer int8).
         info: metadata for the file (class names, preprocessing); precision and the verdict are added.
         reference: the fp32 model the builds are judged against and timed beside (default ``model``;
             quantisation-aware fine-tuning passes the original here).
@@ -238,6 +240,8 @@ def quantize(
     """
     runtimes = _runtimes(runtime)
     cal, ev = _checked_images(calibration, evaluation, labels)
+    if max_float_layers is not None and max_float_layers < 0:
+        raise ValueError(f"max_float_layers must be at least 0 (or None: no cap), got {max_float_layers}")
     features = features or cpu_features()
     opts = options.for_cpu(features)
     size = tuple(ev.shape[2:])
@@ -247,7 +251,7 @@ def quantize(
         search.start(Path(tmp), opts)
         try:
             for name in runtimes:
-                search.run(name, model, opts, sensitivity)
+                search.run(name, model, opts, sensitivity, max_float_layers)
         finally:
             search.onnx.close()
     return search.result(features, opts, info or ExportInfo(img_size=size))
@@ -314,8 +318,8 @@ class _Search:
         export_onnx(self.fused, tmp / "int8-source.onnx", self.size, fold_residuals=False)
         self.onnx = OnnxInt8Builder(tmp / "int8-source.onnx", [self.calibration], opts)
 
-    def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool) -> None:
-        """Search ``runtime``'s builds: every layer int8, then layers kept in float as needed."""
+    def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None) -> None:
+        """Search ``runtime``'s builds: every layer int8, then up to ``most`` layers kept in float as needed."""
         if runtime == "onnxruntime":
             builder, layers = self.onnx, list(self.onnx.layers)
         else:
@@ -323,12 +327,12 @@ class _Search:
             layers = list(builder.layers)
         judge = partial(self.judge, runtime, builder)
         start = judge(())
-        if (sensitivity or not start.meets) and not self.sensitivity:
+        if (sensitivity or not (start.meets or most == 0)) and not self.sensitivity:
             log.info("quantize: per-layer sensitivity of %d layers (ONNX Runtime)", len(self.onnx.layers))
             self.sensitivity = layer_sensitivity(list(self.onnx.layers), self.onnx_module, self.evaluation,
                                                  self.reference)
         order = [s.layer for s in self.sensitivity if s.layer in builder.layers] or layers
-        self.curves[runtime] = search_float_layers(order, judge, start)
+        self.curves[runtime] = search_float_layers(order, judge, start, most)
 
     def onnx_module(self, float_layers: list[str]) -> OnnxModule:
         return OnnxModule(self.onnx.build(float_layers), self.timing[1], "int8")

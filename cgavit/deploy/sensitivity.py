@@ -103,6 +103,7 @@ def layer_sensitivity(
 
 def search_float_layers(
     order: Sequence[str], judge: Callable[[tuple[str, ...]], CurvePoint], start: CurvePoint | None = None,
+    most: int | None = None,
 ) -> list[CurvePoint]:
     """Keep the first k layers of ``order`` in float for the fewest k whose build meets the target.
 
@@ -110,20 +111,21 @@ def search_float_layers(
         order: layers, most sensitive first.
         judge: builds the int8 model with those layers in float and measures it (a :class:`CurvePoint`).
         start: the all-int8 point when already measured (k = 0).
+        most: the largest k tried (default and at most ``len(order) - 1``: something stays int8).
 
     Returns:
-        Every point measured, in increasing k; the first that meets is the answer (none: nothing met,
-        with at most ``len(order) - 1`` layers in float, so that something is still int8).
+        Every point measured, in increasing k; the first that meets is the answer (none: nothing met).
     """
+    limit = len(order) - 1 if most is None else min(most, len(order) - 1)
     points = {0: start or judge(())}
-    if points[0].meets or len(order) < 2:
+    if points[0].meets or limit < 1:
         return [points[0]]
     k, last_missed = 1, 0
-    while True:  # 1, 2, 4, ... until one meets, or all but one layer are float
+    while True:  # 1, 2, 4, ... until one meets, or the limit is reached
         points[k] = judge(tuple(order[:k]))
-        if points[k].meets or k == len(order) - 1:
+        if points[k].meets or k == limit:
             break
-        last_missed, k = k, min(2 * k, len(order) - 1)
+        last_missed, k = k, min(2 * k, limit)
     if points[k].meets:  # halve the last step: the fewest in (last_missed, k] that meets
         low, high = last_missed, k
         while high - low > 1:
