@@ -30,6 +30,9 @@ from .cpu import CpuFeatures
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 #: OpenVINO (NNCF) bias correction: the full one (per layer, on the calibration images), the fast one, none.
 BIAS_CORRECTIONS = ("full", "fast", "none")
+#: ONNX Runtime's weight type: signed int8 (U8S8 kernels; 7-bit where they would saturate), or uint8
+#: (U8U8 kernels: 8-bit weights that do not saturate on AVX2 either, slower; BENCHMARKS.md).
+WEIGHT_TYPES = ("int8", "uint8")
 
 
 @dataclass(frozen=True)
@@ -37,22 +40,28 @@ class Int8Options:
     """How one int8 post-training quantisation is made.
 
     Args:
-        calibration: one of :data:`CALIBRATION_METHODS` (default ``"minmax"``, measured best: BENCHMARKS.md).
+        calibration: one of :data:`CALIBRATION_METHODS` (default ``"percentile"``: on the CIFAR-10 reference it
+            needed the fewest layers in float, BENCHMARKS.md).
         reduce_range: 7-bit weights; None (default): decided by the CPU (:func:`reduced_weight_range`).
         float_layers: layers (qualified conv names of the export form) kept in float.
         attention_float: keep the attention core (its matmuls and softmax) and the residual adds in
             float (default). ONNX Runtime quantises convolutions only, so this matters to OpenVINO;
             with ``False`` NNCF quantises its matmuls too.
         bias_correction: OpenVINO's, one of :data:`BIAS_CORRECTIONS` (default ``"full"``).
+        weights: ONNX Runtime's weight type, one of :data:`WEIGHT_TYPES` (default ``"int8"``;
+            ``reduce_range`` applies to int8 only). OpenVINO always uses int8.
     """
 
-    calibration: str = "minmax"
+    calibration: str = "percentile"
     reduce_range: bool | None = None
     float_layers: tuple[str, ...] = ()
     attention_float: bool = True
     bias_correction: str = "full"
+    weights: str = "int8"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_TYPES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_TYPES)}, got {self.weights!r}")
         if self.calibration not in CALIBRATION_METHODS:
             raise ValueError(f"calibration must be one of {', '.join(CALIBRATION_METHODS)}, got {self.calibration!r}")
         if self.bias_correction not in BIAS_CORRECTIONS:
@@ -75,8 +84,11 @@ def reduced_weight_range(features: CpuFeatures) -> bool:
     return (features.avx2 or features.avx512) and not features.vnni
 
 
-def weight_range_label(reduce_range: bool) -> str:
-    """How an exported file's metadata names its weight range."""
+def weight_range_label(reduce_range: bool, weights: str = "int8") -> str:
+    """How an exported file's metadata names its weights: ``"7-bit"``, ``"8-bit"`` (signed), or
+    ``"8-bit unsigned"`` (ONNX Runtime's U8U8, which does not saturate)."""
+    if weights == "uint8":
+        return "8-bit unsigned"
     return "7-bit" if reduce_range else "8-bit"
 
 

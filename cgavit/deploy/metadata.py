@@ -84,8 +84,8 @@ class ExportInfo:
 def int8_info(info: ExportInfo, options: Int8Options) -> ExportInfo:
     """``info`` for an int8 file quantised with ``options`` (its weight range, calibration and float layers
     recorded over what ``info.int8`` already holds)."""
-    made = dict(weight_range=weight_range_label(bool(options.reduce_range)), calibration=options.calibration,
-                float_layers=list(options.float_layers))
+    made = dict(weight_range=weight_range_label(bool(options.reduce_range), options.weights),
+                calibration=options.calibration, float_layers=list(options.float_layers))
     return replace(info, precision="int8", int8={**dict(info.int8), **made})
 
 

@@ -206,8 +206,9 @@ class OnnxInt8Builder:
         out = Path(self._tmp.name) / "int8.onnx"
         q.quantize_static(
             str(self.pre), str(out), None if self.cache.exists() else _CalibrationReader(self.batches),
-            quant_format=q.QuantFormat.QDQ, per_channel=True, reduce_range=opts.reduce_range,
-            activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8, op_types_to_quantize=["Conv"],
+            quant_format=q.QuantFormat.QDQ, per_channel=True, reduce_range=opts.reduce_range and opts.weights == "int8",
+            activation_type=q.QuantType.QUInt8, op_types_to_quantize=["Conv"],
+            weight_type=q.QuantType.QUInt8 if opts.weights == "uint8" else q.QuantType.QInt8,
             nodes_to_exclude=[self.layers[name] for name in keep], calibrate_method=method,
             calibration_cache_path=str(self.cache), extra_options={"CalibPercentile": 99.999},
         )

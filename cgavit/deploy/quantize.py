@@ -149,7 +149,7 @@ class QuantizeResult:
             meets_target=self.meets_target, method=self.method, runtime=self.runtime, chosen=_point_record(self.point),
             fp32_onnxruntime_img_s=self.fp32_img_s, float_layers=self.reasons,
             kept_float_by_design="the attention core (score and PV matmuls, softmax) and the residual adds",
-            cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range)),
+            cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
             calibration=self.options.calibration, calibration_images=self.calibration_images,
             evaluation_images=self.evaluation_images,
             sensitivity=[dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
@@ -163,7 +163,7 @@ class QuantizeResult:
         verdict = "meets the target" if self.meets_target else "**no int8 build met the target**; the best found"
         lines = [f"# cgavit quantize: {verdict}", "", f"Target: {self.target.describe()}, on "
                  f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).",
-                 f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range))}, "
+                 f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range), self.options.weights)}, "
                  f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
                  "| runtime | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target |",
                  "|---|---:|---:|---:|---:|---:|---|"]
@@ -273,8 +273,11 @@ def _checked_images(
     calibration: torch.Tensor | Iterable[torch.Tensor], evaluation: torch.Tensor, labels: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Calibration and evaluation images as float32 ``(N, C, H, W)`` of one shape, checked."""
-    cal = calibration if isinstance(calibration, torch.Tensor) else torch.cat([b.float() for b in calibration]) \
-        if calibration else torch.empty(0)
+    if isinstance(calibration, torch.Tensor):
+        cal = calibration
+    else:
+        batches = [b.float() for b in calibration or ()]
+        cal = torch.cat(batches) if batches else torch.empty(0)
     if not isinstance(evaluation, torch.Tensor) or evaluation.ndim != 4 or not len(evaluation):
         raise ValueError("evaluation must be a non-empty image tensor (M, C, H, W) of held-out images")
     if cal.ndim != 4 or not len(cal):
@@ -405,6 +408,8 @@ def _point_record(p: CurvePoint) -> dict:
 def _verdict_info(info: ExportInfo, opts: Int8Options, point: CurvePoint, target: QuantizeTarget,
                   features: CpuFeatures) -> ExportInfo:
     """``info`` with how the file was quantised and what it was measured to keep."""
+    if point.runtime == "openvino":
+        opts = replace(opts, weights="int8")  # NNCF has one weight type
     a = point.agreement
     verdict = dict(runtime=point.runtime, agreement=a.top1_agreement, accuracy=a.accuracy,
                    accuracy_change=a.accuracy_change, evaluation_images=a.n, meets_target=target.met_by(a),
