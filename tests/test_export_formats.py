@@ -78,3 +78,20 @@ def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
         module = load_exported(path, "executorch", threads=threads)
         assert portable_lib._threadpool_get_thread_count() == threads
         assert module(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+
+
+@need("openvino")
+def test_openvino_export_takes_a_stem_and_carries_metadata(tmp_path, capsys):
+    """The README's command: --output m0_ov writes m0_ov.xml + m0_ov.bin (OpenVINO IR is always NAME.xml)."""
+    from cgavit.deploy import open_exported
+
+    code = main(["export", "--model", "efficientvit_m0", "--format", "openvino", "--output", str(tmp_path / "m0_ov"),
+                 "--img-size", "64", "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"])
+    assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m0_ov.bin", "m0_ov.xml"]
+    assert "m0_ov.xml" in capsys.readouterr().out
+    module, info = open_exported(tmp_path / "m0_ov.xml")
+    assert info.img_size == (64, 64) and info.precision == "fp32" and info.version
+    assert module(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
+    assert main(["export", "--model", "m0", "--format", "openvino", "--output", str(tmp_path / "m.bin")]) == 2
+    assert "NAME or NAME.xml" in capsys.readouterr().err

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.bench import recalibrate_batchnorm
 from cgavit.deploy import (
     AGREEMENT_TARGET,
     AUTO_RULES,
@@ -27,6 +26,7 @@ from cgavit.deploy import (
     precision_warning,
 )
 from cgavit.deploy import fastpath
+from cgavit.deploy.fusion import BATCHNORMS
 
 EPYC_AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse sse2 avx f16c fma bmi2 avx2 sha_ni\n"
 XEON_AMX = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: avx2 avx512f avx512_vnni "
@@ -44,6 +44,19 @@ def features(text: str) -> CpuFeatures:
 def agreement(module, trained_digits):
     reference = batched_logits(fuse(trained_digits.model), trained_digits.images)
     return compare_logits(batched_logits(module, trained_digits.images), reference, trained_digits.labels)
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: torch.nn.Module, images: torch.Tensor, batch: int = 32) -> torch.nn.Module:
+    """Every BatchNorm's running statistics set to their average over ``images`` (train-mode passes)."""
+    norms = [m for m in model.modules() if isinstance(m, BATCHNORMS)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the passes
+    model.train()
+    for b in images.split(batch):
+        model(b)
+    return model.eval()
 
 
 def scrambled(trained_digits) -> torch.nn.Module:

@@ -11,16 +11,13 @@ One module per job:
 
 - ``candidates``: the main table's inference paths (ours, timm's port, timm's peers) and their timing.
 - ``ceiling``: on the CPU in fp32, each variant's FLOPs at the measured matmul peak, beside the table.
-- ``photos``: real images (library sample photos, CIFAR-10) preprocessed for the model.
 - ``precision``: every inference path (fp32, bf16, int8; torch and the runtimes) timed and compared
   with fp32 on real labelled images, on a trained checkpoint.
-- ``probe``: the same check without a checkpoint: random-weight probe models (BatchNorm
-  recalibration, the linear probe).
 - ``train_speed``: training-step throughput against timm's port.
 - ``report``: text tables, the environment record, bench.csv/json and the plot.
 - ``run``: :class:`BenchConfig` -> :func:`run_bench` -> :class:`BenchReport`.
-- ``optional``: the one place the heavy optional dependencies (timm, matplotlib, scikit-image,
-  scikit-learn) are imported, on first use.
+- ``optional``: the one place the heavy optional dependencies (timm, matplotlib) are imported, on
+  first use.
 
 Example::
 
@@ -33,7 +30,6 @@ Example::
 
 from .candidates import PEERS_TOP1, Candidate, Result, build_candidates, peer_model, time_candidates, timm_port, trace
 from .ceiling import CeilingRow, fp32_ceilings, format_ceilings
-from .photos import SKIMAGE_PHOTOS, load_cifar, sample_photos, to_model_input
 from .precision import (
     RUNTIMES,
     CheckpointPrecision,
@@ -43,7 +39,6 @@ from .precision import (
     inference_paths,
     load_labelled,
 )
-from .probe import fit_linear_probe, precision_report, recalibrate_batchnorm
 from .report import (
     BATCH_NOTE,
     PRECISION_NOTE,
@@ -75,13 +70,11 @@ __all__ = [
     "PrecisionRow",
     "RUNTIMES",
     "Result",
-    "SKIMAGE_PHOTOS",
     "TABLE_NOTE",
     "TrainingRow",
     "build_candidates",
     "checkpoint_precision",
     "environment",
-    "fit_linear_probe",
     "format_auto",
     "format_auto_order",
     "format_ceilings",
@@ -90,20 +83,15 @@ __all__ = [
     "format_training",
     "fp32_ceilings",
     "inference_paths",
-    "load_cifar",
     "load_labelled",
     "measure_table",
     "peer_model",
     "plot",
     "precision_note",
-    "precision_report",
-    "recalibrate_batchnorm",
     "resolve_protocol",
     "run_bench",
-    "sample_photos",
     "time_candidates",
     "timm_port",
-    "to_model_input",
     "trace",
     "train_throughput",
     "write_report",

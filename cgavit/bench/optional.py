@@ -1,7 +1,7 @@
 """The bench's heavy optional dependencies, each imported here and only here, on first use.
 
-timm (its port of EfficientViT and the peer models), matplotlib (the plot and one sample photo),
-scikit-image (sample photos) and scikit-learn (the linear probe) all come with ``cgavit[bench]``.
+timm (its port of EfficientViT and the peer models) and matplotlib (the plots: the bench's, and
+``cgavit quantize``'s curve) come with ``cgavit[bench]``.
 They are imported lazily because ``cgavit`` builds every command's parser at start-up, which
 imports this package: importing them at the top would add seconds to every command, ``cgavit
 --help`` included. ONNX Runtime, OpenVINO, ExecuTorch and LiteRT have theirs in :mod:`cgavit.deploy`.
@@ -12,8 +12,6 @@ from __future__ import annotations
 from importlib import metadata
 from types import ModuleType
 
-import numpy as np
-from PIL import Image
 from torch import nn
 
 
@@ -45,28 +43,3 @@ def matplotlib_agg() -> ModuleType:
     import matplotlib.ticker  # noqa: F401
 
     return matplotlib
-
-
-def matplotlib_sample_photo(name: str = "grace_hopper.jpg") -> np.ndarray:
-    """One of the sample photos shipped with matplotlib, as a uint8 ``(H, W, 3)`` array."""
-    import matplotlib.cbook
-
-    with matplotlib.cbook.get_sample_data(name) as fh:
-        return np.asarray(Image.open(fh).convert("RGB"))
-
-
-def skimage_photo(name: str) -> np.ndarray:
-    """``skimage.data.<name>()``: a sample image shipped with scikit-image (uint8, grey or colour)."""
-    import skimage.data
-
-    return getattr(skimage.data, name)()
-
-
-def fit_logistic_regression(
-    features: np.ndarray, labels: np.ndarray, C: float = 0.1, max_iter: int = 2000
-) -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's multinomial logistic regression: ``(coef (classes, features), intercept (classes,))``."""
-    from sklearn.linear_model import LogisticRegression
-
-    clf = LogisticRegression(max_iter=max_iter, C=C).fit(features, labels)
-    return clf.coef_, clf.intercept_

@@ -34,12 +34,6 @@ PRECISION_NOTE = (
     "accuracy within {acc:.1f} point of fp32 ('MISSES' marks a path that does not meet it).\n"
     "{images}"
 )
-PROBE_IMAGES_NOTE = (
-    "No checkpoint: random weights and BatchNorm affine, BatchNorm statistics recalibrated on real images; with "
-    "--cifar a linear-probe head fitted on CIFAR-10 train images (accuracy: on CIFAR-10 test images). Such "
-    "near-uniform logits make agreement a harsh test, not evidence about trained weights: use --checkpoint and "
-    "--data. 'classes': distinct fp32 top-1 classes among the images."
-)
 CSV_HEADER = ("model", "kind", "variant", "img_s_median", "iqr_low", "iqr_high", "min", "max",
               "ratio_to_timm_port", "rel_err_vs_timm", "published_top1")
 PLOT_NAME = "accuracy_vs_throughput.png"
@@ -73,13 +67,10 @@ def format_precision_table(rows: list[PrecisionRow]) -> str:
     return "\n".join(lines)
 
 
-def precision_note(images: dict[str, str | int] | None) -> str:
+def precision_note(images: dict[str, str | int]) -> str:
     """The note under the precision table: the columns, the target, and which images were used."""
-    if images is None:
-        text = PROBE_IMAGES_NOTE
-    else:
-        text = (f"Evaluated: every image of {images['evaluated']}. int8 calibrated on {images['calibration_images']} "
-                f"training images of {images['calibration']} (never on the evaluated ones).")
+    text = (f"Evaluated: every image of {images['evaluated']}. int8 calibrated on {images['calibration_images']} "
+            f"training images of {images['calibration']} (never on the evaluated ones).")
     return PRECISION_NOTE.format(agree=100 * AGREEMENT_TARGET, acc=ACCURACY_TOLERANCE, images=text)
 
 

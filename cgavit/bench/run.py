@@ -12,9 +12,7 @@ from ..deploy import PathChoice, auto_candidates, backend_available, cpu_feature
 from ..factory import resolve_name
 from .candidates import PEERS_TOP1, Result, build_candidates, time_candidates
 from .ceiling import CeilingRow, fp32_ceilings
-from .photos import sample_photos
 from .precision import RUNTIME_FORMATS, RUNTIMES, PrecisionRow, checkpoint_precision
-from .probe import precision_report
 from .report import environment, write_report
 from .train_speed import TrainingRow, train_throughput
 
@@ -44,8 +42,8 @@ class BenchConfig:
             ``"onnxruntime"``, ``"openvino"``, ``"executorch"``, ``"tflite"``), in the main table
             (fp32) and the precision check (fp32, int8, OpenVINO bf16).
         train: also time training steps (forward+backward) against timm's port.
-        precision_check: also compare every fp32, bf16 and int8 path: on a trained ``checkpoint``
-            with ``data``, else on random-weight probe models and real photos.
+        precision_check: also compare every fp32, bf16 and int8 path on a trained ``checkpoint``
+            with ``data`` (both needed).
         skip_table: skip the main throughput table.
         checkpoint: trained weights for the precision check (any file ``cgavit.train.load_model`` reads).
         data: image folder for the precision check with ``checkpoint``: ``data/val_split`` evaluated,
@@ -53,8 +51,6 @@ class BenchConfig:
         calibration_images: training images int8 is calibrated on.
         eval_images: evaluated images (0: the whole split).
         train_split, val_split: the split folder names under ``data``.
-        cifar: CIFAR-10 JPEG tarball or folder for the precision check (None: photos only).
-        cifar_per_class: CIFAR-10 images per class and split.
         train_batch: batch of the training comparison.
         out: folder for bench.csv, bench.json and the plot (None: write nothing).
     """
@@ -80,8 +76,6 @@ class BenchConfig:
     eval_images: int = 0
     train_split: str = "train"
     val_split: str = "val"
-    cifar: str | Path | None = None
-    cifar_per_class: int = 20
     train_batch: int = 64
     out: str | Path | None = "bench-results"
 
@@ -178,8 +172,7 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
     if len(cfg.img_size) != 2 or min(cfg.img_size) < 32:
         raise ValueError(f"img_size must be (H, W) with both at least 32 pixels, got {cfg.img_size}")
     least = (("--threads", cfg.threads, 1), ("--batch", cfg.batch, 1), ("--warmup", cfg.warmup, 0),
-             ("--repeats", cfg.repeats, 1), ("--train-batch", cfg.train_batch, 1),
-             ("--cifar-per-class", cfg.cifar_per_class, 1))
+             ("--repeats", cfg.repeats, 1), ("--train-batch", cfg.train_batch, 1))
     for flag, value, low in least:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
@@ -215,18 +208,18 @@ def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
 
 
 def check_precision_inputs(cfg: BenchConfig) -> None:
-    """The precision check's inputs fit together: ``checkpoint`` and ``data`` both or neither, not with ``cifar``.
+    """The precision check's inputs fit together: it runs on a trained ``checkpoint`` with ``data`` (both),
+    and they are read by it alone. (Agreement on random weights measures noise: there is no check without
+    a trained model.)
 
     Raises:
         ValueError: what is missing or conflicting, and what to give.
     """
     if (cfg.checkpoint or cfg.data) and not cfg.precision_check:
         raise ValueError("--checkpoint and --data are read by --precision-check; add it")
-    if bool(cfg.checkpoint) != bool(cfg.data):
-        raise ValueError("--precision-check on trained weights needs both --checkpoint FILE and --data DIR "
-                         "(DIR/val evaluated, DIR/train for the int8 calibration)")
-    if cfg.checkpoint and cfg.cifar:
-        raise ValueError("--cifar is for the random-weight probe models; with --checkpoint give --data DIR instead")
+    if cfg.precision_check and not (cfg.checkpoint and cfg.data):
+        raise ValueError("--precision-check needs a trained model: give --checkpoint FILE and --data DIR (DIR/val "
+                         "evaluated, DIR/train for the int8 calibration); agreement on random weights measures noise")
     for flag, value in (("--calibration-images", cfg.calibration_images), ("--eval-images", cfg.eval_images)):
         if value < (1 if flag == "--calibration-images" else 0):
             raise ValueError(f"{flag} must be at least {1 if flag == '--calibration-images' else 0}, got {value}")
@@ -277,20 +270,14 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
 
 
 def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: BenchReport) -> None:
-    """Fill ``report.precision`` (and, with a checkpoint, ``precision_images`` and the measured ``auto``)."""
-    if cfg.checkpoint:
-        check = checkpoint_precision(
-            cfg.checkpoint, cfg.data, protocol.batch, protocol.warmup, protocol.repeats, runtimes=protocol.runtimes,
-            compile=cfg.compile, calibration_images=cfg.calibration_images, eval_images=cfg.eval_images,
-            train_split=cfg.train_split, val_split=cfg.val_split)
-        report.precision, report.auto = check.rows, check.auto
-        report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
-                                       calibration_images=check.calibration_images)
-        return
-    images = sample_photos(protocol.img_size, cfg.cifar or None, per_class=cfg.cifar_per_class)
-    report.precision = precision_report(list(protocol.models), protocol.img_size, protocol.batch, images,
-                                        protocol.repeats, protocol.warmup, compile=cfg.compile,
-                                        runtimes=protocol.runtimes)
+    """Fill ``report.precision``, ``precision_images`` and the measured ``auto`` from the checkpoint."""
+    check = checkpoint_precision(
+        cfg.checkpoint, cfg.data, protocol.batch, protocol.warmup, protocol.repeats, runtimes=protocol.runtimes,
+        compile=cfg.compile, calibration_images=cfg.calibration_images, eval_images=cfg.eval_images,
+        train_split=cfg.train_split, val_split=cfg.val_split)
+    report.precision, report.auto = check.rows, check.auto
+    report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
+                                   calibration_images=check.calibration_images)
 
 
 def measure_table(protocol: BenchProtocol, x: torch.Tensor, compile: bool = True) -> list[Result]:

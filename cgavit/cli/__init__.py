@@ -84,10 +84,14 @@ except ImportError as err:
 try:
     from . import export
 except ImportError as err:
-    export = MissingExtra("deploy", ("export",), err)
+    export = MissingExtra("deploy,train", ("export",), err)  # it reads image folders: timm transforms
+try:
+    from . import quantize
+except ImportError as err:
+    quantize = MissingExtra("deploy,train", ("quantize",), err)
 
 #: The command groups, in the order ``cgavit --help`` lists them.
-COMMANDS = (info, train, explore, analyze, ablate, detect, bench, export, roofline)
+COMMANDS = (info, train, explore, analyze, ablate, detect, bench, export, quantize, roofline)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,8 +48,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         eval_images=args.eval_images,
         train_split=args.train_split,
         val_split=args.val_split,
-        cifar=args.cifar or None,
-        cifar_per_class=args.cifar_per_class,
         train_batch=args.train_batch,
         out=args.out or None,
     )
@@ -69,7 +67,7 @@ def print_section(section: str, report: BenchReport) -> None:
     elif section == "precision":
         print("\n" + format_precision_table(report.precision))
         print(precision_note(report.precision_images))
-        if report.precision_images is not None and report.auto is not None:
+        if report.auto is not None:
             print(format_auto(report.auto))
     elif section == "training" and report.training:
         print(format_training(report.training))
@@ -114,9 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "--precision-check: fp32, int8 and OpenVINO bf16); onnxruntime is on unless --no-onnx; "
                    "executorch and tflite take minutes to export")
     p.add_argument("--precision-check", action="store_true",
-                   help="also compare every fp32, bf16 and int8 path: throughput, top-1 agreement with fp32, accuracy "
-                   "and logit error; on trained weights with --checkpoint and --data, else on random-weight "
-                   "probe models and real photos")
+                   help="also compare every fp32, bf16 and int8 path of a trained model (needs --checkpoint and "
+                   "--data): throughput, top-1 agreement with fp32, accuracy and logit error")
     p.add_argument("--skip-table", action="store_true", help="skip the main throughput table (e.g. with --precision-check)")
     p.add_argument("--checkpoint", default="", help="--precision-check: trained weights (best.pt, model.safetensors, "
                    "...); the image size and preprocessing are the checkpoint's")
@@ -127,9 +124,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-images", type=int, default=0, help="evaluated images (default 0: the whole val split)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluated split folder name (default val)")
-    p.add_argument("--cifar", default="", help="CIFAR-10 JPEG tarball or folder for --precision-check (linear probe on "
-                   "train images, agreement and accuracy on test images)")
-    p.add_argument("--cifar-per-class", type=int, default=20, help="CIFAR-10 images per class and split (default 20)")
     p.add_argument("--train-batch", type=int, default=64, help="batch of the training comparison (default 64)")
     p.add_argument("--out", default="bench-results", help="folder for bench.csv, bench.json and the plot ('' = none)")
     p.set_defaults(func=run)

@@ -8,11 +8,17 @@ import argparse
 from torch import nn
 
 from ..bench.precision import LabelledImages, load_labelled
-from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported, require_format
+from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported, require_format
 from ..factory import ModelInfo, create_model, load_model
 from .common import add_dial_args, dials_from_args, image_size
 
-__all__ = ["EXPORT_TOLERANCE", "register", "run"]
+__all__ = ["EXPORT_TOLERANCE", "export_info", "register", "run"]
+
+
+def export_info(info: ModelInfo, size: tuple[int, int]) -> ExportInfo:
+    """What an exported file carries for a model loaded with ``info``, exported at ``size``."""
+    return ExportInfo(class_names=tuple(info.class_names), img_size=tuple(size), mean=tuple(info.mean),
+                      std=tuple(info.std), interpolation=info.interpolation, crop_pct=info.crop_pct)
 
 
 def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tuple[int, int]]:
@@ -52,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     model, info, size = load_for_export(args)
     calib, check = calibration_and_check(args, info)
     batches = list(calib.images.split(16)) if calib is not None else None
-    out = export_model(model, args.output, args.format, size, args.precision, batches, args.batch)
+    out = export_model(model, args.output, args.format, size, args.precision, batches, args.batch,
+                       info=export_info(info, size))
     batch = f"batch {args.batch} fixed" if fmt.fixed_batch else "batch dynamic"
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB), {batch}, size {size[0]}x{size[1]} fixed"
           + (f", {args.precision} calibrated on {len(calib.images)} images of {calib.source}" if calib else ""))
@@ -77,7 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="variant name, e.g. efficientvit_m0 (optional for checkpoints written by cgavit train)")
     p.add_argument("--checkpoint", help="weights file (official, timm or cgavit format); default random weights")
     p.add_argument("--format", default="onnx", choices=list(FORMATS), help="export format (default onnx)")
-    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml, m0.pte, m0.tflite (written atomically)")
+    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml (or m0: m0.xml + m0.bin), m0.pte, "
+                   "m0.tflite (written atomically)")
     p.add_argument("--img-size", type=int, nargs="+", metavar="N",
                    help="input size N or H W (default: the checkpoint's, else 224)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "int8"], help="fp32 (default) or int8 (needs --data)")

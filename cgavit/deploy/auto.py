@@ -43,27 +43,43 @@ RULE_EVIDENCE: dict[str, str] = {
 }
 
 def auto_candidates(
-    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool]
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool],
+    quantized_runtime: str | None = None,
 ) -> list[PathChoice]:
     """The paths ``auto`` may take on this CPU, in the order it tries them, each with its reason.
 
     Args:
         features: the CPU (:func:`cgavit.deploy.cpu.cpu_features`).
-        calibration_given: whether calibration images were given (int8 needs them).
+        calibration_given: whether calibration images were given (int8 needs them, unless quantized).
         available: whether a backend (``"torch"``, ``"onnxruntime"``, ``"openvino"``) is installed.
+        quantized_runtime: the runtime of a quantised artifact given to ``auto`` (``cgavit quantize``'s):
+            on a class whose row uses int8 its int8 path is tried with the artifact, in its row's place
+            (or before the first non-int8 path when the row lacks it), calibration or not.
     """
     cls = features.cpu_class
     out = []
-    for precision, backend in AUTO_RULES[cls]:
-        if precision == "int8" and not calibration_given:
+    for precision, backend in _with_artifact(AUTO_RULES[cls], quantized_runtime):
+        artifact = precision == "int8" and backend == quantized_runtime
+        if precision == "int8" and not calibration_given and not artifact:
             continue
         if not available(backend):
             continue
         reason = f"CPU {features.describe()}; {RULE_EVIDENCE[cls]}"
+        if artifact:
+            reason += "; the quantized artifact given, kept if its recorded verdict meets the target"
         if precision != "fp32":
             reason += f"; kept only with top-1 agreement >= {100 * AGREEMENT_TARGET:.1f}% against fp32"
         out.append(PathChoice(precision, backend, cls, reason))
     return out
+
+
+def _with_artifact(row: tuple[tuple[str, str], ...], runtime: str | None) -> list[tuple[str, str]]:
+    """``row`` with ``("int8", runtime)`` in it when the row uses int8 at all (else unchanged)."""
+    paths = list(row)
+    if runtime is None or ("int8", runtime) in paths or not any(p == "int8" for p, _ in paths):
+        return paths
+    first_other = next(i for i, (p, _) in enumerate(paths) if p != "int8")
+    return paths[:first_other] + [("int8", runtime)] + paths[first_other:]
 
 
 def precision_warning(precision: str, features: CpuFeatures) -> str | None:

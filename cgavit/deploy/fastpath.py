@@ -4,6 +4,7 @@ in fp32, bf16 or int8, or picked for this CPU with ``precision="auto"``."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterable
@@ -16,11 +17,13 @@ from ..kernels import interpreted, triton_available
 from ..kernels import load as load_kernels
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
+from .artifact import QuantizedArtifact, quantized_artifact
 from .auto import auto_candidates, precision_warning
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse
 from .onnx import onnxruntime_available, onnxruntime_path
 from .openvino import openvino_available, openvino_path
+from .quantize import QuantizeResult
 from .runtime import PathChoice, RuntimeModule
 
 log = logging.getLogger(__name__)
@@ -111,21 +114,20 @@ def optimize(
     check: bool = True,
     calibration: Iterable[torch.Tensor] | None = None,
     features: CpuFeatures | None = None,
+    quantized: QuantizeResult | str | os.PathLike | None = None,
 ) -> RuntimeModule:
     """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
 
-    Backends: ``"torch"`` (:func:`fuse`, the inference attention of :mod:`cgavit.fast`, channels-last,
-    ``torch.compile`` with weight freezing, compiled here on the example; fp32, bf16),
-    ``"onnxruntime"`` (exported to ONNX, batch dynamic; fp32, int8 static QDQ) and ``"openvino"``
-    (fp32, bf16, int8 by NNCF). ``backend="auto"`` with a fixed precision: ONNX Runtime on the CPU
-    for fp32 and int8 when installed, else torch (:func:`choose_backend`).
+    Backends: ``"torch"`` (:func:`fuse`, the :mod:`cgavit.fast` attention, channels-last, ``torch.compile``
+    with weight freezing, compiled on the example; fp32, bf16), ``"onnxruntime"`` (ONNX, batch dynamic;
+    fp32, int8 static QDQ) and ``"openvino"`` (fp32, bf16, int8 by NNCF). ``backend="auto"`` with a fixed
+    precision: ONNX Runtime on the CPU for fp32 and int8 when installed, else torch (:func:`choose_backend`).
 
-    ``precision="auto"`` picks precision and backend for this CPU by the rule table of
-    :mod:`cgavit.deploy.auto` (read its notes): fastest measured path of the CPU's class first; bf16
-    only where the CPU has it natively, int8 only with ``calibration``; a reduced path is kept only
-    if its top-1 agreement with fp32 on the calibration images (else the example) is >= 99.5 %.
-    Nothing is timed; the choice and its reason are ``result.choice`` (logged too). Asking for bf16
-    without native bf16 (or int8 without VNNI/AVX2) warns why it is slow. ``model`` is not modified.
+    ``precision="auto"`` picks precision and backend by the rule table of :mod:`cgavit.deploy.auto`: the
+    CPU class's fastest measured path first; bf16 only where native, int8 only with ``calibration`` or
+    ``quantized``; a reduced path kept only with top-1 agreement >= 99.5 % on the calibration images (else
+    the example). Nothing is timed; the choice and why: ``result.choice``. bf16 without native bf16, or
+    int8 without VNNI/AVX2, warns why it is slow. ``model`` is not modified.
 
     Args:
         model: a cgavit model (any module works for ``fast_attention=False``).
@@ -138,33 +140,39 @@ def optimize(
             fixed precision a value above ``TOLERANCE[precision]`` raises.
         calibration: int8: image batches for the activation ranges (real training images).
         features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
+        quantized: ``precision="auto"`` only: this model's int8 artifact from :func:`~cgavit.deploy.quantize`
+            (its result or file), used for its runtime's int8 path (:mod:`cgavit.deploy.artifact`).
 
     Raises:
         ValueError: a precision, backend or combination not offered, a bad example, empty calibration.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
-    example_input, batches = _checked_inputs(example_input, calibration)
+    example_input, batches = _checked_inputs(example_input, calibration, precision, backend, quantized)
     opts = dict(compile=compile, channels_last=channels_last, fast_attention=fast_attention)
     on_cpu = example_input.device.type == "cpu"
-    if precision == "auto" and backend != "auto":
-        raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
     if precision == "auto":
-        return _optimize_auto(model, example_input, batches, (features or cpu_features()) if on_cpu else None, check, opts)
+        artifact = None if quantized is None else quantized_artifact(quantized)
+        cpu = (features or cpu_features()) if on_cpu else None
+        return _optimize_auto(model, example_input, batches, cpu, check, opts, artifact)
     backend = choose_backend(precision, backend, example_input.device)  # also checks the precision
     if on_cpu:
         _warn_if_slow(precision, features or cpu_features(), batches)
     fused = fuse(model)
     reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
     result = _build(fused, example_input, precision, backend, batches, opts)
-    if check:
-        result.rel_err = _check(result, example_input, reference, precision)
+    result.rel_err = _check(result, example_input, reference, precision) if check else None
     return result
 
 
 def _checked_inputs(
-    example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None
+    example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None, precision: str, backend: str,
+    quantized: object,
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """The example and the calibration batches as float32, checked."""
+    """The example and the calibration batches as float32, checked (and what only auto takes)."""
+    if precision == "auto" and backend != "auto":
+        raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
+    if quantized is not None and precision != "auto":
+        raise ValueError("quantized= is for precision='auto'; to run the artifact itself, use open_exported(path)")
     if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4 or len(example_input) == 0:
         raise ValueError("example_input must be an image batch tensor (B, C, H, W) of at least one image, e.g. "
                          "torch.randn(16, 3, 224, 224); the result then runs any batch size, 0 included")
@@ -264,19 +272,30 @@ def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tens
 
 def _optimize_auto(
     model: nn.Module, example_input: torch.Tensor, calibration: list[torch.Tensor] | None,
-    features: CpuFeatures | None, check: bool, opts: dict,
+    features: CpuFeatures | None, check: bool, opts: dict, artifact: QuantizedArtifact | None = None,
 ) -> RuntimeModule:
     """``precision="auto"``: the first path of the CPU's rule-table row that meets the agreement target."""
+    if artifact is not None and tuple(example_input.shape[2:]) != tuple(artifact.img_size):
+        raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
+                         f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
     if features is None:  # a GPU
         candidates = [PathChoice("fp32", "torch", "cuda", "on a GPU auto runs fp32 torch")]
     else:
-        candidates = auto_candidates(features, calibration is not None, backend_available)
+        candidates = auto_candidates(features, calibration is not None, backend_available,
+                                     artifact.runtime if artifact else None)
     images = torch.cat(calibration) if calibration else example_input
     reference = batched_logits(fuse(model), images)
     for cand in candidates:
-        result = _build(fuse(model), example_input, cand.precision, cand.backend, calibration, opts)
+        given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
+        if given and not artifact.trusted:
+            log.info("optimize auto: %s skipped, its recorded verdict misses the target", artifact.describe())
+            continue
+        result = artifact.module if given else _build(fuse(model), example_input, cand.precision, cand.backend,
+                                                       calibration, opts)
         agreement = None if cand.precision == "fp32" else compare_logits(batched_logits(result, images), reference)
         if agreement is None or agreement.meets_target:
+            cand = PathChoice(cand.precision, cand.backend, cand.cpu_class, f"{cand.reason}; {artifact.describe()}") \
+                if given else cand
             result.choice = _with_measurement(cand, agreement, calibration is not None)
             break
         log.info("optimize auto: %s %s skipped, %s", cand.precision, cand.backend, agreement.describe())

@@ -7,8 +7,10 @@ stays light; :func:`require_format` says which to install when one is missing.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +18,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..io import check_readable_file
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
 from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
 from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, quantize_onnx
 from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
-from .fusion import example_batch, fuse
+from .fusion import example_batch, fuse, output_path
+from .cpu import cpu_features
+from .int8 import Int8Options, weight_range_warning
+from .metadata import ExportInfo
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,19 +91,25 @@ def export_model(
     precision: str = "fp32",
     calibration: Iterable[torch.Tensor] | None = None,
     batch: int = 1,
+    options: Int8Options | None = None,
+    info: ExportInfo | None = None,
 ) -> Path:
     """Write ``model``'s inference form (:func:`~cgavit.deploy.fusion.export_form`) in ``format`` to
     ``path`` (atomically); returns the path written.
 
     Args:
         model: the model (fused by the exporter).
-        path: the output file (OpenVINO: the ``.xml``; its ``.bin`` is written beside it).
+        path: the output file (OpenVINO: ``NAME.xml`` or ``NAME``; ``NAME.bin`` is written beside it).
         format: a key of :data:`FORMATS`.
         img_size: ``(H, W)`` the file accepts (fixed in every format: the window attention
             partitions each size differently).
         precision: ``"fp32"`` or ``"int8"`` (where the format offers it).
         calibration: int8: image batches, a few hundred training images preprocessed like the input.
         batch: the batch size, for the formats whose batch is fixed at export (ExecuTorch, TFLite).
+        options: int8 in ONNX Runtime and OpenVINO: how to quantise (default: for this CPU,
+            :class:`~cgavit.deploy.int8.Int8Options`).
+        info: ONNX and OpenVINO: the metadata the file carries (class names, preprocessing;
+            :class:`~cgavit.deploy.metadata.ExportInfo`; default: the image size alone).
 
     Raises:
         ValueError: see :func:`require_format`; int8 without calibration; a missing output folder.
@@ -103,17 +117,19 @@ def export_model(
     require_format(format, precision)
     if precision == "int8" and calibration is None:
         raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
+    info = info or ExportInfo(img_size=tuple(img_size))
     if format == "openvino":
-        return export_openvino(model, path, img_size, precision, calibration)
+        return export_openvino(model, path, img_size, precision, calibration, options, info)
     if format == "executorch":
         return export_executorch(model, path, img_size, batch, precision, calibration)
     if format == "tflite":
         return export_tflite(model, path, img_size, batch)
     if precision == "fp32":
-        return export_onnx(model, path, img_size)
+        return export_onnx(model, path, img_size, info=info)
+    output_path(path)  # the folder is checked before minutes of work
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size, fold_residuals=False)
-        return quantize_onnx(fp32, path, calibration)
+        return quantize_onnx(fp32, path, calibration, options, info=info)
 
 
 def load_exported(path: str | os.PathLike, format: str, precision: str = "fp32", threads: int | None = None) -> RuntimeModule:
@@ -210,3 +226,47 @@ def check_parity(
     if images is not None:
         agreement = compare_logits(batched_logits(module, images), batched_logits(fused, images), labels)
     return ParityCheck(runtime, precision, errors, agreement)
+
+
+#: The format of each file suffix :func:`open_exported` reads.
+SUFFIX_FORMATS = {".onnx": "onnx", ".xml": "openvino"}
+
+
+def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[RuntimeModule, ExportInfo]:
+    """An exported ``.onnx`` or OpenVINO ``.xml`` file as a callable model, with the metadata it carries.
+
+    The model takes float32 images ``(B, C, H, W)`` preprocessed as ``info`` says (its size,
+    interpolation, crop, mean and std) and returns logits ``(B, classes)``, one per
+    ``info.class_names``. An int8 file with full 8-bit weights opened on a CPU whose int8 kernels
+    saturate on them (x86 without VNNI) warns (``RuntimeWarning``): quantise it again there.
+
+    Args:
+        path: a file written by ``cgavit export`` or ``cgavit quantize`` (OpenVINO: the ``.xml``, its
+            ``.bin`` beside it).
+        threads: runtime threads (default: ``torch.get_num_threads()``).
+
+    Returns:
+        ``(model, info)``.
+
+    Raises:
+        ValueError: not an ``.onnx``/``.xml`` file, a missing ``.bin``, its runtime not installed, or
+            no (or malformed) cgavit metadata.
+        UnreadableFileError: the file is missing or unreadable.
+    """
+    path = check_readable_file(path, "exported model")
+    format = SUFFIX_FORMATS.get(path.suffix.lower())
+    if format is None:
+        raise ValueError(f"{path.name}: give an exported .onnx or OpenVINO .xml file (got {path.suffix or 'no suffix'})")
+    if format == "openvino":
+        check_readable_file(path.with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
+    require_format(format)
+    module = OpenVinoModule(path, threads) if format == "openvino" else OnnxModule(path, threads)
+    info = ExportInfo.from_props(module.metadata, str(path))
+    module.precision = info.precision
+    if format == "openvino" and info.precision != "fp32":
+        module = OpenVinoModule(module.model, threads, info.precision)
+    warning = weight_range_warning(str(info.int8.get("weight_range", "")), cpu_features())
+    if info.precision == "int8" and warning:
+        log.warning("%s: %s", path.name, warning)
+        warnings.warn(f"{path.name}: {warning}", RuntimeWarning, stacklevel=2)
+    return module, info

@@ -18,8 +18,18 @@ import torch
 from torch import nn
 
 from ..io import atomic_write
+from .cpu import CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
+from .int8 import Int8Options, layer_of_onnx_node
+from .metadata import ExportInfo, int8_info
 from .runtime import RuntimeModule
+
+
+def _onnx() -> ModuleType:
+    """The one place the ``onnx`` package is imported (graph names, metadata; part of ``cgavit[deploy]``)."""
+    import onnx
+
+    return onnx
 
 
 def _onnxruntime(quantization: bool = False) -> ModuleType:
@@ -46,6 +56,7 @@ def export_onnx(
     img_size: tuple[int, int] = (224, 224),
     opset: int = 17,
     fold_residuals: bool = True,
+    info: ExportInfo | None = None,
 ) -> Path:
     """Export ``model``'s inference form (:func:`~cgavit.deploy.fusion.export_form`) to an ONNX file
     with a dynamic batch dimension, written atomically.
@@ -61,6 +72,8 @@ def export_onnx(
         img_size: ``(H, W)`` the file will accept.
         opset: ONNX opset. Default 17.
         fold_residuals: fold depthwise residuals into their convs (default; int8 sources keep them).
+        info: metadata to write into the file's ``metadata_props`` (:class:`~cgavit.deploy.metadata.ExportInfo`;
+            default: the image size alone, ImageNet's preprocessing).
 
     Returns:
         The path written.
@@ -79,6 +92,8 @@ def export_onnx(
                 fused, (x,), tmp, dynamo=False, input_names=["images"], output_names=["logits"],
                 dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
             )
+        data = with_onnx_metadata(Path(tmp).read_bytes(), info or ExportInfo(img_size=tuple(img_size)))
+        Path(tmp).write_bytes(data)
 
     return atomic_write(path, write)
 
@@ -87,20 +102,25 @@ class OnnxModule(RuntimeModule):
     """An ONNX file run by ONNX Runtime on the CPU, called like a module on torch tensors.
 
     Args:
-        path: the ``.onnx`` file (read into memory, so the file may be deleted afterwards).
+        path: the ``.onnx`` file or its bytes (read into memory, so the file may be deleted afterwards).
         threads: intra-op threads (default: ``torch.get_num_threads()``, so ``--threads`` applies).
         precision: what the file computes in, for display (``"fp32"`` or ``"int8"``).
+
+    Attributes:
+        metadata: the file's ``metadata_props`` (``{key: value}``; cgavit's keys: :mod:`cgavit.deploy.metadata`).
     """
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None, precision: str = "fp32") -> None:
+    def __init__(self, path: str | os.PathLike | bytes, threads: int | None = None, precision: str = "fp32") -> None:
         super().__init__(precision)
         ort = _onnxruntime()
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(Path(path).read_bytes(), opts, providers=["CPUExecutionProvider"])
+        data = path if isinstance(path, bytes) else Path(path).read_bytes()
+        self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
+        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.session.run(None, {self.input_name: x.detach().float().contiguous().numpy()})[0]
@@ -117,33 +137,122 @@ class _CalibrationReader:
         return next(self.it, None)
 
 
+def even_batches(images: torch.Tensor, most: int = 32) -> list[torch.Tensor]:
+    """``images`` ``(N, C, H, W)`` in batches of one size, the largest divisor of N up to ``most``
+    (ONNX Runtime's histogram calibrators stack the batches: ragged ones fail, "inhomogeneous shape")."""
+    size = next(b for b in range(min(most, len(images)), 0, -1) if len(images) % b == 0)
+    return list(images.split(size))
+
+
+class OnnxInt8Builder:
+    """int8 versions of one exported fp32 ONNX file, with any of its layers kept in float, for ONNX Runtime.
+
+    The ranges are calibrated once, on the first build, and reused (ONNX Runtime's calibration
+    cache), so that the per-layer sensitivity costs one quantisation per layer, not one calibration.
+    Weights per channel (symmetric int8, 7-bit with ``reduce_range``), activations per tensor
+    (asymmetric uint8), QDQ format, convolutions only: the attention's matmuls and softmax and the
+    residual adds stay float. Use it as a context manager (it holds a temporary folder).
+
+    Args:
+        src: the fp32 ONNX file (exported with ``fold_residuals=False``).
+        calibration: image batches ``(B, C, H, W)`` preprocessed like the model's input (training images).
+        options: the choices (``reduce_range`` must be decided: :meth:`Int8Options.for_cpu`).
+
+    Raises:
+        ValueError: no calibration image, or ``reduce_range`` left undecided.
+    """
+
+    def __init__(self, src: str | os.PathLike, calibration: Iterable[torch.Tensor], options: Int8Options) -> None:
+        batches = [b.float() for b in calibration]
+        if not batches or not sum(len(b) for b in batches):
+            raise ValueError("int8 calibration needs at least one image batch")
+        if options.reduce_range is None:
+            raise ValueError("decide reduce_range first: options.for_cpu(cpu_features())")
+        self.options = options
+        self.batches = even_batches(torch.cat(batches))
+        self.quant = _onnxruntime(quantization=True).quantization
+        self._tmp = tempfile.TemporaryDirectory(prefix="cgavit-int8-")
+        self.pre = Path(self._tmp.name) / "pre.onnx"
+        self.quant.shape_inference.quant_pre_process(str(src), str(self.pre), skip_symbolic_shape=True)
+        self.cache = Path(self._tmp.name) / "ranges.json"
+        #: layer name -> its Conv node's name, in graph order
+        self.layers = {layer_of_onnx_node(n.name): n.name for n in _onnx().load(str(self.pre)).graph.node
+                       if n.op_type == "Conv"}
+
+    def __enter__(self) -> OnnxInt8Builder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the temporary files."""
+        self._tmp.cleanup()
+
+    def build(self, float_layers: Iterable[str] = ()) -> bytes:
+        """The int8 ONNX file (bytes) with ``float_layers`` kept in float.
+
+        Raises:
+            ValueError: a layer name the graph does not have.
+        """
+        keep = list(float_layers)
+        unknown = [name for name in keep if name not in self.layers]
+        if unknown:
+            raise ValueError(f"no such layer in the exported graph: {', '.join(unknown)} (its layers: "
+                             f"{', '.join(list(self.layers)[:3])}, ...)")
+        q, opts = self.quant, self.options
+        method = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile,
+                  "entropy": q.CalibrationMethod.Entropy}[opts.calibration]
+        out = Path(self._tmp.name) / "int8.onnx"
+        q.quantize_static(
+            str(self.pre), str(out), None if self.cache.exists() else _CalibrationReader(self.batches),
+            quant_format=q.QuantFormat.QDQ, per_channel=True, reduce_range=opts.reduce_range and opts.weights == "int8",
+            activation_type=q.QuantType.QUInt8, op_types_to_quantize=["Conv"],
+            weight_type=q.QuantType.QUInt8 if opts.weights == "uint8" else q.QuantType.QInt8,
+            nodes_to_exclude=[self.layers[name] for name in keep], calibrate_method=method,
+            calibration_cache_path=str(self.cache), extra_options={"CalibPercentile": 99.999},
+        )
+        return out.read_bytes()
+
+
 def quantize_onnx(
-    src: str | os.PathLike, dst: str | os.PathLike, calibration: Iterable[torch.Tensor]
+    src: str | os.PathLike, dst: str | os.PathLike, calibration: Iterable[torch.Tensor],
+    options: Int8Options | None = None, features: CpuFeatures | None = None, info: ExportInfo | None = None,
 ) -> Path:
     """int8 static quantisation of an exported ONNX file for ONNX Runtime (written atomically).
 
     Weights per channel, activations per tensor (QDQ format), ranges from ``calibration`` (image
-    batches ``(B, C, H, W)`` preprocessed like the model's input; use real training images).
+    batches ``(B, C, H, W)`` preprocessed like the model's input; use real training images); the
+    weight range is chosen for ``features`` (default: this CPU; see :mod:`cgavit.deploy.int8`).
+
+    Args:
+        src, dst: the fp32 file (exported with ``fold_residuals=False``) and the int8 file to write.
+        calibration: image batches.
+        options: how to quantise (default :class:`~cgavit.deploy.int8.Int8Options`).
+        features: the CPU to quantise for (default: this machine's).
+        info: metadata to write into the file (precision and weight range are filled in).
 
     Raises:
-        ValueError: no calibration batch.
+        ValueError: no calibration batch, or an unknown float layer.
     """
-    batches = list(calibration)
-    if not batches:
-        raise ValueError("int8 calibration needs at least one image batch")
-    quant = _onnxruntime(quantization=True).quantization
-    with tempfile.TemporaryDirectory() as tmp:
-        pre = Path(tmp) / "pre.onnx"
-        quant.shape_inference.quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+    opts = (options or Int8Options()).for_cpu(features or cpu_features())
+    with OnnxInt8Builder(src, calibration, opts) as builder:
+        data = builder.build(opts.float_layers)
+    data = with_onnx_metadata(data, int8_info(info or ExportInfo(), opts))
+    return atomic_write(dst, lambda tmp: Path(tmp).write_bytes(data))
 
-        def write(tmp_out: str) -> None:
-            quant.quantize_static(
-                str(pre), tmp_out, _CalibrationReader(batches), quant_format=quant.QuantFormat.QDQ,
-                per_channel=True, activation_type=quant.QuantType.QUInt8, weight_type=quant.QuantType.QInt8,
-                op_types_to_quantize=["Conv"],
-            )
 
-        return atomic_write(dst, write)
+def with_onnx_metadata(data: bytes, info: ExportInfo) -> bytes:
+    """The ONNX file ``data`` with ``info`` in its ``metadata_props`` (earlier cgavit keys replaced)."""
+    onnx = _onnx()
+    proto = onnx.load_from_string(data)
+    props = info.to_props()
+    kept = [(p.key, p.value) for p in proto.metadata_props if p.key not in props]
+    del proto.metadata_props[:]
+    for key, value in kept + list(props.items()):
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    return proto.SerializeToString()
 
 
 def onnxruntime_path(

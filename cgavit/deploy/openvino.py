@@ -22,7 +22,10 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from .cpu import cpu_features
 from .fusion import example_batch, export_form, output_path
+from .int8 import Int8Options, layer_of_openvino_node
+from .metadata import KEYS, PREFIX, ExportInfo, int8_info
 from .runtime import RuntimeModule
 
 #: OpenVINO's name of each precision this module offers (its ``INFERENCE_PRECISION_HINT``).
@@ -59,23 +62,80 @@ def convert_openvino(model: nn.Module, img_size: tuple[int, int], fold_residuals
         return ov.convert_model(fused, example_input=x, input=[(-1, x.shape[1], *img_size)])
 
 
-def quantize_openvino(ov_model, calibration: Iterable[torch.Tensor]):
-    """int8 static quantisation of an OpenVINO model with NNCF, ranges from ``calibration`` (image batches
-    preprocessed like the model's input; use training images).
+class OpenVinoInt8Builder:
+    """int8 versions of one model for OpenVINO (NNCF), with any of its layers kept in float.
 
-    The ``MIXED`` preset (symmetric weights, asymmetric activations) with the full bias correction: on
-    the trained digits model the fast bias correction kept fp32's decision on 99.4 % of the held-out
-    images (2 of 360 changed, missing the 99.5 % target), the full one on 99.7 %.
+    The model is converted once; each :meth:`build` is one NNCF quantisation (its statistics are
+    collected again: NNCF keeps no cache across calls). The recipe (measured in BENCHMARKS.md):
+    the ``MIXED`` preset (symmetric per-channel weights, asymmetric activations), the full bias
+    correction (on the digits model the fast one kept 99.4 % of decisions, the full one 99.7 %),
+    7-bit weights on x86 without VNNI (``OverflowFix.ENABLE``, see :mod:`cgavit.deploy.int8`), and
+    with ``attention_float`` the transformer model type with every matmul ignored: the attention
+    core (score and PV matmuls, softmax) and the residual adds stay float.
+
+    Args:
+        model: the model (its export form is converted).
+        img_size: ``(H, W)``.
+        calibration: image batches preprocessed like the model's input (training images).
+        options: the choices (``reduce_range`` must be decided: :meth:`Int8Options.for_cpu`).
 
     Raises:
-        ValueError: no calibration batch.
+        ValueError: no calibration image, or ``reduce_range`` left undecided.
     """
-    batches = [b.float().numpy() for b in calibration]
-    if not batches:
-        raise ValueError("int8 calibration needs at least one image batch")
-    nncf = _nncf()
-    return nncf.quantize(ov_model, nncf.Dataset(batches), subset_size=len(batches),
-                         preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=False)
+
+    def __init__(self, model: nn.Module, img_size: tuple[int, int], calibration: Iterable[torch.Tensor],
+                 options: Int8Options) -> None:
+        self.batches = [b.float().numpy() for b in calibration]
+        if not self.batches:
+            raise ValueError("int8 calibration needs at least one image batch")
+        if options.reduce_range is None:
+            raise ValueError("decide reduce_range first: options.for_cpu(cpu_features())")
+        self.options = options
+        self.float_model = convert_openvino(model, img_size, fold_residuals=False)
+        #: layer name -> its convolution node's name, in graph order
+        self.layers = {}
+        for op in self.float_model.get_ordered_ops():
+            layer = layer_of_openvino_node(op.get_friendly_name())
+            if layer is not None and op.get_type_name() in ("Convolution", "GroupConvolution"):
+                self.layers[layer] = op.get_friendly_name()
+
+    def build(self, float_layers: Iterable[str] = ()):
+        """The int8 ``openvino.Model`` with ``float_layers`` kept in float.
+
+        Raises:
+            ValueError: a layer name the model does not have.
+        """
+        keep = list(float_layers)
+        unknown = [name for name in keep if name not in self.layers]
+        if unknown:
+            raise ValueError(f"no such layer in the converted model: {', '.join(unknown)}")
+        nncf, opts = _nncf(), self.options
+        advanced = nncf.AdvancedQuantizationParameters(
+            overflow_fix=nncf.OverflowFix.ENABLE if opts.reduce_range else nncf.OverflowFix.DISABLE,
+            disable_bias_correction=opts.bias_correction == "none",
+            activations_range_estimator_params=_range_estimator(nncf, opts.calibration),
+        )
+        ignored = nncf.IgnoredScope(names=[self.layers[name] for name in keep],
+                                    types=["MatMul"] if opts.attention_float else [], validate=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return nncf.quantize(
+                self.float_model.clone(), nncf.Dataset(self.batches), subset_size=len(self.batches),
+                preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=opts.bias_correction == "fast",
+                model_type=nncf.ModelType.TRANSFORMER if opts.attention_float else None,
+                ignored_scope=ignored, advanced_parameters=advanced,
+            )
+
+
+def _range_estimator(nncf: ModuleType, method: str):
+    """NNCF's activation range estimator for a calibration method: its default (min/max statistics),
+    the mean of per-batch quantiles, or its histogram search."""
+    sets = nncf.quantization.range_estimator.RangeEstimatorParametersSet
+    if method == "percentile":
+        return sets.MEAN_QUANTILE
+    if method == "entropy":
+        return sets.HISTOGRAM
+    return nncf.quantization.range_estimator.RangeEstimatorParameters()
 
 
 def export_openvino(
@@ -84,40 +144,86 @@ def export_openvino(
     img_size: tuple[int, int] = (224, 224),
     precision: str = "fp32",
     calibration: Iterable[torch.Tensor] | None = None,
+    options: Int8Options | None = None,
+    info: ExportInfo | None = None,
 ) -> Path:
-    """Write ``model``'s inference form as OpenVINO IR: ``path`` (``.xml``, the graph) and the ``.bin`` beside it.
-
-    Weights are kept in fp32 (OpenVINO's default would store them in fp16). The ``.bin`` is moved into
-    place first and the ``.xml`` last, so a reader never finds an ``.xml`` without its weights.
+    """Write ``model``'s inference form as OpenVINO IR: ``NAME.xml`` (the graph) and ``NAME.bin`` beside it.
 
     Args:
         model: the model (fused here).
-        path: the ``.xml`` file to write.
+        path: ``NAME.xml``, or ``NAME`` alone (``.xml`` is added).
         img_size: ``(H, W)`` the model will accept; the batch is dynamic.
         precision: ``"fp32"`` or ``"int8"`` (NNCF, calibrated on ``calibration``).
         calibration: int8 only: image batches, e.g. a few hundred training images.
+        options: int8 only: how to quantise (default :class:`~cgavit.deploy.int8.Int8Options`, for this CPU).
+        info: metadata for the model's ``rt_info`` (default: the image size alone).
+
+    Returns:
+        The ``.xml`` path written.
 
     Raises:
-        ValueError: unknown precision, int8 without calibration, a missing output folder.
+        ValueError: unknown precision, int8 without calibration, a missing output folder, a path
+            naming another format.
+    """
+    path = ir_path(path)
+    if precision not in PRECISION_HINT:
+        raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
+    info = info or ExportInfo(img_size=tuple(img_size))
+    if precision == "int8":
+        if calibration is None:
+            raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
+        opts = (options or Int8Options()).for_cpu(cpu_features())
+        ov_model = OpenVinoInt8Builder(model, img_size, calibration, opts).build(opts.float_layers)
+        info = int8_info(info, opts)
+    else:
+        ov_model = convert_openvino(model, img_size)
+    save_openvino(ov_model, path, info)
+    return path
+
+
+def ir_path(path: str | os.PathLike) -> Path:
+    """Where OpenVINO IR named ``path`` goes: ``NAME.xml`` as given, ``NAME`` -> ``NAME.xml``.
+
+    Raises:
+        ValueError: the folder does not exist, or the name ends in another format's suffix.
     """
     path = output_path(path)
-    if path.suffix != ".xml":
-        raise ValueError(f"OpenVINO IR is written as NAME.xml (+ NAME.bin); got {path.name}")
-    ov_model = openvino_model(model, img_size, precision, calibration)
+    if path.suffix.lower() in (".bin", ".onnx", ".pte", ".tflite", ".pt", ".safetensors"):
+        raise ValueError(f"OpenVINO IR is written as NAME.xml + NAME.bin: give NAME or NAME.xml, not {path.name}")
+    return path if path.suffix.lower() == ".xml" else path.with_name(path.name + ".xml")
+
+
+def save_openvino(ov_model, path: Path, info: ExportInfo) -> None:
+    """Write ``ov_model`` with ``info`` in its ``rt_info`` to ``path`` (``.xml``) and its ``.bin``.
+
+    Weights are kept in fp32 (OpenVINO's default would store them in fp16). The ``.bin`` is moved into
+    place first and the ``.xml`` last, so a reader never finds an ``.xml`` without its weights.
+    """
     ov = _openvino()
+    for key, value in info.to_props().items():
+        ov_model.set_rt_info(value, key.split(".", 1))
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         xml = Path(tmp) / path.name
         ov.save_model(ov_model, str(xml), compress_to_fp16=False)
         os.replace(xml.with_suffix(".bin"), path.with_suffix(".bin"))
         os.replace(xml, path)
-    return path
+
+
+def openvino_metadata(ov_model) -> dict[str, str]:
+    """The cgavit keys of an OpenVINO model's ``rt_info`` (``{"cgavit.KEY": json text}``)."""
+    props = {}
+    for key in KEYS:
+        if ov_model.has_rt_info([PREFIX, key]):
+            props[f"{PREFIX}.{key}"] = ov_model.get_rt_info([PREFIX, key]).astype(str)
+    return props
 
 
 def openvino_model(
     model: nn.Module, img_size: tuple[int, int], precision: str = "fp32",
     calibration: Iterable[torch.Tensor] | None = None,
 ):
-    """The OpenVINO model of ``model`` in ``precision`` (``"fp32"``, ``"bf16"``: the same graph, or ``"int8"``).
+    """The OpenVINO model of ``model`` in ``precision`` (``"fp32"``, ``"bf16"``: the same graph, or
+    ``"int8"``: quantised for this CPU with the default :class:`~cgavit.deploy.int8.Int8Options`).
 
     Raises:
         ValueError: unknown precision, or int8 without calibration.
@@ -126,8 +232,9 @@ def openvino_model(
         raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
     if precision == "int8" and calibration is None:
         raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
-    ov_model = convert_openvino(model, img_size, fold_residuals=precision == "fp32")
-    return quantize_openvino(ov_model, calibration) if precision == "int8" else ov_model
+    if precision != "int8":
+        return convert_openvino(model, img_size, fold_residuals=precision == "fp32")
+    return OpenVinoInt8Builder(model, img_size, calibration, Int8Options().for_cpu(cpu_features())).build()
 
 
 class OpenVinoModule(RuntimeModule):
@@ -141,6 +248,9 @@ class OpenVinoModule(RuntimeModule):
         model: the ``.xml`` path or an ``openvino.Model``.
         threads: inference threads (default: ``torch.get_num_threads()``, so ``--threads`` applies).
         precision: ``"fp32"``, ``"bf16"`` or ``"int8"``: sets the compute precision (see the module notes).
+
+    Attributes:
+        metadata: cgavit's keys of the model's ``rt_info`` (:mod:`cgavit.deploy.metadata`).
     """
 
     def __init__(self, model, threads: int | None = None, precision: str = "fp32") -> None:
@@ -149,6 +259,7 @@ class OpenVinoModule(RuntimeModule):
             raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
         self.core = _openvino().Core()
         self.model = self.core.read_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
+        self.metadata = openvino_metadata(self.model)
         self.config = {"INFERENCE_NUM_THREADS": threads or torch.get_num_threads(), "NUM_STREAMS": 1,
                        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": PRECISION_HINT[precision]}
         self.compiled: dict[int, object] = {}  # batch size -> compiled model

@@ -1,0 +1,209 @@
+"""``cgavit quantize``: the fastest int8 file that keeps a trained checkpoint's decisions, with a report.
+
+Calibrates on DIR/train, judges on DIR/val (never the same images), searches the layers to keep in
+float (:func:`cgavit.deploy.quantize.quantize`), writes the int8 file only when it meets the target,
+and beside it ``NAME.quantize.json``, ``NAME.quantize.md`` and (with matplotlib) ``NAME.quantize.png``.
+With ``--qat`` the model is also fine-tuned with fake quantisation (:mod:`cgavit.deploy.qat`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..bench.optional import matplotlib_agg
+from ..bench.precision import LabelledImages, load_labelled
+from ..deploy import QUANT_RUNTIMES, QatConfig, QuantizeResult, QuantizeTarget, openvino_available, quantize, quantize_aware
+from ..deploy.fusion import output_path
+from ..factory import ModelInfo, load_model
+from ..io import write_json, write_text
+from .export import export_info
+
+log = logging.getLogger(__name__)
+
+#: The runtime each output suffix implies.
+SUFFIX_RUNTIMES = {".onnx": "onnxruntime", ".xml": "openvino"}
+
+
+def checked_target(args: argparse.Namespace) -> QuantizeTarget:
+    """The target from ``--agreement`` (percent) and ``--accuracy-tolerance`` (points).
+
+    Raises:
+        ValueError: a value out of range (one line, what to give).
+    """
+    if not 0 < args.agreement <= 100:
+        raise ValueError(f"--agreement is a percentage in (0, 100], e.g. 99.5; got {args.agreement:g}")
+    if not 0 <= args.accuracy_tolerance <= 100:
+        raise ValueError(f"--accuracy-tolerance is in points, in [0, 100], e.g. 0.3; got {args.accuracy_tolerance:g}")
+    return QuantizeTarget(args.agreement / 100.0, args.accuracy_tolerance)
+
+
+def output_stem(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The output name without its suffix, and the runtime: ``--runtime``, or the one ``--output``'s suffix names.
+
+    Raises:
+        ValueError: a missing folder, or a suffix that contradicts ``--runtime``.
+    """
+    out = output_path(args.output)
+    implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
+    if implied and args.runtime and implied != args.runtime:
+        raise ValueError(f"--output {out.name} is a {implied} file but --runtime is {args.runtime}; "
+                         "give a matching suffix, or NAME alone")
+    runtime = args.runtime or implied
+    if runtime == "openvino" and not openvino_available():
+        raise ValueError("--runtime openvino is not installed: pip install 'cgavit[openvino]'")
+    return (out.with_suffix("") if implied else out), runtime
+
+
+def load_images(args: argparse.Namespace, info: ModelInfo, num_classes: int) -> tuple[LabelledImages, LabelledImages]:
+    """``--calibration-images`` images of DIR/train and the DIR/val images, checked against the checkpoint.
+
+    Raises:
+        ValueError: the same split for both, fewer calibration images than asked, or class folders
+            that do not match the checkpoint's classes.
+    """
+    if args.train_split == args.val_split:
+        raise ValueError(f"calibration and evaluation must be different images; --train-split and --val-split are "
+                         f"both {args.train_split!r}")
+    calib = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
+    evaluated = load_labelled(args.data, args.val_split, info, args.eval_images)
+    named = [n for n in info.class_names if not n.startswith("class ")]
+    for split in (evaluated, calib):
+        if len(split.classes) != num_classes or (len(named) == num_classes and split.classes != named):
+            raise ValueError(f"{split.source} has class folders {_few(split.classes)}, but the checkpoint predicts "
+                             f"{num_classes} classes {_few(info.class_names)}: give the folder the model was trained on")
+    if len(calib.images) < args.calibration_images:
+        raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
+                         f"{args.calibration_images}; give more images or a smaller count")
+    return calib, evaluated
+
+
+def _few(names: list[str]) -> str:
+    return "[" + ", ".join(names[:4]) + (", ...]" if len(names) > 4 else "]")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = checked_target(args)
+    stem, runtime = output_stem(args)
+    if min(args.calibration_images, args.epochs, args.repeats, args.threads) < 1 or args.eval_images < 0 \
+            or (args.max_float_layers is not None and args.max_float_layers < 0):
+        raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images "
+                         "and --max-float-layers at least 0")
+    model, info = load_model(args.checkpoint)
+    calib, evaluated = load_images(args, info, model.num_classes)
+    size = (info.img_size, info.img_size)
+    print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
+          f"{evaluated.source}; target: {target.describe()}")
+    result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels,
+                      sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
+                      info=export_info(info, size), threads=args.threads, warmup=args.warmup, repeats=args.repeats)
+    if args.qat and not (result.meets_target and not result.float_layers):
+        result = qat_result(args, model, info, (calib, evaluated), target, runtime, result)
+    elif args.qat:
+        print("--qat: post-training int8 already meets the target with every layer int8; no fine-tuning needed")
+    return write_outputs(result, stem)
+
+
+def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
+               target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult) -> QuantizeResult:
+    """Fine-tune with fake quantisation on DIR/train, then judge it like the post-training builds; the faster
+    result that meets the target (else the one that keeps more decisions)."""
+    calib, evaluated = images
+    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
+    cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
+    print(f"--qat: fine-tuning {args.epochs} epoch(s) on {len(train.images)} images of {train.source}, "
+          "fake-quantised (NNCF), distilled from the fp32 model")
+    qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
+                         config=cfg, info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
+                         warmup=args.warmup, repeats=args.repeats)
+    print(f"post-training: {ptq.describe_point()}\nquantization-aware: {qat.describe_point()}")
+    if qat.meets_target and (not ptq.meets_target or qat.point.speedup > ptq.point.speedup):
+        return qat
+    if not ptq.meets_target and qat.agreement.top1_agreement > ptq.agreement.top1_agreement:
+        return qat
+    return ptq
+
+
+def write_outputs(result: QuantizeResult, stem: Path) -> int:
+    """The report (json, md, png) always; the int8 file only when it meets the target. Exit status 0 or 1."""
+    def beside(suffix: str) -> Path:
+        return stem.with_name(f"{stem.name}.quantize{suffix}")
+
+    written = [write_json(beside(".json"), result.record()), write_text(beside(".md"), result.markdown())]
+    plot = plot_curves(result, beside(".png"))
+    written += [plot] if plot else []
+    for layer, why in result.reasons.items():
+        print(f"kept in float: {layer}: {why}")
+    if not result.meets_target:
+        print(f"nothing int8 met the target ({result.target.describe()}); the best found: {result.describe_point()}. "
+              f"No int8 file written. Report: {', '.join(str(p) for p in written)}")
+        return 1
+    out = result.save(stem)
+    print(f"wrote {out}: {result.describe_point()}\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
+          f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
+    """Agreement against speed-up over fp32 ONNX Runtime, one line per runtime, each point labelled with its
+    number of float layers; None (and a note) without matplotlib."""
+    try:
+        mpl = matplotlib_agg()
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    plt = mpl.pyplot
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for runtime, points in result.curves.items():
+        xs, ys = [p.speedup for p in points], [100 * p.agreement.top1_agreement for p in points]
+        ax.plot(xs, ys, "o-", label=runtime)
+        for p, x, y in zip(points, xs, ys):
+            ax.annotate(str(len(p.float_layers)), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(100 * result.target.agreement, color="grey", ls="--", lw=1, label="target")
+    ax.set_xlabel("speed-up over fp32 ONNX Runtime (same run)")
+    ax.set_ylabel("top-1 agreement with fp32 (%)")
+    ax.set_title(f"int8 builds, labelled by layers kept in float\n{result.cpu}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="the fastest int8 file (ONNX Runtime or OpenVINO) that keeps a trained model's decisions",
+        description="Calibrate int8 on DIR/train, judge it on DIR/val against fp32 (top-1 agreement and accuracy "
+        "change), keep the most sensitive layers in float until the target is met, time every build beside fp32 "
+        "ONNX Runtime here, and write the fastest that meets the target (NAME.onnx or NAME.xml + NAME.bin) with a "
+        "report (NAME.quantize.json, .md, .png). When nothing meets the target no int8 file is written and the "
+        "exit status is 1.",
+    )
+    p.add_argument("--checkpoint", required=True, help="trained weights written by cgavit train (best.pt, .safetensors)")
+    p.add_argument("--data", required=True, help="image folder: calibration on DIR/train, judged on DIR/val")
+    p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml")
+    p.add_argument("--agreement", type=float, default=99.5, help="least top-1 agreement with fp32, %% (default 99.5)")
+    p.add_argument("--accuracy-tolerance", type=float, default=0.3,
+                   help="largest accuracy change against fp32, points (default 0.3)")
+    p.add_argument("--runtime", choices=list(QUANT_RUNTIMES), help="only this runtime (default: every one installed)")
+    p.add_argument("--calibration-images", type=int, default=256, help="training images to calibrate on (default 256)")
+    p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
+    p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
+    p.add_argument("--val-split", default="val", help="evaluation split folder name (default val)")
+    p.add_argument("--max-float-layers", type=int, help="keep at most N layers in float (default: no cap; 0: all int8)")
+    p.add_argument("--skip-sensitivity", action="store_true",
+                   help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
+    p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (NNCF), distilled from fp32")
+    p.add_argument("--epochs", type=int, default=2, help="--qat: epochs of fine-tuning (default 2)")
+    p.add_argument("--qat-images", type=int, default=0, help="--qat: training images (default 0: all of DIR/train)")
+    p.add_argument("--qat-lr", type=float, default=1e-5, help="--qat: learning rate (default 1e-5)")
+    p.add_argument("--qat-batch", type=int, default=64, help="--qat: batch size (default 64)")
+    p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per build (default 3)")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds per build (default 10)")
+    p.set_defaults(func=run)

@@ -1,0 +1,80 @@
+"""A quantised artifact handed to ``optimize(precision="auto", quantized=...)``: a :class:`QuantizeResult`
+or the file ``cgavit quantize`` wrote, with the verdict it was measured to.
+
+``auto`` takes such an artifact on a CPU whose rule-table row uses int8 when its recorded verdict, on
+the held-out images ``quantize`` judged it on, meets the general target of
+:mod:`cgavit.deploy.agreement` (``quantize``'s default target is stricter, so its artifacts do) and
+it still agrees with the model on the check images ``auto`` has (it is the model's artifact).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET
+from .formats import SUFFIX_FORMATS, open_exported
+from .quantize import QuantizeResult
+from .runtime import RuntimeModule
+
+#: The runtime of each format :func:`open_exported` reads.
+FORMAT_RUNTIMES = {"onnx": "onnxruntime", "openvino": "openvino"}
+
+
+@dataclass
+class QuantizedArtifact:
+    """An int8 build and what it was measured to keep.
+
+    Args:
+        module: the build, called like the model.
+        runtime: ``"onnxruntime"`` or ``"openvino"``.
+        img_size: ``(H, W)`` it accepts.
+        verdict: what ``quantize`` recorded (``agreement``, ``accuracy_change``, ``evaluation_images``,
+            ``meets_target``, ``measured_on``, ...).
+        source: where it came from, for messages.
+    """
+
+    module: RuntimeModule
+    runtime: str
+    img_size: tuple[int, int]
+    verdict: dict
+    source: str
+
+    @property
+    def trusted(self) -> bool:
+        """Its recorded verdict met ``quantize``'s target and the general one (agreement >= 99.5 %,
+        accuracy within 0.5 point)."""
+        v = self.verdict
+        agreement, change = v.get("agreement"), v.get("accuracy_change")
+        if not v.get("meets_target") or not isinstance(agreement, (int, float)):
+            return False
+        return agreement >= AGREEMENT_TARGET - 1e-9 and (change is None or abs(change) <= ACCURACY_TOLERANCE + 1e-9)
+
+    def describe(self) -> str:
+        v = self.verdict
+        agreement = v.get("agreement")
+        shown = f"{100 * agreement:.1f}%" if isinstance(agreement, (int, float)) else "not recorded"
+        return (f"the int8 artifact {self.source} (cgavit quantize: top-1 agreement {shown} on "
+                f"{v.get('evaluation_images', '?')} held-out images, {len(v.get('float_layers', []))} layer(s) in "
+                f"float, measured on {v.get('measured_on', 'an unrecorded CPU')})")
+
+
+def quantized_artifact(quantized: QuantizeResult | str | os.PathLike) -> QuantizedArtifact:
+    """The artifact of a :class:`QuantizeResult`, or of a file ``cgavit quantize`` wrote (``.onnx``/``.xml``).
+
+    Raises:
+        ValueError: not a result or such a file, not an int8 file, or no cgavit metadata.
+    """
+    if isinstance(quantized, QuantizeResult):
+        return QuantizedArtifact(quantized.module, quantized.runtime, quantized.info.img_size,
+                                 dict(quantized.info.int8), "returned by quantize()")
+    if not isinstance(quantized, (str, os.PathLike)):
+        raise ValueError(f"quantized must be a QuantizeResult or the path of a file cgavit quantize wrote, "
+                         f"got {type(quantized).__name__}")
+    path = Path(quantized)
+    module, info = open_exported(path)
+    if info.precision != "int8":
+        raise ValueError(f"{path.name} is a {info.precision} file; quantized= takes an int8 file from cgavit quantize")
+    runtime = FORMAT_RUNTIMES[SUFFIX_FORMATS[path.suffix.lower()]]
+    return QuantizedArtifact(module, runtime, info.img_size, dict(info.int8), path.name)

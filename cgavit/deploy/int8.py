@@ -1,0 +1,127 @@
+"""int8 post-training quantisation: the choices both runtimes share, and the layers they name alike.
+
+Both runtimes quantise the same thing, the export form's convolutions (weights per output channel,
+symmetric int8; activations per tensor, asymmetric uint8, ranges from calibration images), and keep
+the attention core (score -> softmax -> PV matmuls) and the residual adds in float. What differs
+per CPU is the weight range:
+
+* **x86 without VNNI** (AVX2, AVX-512 without VNNI): the uint8 x int8 kernels of ONNX Runtime (MLAS)
+  and OpenVINO (oneDNN) add pairs of products into a 16-bit register (``vpmaddubsw``), which
+  saturates when both products are large (255 x 127 x 2 > 32767): on the trained digits model this
+  alone changed 8 % of the decisions. With 7-bit weights (ONNX Runtime's ``reduce_range``, NNCF's
+  ``OverflowFix.ENABLE``) a pair sums to at most 255 x 63 x 2 = 32130 and nothing saturates.
+* **VNNI, AMX and Arm dot products** accumulate in 32 bits: the full 8-bit range is kept.
+
+The choice is written into an exported file's metadata, and a full-range file opened on a CPU that
+would saturate it gets a warning (:func:`weight_range_warning`).
+
+A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
+(``stages.0.blocks.0.mixer.m.attn.qkvs.0``), which both runtimes' node names carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .cpu import CpuFeatures
+
+#: Where activation ranges come from: the calibration images' min/max, a percentile of their
+#: histogram (99.999 %), or the range that minimises the KL divergence of the quantised histogram.
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
+#: OpenVINO (NNCF) bias correction: the full one (per layer, on the calibration images), the fast one, none.
+BIAS_CORRECTIONS = ("full", "fast", "none")
+#: ONNX Runtime's weight type: signed int8 (U8S8 kernels; 7-bit where they would saturate), or uint8
+#: (U8U8 kernels: 8-bit weights that do not saturate on AVX2 either, slower; BENCHMARKS.md).
+WEIGHT_TYPES = ("int8", "uint8")
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    """How one int8 post-training quantisation is made.
+
+    Args:
+        calibration: one of :data:`CALIBRATION_METHODS` (default ``"percentile"``: on the CIFAR-10 reference it
+            needed the fewest layers in float, BENCHMARKS.md).
+        reduce_range: 7-bit weights; None (default): decided by the CPU (:func:`reduced_weight_range`).
+        float_layers: layers (qualified conv names of the export form) kept in float.
+        attention_float: keep the attention core (its matmuls and softmax) and the residual adds in
+            float (default). ONNX Runtime quantises convolutions only, so this matters to OpenVINO;
+            with ``False`` NNCF quantises its matmuls too.
+        bias_correction: OpenVINO's, one of :data:`BIAS_CORRECTIONS` (default ``"full"``).
+        weights: ONNX Runtime's weight type, one of :data:`WEIGHT_TYPES` (default ``"int8"``;
+            ``reduce_range`` applies to int8 only). OpenVINO always uses int8.
+    """
+
+    calibration: str = "percentile"
+    reduce_range: bool | None = None
+    float_layers: tuple[str, ...] = ()
+    attention_float: bool = True
+    bias_correction: str = "full"
+    weights: str = "int8"
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_TYPES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_TYPES)}, got {self.weights!r}")
+        if self.calibration not in CALIBRATION_METHODS:
+            raise ValueError(f"calibration must be one of {', '.join(CALIBRATION_METHODS)}, got {self.calibration!r}")
+        if self.bias_correction not in BIAS_CORRECTIONS:
+            raise ValueError(f"bias_correction must be one of {', '.join(BIAS_CORRECTIONS)}, got {self.bias_correction!r}")
+
+    def for_cpu(self, features: CpuFeatures) -> Int8Options:
+        """These options with ``reduce_range`` decided for ``features`` when it was left to the CPU."""
+        if self.reduce_range is not None:
+            return self
+        return replace(self, reduce_range=reduced_weight_range(features))
+
+    def with_float(self, layers) -> Int8Options:
+        """These options with ``layers`` (an iterable of layer names) kept in float instead."""
+        return replace(self, float_layers=tuple(layers))
+
+
+def reduced_weight_range(features: CpuFeatures) -> bool:
+    """Whether int8 weights must use 7 bits on this CPU: x86 (AVX2 or AVX-512) without VNNI, where
+    the uint8 x int8 kernels saturate (see the module notes)."""
+    return (features.avx2 or features.avx512) and not features.vnni
+
+
+def weight_range_label(reduce_range: bool, weights: str = "int8") -> str:
+    """How an exported file's metadata names its weights: ``"7-bit"``, ``"8-bit"`` (signed), or
+    ``"8-bit unsigned"`` (ONNX Runtime's U8U8, which does not saturate)."""
+    if weights == "uint8":
+        return "8-bit unsigned"
+    return "7-bit" if reduce_range else "8-bit"
+
+
+def weight_range_warning(label: str, features: CpuFeatures) -> str | None:
+    """Why a file with weights of ``label`` (``"7-bit"``/``"8-bit"``) may decide wrongly on this CPU; None if fine."""
+    if label == "8-bit" and reduced_weight_range(features):
+        return (f"this int8 file has full 8-bit weights, and this CPU ({features.describe()}) has no VNNI: its "
+                "uint8 x int8 kernels saturate on such weights (on the digits model 8 % of decisions changed); "
+                "quantize again on this CPU (cgavit quantize) to get 7-bit weights")
+    return None
+
+
+def layer_of_onnx_node(name: str) -> str:
+    """The layer name of an ONNX node exported by torch's TorchScript exporter:
+    ``/stages/stages.0/blocks/blocks.0/pre/pre.0/m/Conv`` -> ``stages.0.blocks.0.pre.0.m``.
+
+    Each scope level is written as its attribute name, a list item's as ``list.index`` after the
+    list's own level, which it replaces.
+    """
+    parts: list[str] = []
+    for part in name.strip("/").split("/")[:-1]:  # the last part is the operator
+        if parts and part.startswith(parts[-1] + "."):
+            parts[-1] = part
+        else:
+            parts.append(part)
+    return ".".join(parts)
+
+
+def layer_of_openvino_node(name: str) -> str | None:
+    """The layer name of an OpenVINO node converted from PyTorch
+    (``__module.stages.0.blocks.0.pre.0.m/aten::_convolution/GroupConvolution`` -> ``stages.0.blocks.0.pre.0.m``);
+    None for a node that is not a module's convolution."""
+    head, sep, rest = name.partition("/aten::_convolution/")
+    if not sep or not head.startswith("__module.") or "/" in rest:
+        return None
+    return head[len("__module."):]

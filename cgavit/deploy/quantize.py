@@ -1,0 +1,419 @@
+"""``quantize``: the fastest int8 model that keeps a trained model's decisions, for the user's target.
+
+For each runtime (ONNX Runtime, OpenVINO) the model is quantised with the recipe of
+:mod:`cgavit.deploy.int8` (weights per channel, 7-bit on x86 without VNNI; the attention core and
+residual adds in float) and judged on held-out images against fp32: top-1 agreement and accuracy
+change (:class:`QuantizeTarget`, default agreement >= 99.5 % and accuracy within 0.3 point). When
+every layer in int8 misses, layers are kept in float, most sensitive first
+(:mod:`cgavit.deploy.sensitivity`), until the target is met. Every build is timed round-robin beside
+fp32 ONNX Runtime on this machine; the fastest build that meets the target is the result. When none
+meets it, the result says so and names the best found, and :meth:`QuantizeResult.save` refuses it.
+
+Calibration and evaluation images must differ (training images to calibrate, held-out ones to judge):
+the search is judged on the evaluation images, so report a final figure on a third set if you
+tune anything else on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..io import atomic_write
+from ..timing import round_robin
+from .agreement import AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, compare_logits
+from .cpu import CpuFeatures, cpu_features
+from .fusion import fuse, output_path
+from .int8 import Int8Options, weight_range_label
+from .metadata import ExportInfo, int8_info
+from .onnx import OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, with_onnx_metadata
+from .openvino import OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, save_openvino
+from .runtime import RuntimeModule, pad_batch
+from .sensitivity import CurvePoint, LayerSensitivity, fewest_meeting, layer_sensitivity, padded_logits, search_float_layers
+
+log = logging.getLogger(__name__)
+
+#: The runtimes ``quantize`` builds int8 for, and the extra each needs.
+QUANT_RUNTIMES = {"onnxruntime": "deploy", "openvino": "openvino"}
+
+
+@dataclass(frozen=True)
+class QuantizeTarget:
+    """What the int8 model must keep of fp32's decisions on the evaluation images.
+
+    Args:
+        agreement: least top-1 agreement with fp32, a share in (0, 1] (default 0.995: 99.5 %).
+        accuracy_tolerance: largest accuracy change in percentage points, in [0, 100] (default 0.3;
+            checked only with labels).
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    agreement: float = AGREEMENT_TARGET
+    accuracy_tolerance: float = QUANTIZE_ACCURACY_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if not 0 < self.agreement <= 1:
+            raise ValueError(f"the agreement target is a share in (0, 1], e.g. 0.995 for 99.5 %; got {self.agreement}")
+        if not 0 <= self.accuracy_tolerance <= 100:
+            raise ValueError(f"the accuracy tolerance is in points, in [0, 100]; got {self.accuracy_tolerance}")
+
+    def met_by(self, agreement: Agreement) -> bool:
+        """Whether ``agreement`` meets this target."""
+        return agreement.meets(self.agreement, self.accuracy_tolerance)
+
+    def describe(self) -> str:
+        return (f"top-1 agreement >= {100 * self.agreement:.1f}% and accuracy within "
+                f"{self.accuracy_tolerance:g} point of fp32")
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize` found.
+
+    Args:
+        target: the target asked for.
+        meets_target: whether an int8 build met it; if not, the fields describe the best found.
+        runtime: the chosen build's runtime (``"onnxruntime"`` or ``"openvino"``).
+        point: the chosen build: its float layers, agreement, images/s and speed-up over fp32 ONNX Runtime.
+        fp32_img_s: fp32 ONNX Runtime's images/s timed beside it.
+        module: the build, called like the model (the runtime's default threads).
+        artifact: the build's file content: ONNX bytes, or an ``openvino.Model``.
+        info: the metadata :meth:`save` writes into the file.
+        reasons: each float layer -> why it is float.
+        sensitivity: every layer quantised alone, most sensitive first (empty when not measured).
+        curves: runtime -> every build measured, by the number of float layers.
+        cpu: the CPU it was measured on.
+        options: the int8 options used (weight range decided).
+        calibration_images, evaluation_images: the image counts.
+        method: how the weights were made int8 (post-training, or after quantisation-aware fine-tuning).
+    """
+
+    target: QuantizeTarget
+    meets_target: bool
+    runtime: str
+    point: CurvePoint
+    fp32_img_s: float
+    module: RuntimeModule
+    artifact: object
+    info: ExportInfo
+    reasons: dict[str, str]
+    sensitivity: list[LayerSensitivity]
+    curves: dict[str, list[CurvePoint]]
+    cpu: str
+    options: Int8Options
+    calibration_images: int
+    evaluation_images: int
+    method: str = "post-training"
+
+    @property
+    def agreement(self) -> Agreement:
+        return self.point.agreement
+
+    @property
+    def float_layers(self) -> tuple[str, ...]:
+        return self.point.float_layers
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the int8 file (with its metadata), atomically: ONNX ``NAME.onnx``; OpenVINO ``NAME.xml`` +
+        ``NAME.bin`` (``NAME`` alone gets the suffix).
+
+        Raises:
+            ValueError: the build does not meet the target (nothing is written), or a missing folder.
+        """
+        if not self.meets_target:
+            raise ValueError(f"no int8 build met the target ({self.target.describe()}); the best found "
+                             f"({self.describe_point()}) is not written")
+        if self.runtime == "openvino":
+            out = ir_path(path)
+            save_openvino(self.artifact, out, self.info)
+            return out
+        out = output_path(path)
+        out = out if out.suffix.lower() == ".onnx" else out.with_name(out.name + ".onnx")
+        data = with_onnx_metadata(self.artifact, self.info)
+        return atomic_write(out, lambda tmp: Path(tmp).write_bytes(data))
+
+    def record(self) -> dict:
+        """Everything measured, as JSON-ready values (``cgavit quantize`` writes it as the report's json)."""
+        return dict(
+            target=dict(agreement=self.target.agreement, accuracy_tolerance=self.target.accuracy_tolerance),
+            meets_target=self.meets_target, method=self.method, runtime=self.runtime, chosen=_point_record(self.point),
+            fp32_onnxruntime_img_s=self.fp32_img_s, float_layers=self.reasons,
+            kept_float_by_design="the attention core (score and PV matmuls, softmax) and the residual adds",
+            cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
+            calibration=self.options.calibration, calibration_images=self.calibration_images,
+            evaluation_images=self.evaluation_images,
+            sensitivity=[dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
+                              changed=s.changed, n=s.n, rel_err=s.rel_err) for s in self.sensitivity],
+            curves={rt: [_point_record(p) for p in points] for rt, points in self.curves.items()},
+        )
+
+    def markdown(self, top: int = 15) -> str:
+        """The report as Markdown: the verdict, the curve per runtime, the float layers and the
+        ``top`` most sensitive layers."""
+        verdict = "meets the target" if self.meets_target else "**no int8 build met the target**; the best found"
+        lines = [f"# cgavit quantize: {verdict}", "", f"Target: {self.target.describe()}, on "
+                 f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).",
+                 f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range), self.options.weights)}, "
+                 f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
+                 "| runtime | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target |",
+                 "|---|---:|---:|---:|---:|---:|---|"]
+        for runtime, points in self.curves.items():
+            for p in points:
+                a = p.agreement
+                acc = "" if a.accuracy is None else f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f})"
+                lines.append(f"| {RUNTIME_NAMES[runtime]} | {len(p.float_layers)} | {100 * a.top1_agreement:.2f} % | "
+                             f"{acc} | {p.img_s:.0f} | {p.speedup:.2f} | {'meets' if p.meets else 'misses'} |")
+        lines += ["", f"fp32 ONNX Runtime: {self.fp32_img_s:.0f} img/s (same round-robin timing).", "",
+                  "Kept in float by design: the attention core (score and PV matmuls, softmax) and the residual adds."]
+        lines += [f"Kept in float by the search: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
+            ["No convolution kept in float."]
+        if self.sensitivity:
+            lines += ["", f"Sensitivity (each layer int8 alone, the {min(top, len(self.sensitivity))} most sensitive "
+                      f"of {len(self.sensitivity)}):", "", "| layer | decisions changed | agreement | rel. logit error |",
+                      "|---|---:|---:|---:|"]
+            lines += [f"| `{s.layer}` | {s.changed} of {s.n} | {100 * s.agreement:.2f} % | {s.rel_err:.1e} |"
+                      for s in self.sensitivity[:top]]
+        return "\n".join(lines) + "\n"
+
+    def describe_point(self, point: CurvePoint | None = None) -> str:
+        """One line about a build (default: the chosen one)."""
+        p = point or self.point
+        return (f"int8 {RUNTIME_NAMES[p.runtime]}, {len(p.float_layers)} layer(s) in float: "
+                f"{p.agreement.describe(self.target.met_by(p.agreement))}; {p.img_s:.0f} img/s, "
+                f"{p.speedup:.2f}x fp32 ONNX Runtime")
+
+
+RUNTIME_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+
+
+def quantize(
+    model: nn.Module,
+    calibration: torch.Tensor | Iterable[torch.Tensor],
+    evaluation: torch.Tensor,
+    target: QuantizeTarget = QuantizeTarget(),
+    runtime: str | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    options: Int8Options = Int8Options(),
+    features: CpuFeatures | None = None,
+    sensitivity: bool = True,
+    max_float_layers: int | None = None,
+    info: ExportInfo | None = None,
+    reference: nn.Module | None = None,
+    batch: int = 16,
+    threads: int = 1,
+    warmup: int = 3,
+    repeats: int = 10,
+) -> QuantizeResult:
+    """The fastest int8 build of ``model`` that keeps its decisions on ``evaluation`` (read the module notes).
+
+    Args:
+        model: a trained model (fused and exported here; not modified).
+        calibration: training images ``(N, C, H, W)`` (or batches of them), preprocessed like the input.
+        evaluation: held-out images ``(M, C, H, W)`` of the same size, never the calibration ones.
+        target: what the build must keep (:class:`QuantizeTarget`).
+        runtime: ``"onnxruntime"``, ``"openvino"``, or None: every one installed.
+        labels: ``(M,)`` class indices of ``evaluation`` (for the accuracy part of the target).
+        options: the int8 recipe (default: :class:`~cgavit.deploy.int8.Int8Options`, weight range by CPU).
+        features: the CPU to quantise for (default: this machine's).
+        sensitivity: measure every layer quantised alone even when every layer in int8 meets the target
+            (it is measured anyway when layers must be kept in float).
+        max_float_layers: keep at most this many layers in float (default: no cap; 0: every layer int8).
+        info: metadata for the file (class names, preprocessing); precision and the verdict are added.
+        reference: the fp32 model the builds are judged against and timed beside (default ``model``;
+            quantisation-aware fine-tuning passes the original here).
+        batch, threads, warmup, repeats: how each build is timed beside fp32 ONNX Runtime.
+
+    Raises:
+        ValueError: images of the wrong shape or size, too few, labels that do not fit, a runtime
+            unknown or not installed, a target out of range.
+    """
+    runtimes = _runtimes(runtime)
+    cal, ev = _checked_images(calibration, evaluation, labels)
+    if max_float_layers is not None and max_float_layers < 0:
+        raise ValueError(f"max_float_layers must be at least 0 (or None: no cap), got {max_float_layers}")
+    features = features or cpu_features()
+    opts = options.for_cpu(features)
+    size = tuple(ev.shape[2:])
+    search = _Search(fuse(model), fuse(reference if reference is not None else model), cal, ev, labels, target, size,
+                     (batch, threads, warmup, repeats))
+    with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp:
+        search.start(Path(tmp), opts)
+        try:
+            for name in runtimes:
+                search.run(name, model, opts, sensitivity, max_float_layers)
+        finally:
+            search.onnx.close()
+    return search.result(features, opts, info or ExportInfo(img_size=size))
+
+
+def _runtimes(runtime: str | None) -> list[str]:
+    if runtime is not None and runtime not in QUANT_RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(QUANT_RUNTIMES)} (or None: every one installed), got {runtime!r}")
+    if not onnxruntime_available():
+        raise ValueError("quantize needs ONNX Runtime (the per-layer sensitivity runs in it): pip install 'cgavit[deploy]'")
+    if runtime == "openvino" and not openvino_available():
+        raise ValueError("runtime openvino is not installed: pip install 'cgavit[openvino]'")
+    if runtime is not None:
+        return [runtime]
+    return ["onnxruntime"] + (["openvino"] if openvino_available() else [])
+
+
+def _checked_images(
+    calibration: torch.Tensor | Iterable[torch.Tensor], evaluation: torch.Tensor, labels: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration and evaluation images as float32 ``(N, C, H, W)`` of one shape, checked."""
+    if isinstance(calibration, torch.Tensor):
+        cal = calibration
+    else:
+        batches = [b.float() for b in calibration or ()]
+        cal = torch.cat(batches) if batches else torch.empty(0)
+    if not isinstance(evaluation, torch.Tensor) or evaluation.ndim != 4 or not len(evaluation):
+        raise ValueError("evaluation must be a non-empty image tensor (M, C, H, W) of held-out images")
+    if cal.ndim != 4 or not len(cal):
+        raise ValueError("calibration must be training images (N, C, H, W), a few hundred, or batches of them")
+    if cal.shape[1:] != evaluation.shape[1:]:
+        raise ValueError(f"calibration images are {tuple(cal.shape[1:])} but evaluation images "
+                         f"{tuple(evaluation.shape[1:])}: preprocess both like the model's input")
+    if labels is not None and tuple(labels.shape) != (len(evaluation),):
+        raise ValueError(f"labels must have shape ({len(evaluation)},), one per evaluation image; got {tuple(labels.shape)}")
+    return cal.float(), evaluation.float()
+
+
+@dataclass
+class _Build:
+    point: CurvePoint
+    artifact: object
+
+
+@dataclass
+class _Search:
+    """The state of one :func:`quantize` call: the images, the fp32 reference, every build measured."""
+
+    fused: nn.Module
+    fp32_model: nn.Module
+    calibration: torch.Tensor
+    evaluation: torch.Tensor
+    labels: torch.Tensor | None
+    target: QuantizeTarget
+    size: tuple[int, int]
+    timing: tuple[int, int, int, int]  # batch, threads, warm-up, repeats
+    builds: dict[tuple[str, tuple[str, ...]], _Build] = field(default_factory=dict)
+    curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
+    sensitivity: list[LayerSensitivity] = field(default_factory=list)
+
+    def start(self, tmp: Path, opts: Int8Options) -> None:
+        """The fp32 reference logits, fp32 ONNX Runtime for timing, and ONNX Runtime's int8 builder."""
+        self.reference = padded_logits(self.fp32_model, self.evaluation)
+        batch, threads = self.timing[:2]
+        self.example = pad_batch(self.evaluation[:batch], batch)
+        self.fp32 = OnnxModule(export_onnx(self.fp32_model, tmp / "fp32.onnx", self.size), threads)
+        export_onnx(self.fused, tmp / "int8-source.onnx", self.size, fold_residuals=False)
+        self.onnx = OnnxInt8Builder(tmp / "int8-source.onnx", [self.calibration], opts)
+
+    def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None) -> None:
+        """Search ``runtime``'s builds: every layer int8, then up to ``most`` layers kept in float as needed."""
+        if runtime == "onnxruntime":
+            builder, layers = self.onnx, list(self.onnx.layers)
+        else:
+            builder = OpenVinoInt8Builder(model, self.size, [self.calibration], opts)
+            layers = list(builder.layers)
+        judge = partial(self.judge, runtime, builder)
+        start = judge(())
+        if (sensitivity or not (start.meets or most == 0)) and not self.sensitivity:
+            log.info("quantize: per-layer sensitivity of %d layers (ONNX Runtime)", len(self.onnx.layers))
+            self.sensitivity = layer_sensitivity(list(self.onnx.layers), self.onnx_module, self.evaluation,
+                                                 self.reference)
+        order = [s.layer for s in self.sensitivity if s.layer in builder.layers] or layers
+        self.curves[runtime] = search_float_layers(order, judge, start, most)
+
+    def onnx_module(self, float_layers: list[str]) -> OnnxModule:
+        return OnnxModule(self.onnx.build(float_layers), self.timing[1], "int8")
+
+    def judge(self, runtime: str, builder, float_layers: tuple[str, ...]) -> CurvePoint:
+        """Build ``runtime``'s int8 model with ``float_layers`` in float, and measure and time it."""
+        artifact = builder.build(float_layers)
+        threads = self.timing[1]
+        module = OnnxModule(artifact, threads, "int8") if runtime == "onnxruntime" else \
+            OpenVinoModule(artifact, threads, "int8")
+        a = compare_logits(padded_logits(module, self.evaluation), self.reference, self.labels)
+        img_s, fp32_img_s = self.time(module)
+        point = CurvePoint(runtime, float_layers, a, img_s, img_s / fp32_img_s, self.target.met_by(a))
+        self.builds[(runtime, float_layers)] = _Build(point, artifact)
+        log.info("quantize: int8 %s with %d float layer(s): %s; %.2fx fp32 ONNX Runtime", runtime, len(float_layers),
+                 a.describe(point.meets), point.speedup)
+        return point
+
+    def time(self, module: nn.Module) -> tuple[float, float]:
+        """Images/s of ``module`` and of fp32 ONNX Runtime, round-robin on the example batch."""
+        batch, _, warmup, repeats = self.timing
+        with torch.no_grad():
+            t = round_robin({"int8": partial(module, self.example), "fp32": partial(self.fp32, self.example)},
+                            warmup, repeats)
+        self.fp32_img_s = t["fp32"].median_rate(batch)
+        return t["int8"].median_rate(batch), self.fp32_img_s
+
+    def result(self, features: CpuFeatures, opts: Int8Options, info: ExportInfo) -> QuantizeResult:
+        """The fastest build that meets the target, or the best found."""
+        winners = [p for p in (fewest_meeting(c) for c in self.curves.values()) if p is not None]
+        if winners:
+            point = max(winners, key=lambda p: p.speedup)
+        else:  # the most decisions kept, then the closest accuracy, then the fastest
+            every = [p for c in self.curves.values() for p in c]
+            point = max(every, key=lambda p: (p.agreement.top1_agreement, -abs(p.agreement.accuracy_change or 0),
+                                              p.speedup))
+        build = self.builds[(point.runtime, point.float_layers)]
+        module = OnnxModule(build.artifact, precision="int8") if point.runtime == "onnxruntime" else \
+            OpenVinoModule(build.artifact, precision="int8")
+        return QuantizeResult(
+            target=self.target, meets_target=bool(winners), runtime=point.runtime, point=point,
+            fp32_img_s=point.img_s / point.speedup, module=module, artifact=build.artifact,
+            info=_verdict_info(info, opts.with_float(point.float_layers), point, self.target, features),
+            reasons=self.reasons(point.float_layers), sensitivity=self.sensitivity, curves=self.curves,
+            cpu=features.describe(), options=opts, calibration_images=len(self.calibration),
+            evaluation_images=len(self.evaluation),
+        )
+
+    def reasons(self, float_layers: tuple[str, ...]) -> dict[str, str]:
+        """Why each float layer is float: its rank and cost in the sensitivity table."""
+        rank = {s.layer: (i + 1, s) for i, s in enumerate(self.sensitivity)}
+        out = {}
+        for layer in float_layers:
+            if layer not in rank:
+                out[layer] = "kept in float by the search (no sensitivity measured for it)"
+                continue
+            i, s = rank[layer]
+            out[layer] = (f"sensitivity rank {i} of {len(rank)}: int8 alone it changes {s.changed} of {s.n} "
+                          f"decisions (relative logit error {s.rel_err:.1e})")
+        return out
+
+
+def _point_record(p: CurvePoint) -> dict:
+    a = p.agreement
+    return dict(runtime=p.runtime, float_layers=list(p.float_layers), agreement=a.top1_agreement, changed=a.changed,
+                n=a.n, accuracy=a.accuracy, accuracy_change=a.accuracy_change, max_rel_err=a.max_rel_err,
+                img_s=p.img_s, speedup_over_fp32_onnxruntime=p.speedup, meets_target=p.meets)
+
+
+def _verdict_info(info: ExportInfo, opts: Int8Options, point: CurvePoint, target: QuantizeTarget,
+                  features: CpuFeatures) -> ExportInfo:
+    """``info`` with how the file was quantised and what it was measured to keep."""
+    if point.runtime == "openvino":
+        opts = replace(opts, weights="int8")  # NNCF has one weight type
+    a = point.agreement
+    verdict = dict(runtime=point.runtime, agreement=a.top1_agreement, accuracy=a.accuracy,
+                   accuracy_change=a.accuracy_change, evaluation_images=a.n, meets_target=target.met_by(a),
+                   target_agreement=target.agreement, target_accuracy_tolerance=target.accuracy_tolerance,
+                   cpu_class=features.cpu_class, measured_on=features.describe())
+    made = int8_info(info, opts)
+    return replace(made, int8={**made.int8, **verdict})

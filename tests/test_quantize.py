@@ -1,0 +1,265 @@
+"""``cgavit quantize`` and ``cgavit.deploy.quantize`` on the trained digits model (issue 18).
+
+The target logic: the int8 build of a trained model meets it, the same model with scrambled weights
+misses it (and then nothing is written); the search keeps the fewest layers in float; the file
+carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. No timing is asserted.
+"""
+
+import json
+
+import pytest
+import torch
+
+from cgavit import save_weights
+from cgavit.cli import main
+from cgavit.cli import quantize as quantize_cli
+from cgavit.deploy import (
+    AGREEMENT_TARGET,
+    Agreement,
+    CurvePoint,
+    ExportInfo,
+    Int8Options,
+    cpu_features,
+    export_form,
+    QuantizeTarget,
+    export_model,
+    fuse,
+    onnxruntime_available,
+    open_exported,
+    optimize,
+    qat_available,
+    qat_finetune,
+    quantize,
+    reduced_weight_range,
+)
+from cgavit.deploy import fastpath
+from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
+from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, search_float_layers
+from cgavit.testing import rel_err
+from cgavit.weights import WeightsMeta
+from test_precision import EPYC_AVX2, XEON_AMX, features, scrambled
+
+pytestmark = pytest.mark.skipif(not onnxruntime_available(), reason="quantize needs pip install 'cgavit[deploy]'")
+QUICK = dict(runtime="onnxruntime", warmup=0, repeats=1, sensitivity=False)
+
+
+@pytest.fixture(scope="module")
+def digits_int8(trained_digits):
+    """The trained digits model quantised for this CPU (ONNX Runtime), judged on its 360 held-out images."""
+    return quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images,
+                    labels=trained_digits.labels, info=ExportInfo(class_names=tuple("0123456789"), img_size=(48, 48)),
+                    **QUICK)
+
+
+@pytest.fixture(scope="module")
+def scrambled_int8(trained_digits):
+    """The same model with scrambled weights, every layer int8 (the cap), judged the same way."""
+    model = scrambled(trained_digits)
+    result = quantize(model, trained_digits.calibration(), trained_digits.images, labels=trained_digits.labels,
+                      max_float_layers=0, **QUICK)
+    return model, result
+
+
+def test_quantize_meets_the_target_on_trained_weights(digits_int8, trained_digits):
+    r = digits_int8
+    assert r.meets_target and r.target.met_by(r.agreement), r.describe_point()
+    assert r.agreement.n == 360 and r.agreement.accuracy_change is not None
+    assert r.agreement.max_rel_err > 1e-3  # really int8
+    assert r.options.reduce_range == reduced_weight_range(cpu_features())
+    out = torch.cat([r.module(b) for b in trained_digits.images[:32].split(16)])
+    with torch.no_grad():
+        ref = fuse(trained_digits.model)(trained_digits.images[:32])
+    assert rel_err(out, ref) < 0.5 and r.fp32_img_s > 0 and r.point.speedup > 0
+    assert r.record()["meets_target"] is True and "meets the target" in r.markdown()
+
+
+def test_scrambled_weights_miss_the_target_and_nothing_is_saved(scrambled_int8, tmp_path):
+    _, r = scrambled_int8
+    assert not r.meets_target and not r.target.met_by(r.agreement)
+    assert [len(p.float_layers) for p in r.curves["onnxruntime"]] == [0]  # the cap: every layer int8
+    with pytest.raises(ValueError, match="not written"):
+        r.save(tmp_path / "scrambled")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digits, tmp_path, monkeypatch):
+    path = digits_int8.save(tmp_path / "digits")
+    assert path.name == "digits.onnx" and sorted(p.name for p in tmp_path.iterdir()) == ["digits.onnx"]
+    module, info = open_exported(path)
+    assert info.precision == "int8" and info.img_size == (48, 48) and info.class_names == tuple("0123456789")
+    assert info.int8["meets_target"] is True and info.int8["evaluation_images"] == 360
+    assert info.int8["weight_range"] == ("7-bit" if digits_int8.options.reduce_range else "8-bit")
+    x = trained_digits.images[:16]
+    assert torch.equal(module(x), digits_int8.module(x))
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    for given in (digits_int8, path):  # the result, or the file cgavit quantize wrote
+        fast = optimize(trained_digits.model, x, "auto", quantized=given, compile=False, features=features(EPYC_AVX2))
+        assert (fast.choice.precision, fast.choice.backend) == ("int8", "onnxruntime"), fast.choice.reason
+        assert "cgavit quantize" in fast.choice.reason and "meets" in fast.choice.reason
+    with pytest.raises(ValueError, match="precision='auto'"):
+        optimize(trained_digits.model, x, "int8", quantized=path)
+
+
+def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained_digits, monkeypatch):
+    model, missed = scrambled_int8
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    fast = optimize(model, trained_digits.images[:8], "auto", quantized=missed, compile=False,
+                    features=features(EPYC_AVX2))
+    assert fast.choice.precision == "fp32"
+
+
+def test_search_finds_the_fewest_float_layers_in_few_builds():
+    """A judge whose agreement reaches the target from 11 of 40 layers kept in float."""
+    order = [f"layer{i}" for i in range(40)]
+    built = []
+
+    def judge(float_layers):
+        built.append(len(float_layers))
+        k = len(float_layers)
+        share = 0.999 if k >= 11 else 0.99
+        a = Agreement(n=1000, top1_agreement=share, max_rel_err=0.1)
+        return CurvePoint("onnxruntime", tuple(float_layers), a, 100.0, 1.5, share >= AGREEMENT_TARGET)
+
+    points = search_float_layers(order, judge)
+    assert len(fewest_meeting(points).float_layers) == 11
+    assert built == [0, 1, 2, 4, 8, 16, 12, 10, 11]  # doubling, then halving the last step: 9 builds, not 40
+    assert [len(p.float_layers) for p in points] == sorted(len(p.float_layers) for p in points)
+    never = search_float_layers(order[:3], lambda f: CurvePoint("onnxruntime", tuple(f), Agreement(10, 0.5, 1.0),
+                                                                1.0, 1.0, False))
+    assert fewest_meeting(never) is None and max(len(p.float_layers) for p in never) == 2  # one layer stays int8
+    capped = search_float_layers(order, judge, most=4)
+    assert max(len(p.float_layers) for p in capped) == 4 and fewest_meeting(capped) is None
+
+
+def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
+    """Three layers quantised alone in the real runtime: rows sorted most sensitive first."""
+    from cgavit.deploy import OnnxInt8Builder, OnnxModule, export_onnx
+
+    src = export_onnx(trained_digits.model, tmp_path / "m.onnx", (48, 48), fold_residuals=False)
+    with OnnxInt8Builder(src, trained_digits.calibration(64), Int8Options(reduce_range=True)) as builder:
+        layers = list(builder.layers)
+        assert layers[0] == "patch_embed.conv1" and len(layers) == 59
+        reference = fuse(trained_digits.model)(trained_digits.images[:64]).detach()
+        rows = layer_sensitivity(layers[:3], lambda f: OnnxModule(builder.build(f), 1, "int8"),
+                                 trained_digits.images[:64], reference)
+        with pytest.raises(ValueError, match="no such layer"):
+            builder.build(["stages.9.nothing"])
+    assert sorted(r.layer for r in rows) == sorted(layers[:3])
+    assert [(r.agreement, -r.rel_err) for r in rows] == sorted((r.agreement, -r.rel_err) for r in rows)
+    assert all(0 <= r.agreement <= 1 and r.rel_err > 0 and r.n == 64 for r in rows)
+
+
+def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsys):
+    out = tmp_path / "digits_int8"
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                 "--runtime", "onnxruntime", "--output", str(out), "--calibration-images", "128", "--warmup", "0",
+                 "--repeats", "1", "--skip-sensitivity"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "wrote" in text and "meets the target" in text and "calibrating on 128 images" in text
+    report = json.loads((tmp_path / "digits_int8.quantize.json").read_text())
+    assert report["meets_target"] and report["calibration_images"] == 128 and report["evaluation_images"] == 360
+    assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
+    module, info = open_exported(tmp_path / "digits_int8.onnx")
+    assert info.class_names == tuple(str(c) for c in range(10)) and info.mean == (0.3, 0.3, 0.3)
+
+
+def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digits, tmp_path, capsys):
+    model, _ = scrambled_int8
+    meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=10, img_size=48, crop_pct=1.0,
+                       mean=(0.3, 0.3, 0.3), std=(0.4, 0.4, 0.4), class_names=tuple(str(c) for c in range(10)))
+    save_weights(model, tmp_path / "scrambled.safetensors", meta)
+    code = main(["quantize", "--checkpoint", str(tmp_path / "scrambled.safetensors"), "--data", str(trained_digits.data),
+                 "--runtime", "onnxruntime", "--output", str(tmp_path / "s"), "--calibration-images", "64",
+                 "--eval-images", "120", "--warmup", "0", "--repeats", "1", "--skip-sensitivity",
+                 "--max-float-layers", "0"])
+    text = capsys.readouterr().out
+    assert code == 1 and "nothing int8 met the target" in text and "the best found" in text
+    assert not (tmp_path / "s.onnx").exists() and not json.loads((tmp_path / "s.quantize.json").read_text())["meets_target"]
+
+
+def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, tmp_path, capsys, monkeypatch):
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--output", str(tmp_path / "q"), "--runtime", "onnxruntime"]
+    wrong = tmp_path / "wrong"  # three classes where the checkpoint predicts ten
+    src = next((trained_digits.data / "val" / "0").iterdir())
+    for split in ("train", "val"):
+        for c in "abc":
+            (wrong / split / c).mkdir(parents=True)
+            (wrong / split / c / src.name).write_bytes(src.read_bytes())
+    cases = [(["--agreement", "0"], "(0, 100]"), (["--agreement", "101"], "(0, 100]"),
+             (["--accuracy-tolerance", "-1"], "[0, 100]"), (["--calibration-images", "5000"], "fewer than"),
+             (["--val-split", "train"], "different images"), (["--output", str(tmp_path / "q.xml")], "openvino file")]
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert main(base[:4] + [str(wrong), "--output", str(tmp_path / "q")]) == 2
+    assert "class folders" in capsys.readouterr().err
+    monkeypatch.setattr(quantize_cli, "openvino_available", lambda: False)
+    assert main(base[:-2] + ["--runtime", "openvino"]) == 2
+    assert "pip install 'cgavit[openvino]'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrong"]  # nothing half-written
+
+
+def test_target_and_options_are_checked(trained_digits):
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        QuantizeTarget(agreement=99.5)
+    with pytest.raises(ValueError, match="points"):
+        QuantizeTarget(accuracy_tolerance=-0.1)
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        Int8Options(calibration="kl")
+    x = trained_digits.images
+    with pytest.raises(ValueError, match="preprocess both"):
+        quantize(trained_digits.model, torch.randn(8, 3, 32, 32), x, **QUICK)
+    with pytest.raises(ValueError, match="labels"):
+        quantize(trained_digits.model, x[:8], x, labels=trained_digits.labels[:5], **QUICK)
+    with pytest.raises(ValueError, match="runtime"):
+        quantize(trained_digits.model, x[:8], x, runtime="tensorrt")
+
+
+def test_weight_range_by_cpu_and_the_warning():
+    epyc, xeon = features(EPYC_AVX2), features(XEON_AMX)
+    assert reduced_weight_range(epyc) and not reduced_weight_range(xeon)
+    assert Int8Options().for_cpu(epyc).reduce_range and not Int8Options().for_cpu(xeon).reduce_range
+    assert Int8Options(reduce_range=False).for_cpu(epyc).reduce_range is False  # asked for explicitly
+    assert "saturate" in weight_range_warning("8-bit", epyc)
+    assert weight_range_warning("7-bit", epyc) is None and weight_range_warning("8-bit", xeon) is None
+
+
+def test_layer_names_of_both_runtimes():
+    assert layer_of_onnx_node("/stages/stages.0/blocks/blocks.0/pre/pre.0/m/Conv") == "stages.0.blocks.0.pre.0.m"
+    assert layer_of_onnx_node("/stages/stages.1/blocks/blocks.0/mixer/m/attn/qkvs.1/Conv") == \
+        "stages.1.blocks.0.mixer.m.attn.qkvs.1"
+    assert layer_of_onnx_node("/patch_embed/conv1/Conv") == "patch_embed.conv1"
+    assert layer_of_openvino_node("__module.stages.0.blocks.0.pre.0.m/aten::_convolution/GroupConvolution") == \
+        "stages.0.blocks.0.pre.0.m"
+    assert layer_of_openvino_node("__module.head/aten::linear/MatMul") is None
+
+
+def test_export_metadata_round_trip_and_its_checks(trained_digits, tmp_path):
+    info = ExportInfo(class_names=("cat", "dog"), img_size=(48, 48), mean=(0.5,) * 3, std=(0.25,) * 3,
+                      interpolation="bilinear", crop_pct=0.9)
+    assert ExportInfo.from_props(info.to_props()) == info
+    path = export_model(trained_digits.model, tmp_path / "m.onnx", "onnx", (48, 48), info=info)
+    module, read = open_exported(path)
+    assert read == info and read.version and module(trained_digits.images[:3]).shape == (3, 10)
+    bad = dict(info.to_props(), **{"cgavit.img_size": "[48]"})
+    with pytest.raises(ValueError, match="image size"):
+        ExportInfo.from_props(bad)
+    with pytest.raises(ValueError, match="no cgavit metadata"):
+        ExportInfo.from_props({"producer": "x"})
+    with pytest.raises(ValueError, match=".onnx or OpenVINO .xml"):
+        open_exported(trained_digits.checkpoint)
+
+
+@pytest.mark.skipif(not qat_available(), reason="QAT needs pip install 'cgavit[qat]' (torchao)")
+def test_qat_finetunes_with_fake_quantisation_and_still_decides_like_fp32(trained_digits):
+    calib = torch.cat(trained_digits.calibration(128))
+    tuned = qat_finetune(trained_digits.model, calib, reduce_range=True)
+    before = export_form(trained_digits.model, (48, 48), fold_residuals=False).state_dict()
+    assert tuned.state_dict().keys() == before.keys()
+    assert any(not torch.equal(p, before[n]) for n, p in tuned.state_dict().items())  # the weights moved
+    r = quantize(tuned, calib, trained_digits.images, labels=trained_digits.labels, reference=trained_digits.model,
+                 **QUICK)
+    assert r.meets_target, r.describe_point()  # judged against the original fp32 model
