@@ -2,6 +2,8 @@
 within the agreement target on the trained digits model. Each format is skipped, with the extra to
 install, when its runtime is missing."""
 
+import json
+
 import pytest
 import torch
 
@@ -95,3 +97,47 @@ def test_openvino_export_takes_a_stem_and_carries_metadata(tmp_path, capsys):
     assert module(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
     assert main(["export", "--model", "m0", "--format", "openvino", "--output", str(tmp_path / "m.bin")]) == 2
     assert "NAME or NAME.xml" in capsys.readouterr().err
+    assert main(["export", "--model", "m0", "--format", "onnx", "--output", str(tmp_path / "m.xml")]) == 2
+    assert "has the suffix of --format openvino" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [pytest.param(".onnx", marks=need("onnx")), pytest.param(".xml", marks=need("openvino"))])
+def test_eval_and_predict_run_the_exported_file(suffix, trained_digits, tmp_path, capsys):
+    """The file a user ships is the file they check: eval and predict take an exported file, with the
+    preprocessing and class names its metadata carries, and decide as the checkpoint does."""
+    out = tmp_path / f"digits{suffix}"
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--output", str(out)]) == 0
+    capsys.readouterr()
+    results = {}
+    for source in (trained_digits.checkpoint, out):
+        assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(source), "--json", "--workers", "0",
+                     "--device", "cpu"]) == 0
+        results[source] = json.loads(capsys.readouterr().out)
+    ours, theirs = results[trained_digits.checkpoint], results[out]
+    assert theirs["n"] == ours["n"] == len(trained_digits.labels)
+    assert theirs["top1"] == pytest.approx(ours["top1"]) and theirs["loss"] == pytest.approx(ours["loss"], rel=1e-3)
+
+    images = sorted((trained_digits.data / "val").glob("*/*"))[:6]
+    tops = []
+    for source in (trained_digits.checkpoint, out):
+        assert main(["predict", "--checkpoint", str(source), "--json", "--topk", "2", *map(str, images)]) == 0
+        tops.append([[t["name"] for t in row["top"]] for row in json.loads(capsys.readouterr().out)])
+    assert tops[0] == tops[1] and tops[0][0][0] == images[0].parent.name
+
+
+@need("onnx")
+def test_an_exported_file_refuses_what_only_a_checkpoint_takes(trained_digits, tmp_path, capsys):
+    """Options a file cannot honour are named, one line, exit 2; a file without cgavit metadata too."""
+    out = tmp_path / "digits.onnx"
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--output", str(out)]) == 0
+    capsys.readouterr()
+    image = str(sorted((trained_digits.data / "val").glob("*/*"))[0])
+    for extra, message in ((["--model", "efficientvit_m0"], "drop --model"), (["--ema"], "drop --ema"),
+                           (["--img-size", "64"], "exported for 48 px"), (["--device", "cuda"], "give --device cpu")):
+        assert main(["predict", "--checkpoint", str(out), *extra, image]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    bare = tmp_path / "bare.onnx"
+    torch.onnx.export(torch.nn.Conv2d(3, 10, 48), (torch.randn(1, 3, 48, 48),), str(bare), dynamo=False)
+    assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(bare), "--workers", "0"]) == 2
+    assert "carries no cgavit metadata" in capsys.readouterr().err

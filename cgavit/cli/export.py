@@ -4,6 +4,7 @@ against PyTorch."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from torch import nn
 
@@ -47,7 +48,22 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
     return calib, check
 
 
+def output_format(args: argparse.Namespace) -> str:
+    """The format to write: ``--format``, else the one ``--output``'s suffix names, else ONNX.
+
+    Raises:
+        ValueError: ``--format`` and a suffix of another format disagree (a file named for one runtime
+            holding another's format fails later, far from here).
+    """
+    named = {fmt.suffix: name for name, fmt in FORMATS.items()}.get(Path(args.output).suffix.lower())
+    if args.format and named and named != args.format:
+        raise ValueError(f"--output {Path(args.output).name} has the suffix of --format {named}, but --format "
+                         f"{args.format} was given: name the file with {FORMATS[args.format].suffix}, or drop --format")
+    return args.format or named or "onnx"
+
+
 def run(args: argparse.Namespace) -> int:
+    args.format = output_format(args)
     if args.dynamic_size:
         raise ValueError(
             "--dynamic-size is not supported: the window attention pads and partitions each stage "
@@ -83,7 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", help="variant name, e.g. efficientvit_m0 (optional for checkpoints written by cgavit train)")
     p.add_argument("--checkpoint", help="weights file (official, timm or cgavit format); default random weights")
-    p.add_argument("--format", default="onnx", choices=list(FORMATS), help="export format (default onnx)")
+    p.add_argument("--format", default=None, choices=list(FORMATS),
+                   help="export format (default: the one --output's suffix names, else onnx)")
     p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml (or m0: m0.xml + m0.bin), m0.pte, "
                    "m0.tflite (written atomically)")
     p.add_argument("--img-size", type=int, nargs="+", metavar="N",

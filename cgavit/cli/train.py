@@ -138,7 +138,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_model_source(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", metavar="FILE", help="best.pt/last.pt/best.safetensors trained here, or an official/timm file")
+    p.add_argument("--checkpoint", metavar="FILE", help="best.pt/last.pt/best.safetensors trained here, an official/timm file, or a file from cgavit export / quantize (.onnx, OpenVINO .xml: run in its runtime on the CPU, with the preprocessing and class names it carries)")
     p.add_argument("--model", help="variant name (needed for files that do not record it)")
     p.add_argument("--pretrained", action="store_true", help="use the published ImageNet-1k weights of --model (downloads once)")
     p.add_argument("--ema", action="store_true", help="use the EMA weights of a training checkpoint")

@@ -36,7 +36,7 @@ def evaluate(
     env = env or DistEnv()
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
+    device = next(model.parameters(), torch.empty(0)).device  # an exported file's runtime has none: CPU
     idx, losses, hit1, hit5, bad = [], [], [], [], []
     for batch in loader:
         bad.extend(batch.bad)

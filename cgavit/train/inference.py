@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
+from torch import nn
+
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE
+from ..deploy import ExportInfo, open_exported
 from ..factory import ModelInfo, load_model
-from ..imagenet import imagenet_classes
+from ..imagenet import class_names, imagenet_classes
 from ..io import DataError
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
@@ -27,6 +30,9 @@ from .evaluation import evaluate
 from .records import weights_meta
 
 log = logging.getLogger(__name__)
+
+#: Suffixes of the exported files ``eval`` and ``predict`` run in their runtime (ONNX Runtime, OpenVINO).
+EXPORTED_SUFFIXES = (".onnx", ".xml")
 
 
 def export_weights(checkpoint: str | Path, path: str | Path, use_ema: bool = False) -> Path:
@@ -78,9 +84,11 @@ def evaluate_checkpoint(
     root = check_folder(data)
     env = setup(device)
     try:
-        model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=env.device)
+        model, info, num_classes = open_for_inference(
+            checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust,
+            device=env.device)
         split_dir = root / (split or "val") if (root / (split or "val")).is_dir() or split else root
-        classes, samples = split_for_model(split_dir, info, model.num_classes)
+        classes, samples = split_for_model(split_dir, info, num_classes)
         size = img_size or info.img_size
         pct = crop_pct or info.crop_pct
         interp = interpolation or info.interpolation
@@ -96,6 +104,67 @@ def evaluate_checkpoint(
         return res
     finally:
         teardown(env)
+
+
+def open_for_inference(
+    checkpoint: str | Path | None,
+    model_name: str | None = None,
+    dials: dict | None = None,
+    *,
+    img_size: int | None = None,
+    use_ema: bool = False,
+    pretrained: bool = False,
+    trust: bool = False,
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, ModelInfo, int]:
+    """The network ``eval`` and ``predict`` run: a checkpoint through :func:`~cgavit.factory.load_model`,
+    or an exported ``.onnx`` / OpenVINO ``.xml`` file (:data:`EXPORTED_SUFFIXES`) in its runtime on the
+    CPU, read with the preprocessing and class names its metadata carries, so that the file a user will
+    ship is the file they check.
+
+    Returns:
+        ``(model, info, number of classes)``.
+
+    Raises:
+        ValueError: an exported file with options that only a checkpoint takes (``--model``, dials,
+            ``--ema``, ``--pretrained``, ``--trust-checkpoint``), another device than the CPU, an
+            ``--img-size`` other than the file's, or a file without cgavit metadata.
+        CheckpointError: an unreadable or damaged checkpoint.
+    """
+    if checkpoint is None or Path(checkpoint).suffix.lower() not in EXPORTED_SUFFIXES:
+        model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
+        return model, info, model.num_classes
+    name = Path(checkpoint).name
+    given = [flag for flag, value in (("--model", model_name), ("dial flags", dials), ("--ema", use_ema),
+                                      ("--pretrained", pretrained), ("--trust-checkpoint", trust)) if value]
+    if given:
+        raise ValueError(f"{name} is an exported file: it carries its network and weights, so drop {', '.join(given)}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"{name} runs in its runtime on the CPU (ONNX Runtime or OpenVINO): give --device cpu, or "
+                         "evaluate the checkpoint it was exported from on the GPU")
+    model, exported = open_exported(checkpoint)
+    return model, exported_model_info(exported, name, img_size), len(exported.class_names)
+
+
+def exported_model_info(exported: ExportInfo, name: str, img_size: int | None = None) -> ModelInfo:
+    """The :class:`~cgavit.factory.ModelInfo` of an exported file, from the metadata it carries. Its class
+    names count as its own (matched to class folders by name) unless they are the placeholders a
+    checkpoint without names gets (ImageNet-1k's, or ``class 0``, ``class 1``, ...).
+
+    Raises:
+        ValueError: ``img_size`` other than the file's, a file that is not square, or no class names.
+    """
+    h, w = exported.img_size
+    if h != w:
+        raise ValueError(f"{name} takes {h}x{w} images; eval and predict use square inputs: export it at one size")
+    if img_size is not None and img_size != h:
+        raise ValueError(f"{name} was exported for {h} px images; drop --img-size {img_size}, or export it at that size")
+    names = list(exported.class_names)
+    if not names:
+        raise ValueError(f"{name} records no class names; export it again with cgavit export")
+    return ModelInfo(class_names=names, img_size=h, crop_pct=exported.crop_pct, interpolation=exported.interpolation,
+                     mean=tuple(exported.mean), std=tuple(exported.std), source=name,
+                     names_recorded=names != class_names(len(names)))
 
 
 def split_for_model(split_dir: Path, info: ModelInfo, num_classes: int) -> tuple[list[str], list[tuple[str, int]]]:
@@ -172,12 +241,13 @@ def predict(
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"--topk must be at least 1, got {topk}")
     check_eval_options(img_size, crop_pct)
-    model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
-    if topk > model.num_classes:
-        log.warning("--topk %d is more than the model's %d classes: showing all of them", topk, model.num_classes)
+    model, info, num_classes = open_for_inference(
+        checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
+    if topk > num_classes:
+        log.warning("--topk %d is more than the model's %d classes: showing all of them", topk, num_classes)
     size = img_size or info.img_size
     transform = build_transform(size, False, interpolation=info.interpolation, crop_pct=crop_pct or info.crop_pct, mean=info.mean, std=info.std)
-    synsets = imagenet_classes() if model.num_classes == 1000 else None
+    synsets = imagenet_classes() if num_classes == 1000 else None
     out = []
     for path in images:
         try:
