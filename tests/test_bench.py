@@ -6,15 +6,9 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.bench import (
-    PEERS_TOP1,
-    BenchConfig,
-    Result,
-    format_table,
-    resolve_protocol,
-    run_bench,
-    timm_port,
-)
+from cgavit.bench import BenchConfig, Result, format_table, run_bench, timm_port
+from cgavit.bench.candidates import PEERS_TOP1
+from cgavit.bench.run import resolve_protocol
 from cgavit.cli import main
 from cgavit.info import count_macs
 from cgavit.testing import randomize_, rel_err

@@ -6,15 +6,9 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.deploy import (
-    TOLERANCE,
-    OnnxModule,
-    choose_backend,
-    export_onnx,
-    onnxruntime_available,
-    optimize,
-    quantize_onnx,
-)
+from cgavit.deploy import optimize
+from cgavit.deploy.fastpath import TOLERANCE, choose_backend
+from cgavit.deploy.onnx import OnnxModule, export_onnx, onnxruntime_available, quantize_onnx
 from cgavit.fast import FastWindowAttention, fold_depthwise_residual, swap_fast_modules
 from cgavit.layers import Residual
 from cgavit.testing import randomize_, rel_err

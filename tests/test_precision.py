@@ -9,22 +9,11 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.deploy import (
-    AGREEMENT_TARGET,
-    AUTO_RULES,
-    CPU_CLASSES,
-    RULE_EVIDENCE,
-    CpuFeatures,
-    auto_candidates,
-    batched_logits,
-    compare_logits,
-    cpu_features,
-    fuse,
-    onnxruntime_available,
-    optimize,
-    parse_cpuinfo,
-    precision_warning,
-)
+from cgavit.deploy import AGREEMENT_TARGET, AUTO_RULES, CpuFeatures, compare_logits, cpu_features, fuse, optimize
+from cgavit.deploy.agreement import batched_logits
+from cgavit.deploy.auto import RULE_EVIDENCE, auto_candidates, precision_warning
+from cgavit.deploy.cpu import CPU_CLASSES, parse_cpuinfo
+from cgavit.deploy.onnx import onnxruntime_available
 from cgavit.deploy import fastpath
 from cgavit.deploy.fusion import BATCHNORMS
 

@@ -13,25 +13,11 @@ import torch
 from cgavit import save_weights
 from cgavit.cli import main
 from cgavit.cli import quantize as quantize_cli
-from cgavit.deploy import (
-    AGREEMENT_TARGET,
-    Agreement,
-    CurvePoint,
-    ExportInfo,
-    Int8Options,
-    cpu_features,
-    export_form,
-    QuantizeTarget,
-    export_model,
-    fuse,
-    onnxruntime_available,
-    open_exported,
-    optimize,
-    qat_available,
-    qat_finetune,
-    quantize,
-    reduced_weight_range,
-)
+from cgavit.deploy import AGREEMENT_TARGET, Agreement, CurvePoint, ExportInfo, Int8Options, QuantizeTarget, cpu_features, export_model, fuse, open_exported, optimize, quantize
+from cgavit.deploy.fusion import export_form
+from cgavit.deploy.int8 import reduced_weight_range
+from cgavit.deploy.onnx import onnxruntime_available
+from cgavit.deploy.qat import qat_available, qat_finetune
 from cgavit.deploy import fastpath
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
 from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, search_float_layers
@@ -133,7 +119,7 @@ def test_search_finds_the_fewest_float_layers_in_few_builds():
 
 def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
     """Three layers quantised alone in the real runtime: rows sorted most sensitive first."""
-    from cgavit.deploy import OnnxInt8Builder, OnnxModule, export_onnx
+    from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, export_onnx
 
     src = export_onnx(trained_digits.model, tmp_path / "m.onnx", (48, 48), fold_residuals=False)
     with OnnxInt8Builder(src, trained_digits.calibration(64), Int8Options(reduce_range=True)) as builder:

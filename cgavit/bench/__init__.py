@@ -28,71 +28,26 @@ Example::
         print(r.name, r.median)
 """
 
-from .candidates import PEERS_TOP1, Candidate, Result, build_candidates, peer_model, time_candidates, timm_port, trace
-from .ceiling import CeilingRow, fp32_ceilings, format_ceilings
-from .precision import (
-    RUNTIMES,
-    CheckpointPrecision,
-    LabelledImages,
-    PrecisionRow,
-    checkpoint_precision,
-    inference_paths,
-    load_labelled,
-)
-from .report import (
-    BATCH_NOTE,
-    PRECISION_NOTE,
-    TABLE_NOTE,
-    environment,
-    format_auto,
-    format_auto_order,
-    format_precision_table,
-    format_table,
-    format_training,
-    plot,
-    precision_note,
-    write_report,
-)
-from .run import BenchConfig, BenchProtocol, BenchReport, measure_table, resolve_protocol, run_bench
-from .train_speed import TrainingRow, train_throughput
+from .candidates import Result, timm_port
+from .precision import CheckpointPrecision, LabelledImages, checkpoint_precision, load_labelled
+from .report import format_table, plot, write_report
+from .run import BenchConfig, BenchProtocol, BenchReport, measure_table, run_bench
+from .train_speed import train_throughput
 
 __all__ = [
-    "BATCH_NOTE",
     "BenchConfig",
     "BenchProtocol",
     "BenchReport",
-    "Candidate",
-    "CeilingRow",
     "CheckpointPrecision",
     "LabelledImages",
-    "PEERS_TOP1",
-    "PRECISION_NOTE",
-    "PrecisionRow",
-    "RUNTIMES",
     "Result",
-    "TABLE_NOTE",
-    "TrainingRow",
-    "build_candidates",
     "checkpoint_precision",
-    "environment",
-    "format_auto",
-    "format_auto_order",
-    "format_ceilings",
-    "format_precision_table",
     "format_table",
-    "format_training",
-    "fp32_ceilings",
-    "inference_paths",
     "load_labelled",
     "measure_table",
-    "peer_model",
     "plot",
-    "precision_note",
-    "resolve_protocol",
     "run_bench",
-    "time_candidates",
     "timm_port",
-    "trace",
     "train_throughput",
     "write_report",
 ]

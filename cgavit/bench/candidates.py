@@ -18,7 +18,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..deploy import fuse, optimize, runtime_path
+from ..deploy import fuse, optimize
+from ..deploy.formats import runtime_path
 from ..factory import create_model
 from ..testing import randomize_, rel_err
 from ..timing import iqr, round_robin

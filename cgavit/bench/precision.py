@@ -21,17 +21,9 @@ from typing import TypedDict
 import torch
 from torch import nn
 
-from ..deploy import (
-    Agreement,
-    PathChoice,
-    RuntimeModule,
-    batched_logits,
-    compare_logits,
-    cpu_features,
-    fuse,
-    optimize,
-    runtime_path,
-)
+from ..deploy import Agreement, PathChoice, RuntimeModule, compare_logits, cpu_features, fuse, optimize
+from ..deploy.agreement import batched_logits
+from ..deploy.formats import runtime_path
 from ..factory import ModelInfo, load_model
 from ..timing import round_robin
 from ..train.data import build_transform, list_split, load_image

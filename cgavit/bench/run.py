@@ -8,7 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..deploy import PathChoice, auto_candidates, backend_available, cpu_features, require_format
+from ..deploy import PathChoice, cpu_features
+from ..deploy.auto import auto_candidates
+from ..deploy.fastpath import backend_available
+from ..deploy.formats import require_format
 from ..factory import resolve_name
 from .candidates import PEERS_TOP1, Result, build_candidates, time_candidates
 from .ceiling import CeilingRow, fp32_ceilings

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench import (
-    BATCH_NOTE,
-    PEERS_TOP1,
-    RUNTIMES,
-    TABLE_NOTE,
-    BenchConfig,
-    BenchReport,
-    format_auto,
-    format_auto_order,
-    format_ceilings,
-    format_precision_table,
-    format_table,
-    format_training,
-    precision_note,
-    resolve_protocol,
-    run_bench,
-)
+from ..bench import BenchConfig, BenchReport, format_table, run_bench
+from ..bench.candidates import PEERS_TOP1
+from ..bench.ceiling import format_ceilings
+from ..bench.precision import RUNTIMES
+from ..bench.report import BATCH_NOTE, TABLE_NOTE, format_auto, format_auto_order, format_precision_table, format_training, precision_note
+from ..bench.run import resolve_protocol
 from .common import image_size
 
 

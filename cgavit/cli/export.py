@@ -9,7 +9,8 @@ from pathlib import Path
 from torch import nn
 
 from ..bench.precision import LabelledImages, load_labelled
-from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported, require_format
+from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported
+from ..deploy.formats import require_format
 from ..factory import ModelInfo, create_model, load_model
 from .common import add_dial_args, dials_from_args, image_size
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import LabelledImages, load_labelled
-from ..deploy import QUANT_RUNTIMES, QatConfig, QuantizeResult, QuantizeTarget, openvino_available, quantize, quantize_aware
+from ..deploy import QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
+from ..deploy.openvino import openvino_available
+from ..deploy.quantize import QUANT_RUNTIMES
 from ..deploy.fusion import output_path
 from ..factory import ModelInfo, load_model
 from ..io import write_json, write_text

@@ -29,64 +29,43 @@ from .agreement import (
     AGREEMENT_TARGET,
     QUANTIZE_ACCURACY_TOLERANCE,
     Agreement,
-    batched_logits,
     compare_logits,
 )
-from .auto import AUTO_RULES, RULE_EVIDENCE, auto_candidates, precision_warning
-from .cpu import CPU_CLASSES, CpuFeatures, cpu_features, parse_cpuinfo
-from .executorch import ExecutorchModule, executorch_available, export_executorch
-from .fastpath import BACKENDS, OFFERED, PRECISIONS, TOLERANCE, OptimizedModel, backend_available, choose_backend, optimize
+from .auto import AUTO_RULES
+from .cpu import CpuFeatures, cpu_features
+from .fastpath import BACKENDS, PRECISIONS, OptimizedModel, optimize
 from .formats import (
     EXPORT_TOLERANCE,
     FORMATS,
-    ExportFormat,
     ParityCheck,
     check_parity,
     export_model,
     load_exported,
     open_exported,
-    require_format,
-    runtime_path,
 )
-from .fusion import export_form, fuse
-from .int8 import CALIBRATION_METHODS, Int8Options, reduced_weight_range
+from .fusion import fuse
+from .int8 import Int8Options
 from .metadata import ExportInfo
-from .onnx import OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, quantize_onnx
-from .openvino import OpenVinoInt8Builder, OpenVinoModule, export_openvino, openvino_available
-from .qat import QatConfig, qat_available, qat_finetune, quantize_aware
-from .quantize import QUANT_RUNTIMES, QuantizeResult, QuantizeTarget, quantize
-from .runtime import FixedBatchModule, PathChoice, RuntimeModule
+from .qat import QatConfig, quantize_aware
+from .quantize import QuantizeResult, QuantizeTarget, quantize
+from .runtime import PathChoice, RuntimeModule
 from .sensitivity import CurvePoint, LayerSensitivity
-from .tflite import TfliteModule, export_tflite, tflite_available
 
 __all__ = [
     "ACCURACY_TOLERANCE",
     "AGREEMENT_TARGET",
     "AUTO_RULES",
     "BACKENDS",
-    "CALIBRATION_METHODS",
-    "CPU_CLASSES",
     "EXPORT_TOLERANCE",
     "FORMATS",
-    "OFFERED",
     "PRECISIONS",
     "QUANTIZE_ACCURACY_TOLERANCE",
-    "QUANT_RUNTIMES",
-    "RULE_EVIDENCE",
-    "TOLERANCE",
     "Agreement",
     "CpuFeatures",
     "CurvePoint",
-    "ExecutorchModule",
-    "ExportFormat",
     "ExportInfo",
-    "FixedBatchModule",
     "Int8Options",
     "LayerSensitivity",
-    "OnnxInt8Builder",
-    "OnnxModule",
-    "OpenVinoInt8Builder",
-    "OpenVinoModule",
     "OptimizedModel",
     "ParityCheck",
     "PathChoice",
@@ -94,36 +73,14 @@ __all__ = [
     "QuantizeResult",
     "QuantizeTarget",
     "RuntimeModule",
-    "TfliteModule",
-    "auto_candidates",
-    "backend_available",
-    "batched_logits",
     "check_parity",
-    "choose_backend",
     "compare_logits",
     "cpu_features",
-    "executorch_available",
-    "export_executorch",
-    "export_form",
     "export_model",
-    "export_onnx",
-    "export_openvino",
-    "export_tflite",
     "fuse",
     "load_exported",
-    "onnxruntime_available",
     "open_exported",
-    "openvino_available",
     "optimize",
-    "parse_cpuinfo",
-    "precision_warning",
-    "qat_available",
-    "qat_finetune",
     "quantize",
     "quantize_aware",
-    "quantize_onnx",
-    "reduced_weight_range",
-    "require_format",
-    "runtime_path",
-    "tflite_available",
 ]
