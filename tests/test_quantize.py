@@ -139,12 +139,13 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     out = tmp_path / "digits_int8"
     code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
                  "--runtime", "onnxruntime", "--output", str(out), "--calibration-images", "128", "--warmup", "0",
-                 "--repeats", "1", "--skip-sensitivity"])
+                 "--repeats", "1", "--skip-sensitivity", "--calibration", "minmax", "--weights", "uint8"])
     text = capsys.readouterr().out
     assert code == 0, text
     assert "wrote" in text and "meets the target" in text and "calibrating on 128 images" in text
     report = json.loads((tmp_path / "digits_int8.quantize.json").read_text())
     assert report["meets_target"] and report["calibration_images"] == 128 and report["evaluation_images"] == 360
+    assert report["calibration"] == "minmax" and report["weight_range"] == "8-bit unsigned"
     assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
     module, info = open_exported(tmp_path / "digits_int8.onnx")
     assert info.class_names == tuple(str(c) for c in range(10)) and info.mean == (0.3, 0.3, 0.3)

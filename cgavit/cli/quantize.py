@@ -14,10 +14,11 @@ from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import LabelledImages, load_labelled
-from ..deploy import QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
+from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
+from ..deploy.fusion import output_path
+from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, WEIGHT_TYPES
 from ..deploy.openvino import openvino_available
 from ..deploy.quantize import QUANT_RUNTIMES
-from ..deploy.fusion import output_path
 from ..factory import ModelInfo, load_model
 from ..io import write_json, write_text
 from .export import export_info
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
           f"{evaluated.source}; target: {target.describe()}")
-    result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels,
+    options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
+    result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
                       info=export_info(info, size), threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
@@ -115,7 +117,7 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
     print(f"--qat: fine-tuning {args.epochs} epoch(s) on {len(train.images)} images of {train.source}, "
-          "fake-quantised (NNCF), distilled from the fp32 model")
+          "fake-quantised (torch PT2E QAT), distilled from the fp32 model")
     qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
                          config=cfg, info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
@@ -197,10 +199,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluation split folder name (default val)")
+    p.add_argument("--calibration", choices=CALIBRATION_METHODS, default="percentile",
+                   help="how activation ranges are calibrated (default percentile: BENCHMARKS.md, int8 on AVX2)")
+    p.add_argument("--weights", choices=WEIGHT_TYPES, default="int8",
+                   help="ONNX Runtime weight type: int8 (7-bit on x86 without VNNI, where 8-bit saturates) or uint8 "
+                        "(U8U8 kernels: 8-bit that does not saturate, slower); default int8")
+    p.add_argument("--bias-correction", choices=BIAS_CORRECTIONS, default="full",
+                   help="OpenVINO (NNCF) bias correction (default full)")
     p.add_argument("--max-float-layers", type=int, help="keep at most N layers in float (default: no cap; 0: all int8)")
     p.add_argument("--skip-sensitivity", action="store_true",
                    help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
-    p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (NNCF), distilled from fp32")
+    p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (torch PT2E QAT, needs cgavit[qat]), distilled from fp32")
     p.add_argument("--epochs", type=int, default=2, help="--qat: epochs of fine-tuning (default 2)")
     p.add_argument("--qat-images", type=int, default=0, help="--qat: training images (default 0: all of DIR/train)")
     p.add_argument("--qat-lr", type=float, default=1e-5, help="--qat: learning rate (default 1e-5)")

@@ -26,7 +26,8 @@ AUTO_RULES: dict[str, tuple[tuple[str, str], ...]] = {
             ("fp32", "onnxruntime"), ("fp32", "openvino"), ("fp32", "torch")),
     "avx512_bf16": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
     "avx512": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
-    "avx2": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
+    "avx2": (("int8", "openvino"), ("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "openvino"),
+             ("fp32", "torch")),
     "other": (("fp32", "onnxruntime"), ("fp32", "torch")),
 }
 
@@ -37,8 +38,9 @@ RULE_EVIDENCE: dict[str, str] = {
            "Runtime 1.5x",
     "avx512_bf16": "not measured on this class: int8 (VNNI) then fp32, bf16 left out until measured",
     "avx512": "not measured on this class: int8 (VNNI) then fp32; no native bf16",
-    "avx2": "order measured on an AVX2-only AMD EPYC (BENCHMARKS.md, reduced precision): "
-            "int8 1.8-1.9x fp32 torch.compile, bf16 12x slower",
+    "avx2": "order measured on an AVX2-only AMD EPYC, M4 at 224 px, 7-bit int8 weights (BENCHMARKS.md, int8 on "
+            "AVX2): int8 OpenVINO 2.1x timm's traced port, int8 ONNX Runtime 1.9x, fp32 ONNX Runtime 1.5x, fp32 "
+            "OpenVINO 1.3x; bf16 12x slower than fp32",
     "other": "no measurement for this CPU: fp32 only",
 }
 

@@ -171,7 +171,7 @@ def _train(ao: SimpleNamespace, prepared: nn.Module, teacher: nn.Module, images:
             (loss * t * t).backward()
             opt.step()
             sched.step()
-            total += float(loss) * len(x)
+            total += float(loss.detach()) * len(x)
         log.info("qat: epoch %d/%d, distillation loss %.4g, %.0f s", epoch + 1, config.epochs, total / len(images),
                  time.perf_counter() - start)
 
