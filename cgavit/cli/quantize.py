@@ -103,14 +103,14 @@ def run(args: argparse.Namespace) -> int:
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
                       info=export_info(info, size), threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
-        result = qat_result(args, model, info, (calib, evaluated), target, runtime, result)
+        result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
     elif args.qat:
         print("--qat: post-training int8 already meets the target with every layer int8; no fine-tuning needed")
     return write_outputs(result, stem)
 
 
 def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
-               target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult) -> QuantizeResult:
+               target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
     """Fine-tune with fake quantisation on DIR/train, then judge it like the post-training builds; the faster
     result that meets the target (else the one that keeps more decisions)."""
     calib, evaluated = images
@@ -119,7 +119,8 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     print(f"--qat: fine-tuning {args.epochs} epoch(s) on {len(train.images)} images of {train.source}, "
           "fake-quantised (torch PT2E QAT), distilled from the fp32 model")
     qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
-                         config=cfg, info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
+                         config=cfg, options=options, max_float_layers=args.max_float_layers,
+                         info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
     print(f"post-training: {ptq.describe_point()}\nquantization-aware: {qat.describe_point()}")
     if qat.meets_target and (not ptq.meets_target or qat.point.speedup > ptq.point.speedup):

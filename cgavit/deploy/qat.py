@@ -189,6 +189,7 @@ def quantize_aware(
     options: Int8Options = Int8Options(),
     features: CpuFeatures | None = None,
     info: ExportInfo | None = None,
+    max_float_layers: int | None = None,
     **timing,
 ) -> QuantizeResult:
     """:func:`qat_finetune`, then :func:`~cgavit.deploy.quantize.quantize` of the fine-tuned weights,
@@ -198,7 +199,8 @@ def quantize_aware(
         model: the trained model.
         calibration: images the runtimes calibrate on (training images).
         train_images: images to fine-tune on (training images; may include the calibration ones).
-        evaluation, target, runtime, labels, options, features, info: as for :func:`quantize`.
+        evaluation, target, runtime, labels, options, features, info, max_float_layers: as for
+            :func:`quantize` (the search for float layers runs on the fine-tuned weights).
         config: the fine-tuning schedule.
         **timing: ``batch``, ``threads``, ``warmup``, ``repeats`` of :func:`quantize`.
 
@@ -213,7 +215,7 @@ def quantize_aware(
     opts = options.for_cpu(features)
     tuned = qat_finetune(model, train_images.float(), bool(opts.reduce_range), config)
     result = quantize(tuned, calibration, evaluation, target, runtime, labels=labels, options=opts, features=features,
-                      info=info, reference=model, sensitivity=False, **timing)
+                      info=info, reference=model, sensitivity=False, max_float_layers=max_float_layers, **timing)
     result.method = f"quantization-aware fine-tuning ({config.epochs} epoch(s), PT2E), then post-training"
     result.info = replace(result.info, int8={**result.info.int8, "method": result.method})
     return result

@@ -1,0 +1,95 @@
+"""int8 speed at the paper's CPU protocol with a float/int8 split: timm's port, fp32 and int8 runtimes, one run.
+
+Speed does not depend on the weights' values, so the variant (M4 by default) has random weights; the
+layers kept in float are the ones a trained reference needed (``cgavit quantize`` writes them in
+``NAME.quantize.json``, ``float_layers``; M0-M4 share their depths, so names carry over). Every path is
+timed round-robin by :func:`cgavit.timing.round_robin` in the same run (batch 16, 1 thread, 224 px) and
+reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2").
+
+Usage::
+
+    python benchmarks/int8_speed.py --float-layers c96.quantize.json c64.quantize.json [--model efficientvit_m4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+import cgavit
+from cgavit.bench import timm_port
+from cgavit.bench.candidates import trace
+from cgavit.deploy import Int8Options, cpu_features
+from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, export_onnx
+from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino
+from cgavit.testing import randomize_
+from cgavit.timing import round_robin
+
+
+def float_layers(reports: list[str]) -> list[str]:
+    """The union, in order, of the float layers of ``cgavit quantize`` reports."""
+    layers: dict[str, None] = {}
+    for path in reports:
+        layers.update(dict.fromkeys(json.loads(Path(path).read_text())["float_layers"]))
+    return list(layers)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--float-layers", nargs="*", default=[], metavar="REPORT",
+                   help="cgavit quantize reports (NAME.quantize.json) whose float layers to keep in float")
+    p.add_argument("--model", default="efficientvit_m4", help="variant (default efficientvit_m4)")
+    p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
+    p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    size = (args.img_size, args.img_size)
+    model = randomize_(cgavit.create_model(args.model, img_size=args.img_size), seed=0).eval()
+    x = torch.randn(16, 3, *size)
+    calibration = [torch.randn(16, 3, *size) for _ in range(4)]
+    opts = Int8Options().for_cpu(cpu_features())
+    keep = float_layers(args.float_layers)
+    tmp = Path(tempfile.mkdtemp())
+    paths = {
+        "timm traced port": trace(timm_port(model, args.model, size), x),
+        "fp32 ONNX Runtime": OnnxModule(export_onnx(model, tmp / "fp32.onnx", size), 1),
+        "fp32 OpenVINO": OpenVinoModule(convert_openvino(model, size), 1),
+    }
+    weights = "7-bit" if opts.reduce_range else "8-bit"
+    src = export_onnx(model, tmp / "src.onnx", size, fold_residuals=False)
+    with OnnxInt8Builder(src, calibration, opts) as builder:
+        missing = [layer for layer in keep if layer not in builder.layers]
+        if missing:
+            raise SystemExit(f"{args.model} has no layers {missing[:5]}: give reports of a variant of its depth")
+        stem = [layer for layer in builder.layers if layer.startswith("patch_embed.")]
+        paths[f"int8 ONNX Runtime {weights}, every layer int8"] = OnnxModule(builder.build([]), 1, "int8")
+        paths[f"int8 ONNX Runtime {weights}, the stem ({len(stem)} layers) float"] = OnnxModule(builder.build(stem), 1, "int8")
+        if keep:
+            paths[f"int8 ONNX Runtime {weights}, {len(keep)} layers float"] = OnnxModule(builder.build(keep), 1, "int8")
+    with OnnxInt8Builder(src, calibration, replace(opts, weights="uint8")) as builder:
+        paths["int8 ONNX Runtime U8U8, every layer int8"] = OnnxModule(builder.build([]), 1, "int8")
+    ov = OpenVinoInt8Builder(model, size, calibration, opts)
+    paths[f"int8 OpenVINO {weights}, every layer int8"] = OpenVinoModule(ov.build([]), 1, "int8")
+    ov_keep = [layer for layer in keep if layer in ov.layers]
+    if ov_keep:
+        paths[f"int8 OpenVINO {weights}, {len(ov_keep)} layers float"] = OpenVinoModule(ov.build(ov_keep), 1, "int8")
+    print(f"{args.model}, {size[0]} px, batch 16, 1 thread; {cpu_features().describe()}; "
+          f"load {open('/proc/loadavg').read().split()[:3]}\n")
+    with torch.no_grad():
+        times = round_robin({name: partial(m, x) for name, m in paths.items()}, 5, args.repeats)
+    port, ort = times["timm traced port"].median_rate(16), times["fp32 ONNX Runtime"].median_rate(16)
+    print("| path | img/s | x timm's port | x fp32 ONNX Runtime |\n|---|---:|---:|---:|")
+    for name, t in times.items():
+        rate = t.median_rate(16)
+        print(f"| {name} | {rate:.1f} | {rate / port:.2f} | {rate / ort:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
