@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tempfile
 from dataclasses import replace
 from functools import partial
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     args = p.parse_args()
+    logging.getLogger("nncf").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     size = (args.img_size, args.img_size)

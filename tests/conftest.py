@@ -37,18 +37,19 @@ def _seed():
 
 
 @contextlib.contextmanager
-def _sigterm_after(updates: int):
-    """Inside the block, this process receives a real SIGTERM right after its ``updates``-th optimiser
-    step (counted from the block's start), as if ``kill`` arrived then; the training engine's handler
-    runs at once (``signal.raise_signal``), so the run stops after exactly that update."""
+def _sigterm_after(updates: int, signum: int = signal.SIGTERM):
+    """Inside the block, this process receives a real SIGTERM (or ``signum``) right after its
+    ``updates``-th optimiser step (counted from the block's start), as if ``kill`` arrived then; the
+    training engine's handler runs at once (``signal.raise_signal``), so the run stops after exactly
+    that update."""
     count = 0
 
     def after_step(optimizer, args, kwargs) -> None:
         nonlocal count
         count += 1
         if count == updates:
-            assert callable(signal.getsignal(signal.SIGTERM)), "no SIGTERM handler: the engine must install one"
-            signal.raise_signal(signal.SIGTERM)
+            assert callable(signal.getsignal(signum)), f"no {signal.Signals(signum).name} handler in the engine"
+            signal.raise_signal(signum)
 
     handle = register_optimizer_step_post_hook(after_step)
     try:
@@ -59,7 +60,8 @@ def _sigterm_after(updates: int):
 
 @pytest.fixture
 def sigterm_after():
-    """``with sigterm_after(n): train(cfg)`` stops the run as SIGTERM does, after its n-th update."""
+    """``with sigterm_after(n): train(cfg)`` stops the run as SIGTERM does, after its n-th update
+    (``sigterm_after(n, signal.SIGHUP)``: another signal)."""
     return _sigterm_after
 
 

@@ -238,6 +238,10 @@ def _edited(files: dict, edit) -> dict:
     "edit, names",
     [
         (lambda d: d["images"][0].update(file_name=5), ["image 1", "'file_name'"]),
+        # a file name out of the image folder made the loader read any image on the machine
+        (lambda d: d["images"][0].update(file_name="/etc/passwd"), ["image 1", "'file_name'", "inside the image folder"]),
+        (lambda d: d["images"][0].update(file_name="../other/x.png"), ["image 1", "no '..'"]),
+        (lambda d: d["images"][0].update(file_name="a\\..\\..\\x.png"), ["image 1", "no '..'"]),
         (lambda d: d["images"][0].update(width="96"), ["image 1", "'width'", "'96'"]),
         (lambda d: d["images"][0].update(height=-3), ["image 1", "'height'", "-3"]),
         (lambda d: d["images"][0].update(width=0), ["image 1", "'width'"]),

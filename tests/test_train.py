@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,19 @@ def data(tmp_path_factory) -> Path:
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+def test_a_closed_terminal_saves_the_run(data, tmp_path, sigterm_after):
+    """SIGHUP (the terminal the run was started from closed) stops it like SIGTERM: last.pt is saved
+    at the update reached, and the run resumes from there; before, the default action killed it."""
+    out = tmp_path / "hup"
+    with sigterm_after(2, signal.SIGHUP):
+        result = train(tiny(data=str(data), epochs=2, output=str(out)))
+    assert result.interrupted
+    ck = ckpt_io.load(out / "last.pt")
+    assert (ck["next_epoch"], ck["next_step"]) == (0, 2)
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handler is gone after the run
 
 
 def test_resume_equals_uninterrupted(data, tmp_path, sigterm_after):

@@ -14,7 +14,7 @@ import logging
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
 from ..io import DataError, UnreadableFileError, check_readable_file
@@ -174,6 +174,9 @@ def _image_problem(img: Any, require_sizes: bool) -> str | None:
     name = img.get("file_name")
     if not (isinstance(name, str) and name and "\0" not in name and len(name) <= 4096):
         return f"'file_name' must be a file name (text), got {shown(name)}"
+    parts = PurePosixPath(name.replace("\\", "/"))
+    if parts.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in parts.parts:
+        return f"'file_name' must be a path inside the image folder (no leading '/', no '..'), got {shown(name)}"
     if "width" in img or "height" in img or require_sizes:
         if "width" not in img or "height" not in img:
             return "needs both 'width' and 'height' (masks are checked and scored against them)"

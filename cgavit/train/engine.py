@@ -578,7 +578,7 @@ def _tidy_run_folder(output: Path, resuming: bool) -> None:
 
 
 class _Stopper:
-    """SIGTERM / SIGINT set a flag the loop checks after every update (then it saves and exits)."""
+    """SIGTERM / SIGINT / SIGHUP set a flag the loop checks after every update (then it saves and exits)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -587,8 +587,10 @@ class _Stopper:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
+        # SIGHUP: the terminal the run was started from closed (where the platform has it)
+        for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:
