@@ -139,3 +139,15 @@ def test_precision_check_needs_checkpoint_and_data(capsys):
         resolve_protocol(BenchConfig(runtimes=("tensorrt",)))
     with pytest.raises(ValueError, match="--precision-check"):
         resolve_protocol(BenchConfig(checkpoint="x.pt", data="d"))
+
+
+def test_bench_out_on_a_read_only_file_system_is_one_line_before_measuring(mount_tmpfs, capsys):
+    """`--out` on a read-only file system ended, after the whole measurement, in an OSError traceback."""
+    ro = mount_tmpfs(read_only=True)
+    out = ro / "bench"
+    assert main(["bench", "--models", "m0", "--peers", "none", "--warmup", "0", "--repeats", "1", "--img-size", "64",
+                 "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and f"{out}: the file system is read-only" in err[0], captured.err
+    assert "img/s" not in captured.out  # refused before anything was timed

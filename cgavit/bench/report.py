@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, PathChoice
-from ..io import atomic_write, write_json
+from ..io import atomic_write, make_folder, write_json
 from .candidates import Result
 from .optional import matplotlib_agg, timm_version
 from .precision import PrecisionRow
@@ -158,8 +158,7 @@ def plot(results: list[Result], path: str | Path, title: str) -> Path:
 
 def write_report(out: str | Path, record: dict, results: list[Result], title: str) -> list[Path]:
     """Write ``bench.json`` (``record``), ``bench.csv`` and the plot into folder ``out``; returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(out, "bench output folder")
     return [
         write_csv(results, out / "bench.csv"),
         write_json(out / "bench.json", record),

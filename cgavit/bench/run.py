@@ -13,6 +13,7 @@ from ..deploy.auto import auto_candidates
 from ..deploy.fastpath import backend_available
 from ..deploy.formats import require_format
 from ..factory import resolve_name
+from ..io import make_folder
 from .candidates import PEERS_TOP1, Result, build_candidates, time_candidates
 from .ceiling import CeilingRow, fp32_ceilings
 from .precision import RUNTIME_FORMATS, RUNTIMES, PrecisionRow, checkpoint_precision
@@ -246,6 +247,8 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
         The measurements; ``report.record()`` is what bench.json holds.
     """
     protocol = resolve_protocol(cfg)
+    if cfg.out is not None and not cfg.skip_table:
+        make_folder(cfg.out, "bench output folder")  # checked before minutes of measuring
     torch.set_num_threads(protocol.threads)
     torch.manual_seed(0)
     # drawn first even with skip_table, so the later random draws (the precision check's models) stay as before
