@@ -31,9 +31,10 @@ not render, says how the test runs it small. A page-wide one (``doctest-page``) 
 prints (``...`` matches anything): ``print(shapes)  # [(1, 128, 21, 32), ...]``. The README's variant
 table is checked against the models.
 
-**Links.** Every relative link and image in README.md, BENCHMARKS.md and docs/*.md must name a file
-of the repository, and every ``#anchor`` a heading of that page (GitHub's slugs). Every path that
-docs/ARCHITECTURE.md names in backticks must exist.
+**Links and names.** Every relative link and image in README.md, BENCHMARKS.md and docs/*.md must name
+a file of the repository, and every ``#anchor`` a heading of that page (GitHub's slugs). Every
+```cgavit.name``` written in backticks must exist (importable, or an attribute of what is), every path
+that docs/ARCHITECTURE.md names in backticks must exist, and the README lists every command.
 
 **Speed.** A ``cgavit`` process spends 5-8 s importing on this machine, so the pages keep their
 commands few and small; sizes shrink only through the visible directives.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import importlib
 import io
 import json
 import os
@@ -65,6 +67,7 @@ import torch
 from PIL import Image
 
 import cgavit
+from cgavit.cli import build_parser
 from cgavit.model import to_timm_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -496,3 +499,34 @@ def test_architecture_names_only_paths_that_exist():
     missing = [n for n in sorted(names) if not ((REPO / "cgavit" / n).exists() or (REPO / n).exists()
                                                  or any((REPO / "cgavit").rglob(n.rstrip("/"))))]
     assert names and not missing, f"docs/ARCHITECTURE.md names {missing}, which are not in the tree"
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``cgavit.a.b`` is a module, or an attribute of the longest importable prefix."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        for name in parts[n:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES)
+def test_cgavit_names_in_backticks_exist(page):
+    text = (REPO / page).read_text()
+    names = set(re.findall(r"`(cgavit(?:\.[A-Za-z_]\w*)+)", text))
+    missing = sorted(n for n in names if not resolves(n))
+    assert not missing, f"{page} names {missing}, which cgavit does not have"
+
+
+def test_readme_lists_every_command():
+    commands = re.findall(r"^ {4}(\w+) ", build_parser().format_help(), re.M)
+    listed = re.search(r"`cgavit --help` lists the commands \(([^)]*)\)", (REPO / "README.md").read_text(), re.S)
+    assert commands and listed, "the README's command list or cgavit --help's has moved"
+    assert sorted(re.findall(r"`(\w+)`", listed.group(1))) == sorted(commands)
