@@ -43,7 +43,7 @@ from .formats import (
     load_exported,
     open_exported,
 )
-from .fusion import fuse
+from .fusion import export_form, fuse
 from .int8 import Int8Options
 from .metadata import ExportInfo
 from .qat import QatConfig, quantize_aware
@@ -76,6 +76,7 @@ __all__ = [
     "check_parity",
     "compare_logits",
     "cpu_features",
+    "export_form",
     "export_model",
     "fuse",
     "load_exported",
