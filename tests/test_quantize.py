@@ -135,7 +135,8 @@ def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
     assert all(0 <= r.agreement <= 1 and r.rel_err > 0 and r.n == 64 for r in rows)
 
 
-def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsys):
+def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(quantize_cli, "NO_GAIN", 1e9)  # any speed-up counts as none: the note must be printed
     out = tmp_path / "digits_int8"
     code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
                  "--runtime", "onnxruntime", "--output", str(out), "--calibration-images", "128", "--warmup", "0",
@@ -146,6 +147,7 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     report = json.loads((tmp_path / "digits_int8.quantize.json").read_text())
     assert report["meets_target"] and report["calibration_images"] == 128 and report["evaluation_images"] == 360
     assert report["calibration"] == "minmax" and report["weight_range"] == "8-bit unsigned"
+    assert "note: it keeps the decisions but runs at" in text and "the fp32 file (cgavit export) is as fast" in text
     assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
     module, info = open_exported(tmp_path / "digits_int8.onnx")
     assert info.class_names == tuple(str(c) for c in range(10)) and info.mean == (0.3, 0.3, 0.3)

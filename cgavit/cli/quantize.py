@@ -25,6 +25,9 @@ from .export import export_info
 
 log = logging.getLogger(__name__)
 
+#: Below this speed-up over fp32 ONNX Runtime the command says that int8 gains nothing here.
+NO_GAIN = 1.1
+
 #: The runtime each output suffix implies.
 SUFFIX_RUNTIMES = {".onnx": "onnxruntime", ".xml": "openvino"}
 
@@ -147,6 +150,10 @@ def write_outputs(result: QuantizeResult, stem: Path) -> int:
     out = result.save(stem)
     print(f"wrote {out}: {result.describe_point()}\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
           f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
+    if result.point.speedup < NO_GAIN:
+        print(f"note: it keeps the decisions but runs at {result.point.speedup:.2f}x fp32 ONNX Runtime here "
+              f"({len(result.float_layers)} layers had to stay in float): on this CPU the fp32 file "
+              "(cgavit export) is as fast; timings at this model size are noisy, check with cgavit bench")
     return 0
 
 
