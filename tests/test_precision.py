@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.deploy import AGREEMENT_TARGET, AUTO_RULES, CpuFeatures, compare_logits, cpu_features, fuse, optimize
+from cgavit.deploy import (
+    AGREEMENT_TARGET,
+    AUTO_RULES,
+    CpuFeatures,
+    compare_logits,
+    cpu_features,
+    fuse,
+    optimize,
+)
 from cgavit.deploy.agreement import batched_logits
 from cgavit.deploy.auto import RULE_EVIDENCE, auto_candidates, precision_warning
 from cgavit.deploy.cpu import CPU_CLASSES, parse_cpuinfo

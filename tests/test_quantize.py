@@ -13,7 +13,20 @@ import torch
 from cgavit import save_weights
 from cgavit.cli import main
 from cgavit.cli import quantize as quantize_cli
-from cgavit.deploy import AGREEMENT_TARGET, Agreement, CurvePoint, ExportInfo, Int8Options, QuantizeTarget, cpu_features, export_model, fuse, open_exported, optimize, quantize
+from cgavit.deploy import (
+    AGREEMENT_TARGET,
+    Agreement,
+    CurvePoint,
+    ExportInfo,
+    Int8Options,
+    QuantizeTarget,
+    cpu_features,
+    export_model,
+    fuse,
+    open_exported,
+    optimize,
+    quantize,
+)
 from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available

@@ -8,7 +8,15 @@ from ..bench import BenchConfig, BenchReport, format_table, run_bench
 from ..bench.candidates import PEERS_TOP1
 from ..bench.ceiling import format_ceilings
 from ..bench.precision import RUNTIMES
-from ..bench.report import BATCH_NOTE, TABLE_NOTE, format_auto, format_auto_order, format_precision_table, format_training, precision_note
+from ..bench.report import (
+    BATCH_NOTE,
+    TABLE_NOTE,
+    format_auto,
+    format_auto_order,
+    format_precision_table,
+    format_training,
+    precision_note,
+)
 from ..bench.run import resolve_protocol
 from .common import image_size
 
