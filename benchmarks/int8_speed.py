@@ -33,18 +33,20 @@ from cgavit.testing import randomize_
 from cgavit.timing import round_robin
 
 
-def float_layers(reports: list[str]) -> list[str]:
-    """The union, in order, of the float layers of ``cgavit quantize`` reports."""
-    layers: dict[str, None] = {}
+def float_layers(reports: list[str]) -> dict[str, list[str]]:
+    """Per runtime, the union (in order) of the float layers of the ``cgavit quantize`` reports made for it."""
+    layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}}
     for path in reports:
-        layers.update(dict.fromkeys(json.loads(Path(path).read_text())["float_layers"]))
-    return list(layers)
+        record = json.loads(Path(path).read_text())
+        layers[record["runtime"]].update(dict.fromkeys(record["float_layers"]))
+    return {runtime: list(names) for runtime, names in layers.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--float-layers", nargs="*", default=[], metavar="REPORT",
-                   help="cgavit quantize reports (NAME.quantize.json) whose float layers to keep in float")
+                   help="cgavit quantize reports (NAME.quantize.json): each one's float layers stay float in "
+                        "its runtime's int8 build (the union, when several are given for one runtime)")
     p.add_argument("--model", default="efficientvit_m4", help="variant (default efficientvit_m4)")
     p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
@@ -67,21 +69,25 @@ def main() -> None:
     weights = "7-bit" if opts.reduce_range else "8-bit"
     src = export_onnx(model, tmp / "src.onnx", size, fold_residuals=False)
     with OnnxInt8Builder(src, calibration, opts) as builder:
-        missing = [layer for layer in keep if layer not in builder.layers]
+        missing = [layer for layer in keep["onnxruntime"] if layer not in builder.layers]
         if missing:
             raise SystemExit(f"{args.model} has no layers {missing[:5]}: give reports of a variant of its depth")
         stem = [layer for layer in builder.layers if layer.startswith("patch_embed.")]
         paths[f"int8 ONNX Runtime {weights}, every layer int8"] = OnnxModule(builder.build([]), 1, "int8")
         paths[f"int8 ONNX Runtime {weights}, the stem ({len(stem)} layers) float"] = OnnxModule(builder.build(stem), 1, "int8")
-        if keep:
-            paths[f"int8 ONNX Runtime {weights}, {len(keep)} layers float"] = OnnxModule(builder.build(keep), 1, "int8")
+        if keep["onnxruntime"]:
+            paths[f"int8 ONNX Runtime {weights}, {len(keep['onnxruntime'])} layers float"] = OnnxModule(
+                builder.build(keep["onnxruntime"]), 1, "int8")
     with OnnxInt8Builder(src, calibration, replace(opts, weights="uint8")) as builder:
         paths["int8 ONNX Runtime U8U8, every layer int8"] = OnnxModule(builder.build([]), 1, "int8")
     ov = OpenVinoInt8Builder(model, size, calibration, opts)
+    missing = [layer for layer in keep["openvino"] if layer not in ov.layers]
+    if missing:
+        raise SystemExit(f"{args.model} has no OpenVINO layers {missing[:5]}: give reports of a variant of its depth")
     paths[f"int8 OpenVINO {weights}, every layer int8"] = OpenVinoModule(ov.build([]), 1, "int8")
-    ov_keep = [layer for layer in keep if layer in ov.layers]
-    if ov_keep:
-        paths[f"int8 OpenVINO {weights}, {len(ov_keep)} layers float"] = OpenVinoModule(ov.build(ov_keep), 1, "int8")
+    if keep["openvino"]:
+        paths[f"int8 OpenVINO {weights}, {len(keep['openvino'])} layers float"] = OpenVinoModule(
+            ov.build(keep["openvino"]), 1, "int8")
     print(f"{args.model}, {size[0]} px, batch 16, 1 thread; {cpu_features().describe()}; "
           f"load {open('/proc/loadavg').read().split()[:3]}\n")
     with torch.no_grad():
