@@ -168,6 +168,7 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
     plt = mpl.pyplot
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for runtime, points in result.curves.items():
+        points = sorted(points, key=lambda p: len(p.float_layers))  # the search builds out of order
         xs, ys = [p.speedup for p in points], [100 * p.agreement.top1_agreement for p in points]
         ax.plot(xs, ys, "o-", label=runtime)
         for p, x, y in zip(points, xs, ys):
