@@ -27,12 +27,12 @@ from cgavit.deploy import (
     optimize,
     quantize,
 )
-from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
-from cgavit.deploy.qat import qat_available, qat_finetune
+from cgavit.deploy.qat import QatConfig, qat_available, qat_finetune, qat_onnx
 from cgavit.deploy import fastpath
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
+from cgavit.deploy.quantize import assess
 from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, search_float_layers
 from cgavit.testing import rel_err
 from cgavit.weights import WeightsMeta
@@ -40,6 +40,12 @@ from test_precision import EPYC_AVX2, XEON_AMX, features, scrambled
 
 pytestmark = pytest.mark.skipif(not onnxruntime_available(), reason="quantize needs pip install 'cgavit[deploy]'")
 QUICK = dict(runtime="onnxruntime", warmup=0, repeats=1, sensitivity=False)
+QUICK_ASSESS = dict(runtime="onnxruntime", warmup=0, repeats=1)
+
+
+def conv_names(digits) -> list[str]:
+    """The digits model's convolutions (qualified names in its fused form)."""
+    return [n for n, m in fuse(digits.model).named_modules() if isinstance(m, torch.nn.Conv2d)]
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +262,27 @@ def test_export_metadata_round_trip_and_its_checks(trained_digits, tmp_path):
 
 
 @pytest.mark.skipif(not qat_available(), reason="QAT needs pip install 'cgavit[qat]' (torchao)")
-def test_qat_finetunes_with_fake_quantisation_and_still_decides_like_fp32(trained_digits):
+def test_qat_file_keeps_the_learnt_ranges_and_decides_like_fp32(trained_digits, scrambled_int8):
+    onnx = pytest.importorskip("onnx")
+    from onnx import numpy_helper
+
     calib = torch.cat(trained_digits.calibration(128))
-    tuned = qat_finetune(trained_digits.model, calib, reduce_range=True)
-    before = export_form(trained_digits.model, (48, 48), fold_residuals=False).state_dict()
-    assert tuned.state_dict().keys() == before.keys()
-    assert any(not torch.equal(p, before[n]) for n, p in tuned.state_dict().items())  # the weights moved
-    r = quantize(tuned, calib, trained_digits.images, labels=trained_digits.labels, reference=trained_digits.model,
-                 **QUICK)
-    assert r.meets_target, r.describe_point()  # judged against the original fp32 model
+    graph = qat_finetune(trained_digits.model, calib, reduce_range=True, config=QatConfig(epochs=1),
+                         float_layers=["patch_embed.conv1"])
+    data = qat_onnx(graph, calib[:2])
+    proto = onnx.load_from_string(data)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("Conv") == len(conv_names(trained_digits)) and "QuantizeLinear" in ops
+    # every conv but the float one reads int8 weights, 7-bit as asked; the learnt scales are in the file
+    int8 = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer
+            if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 4}  # weights, not their zero points
+    assert len(int8) == ops.count("Conv") - 1 and max(int(abs(w).max()) for w in int8.values()) <= 63
+    r = assess(trained_digits.model, data, calib, trained_digits.images, labels=trained_digits.labels,
+               options=Int8Options(float_layers=("patch_embed.conv1",)), method="qat", **QUICK_ASSESS)
+    assert r.meets_target, r.describe_point()  # judged against the original fp32 model, in ONNX Runtime
+    assert r.float_layers == ("patch_embed.conv1",) and r.info.int8["method"] == "qat"
+    # the same file made from the scrambled model misses against the original
+    scrambled_model, _ = scrambled_int8
+    bad = qat_onnx(qat_finetune(scrambled_model, calib, reduce_range=True, config=QatConfig(epochs=0)), calib[:2])
+    miss = assess(trained_digits.model, bad, calib, trained_digits.images, labels=trained_digits.labels, **QUICK_ASSESS)
+    assert not miss.meets_target

@@ -18,7 +18,7 @@ from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, qua
 from ..deploy.fusion import output_path
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, WEIGHT_TYPES
 from ..deploy.openvino import openvino_available
-from ..deploy.quantize import QUANT_RUNTIMES
+from ..deploy.quantize import QUANT_RUNTIMES, float_reasons
 from ..factory import ModelInfo, load_model
 from ..io import write_json, write_text
 from .export import export_info
@@ -92,10 +92,11 @@ def _few(names: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     target = checked_target(args)
     stem, runtime = output_stem(args)
-    if min(args.calibration_images, args.epochs, args.repeats, args.threads) < 1 or args.eval_images < 0 \
+    if min(args.calibration_images, args.epochs, args.repeats, args.threads) < 1 \
+            or min(args.eval_images, args.qat_float_layers) < 0 \
             or (args.max_float_layers is not None and args.max_float_layers < 0):
-        raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images "
-                         "and --max-float-layers at least 0")
+        raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images, "
+                         "--qat-float-layers and --max-float-layers at least 0")
     model, info = load_model(args.checkpoint)
     calib, evaluated = load_images(args, info, model.num_classes)
     size = (info.img_size, info.img_size)
@@ -114,17 +115,21 @@ def run(args: argparse.Namespace) -> int:
 
 def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
                target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
-    """Fine-tune with fake quantisation on DIR/train, then judge it like the post-training builds; the faster
-    result that meets the target (else the one that keeps more decisions)."""
+    """Fine-tune with fake quantisation on DIR/train (the ``--qat-float-layers`` most sensitive layers of the
+    post-training search in float), write the int8 file with the learnt ranges and judge it like the
+    post-training builds; the faster result that meets the target (else the one that keeps more decisions)."""
     calib, evaluated = images
     train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
+    keep = [s.layer for s in ptq.sensitivity[:args.qat_float_layers]]
     print(f"--qat: fine-tuning {args.epochs} epoch(s) on {len(train.images)} images of {train.source}, "
-          "fake-quantised (torch PT2E QAT), distilled from the fp32 model")
+          "fake-quantised (torch PT2E QAT), distilled from the fp32 model; "
+          + (f"float: {', '.join(keep)} (the most sensitive)" if keep else "every layer int8"))
     qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
-                         config=cfg, options=options, max_float_layers=args.max_float_layers,
+                         config=cfg, options=options, float_layers=keep,
                          info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
+    qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ptq.sensitivity, keep)  # why they stayed float
     print(f"post-training: {ptq.describe_point()}\nquantization-aware: {qat.describe_point()}")
     if qat.meets_target and (not ptq.meets_target or qat.point.speedup > ptq.point.speedup):
         return qat
@@ -223,6 +228,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--qat-images", type=int, default=0, help="--qat: training images (default 0: all of DIR/train)")
     p.add_argument("--qat-lr", type=float, default=1e-5, help="--qat: learning rate (default 1e-5)")
     p.add_argument("--qat-batch", type=int, default=64, help="--qat: batch size (default 64)")
+    p.add_argument("--qat-float-layers", type=int, default=1, metavar="K",
+                   help="--qat: keep the K most sensitive layers of the post-training search in float (default 1; "
+                        "0: every layer int8)")
     p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per build (default 3)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per build (default 10)")

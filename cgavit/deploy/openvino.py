@@ -62,6 +62,12 @@ def convert_openvino(model: nn.Module, img_size: tuple[int, int], fold_residuals
         return ov.convert_model(fused, example_input=x, input=[(-1, x.shape[1], *img_size)])
 
 
+def openvino_from_onnx(path: str | os.PathLike):
+    """An ONNX file (fp32, or int8 with ``QuantizeLinear``/``DequantizeLinear``, which OpenVINO runs in
+    int8) as an ``openvino.Model``."""
+    return _openvino().convert_model(str(path))
+
+
 class OpenVinoInt8Builder:
     """int8 versions of one model for OpenVINO (NNCF), with any of its layers kept in float.
 

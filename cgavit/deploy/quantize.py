@@ -35,7 +35,7 @@ from .fusion import fuse, output_path
 from .int8 import Int8Options, weight_range_label
 from .metadata import ExportInfo, int8_info
 from .onnx import OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, with_onnx_metadata
-from .openvino import OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, save_openvino
+from .openvino import OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, openvino_from_onnx, save_openvino
 from .runtime import RuntimeModule, pad_batch
 from .sensitivity import CurvePoint, LayerSensitivity, fewest_meeting, layer_sensitivity, padded_logits, search_float_layers
 
@@ -175,7 +175,7 @@ class QuantizeResult:
                              f"{acc} | {p.img_s:.0f} | {p.speedup:.2f} | {'meets' if p.meets else 'misses'} |")
         lines += ["", f"fp32 ONNX Runtime: {self.fp32_img_s:.0f} img/s (same round-robin timing).", "",
                   "Kept in float by design: the attention core (score and PV matmuls, softmax) and the residual adds."]
-        lines += [f"Kept in float by the search: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
+        lines += [f"Kept in float: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
             ["No convolution kept in float."]
         if self.sensitivity:
             lines += ["", f"Sensitivity (each layer int8 alone, the {min(top, len(self.sensitivity))} most sensitive "
@@ -248,13 +248,67 @@ def quantize(
     search = _Search(fuse(model), fuse(reference if reference is not None else model), cal, ev, labels, target, size,
                      (batch, threads, warmup, repeats))
     with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp:
-        search.start(Path(tmp), opts)
+        search.start(Path(tmp))
         try:
             for name in runtimes:
                 search.run(name, model, opts, sensitivity, max_float_layers)
         finally:
-            search.onnx.close()
+            search.close()
     return search.result(features, opts, info or ExportInfo(img_size=size))
+
+
+def assess(
+    reference: nn.Module,
+    onnx_int8: bytes,
+    calibration: torch.Tensor,
+    evaluation: torch.Tensor,
+    target: QuantizeTarget = QuantizeTarget(),
+    runtime: str | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    options: Int8Options = Int8Options(),
+    features: CpuFeatures | None = None,
+    info: ExportInfo | None = None,
+    method: str = "post-training",
+    batch: int = 16,
+    threads: int = 1,
+    warmup: int = 3,
+    repeats: int = 10,
+) -> QuantizeResult:
+    """An int8 ONNX file made elsewhere (quantisation-aware fine-tuning writes one) judged like
+    :func:`quantize`'s builds: in ONNX Runtime and in OpenVINO (which reads the same file), against
+    the fp32 ``reference`` on ``evaluation``, each timed beside fp32 ONNX Runtime; the faster that
+    meets ``target`` is the result (else the one that keeps the most decisions).
+
+    Args:
+        reference: the fp32 model.
+        onnx_int8: the int8 file's bytes (QDQ: ``QuantizeLinear``/``DequantizeLinear`` around its int8 operators).
+        calibration: the images its ranges came from (their number goes in the report).
+        method: how the file was made (for the report and the file's metadata).
+        evaluation, target, runtime, labels, options, features, info, batch, threads, warmup, repeats: as for
+            :func:`quantize` (``options.float_layers``: the layers the file keeps in float).
+
+    Raises:
+        ValueError: as :func:`quantize`.
+    """
+    runtimes = _runtimes(runtime)
+    cal, ev = _checked_images(calibration, evaluation, labels)
+    features = features or cpu_features()
+    opts = options.for_cpu(features)
+    size = tuple(ev.shape[2:])
+    fused = fuse(reference)
+    search = _Search(fused, fused, cal, ev, labels, target, size, (batch, threads, warmup, repeats))
+    with tempfile.TemporaryDirectory(prefix="cgavit-assess-") as tmp:
+        search.start(Path(tmp))
+        path = Path(tmp) / "int8.onnx"
+        path.write_bytes(onnx_int8)
+        for name in runtimes:
+            artifact = onnx_int8 if name == "onnxruntime" else openvino_from_onnx(path)
+            search.curves[name] = [search.judge(name, _Made(artifact), tuple(opts.float_layers))]
+    result = search.result(features, opts, info or ExportInfo(img_size=size))
+    result.method = method
+    result.info = replace(result.info, int8={**result.info.int8, "method": method})
+    return result
 
 
 def _runtimes(runtime: str | None) -> list[str]:
@@ -296,6 +350,16 @@ class _Build:
     artifact: object
 
 
+class _Made:
+    """A builder of one int8 file made elsewhere (:func:`assess`): its float layers are fixed."""
+
+    def __init__(self, artifact: object) -> None:
+        self.artifact = artifact
+
+    def build(self, float_layers: tuple[str, ...]) -> object:
+        return self.artifact
+
+
 @dataclass
 class _Search:
     """The state of one :func:`quantize` call: the images, the fp32 reference, every build measured."""
@@ -312,19 +376,30 @@ class _Search:
     curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
     sensitivity: list[LayerSensitivity] = field(default_factory=list)
 
-    def start(self, tmp: Path, opts: Int8Options) -> None:
-        """The fp32 reference logits, fp32 ONNX Runtime for timing, and ONNX Runtime's int8 builder."""
+    def start(self, tmp: Path) -> None:
+        """The fp32 reference logits and fp32 ONNX Runtime for timing."""
+        self.tmp, self.onnx = tmp, None
         self.reference = padded_logits(self.fp32_model, self.evaluation)
         batch, threads = self.timing[:2]
         self.example = pad_batch(self.evaluation[:batch], batch)
         self.fp32 = OnnxModule(export_onnx(self.fp32_model, tmp / "fp32.onnx", self.size), threads)
-        export_onnx(self.fused, tmp / "int8-source.onnx", self.size, fold_residuals=False)
-        self.onnx = OnnxInt8Builder(tmp / "int8-source.onnx", [self.calibration], opts)
+
+    def onnx_builder(self, opts: Int8Options) -> OnnxInt8Builder:
+        """ONNX Runtime's int8 builder (made, and calibrated, on first use)."""
+        if self.onnx is None:
+            export_onnx(self.fused, self.tmp / "int8-source.onnx", self.size, fold_residuals=False)
+            self.onnx = OnnxInt8Builder(self.tmp / "int8-source.onnx", [self.calibration], opts)
+        return self.onnx
+
+    def close(self) -> None:
+        if self.onnx is not None:
+            self.onnx.close()
 
     def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None) -> None:
         """Search ``runtime``'s builds: every layer int8, then up to ``most`` layers kept in float as needed."""
+        onnx = self.onnx_builder(opts)
         if runtime == "onnxruntime":
-            builder, layers = self.onnx, list(self.onnx.layers)
+            builder, layers = onnx, list(onnx.layers)
         else:
             builder = OpenVinoInt8Builder(model, self.size, [self.calibration], opts)
             layers = list(builder.layers)
@@ -385,17 +460,21 @@ class _Search:
         )
 
     def reasons(self, float_layers: tuple[str, ...]) -> dict[str, str]:
-        """Why each float layer is float: its rank and cost in the sensitivity table."""
-        rank = {s.layer: (i + 1, s) for i, s in enumerate(self.sensitivity)}
-        out = {}
-        for layer in float_layers:
-            if layer not in rank:
-                out[layer] = "kept in float by the search (no sensitivity measured for it)"
-                continue
-            i, s = rank[layer]
-            out[layer] = (f"sensitivity rank {i} of {len(rank)}: int8 alone it changes {s.changed} of {s.n} "
-                          f"decisions (relative logit error {s.rel_err:.1e})")
-        return out
+        return float_reasons(self.sensitivity, float_layers)
+
+
+def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[str]) -> dict[str, str]:
+    """Why each float layer is float: its rank and cost in the ``sensitivity`` table (most sensitive first)."""
+    rank = {s.layer: (i + 1, s) for i, s in enumerate(sensitivity)}
+    out = {}
+    for layer in float_layers:
+        if layer not in rank:
+            out[layer] = "kept in float as asked (no sensitivity measured for it)"
+            continue
+        i, s = rank[layer]
+        out[layer] = (f"sensitivity rank {i} of {len(rank)}: int8 alone it changes {s.changed} of {s.n} "
+                      f"decisions (relative logit error {s.rel_err:.1e})")
+    return out
 
 
 def _point_record(p: CurvePoint) -> dict:
