@@ -27,7 +27,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import Int8Options, compare_logits, fuse
-from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx
+from cgavit.deploy.onnx import QUANTIZED_OPS, OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino
 from cgavit.deploy.runtime import pad_batch
 from cgavit.deploy.sensitivity import padded_logits
@@ -109,7 +109,9 @@ def main() -> None:
         bench.onnxruntime("U8S8 8-bit weights, min-max (before this work)")
         bench.onnxruntime("U8S8 7-bit weights (reduce_range), min-max", reduce_range=True)
         bench.onnxruntime("U8U8 8-bit weights, min-max", weight_type=QuantType.QUInt8)
-        bench.onnxruntime("7-bit, percentile 99.999 (default)", reduce_range=True, calibrate_method=CM.Percentile)
+        bench.onnxruntime("7-bit, percentile 99.999, convolutions only", reduce_range=True, calibrate_method=CM.Percentile)
+        bench.onnxruntime("7-bit, percentile 99.999, each ReLU quantised with its convolution (default)", reduce_range=True,
+                          calibrate_method=CM.Percentile, op_types_to_quantize=list(QUANTIZED_OPS))
         bench.onnxruntime("7-bit, entropy", reduce_range=True, calibrate_method=CM.Entropy)
         bench.onnxruntime("7-bit, min-max, per-tensor weights", reduce_range=True, per_channel=False)
         bench.onnxruntime("7-bit, min-max, attention matmuls int8 too", reduce_range=True,

@@ -50,6 +50,10 @@ def main() -> None:
     p.add_argument("--model", default="efficientvit_m4", help="variant (default efficientvit_m4)")
     p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
+    p.add_argument("--qat", action="store_true", help="also time the int8 file quantisation-aware fine-tuning writes "
+                                                       "(cgavit quantize --qat; needs cgavit[qat])")
+    p.add_argument("--qat-float", nargs="*", default=["patch_embed.conv1"], metavar="LAYER",
+                   help="--qat: also time it with these layers float (default patch_embed.conv1)")
     args = p.parse_args()
     logging.getLogger("nncf").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -88,6 +92,18 @@ def main() -> None:
     if keep["openvino"]:
         paths[f"int8 OpenVINO {weights}, {len(keep['openvino'])} layers float"] = OpenVinoModule(
             ov.build(keep["openvino"]), 1, "int8")
+    if args.qat:  # the file quantisation-aware fine-tuning writes (ranges from its observers; no training needed for speed)
+        from cgavit.deploy.openvino import openvino_from_onnx
+        from cgavit.deploy.qat import QatConfig, qat_finetune, qat_onnx
+
+        for layers in dict.fromkeys([(), tuple(args.qat_float)]):
+            graph = qat_finetune(model, torch.cat(calibration), bool(opts.reduce_range), QatConfig(epochs=0),
+                                 float_layers=layers)
+            path = tmp / f"qat{len(layers)}.onnx"
+            path.write_bytes(qat_onnx(graph, x))
+            label = f"{len(layers)} layers float" if layers else "every layer int8"
+            paths[f"int8 QAT file (learnt ranges), ONNX Runtime, {label}"] = OnnxModule(path, 1, "int8")
+            paths[f"int8 QAT file (learnt ranges), OpenVINO, {label}"] = OpenVinoModule(openvino_from_onnx(path), 1, "int8")
     print(f"{args.model}, {size[0]} px, batch 16, 1 thread; {cpu_features().describe()}; "
           f"load {open('/proc/loadavg').read().split()[:3]}\n")
     with torch.no_grad():
