@@ -157,7 +157,8 @@ class OnnxInt8Builder:
     (asymmetric uint8), QDQ format, convolutions and the ReLUs that follow them (quantised together,
     one range for the ReLU's output, so that ONNX Runtime fuses each pair into one int8 convolution
     instead of requantising between them: 1.28x -> 1.44x fp32 on M4 at AVX2, BENCHMARKS.md); the
-    attention's matmuls and softmax and the residual adds stay float. Use it as a context manager (it holds a temporary folder).
+    attention's matmuls and softmax and the residual adds stay float. Use it as a context manager (it
+    holds a temporary folder).
 
     Args:
         src: the fp32 ONNX file (exported with ``fold_residuals=False``).
@@ -181,20 +182,19 @@ class OnnxInt8Builder:
         self.pre = Path(self._tmp.name) / "pre.onnx"
         self.quant.shape_inference.quant_pre_process(str(src), str(self.pre), skip_symbolic_shape=True)
         self.cache = Path(self._tmp.name) / "ranges.json"
-        graph = _onnx().load(str(self.pre)).graph
-        #: layer name -> its Conv node's name, in graph order
-        self.layers = {layer_of_onnx_node(n.name): n.name for n in graph.node if n.op_type == "Conv"}
-        # a layer kept in float keeps the ReLU it feeds too (else that ReLU is quantised on its own)
+        nodes = _onnx().load(str(self.pre)).graph.node
         readers: dict[str, list] = {}
-        for n in graph.node:
+        for n in nodes:
             for tensor in n.input:
                 readers.setdefault(tensor, []).append(n)
-        self._nodes = {}
-        for n in graph.node:
-            if n.op_type == "Conv":
-                after = readers.get(n.output[0], [])
-                relu = [after[0].name] if len(after) == 1 and after[0].op_type == "Relu" else []
-                self._nodes[layer_of_onnx_node(n.name)] = [n.name, *relu]
+        # layer name -> its Conv node and the ReLU it alone feeds (a layer kept in float keeps that ReLU too)
+        self._nodes: dict[str, list[str]] = {}
+        for n in (n for n in nodes if n.op_type == "Conv"):
+            after = readers.get(n.output[0], [])
+            relu = [after[0].name] if len(after) == 1 and after[0].op_type == "Relu" else []
+            self._nodes[layer_of_onnx_node(n.name)] = [n.name, *relu]
+        #: layer name -> its Conv node's name, in graph order
+        self.layers = {layer: names[0] for layer, names in self._nodes.items()}
 
     def __enter__(self) -> OnnxInt8Builder:
         return self
