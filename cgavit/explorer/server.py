@@ -168,6 +168,8 @@ class ExplorerServer(ThreadingHTTPServer):
         self.bodies = Budget(self.limits.upload_bytes, "bytes")
         self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self._saturated = False  # the last slot wait ran out and no slot has been taken since
+        self._held: set[socket.socket] = set()  # connections holding a slot
+        self._held_lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}
         self._deadlines_lock = threading.Lock()
         super().__init__(address, ExplorerHandler)
@@ -187,17 +189,27 @@ class ExplorerServer(ThreadingHTTPServer):
         if self._saturated:
             self._refuse(request)
             return
+        with self._held_lock:
+            self._held.add(request)
         try:
             super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
+        except BaseException:  # e.g. Ctrl-C while the thread starts: the slot is given back once, by either side
+            self._give_back(request)
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._give_back(request)
+
+    def _give_back(self, request: socket.socket) -> None:
+        """Release ``request``'s connection slot, if it still holds one."""
+        with self._held_lock:
+            if request not in self._held:
+                return
+            self._held.remove(request)
+        self._slots.release()
 
     def _refuse(self, request: socket.socket) -> None:
         body = json.dumps(
