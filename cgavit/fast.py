@@ -5,11 +5,15 @@ with fewer, cheaper operators:
 
 * the attention scale is folded into the query's depthwise conv, the relative-position bias is
   precomputed, and the window partition is one permute each way;
+* each head's query, key and value come from three 1x1 convs (the rows of its one ``qkv`` conv), not
+  one conv and a split: the same arithmetic, and in int8 each gets its own range; OpenVINO runs a
+  ``Split`` with a reference kernel, and M4's int8 ran 9-13 % faster there without it (ONNX Runtime
+  alike either way; BENCHMARKS.md, "int8 on AVX2");
 * a depthwise residual ``x + dw(x)`` becomes one depthwise conv whose centre tap carries the ``+ x``
   (:func:`fold_depthwise_residual`);
 * given the image size (:func:`swap_fast_modules` with ``img_size``), every reshape is written with
   constant sizes and the batch as ``-1``, so an exported graph has no shape arithmetic left in it
-  (an ONNX export of M4 goes from 1,702 nodes to about 570).
+  (an ONNX export of M4 goes from 1,702 nodes to about 600).
 
 The training modules in :mod:`cgavit.attention` are untouched.
 """
@@ -50,7 +54,10 @@ class FastCascadedGroupAttention(nn.Module):
         self.cascade = fused.cascade
         self.group_split = fused.group_split
         self.size = None if size is None else (int(size[0]), int(size[1]))
-        self.qkvs = nn.ModuleList(_copy_conv(c) for c in fused.qkvs)
+        kd, vd = self.key_dim, self.value_dim
+        self.q = nn.ModuleList(_copy_conv(c, rows=slice(0, kd)) for c in fused.qkvs)
+        self.k = nn.ModuleList(_copy_conv(c, rows=slice(kd, 2 * kd)) for c in fused.qkvs)
+        self.v = nn.ModuleList(_copy_conv(c, rows=slice(2 * kd, 2 * kd + vd)) for c in fused.qkvs)
         self.dws = nn.ModuleList(_copy_conv(c, scale=fused.scale) for c in fused.dws)  # q * d^-0.5 folded in
         self.proj = _copy_conv(fused.proj[1])
         full = fused.bias_full.detach()  # (heads, window**2, window**2)
@@ -69,11 +76,10 @@ class FastCascadedGroupAttention(nn.Module):
         for i in range(self.num_heads):
             if i > 0:
                 feat = feat + groups[i] if self.cascade else groups[i]
-            q, k, v = self.qkvs[i](feat).split([kd, kd, vd], 1)
-            q = self.dws[i](q).reshape(B, kd, N)  # already scaled by key_dim^-0.5
-            attn = torch.matmul(q.transpose(1, 2), k.reshape(B, kd, N)) + bias[i]  # (B, N, N)
+            q = self.dws[i](self.q[i](feat)).reshape(B, kd, N)  # already scaled by key_dim^-0.5
+            attn = torch.matmul(q.transpose(1, 2), self.k[i](feat).reshape(B, kd, N)) + bias[i]  # (B, N, N)
             attn = attn.softmax(dim=-1)
-            feat = torch.matmul(v.reshape(B, vd, N), attn.transpose(1, 2)).reshape(B, vd, H, W)
+            feat = torch.matmul(self.v[i](feat).reshape(B, vd, N), attn.transpose(1, 2)).reshape(B, vd, H, W)
             outs.append(feat)
         return self.proj(torch.relu(torch.cat(outs, 1)))  # (B, C, H, W)
 
@@ -120,9 +126,10 @@ class FastWindowAttention(nn.Module):
         return x
 
 
-def _copy_conv(conv: nn.Conv2d, scale: float = 1.0) -> nn.Conv2d:
+def _copy_conv(conv: nn.Conv2d, scale: float = 1.0, rows: slice = slice(None)) -> nn.Conv2d:
+    """``conv`` (its output channels ``rows``) times ``scale``, biased."""
     bias = conv.bias if conv.bias is not None else torch.zeros(conv.out_channels, device=conv.weight.device)
-    return conv_like(conv, conv.weight * scale, bias * scale)
+    return conv_like(conv, conv.weight[rows] * scale, bias[rows] * scale)
 
 
 def fold_depthwise_residual(residual: Residual) -> nn.Conv2d | None:

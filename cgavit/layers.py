@@ -50,10 +50,10 @@ class ConvBN(nn.Sequential):
 @torch.no_grad()
 def conv_like(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> nn.Conv2d:
     """A biased ``nn.Conv2d`` with ``conv``'s geometry (stride, padding, groups, ...) and the given
-    ``weight`` and ``bias``, on ``conv``'s device and dtype."""
+    ``weight`` and ``bias`` (their rows are its output channels), on ``conv``'s device and dtype."""
     out = nn.Conv2d(
         conv.in_channels,
-        conv.out_channels,
+        weight.shape[0],
         conv.kernel_size,
         conv.stride,
         conv.padding,

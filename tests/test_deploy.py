@@ -73,7 +73,8 @@ def test_size_specialised_fast_modules_match_and_refuse_other_sizes(size):
 
 @pytest.mark.skipif(not onnxruntime_available(), reason="needs the deploy extra (onnxruntime)")
 def test_onnx_export_has_no_shape_arithmetic(tmp_path):
-    """The exported graph computes no shapes at run time: no Shape/Gather ops, one Conv per conv."""
+    """The exported graph computes no shapes at run time: no Shape/Gather ops; one Conv per conv, each
+    head's qkv conv as three (query, key, value: no Split)."""
     import onnx
 
     model = tiny(img_size=224)
@@ -81,10 +82,10 @@ def test_onnx_export_has_no_shape_arithmetic(tmp_path):
     ops = [node.op_type for node in graph.node]
     assert "Shape" not in ops and "Gather" not in ops
     fused = cgavit.fuse(model)
-    assert ops.count("Conv") == sum(isinstance(m, torch.nn.Conv2d) for m in fused.modules())
+    heads = sum(m.num_heads for m in fused.modules() if hasattr(m, "bias_full"))
+    assert ops.count("Conv") == sum(isinstance(m, torch.nn.Conv2d) for m in fused.modules()) + 2 * heads
     residuals = [m for m in fused.modules() if isinstance(m, Residual)]
     folded = sum(fold_depthwise_residual(m) is not None for m in residuals)
-    heads = sum(m.num_heads for m in fused.modules() if hasattr(m, "bias_full"))
     cascades = sum(m.num_heads - 1 for m in fused.modules() if hasattr(m, "bias_full"))
     assert folded > 0 and ops.count("Add") == len(residuals) - folded + heads + cascades  # bias + cascade adds
 

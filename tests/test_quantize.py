@@ -31,6 +31,7 @@ from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
 from cgavit.deploy.qat import QatConfig, qat_available, qat_finetune, qat_onnx
 from cgavit.deploy import fastpath
+from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
 from cgavit.deploy.quantize import assess
 from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, search_float_layers
@@ -44,8 +45,9 @@ QUICK_ASSESS = dict(runtime="onnxruntime", warmup=0, repeats=1)
 
 
 def conv_names(digits) -> list[str]:
-    """The digits model's convolutions (qualified names in its fused form)."""
-    return [n for n, m in fuse(digits.model).named_modules() if isinstance(m, torch.nn.Conv2d)]
+    """The digits model's convolutions: the layer names of its int8 export form (q, k and v three per head)."""
+    form = export_form(digits.model, (48, 48), fold_residuals=False)
+    return [n for n, m in form.named_modules() if isinstance(m, torch.nn.Conv2d)]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +145,7 @@ def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
     src = export_onnx(trained_digits.model, tmp_path / "m.onnx", (48, 48), fold_residuals=False)
     with OnnxInt8Builder(src, trained_digits.calibration(64), Int8Options(reduce_range=True)) as builder:
         layers = list(builder.layers)
-        assert layers[0] == "patch_embed.conv1" and len(layers) == 59
+        assert sorted(layers) == sorted(conv_names(trained_digits)) and len(layers) == 71  # 59 convs + 2 per head
         reference = fuse(trained_digits.model)(trained_digits.images[:64]).detach()
         rows = layer_sensitivity(layers[:3], lambda f: OnnxModule(builder.build(f), 1, "int8"),
                                  trained_digits.images[:64], reference)
@@ -237,8 +239,8 @@ def test_weight_range_by_cpu_and_the_warning():
 
 def test_layer_names_of_both_runtimes():
     assert layer_of_onnx_node("/stages/stages.0/blocks/blocks.0/pre/pre.0/m/Conv") == "stages.0.blocks.0.pre.0.m"
-    assert layer_of_onnx_node("/stages/stages.1/blocks/blocks.0/mixer/m/attn/qkvs.1/Conv") == \
-        "stages.1.blocks.0.mixer.m.attn.qkvs.1"
+    assert layer_of_onnx_node("/stages/stages.1/blocks/blocks.0/mixer/m/attn/k.1/Conv") == \
+        "stages.1.blocks.0.mixer.m.attn.k.1"
     assert layer_of_onnx_node("/patch_embed/conv1/Conv") == "patch_embed.conv1"
     assert layer_of_openvino_node("__module.stages.0.blocks.0.pre.0.m/aten::_convolution/GroupConvolution") == \
         "stages.0.blocks.0.pre.0.m"

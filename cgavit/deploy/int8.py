@@ -16,7 +16,7 @@ The choice is written into an exported file's metadata, and a full-range file op
 would saturate it gets a warning (:func:`weight_range_warning`).
 
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
-(``stages.0.blocks.0.mixer.m.attn.qkvs.0``), which both runtimes' node names carry.
+(``stages.0.blocks.0.mixer.m.attn.k.0``), which both runtimes' node names carry.
 """
 
 from __future__ import annotations
