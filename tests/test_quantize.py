@@ -5,6 +5,7 @@ misses it (and then nothing is written); the search keeps the fewest layers in f
 carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. No timing is asserted.
 """
 
+import importlib
 import json
 
 import pytest
@@ -34,7 +35,7 @@ from cgavit.deploy import fastpath
 from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
 from cgavit.deploy.quantize import assess
-from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, search_float_layers
+from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, no_faster_in_int8, search_float_layers
 from cgavit.testing import rel_err
 from cgavit.weights import WeightsMeta
 from test_precision import EPYC_AVX2, XEON_AMX, features, scrambled
@@ -136,6 +137,57 @@ def test_search_finds_the_fewest_float_layers_in_few_builds():
     assert fewest_meeting(never) is None and max(len(p.float_layers) for p in never) == 2  # one layer stays int8
     capped = search_float_layers(order, judge, most=4)
     assert max(len(p.float_layers) for p in capped) == 4 and fewest_meeting(capped) is None
+
+
+def test_no_faster_in_int8_names_the_layers_int8_slows():
+    fp32 = {"stem": 3.3, "pw": 5.9, "tiny": 0.01, "level": 2.0}
+    int8 = {"stem": 7.2, "pw": 3.4, "tiny": 0.05, "level": 2.0}
+    slow = no_faster_in_int8(fp32, int8)
+    assert [s.layer for s in slow] == ["stem", "level"]  # the largest loss first; "tiny" is under 1 % of the time
+    assert (slow[0].fp32_ms, slow[0].int8_ms) == (3.3, 7.2)
+    assert no_faster_in_int8(fp32, int8, least_share=0.0)[1].layer == "tiny"
+    assert no_faster_in_int8({}, {}) == []
+
+
+def test_layer_profiles_time_every_convolution(trained_digits, tmp_path):
+    """The runtimes' profilers give each layer of the builder a positive time, fp32 and int8."""
+    from cgavit.deploy.onnx import OnnxInt8Builder, export_onnx, onnxruntime_conv_times
+    from cgavit.deploy.openvino import OpenVinoInt8Builder, openvino_available, openvino_conv_times
+
+    x = trained_digits.images[:16]
+    opts = Int8Options(reduce_range=True)
+    src = export_onnx(trained_digits.model, tmp_path / "m.onnx", (48, 48), fold_residuals=False)
+    with OnnxInt8Builder(src, trained_digits.calibration(64), opts) as builder:
+        for model in (src, builder.build([])):
+            times = onnxruntime_conv_times(model, x, builder.layers, runs=2)
+            assert set(times) == set(builder.layers) and min(times.values()) > 0
+    if openvino_available():
+        ov = OpenVinoInt8Builder(trained_digits.model, (48, 48), trained_digits.calibration(64), opts)
+        for model in (ov.float_model, ov.build([])):
+            times = openvino_conv_times(model, x, ov.layers, runs=2)
+            assert set(times) == set(ov.layers) and min(times.values()) >= 0
+
+
+def test_layers_no_faster_in_int8_stay_float_in_every_build(trained_digits, monkeypatch):
+    """With a profile in which int8 slows the first convolution, every build keeps it float, and says why."""
+    def profile(model, example, layers, threads=1, runs=5):
+        int8 = isinstance(model, bytes)  # the fp32 source is a path, each int8 build bytes
+        return {layer: (2.0 if layer == "patch_embed.conv1" else 0.5) if int8 else 1.0 for layer in layers}
+
+    search = importlib.import_module("cgavit.deploy.quantize")  # the module (the package exports the function)
+    monkeypatch.setattr(search, "onnxruntime_conv_times", profile)
+    r = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images,
+                 labels=trained_digits.labels, **QUICK)
+    assert r.meets_target and [s.layer for s in r.no_faster["onnxruntime"]] == ["patch_embed.conv1"]
+    assert all("patch_embed.conv1" in p.float_layers for p in r.curves["onnxruntime"])
+    assert "no faster in int8 on this CPU: 2.00 ms against 1.00 ms" in r.reasons["patch_embed.conv1"]
+    assert r.record()["no_faster_in_int8"]["onnxruntime"][0]["int8_ms"] == 2.0
+    every = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, max_float_layers=0,
+                     **QUICK)
+    assert every.float_layers == () and every.no_faster["onnxruntime"] == []  # the cap wins: every layer int8
+    off = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, profile_layers=False,
+                   **QUICK)
+    assert "patch_embed.conv1" not in off.curves["onnxruntime"][0].float_layers
 
 
 def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):

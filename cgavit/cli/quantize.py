@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
-                      info=export_info(info, size), threads=args.threads, warmup=args.warmup, repeats=args.repeats)
+                      profile_layers=not args.no_layer_profile, info=export_info(info, size), threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
     elif args.qat:
@@ -115,21 +115,28 @@ def run(args: argparse.Namespace) -> int:
 
 def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
                target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
-    """Fine-tune with fake quantisation on DIR/train (the ``--qat-float-layers`` most sensitive layers of the
-    post-training search in float), write the int8 file with the learnt ranges and judge it like the
-    post-training builds; the faster result that meets the target (else the one that keeps more decisions)."""
+    """Fine-tune with fake quantisation on DIR/train (in float: the layers ONNX Runtime's int8 did not make
+    faster, and the ``--qat-float-layers`` most sensitive others of the post-training search), write the
+    int8 file with the learnt ranges and judge it like the post-training builds; the faster result that
+    meets the target (else the one that keeps more decisions)."""
     calib, evaluated = images
     train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
-    keep = [s.layer for s in ptq.sensitivity[:args.qat_float_layers]]
+    slow = ptq.no_faster.get("onnxruntime", [])
+    free = [s.layer for s in slow]
+    sensitive = [s.layer for s in ptq.sensitivity if s.layer not in free][:args.qat_float_layers]
+    keep = free + sensitive
+    kinds = [f"{', '.join(names)} ({why})" for names, why in ((free, "no faster in int8"),
+                                                                 (sensitive, "the most sensitive")) if names]
     print(f"--qat: fine-tuning {args.epochs} epoch(s) on {len(train.images)} images of {train.source}, "
           "fake-quantised (torch PT2E QAT), distilled from the fp32 model; "
-          + (f"float: {', '.join(keep)} (the most sensitive)" if keep else "every layer int8"))
+          + (f"float: {'; '.join(kinds)}" if kinds else "every layer int8"))
     qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
                          config=cfg, options=options, float_layers=keep,
                          info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
-    qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ptq.sensitivity, keep)  # why they stayed float
+    qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ptq.sensitivity, keep, slow)  # why they stayed float
+    qat.no_faster = {"onnxruntime": slow}
     print(f"post-training: {ptq.describe_point()}\nquantization-aware: {qat.describe_point()}")
     if qat.meets_target and (not ptq.meets_target or qat.point.speedup > ptq.point.speedup):
         return qat
@@ -221,6 +228,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bias-correction", choices=BIAS_CORRECTIONS, default="full",
                    help="OpenVINO (NNCF) bias correction (default full)")
     p.add_argument("--max-float-layers", type=int, help="keep at most N layers in float (default: no cap; 0: all int8)")
+    p.add_argument("--no-layer-profile", action="store_true",
+                   help="do not keep in float the layers int8 makes no faster here (found by timing each convolution "
+                        "in fp32 and int8 in the runtime's profiler; default: they stay float in every build)")
     p.add_argument("--skip-sensitivity", action="store_true",
                    help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
     p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (torch PT2E QAT, needs cgavit[qat]), distilled from fp32")
@@ -230,7 +240,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--qat-batch", type=int, default=64, help="--qat: batch size (default 64)")
     p.add_argument("--qat-float-layers", type=int, default=1, metavar="K",
                    help="--qat: keep the K most sensitive layers of the post-training search in float (default 1; "
-                        "0: every layer int8)")
+                        "0: every layer int8); the layers int8 makes no faster stay float as well")
     p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per build (default 3)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per build (default 10)")

@@ -7,9 +7,12 @@ use: it is optional and slow to import, and ``import cgavit`` must not need it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import statistics
 import tempfile
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
@@ -125,6 +128,57 @@ class OnnxModule(RuntimeModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.session.run(None, {self.input_name: x.detach().float().contiguous().numpy()})[0]
         return torch.from_numpy(out)
+
+
+#: Activations ONNX Runtime fuses into the convolution before them (the fused node is named after their output).
+FUSED_ACTIVATIONS = ("Relu", "Sigmoid", "Clip", "HardSigmoid", "LeakyRelu", "Tanh")
+
+
+def onnxruntime_conv_times(
+    model: str | os.PathLike | bytes, example: torch.Tensor, layers: Iterable[str], threads: int = 1, runs: int = 5,
+) -> dict[str, float]:
+    """Milliseconds each convolution layer's kernel takes per call of ``example`` in ONNX Runtime, from its
+    profiler (the median of ``runs`` calls after one untimed), for an fp32 or an int8 file.
+
+    A profiled node is the layer its name says (``.../pw1/Conv...`` -> ``...pw1``), or, for an fp32
+    convolution that graph optimisation fused with its activation and renamed after its output
+    (``..._nchwc``), the layer whose convolution, or the activation after it, wrote that output.
+
+    Args:
+        model: the ONNX file or its bytes.
+        example: an input batch.
+        layers: the layer names to look for (e.g. :attr:`OnnxInt8Builder.layers`); others are ignored.
+        threads, runs: intra-op threads, and timed calls.
+    """
+    ort, onnx = _onnxruntime(), _onnx()
+    wanted = set(layers)
+    data = model if isinstance(model, bytes) else Path(model).read_bytes()
+    written: dict[str, str] = {}  # tensor -> the layer whose convolution (or the activation after it) wrote it
+    for n in onnx.load_from_string(data).graph.node:
+        if n.op_type == "Conv":
+            written[n.output[0]] = layer_of_onnx_node(n.name)
+        elif n.op_type in FUSED_ACTIVATIONS and n.input[0] in written:
+            written[n.output[0]] = written[n.input[0]]
+    with tempfile.TemporaryDirectory(prefix="cgavit-profile-") as tmp:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+        opts.enable_profiling, opts.profile_file_prefix = True, str(Path(tmp) / "profile")
+        session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        feed = {session.get_inputs()[0].name: example.detach().float().contiguous().numpy()}
+        for _ in range(runs + 1):
+            session.run(None, feed)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    calls: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time") or \
+                "Conv" not in e.get("args", {}).get("op_name", ""):
+            continue
+        node = e["name"].removesuffix("_kernel_time")
+        named = (layer_of_onnx_node(node), written.get(node.removesuffix("_nchwc")))
+        layer = next((name for name in named if name in wanted), None)
+        if layer is not None:
+            calls[layer].append(e["dur"] / 1000.0)
+    return {layer: statistics.median(times[1:] or times) for layer, times in calls.items()}
 
 
 class _CalibrationReader:

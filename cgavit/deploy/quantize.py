@@ -3,9 +3,10 @@
 For each runtime (ONNX Runtime, OpenVINO) the model is quantised with the recipe of
 :mod:`cgavit.deploy.int8` (weights per channel, 7-bit on x86 without VNNI; the attention core and
 residual adds in float) and judged on held-out images against fp32: top-1 agreement and accuracy
-change (:class:`QuantizeTarget`, default agreement >= 99.5 % and accuracy within 0.3 point). When
-every layer in int8 misses, layers are kept in float, most sensitive first
-(:mod:`cgavit.deploy.sensitivity`), until the target is met. Every build is timed round-robin beside
+change (:class:`QuantizeTarget`, default agreement >= 99.5 % and accuracy within 0.3 point). Layers
+whose int8 kernel is no faster than fp32 in the runtime's profiler on this CPU stay float in every
+build (they cost no speed). When the rest in int8 misses, layers are kept in float, most sensitive
+first (:mod:`cgavit.deploy.sensitivity`), until the target is met. Every build is timed round-robin beside
 fp32 ONNX Runtime on this machine; the fastest build that meets the target is the result. When none
 meets it, the result says so and names the best found, and :meth:`QuantizeResult.save` refuses it.
 
@@ -34,10 +35,18 @@ from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse, output_path
 from .int8 import Int8Options, weight_range_label
 from .metadata import ExportInfo, int8_info
-from .onnx import OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, with_onnx_metadata
-from .openvino import OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, openvino_from_onnx, save_openvino
+from .onnx import (
+    OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, onnxruntime_conv_times, with_onnx_metadata,
+)
+from .openvino import (
+    OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, openvino_conv_times, openvino_from_onnx,
+    save_openvino,
+)
 from .runtime import RuntimeModule, pad_batch
-from .sensitivity import CurvePoint, LayerSensitivity, fewest_meeting, layer_sensitivity, padded_logits, search_float_layers
+from .sensitivity import (
+    CurvePoint, LayerSensitivity, LayerSpeed, fewest_meeting, layer_sensitivity, no_faster_in_int8, padded_logits,
+    search_float_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,7 @@ class QuantizeResult:
         options: the int8 options used (weight range decided).
         calibration_images, evaluation_images: the image counts.
         method: how the weights were made int8 (post-training, or after quantisation-aware fine-tuning).
+        no_faster: runtime -> the layers its int8 kernel did not make faster here (kept float in its builds).
     """
 
     target: QuantizeTarget
@@ -114,6 +124,7 @@ class QuantizeResult:
     calibration_images: int
     evaluation_images: int
     method: str = "post-training"
+    no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
 
     @property
     def agreement(self) -> Agreement:
@@ -155,6 +166,8 @@ class QuantizeResult:
             sensitivity=[dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
                               changed=s.changed, n=s.n, rel_err=s.rel_err) for s in self.sensitivity],
             curves={rt: [_point_record(p) for p in points] for rt, points in self.curves.items()},
+            no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
+                               for rt, speeds in self.no_faster.items()},
         )
 
     def markdown(self, top: int = 15) -> str:
@@ -208,6 +221,7 @@ def quantize(
     features: CpuFeatures | None = None,
     sensitivity: bool = True,
     max_float_layers: int | None = None,
+    profile_layers: bool = True,
     info: ExportInfo | None = None,
     reference: nn.Module | None = None,
     batch: int = 16,
@@ -229,9 +243,9 @@ def quantize(
         sensitivity: measure every layer quantised alone even when every layer in int8 meets the target
             (it is measured anyway when layers must be kept in float).
         max_float_layers: keep at most this many layers in float (default: no cap; 0: every layer int8).
+        profile_layers: keep in float the layers int8 makes no faster in the runtime's profiler (default).
         info: metadata for the file (class names, preprocessing); precision and the verdict are added.
-        reference: the fp32 model the builds are judged against and timed beside (default ``model``;
-            quantisation-aware fine-tuning passes the original here).
+        reference: the fp32 model the builds are judged against and timed beside (default ``model``).
         batch, threads, warmup, repeats: how each build is timed beside fp32 ONNX Runtime.
 
     Raises:
@@ -251,7 +265,7 @@ def quantize(
         search.start(Path(tmp))
         try:
             for name in runtimes:
-                search.run(name, model, opts, sensitivity, max_float_layers)
+                search.run(name, model, opts, sensitivity, max_float_layers, profile_layers)
         finally:
             search.close()
     return search.result(features, opts, info or ExportInfo(img_size=size))
@@ -375,6 +389,7 @@ class _Search:
     builds: dict[tuple[str, tuple[str, ...]], _Build] = field(default_factory=dict)
     curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
     sensitivity: list[LayerSensitivity] = field(default_factory=list)
+    no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
 
     def start(self, tmp: Path) -> None:
         """The fp32 reference logits and fp32 ONNX Runtime for timing."""
@@ -395,22 +410,44 @@ class _Search:
         if self.onnx is not None:
             self.onnx.close()
 
-    def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None) -> None:
-        """Search ``runtime``'s builds: every layer int8, then up to ``most`` layers kept in float as needed."""
+    def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None,
+            profile: bool = True) -> None:
+        """Search ``runtime``'s builds: every layer int8 (but those int8 does not make faster, with ``profile``),
+        then more layers kept in float as needed, at most ``most`` in all."""
         onnx = self.onnx_builder(opts)
         if runtime == "onnxruntime":
-            builder, layers = onnx, list(onnx.layers)
+            builder = onnx
         else:
             builder = OpenVinoInt8Builder(model, self.size, [self.calibration], opts)
-            layers = list(builder.layers)
-        judge = partial(self.judge, runtime, builder)
+        slow = self.no_faster_layers(runtime, builder)[:most] if profile and most != 0 else []
+        self.no_faster[runtime] = slow
+        kept = tuple(s.layer for s in slow)
+
+        def judge(float_layers: tuple[str, ...]) -> CurvePoint:
+            return self.judge(runtime, builder, kept + tuple(float_layers))
+
         start = judge(())
         if (sensitivity or not (start.meets or most == 0)) and not self.sensitivity:
             log.info("quantize: per-layer sensitivity of %d layers (ONNX Runtime)", len(self.onnx.layers))
             self.sensitivity = layer_sensitivity(list(self.onnx.layers), self.onnx_module, self.evaluation,
                                                  self.reference)
-        order = [s.layer for s in self.sensitivity if s.layer in builder.layers] or layers
-        self.curves[runtime] = search_float_layers(order, judge, start, most)
+        order = [s.layer for s in self.sensitivity if s.layer in builder.layers] or list(builder.layers)
+        order = [layer for layer in order if layer not in kept]
+        self.curves[runtime] = search_float_layers(order, judge, start, None if most is None else most - len(kept))
+
+    def no_faster_layers(self, runtime: str, builder) -> list[LayerSpeed]:
+        """The layers whose int8 kernel is no faster than fp32 in ``runtime``'s profiler on the timing batch."""
+        threads, layers = self.timing[1], list(builder.layers)
+        if runtime == "onnxruntime":
+            fp32 = onnxruntime_conv_times(self.tmp / "int8-source.onnx", self.example, layers, threads)
+            int8 = onnxruntime_conv_times(builder.build([]), self.example, layers, threads)
+        else:
+            fp32 = openvino_conv_times(builder.float_model, self.example, layers, threads)
+            int8 = openvino_conv_times(builder.build([]), self.example, layers, threads)
+        slow = no_faster_in_int8(fp32, int8)
+        log.info("quantize: %s: %d layer(s) no faster in int8 here, kept in float: %s", runtime, len(slow),
+                 ", ".join(f"{s.layer} ({s.int8_ms:.2f} ms int8, {s.fp32_ms:.2f} fp32)" for s in slow) or "none")
+        return slow
 
     def onnx_module(self, float_layers: list[str]) -> OnnxModule:
         return OnnxModule(self.onnx.build(float_layers), self.timing[1], "int8")
@@ -454,20 +491,28 @@ class _Search:
             target=self.target, meets_target=bool(winners), runtime=point.runtime, point=point,
             fp32_img_s=point.img_s / point.speedup, module=module, artifact=build.artifact,
             info=_verdict_info(info, opts.with_float(point.float_layers), point, self.target, features),
-            reasons=self.reasons(point.float_layers), sensitivity=self.sensitivity, curves=self.curves,
+            reasons=self.reasons(point), sensitivity=self.sensitivity, curves=self.curves,
             cpu=features.describe(), options=opts, calibration_images=len(self.calibration),
-            evaluation_images=len(self.evaluation),
+            evaluation_images=len(self.evaluation), no_faster=self.no_faster,
         )
 
-    def reasons(self, float_layers: tuple[str, ...]) -> dict[str, str]:
-        return float_reasons(self.sensitivity, float_layers)
+    def reasons(self, point: CurvePoint) -> dict[str, str]:
+        return float_reasons(self.sensitivity, point.float_layers, self.no_faster.get(point.runtime, ()), self.timing[0])
 
 
-def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[str]) -> dict[str, str]:
-    """Why each float layer is float: its rank and cost in the ``sensitivity`` table (most sensitive first)."""
+def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[str],
+                  no_faster: Iterable[LayerSpeed] = (), batch: int = 16) -> dict[str, str]:
+    """Why each float layer is float: int8 made it no faster (``no_faster``, per call of ``batch`` images), or
+    its rank and cost in the ``sensitivity`` table (most sensitive first)."""
     rank = {s.layer: (i + 1, s) for i, s in enumerate(sensitivity)}
+    slow = {s.layer: s for s in no_faster}
     out = {}
     for layer in float_layers:
+        if layer in slow:
+            s = slow[layer]
+            out[layer] = (f"no faster in int8 on this CPU: {s.int8_ms:.2f} ms against {s.fp32_ms:.2f} ms in fp32 "
+                          f"per call of {batch} images (the runtime's profiler)")
+            continue
         if layer not in rank:
             out[layer] = "kept in float as asked (no sensitivity measured for it)"
             continue

@@ -10,6 +10,11 @@ float that meet an agreement target.
   the fewest *in that order*, in a few builds rather than one per layer). Every build it makes is a
   point of the curve of agreement against speed.
 
+* :func:`no_faster_in_int8` names the layers int8 does not make faster on this CPU (from a
+  runtime's per-layer profile, fp32 against int8): kept in float, they cost no speed and can only
+  keep decisions (on AVX2, M4's first convolution, three input channels, ran 2.2-2.6x slower in
+  int8 than in fp32 in ONNX Runtime, and 2.3x faster in OpenVINO; BENCHMARKS.md).
+
 Both work on any runtime through two callables: ``build(float_layers) -> module`` and
 ``judge(module) -> Point``.
 """
@@ -51,6 +56,35 @@ class LayerSensitivity:
     def agreement_lost(self) -> float:
         """Share of fp32's decisions this layer alone changes (0-1)."""
         return 1.0 - self.agreement
+
+
+@dataclass(frozen=True)
+class LayerSpeed:
+    """One convolution's kernel time per call in fp32 and in int8, in one runtime on this CPU (its profiler).
+
+    Args:
+        layer: the layer's name.
+        fp32_ms, int8_ms: milliseconds per call of the timing batch.
+    """
+
+    layer: str
+    fp32_ms: float
+    int8_ms: float
+
+
+#: Layers taking less than this share of the fp32 convolutions' time are never kept float for speed:
+#: their times are profiler noise, and the quantise/dequantise pair a float layer needs costs more.
+LEAST_SHARE = 0.01
+
+
+def no_faster_in_int8(fp32: dict[str, float], int8: dict[str, float], least_share: float = LEAST_SHARE) -> list[LayerSpeed]:
+    """The layers whose int8 kernel is no faster than fp32 (milliseconds per call, layer -> time, from one
+    runtime's profiler), among those taking at least ``least_share`` of the fp32 convolutions' time;
+    the largest loss first."""
+    total = sum(fp32.values())
+    rows = [LayerSpeed(layer, fp32[layer], int8[layer]) for layer in fp32
+            if layer in int8 and fp32[layer] >= least_share * total and int8[layer] >= fp32[layer]]
+    return sorted(rows, key=lambda r: r.fp32_ms - r.int8_ms)
 
 
 @dataclass(frozen=True)
