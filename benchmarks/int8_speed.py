@@ -1,8 +1,8 @@
 """int8 speed at the paper's CPU protocol with a float/int8 split: timm's port, fp32 and int8 runtimes, one run.
 
 Speed does not depend on the weights' values, so the variant (M4 by default) has random weights; the
-layers kept in float are the ones a trained reference needed (``cgavit quantize`` writes them in
-``NAME.quantize.json``, ``float_layers``; M0-M4 share their depths, so names carry over). Every path is
+layers kept in float are the ones a trained reference needed in each runtime (``cgavit quantize`` writes
+every build it judged in ``NAME.quantize.json``, ``curves``; M0-M4 share their depths, so names carry over). Every path is
 timed round-robin by :func:`cgavit.timing.round_robin` in the same run (batch 16, 1 thread, 224 px) and
 reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2").
 
@@ -34,19 +34,36 @@ from cgavit.timing import round_robin
 
 
 def float_layers(reports: list[str]) -> dict[str, list[str]]:
-    """Per runtime, the union (in order) of the float layers of the ``cgavit quantize`` reports made for it."""
+    """Per runtime, the union (in order) of the float layers that met the target in the ``cgavit quantize``
+    reports: each report's fewest that met it in each runtime it searched (its curves)."""
     layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}}
     for path in reports:
         record = json.loads(Path(path).read_text())
-        layers[record["runtime"]].update(dict.fromkeys(record["float_layers"]))
+        for runtime, points in record["curves"].items():
+            meeting = [p["float_layers"] for p in points if p["meets_target"]]
+            if meeting:
+                layers[runtime].update(dict.fromkeys(min(meeting, key=len)))
     return {runtime: list(names) for runtime, names in layers.items()}
+
+
+def speed_probe(name: str, img_size: int) -> tuple[torch.nn.Module, torch.Tensor, list[torch.Tensor], Int8Options]:
+    """The paper's CPU protocol for int8 speed: the variant with random weights (seed 0), one batch of 16, four
+    random calibration batches, this CPU's int8 options; one torch thread, NNCF's progress notes off."""
+    logging.getLogger("nncf").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = randomize_(cgavit.create_model(name, img_size=img_size), seed=0).eval()
+    size = (img_size, img_size)
+    calibration = [torch.randn(16, 3, *size) for _ in range(4)]
+    return model, torch.randn(16, 3, *size), calibration, Int8Options().for_cpu(cpu_features())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--float-layers", nargs="*", default=[], metavar="REPORT",
-                   help="cgavit quantize reports (NAME.quantize.json): each one's float layers stay float in "
-                        "its runtime's int8 build (the union, when several are given for one runtime)")
+                   help="cgavit quantize reports (NAME.quantize.json): in each runtime a report searched, the fewest "
+                        "float layers that met its target stay float in that runtime's int8 build (the union "
+                        "over the reports)")
     p.add_argument("--model", default="efficientvit_m4", help="variant (default efficientvit_m4)")
     p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
@@ -55,14 +72,8 @@ def main() -> None:
     p.add_argument("--qat-float", nargs="*", default=["patch_embed.conv1"], metavar="LAYER",
                    help="--qat: also time it with these layers float (default patch_embed.conv1)")
     args = p.parse_args()
-    logging.getLogger("nncf").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    model, x, calibration, opts = speed_probe(args.model, args.img_size)
     size = (args.img_size, args.img_size)
-    model = randomize_(cgavit.create_model(args.model, img_size=args.img_size), seed=0).eval()
-    x = torch.randn(16, 3, *size)
-    calibration = [torch.randn(16, 3, *size) for _ in range(4)]
-    opts = Int8Options().for_cpu(cpu_features())
     keep = float_layers(args.float_layers)
     tmp = Path(tempfile.mkdtemp())
     paths = {
