@@ -76,7 +76,7 @@ def main() -> None:
     for runtime, (fp32, int8) in profiles.items():
         slow = no_faster_in_int8(fp32, int8)
         listed = ", ".join(f"`{s.layer}` {s.int8_ms:.2f} ms int8 against {s.fp32_ms:.2f} fp32" for s in slow)
-        print(f"\n{runtime}: no faster in int8 (of the layers with >= 1 % of the fp32 time): {listed or 'none'}")
+        print(f"\n{runtime}: no faster in int8 (slower by >= 1 % of the fp32 convolution time): {listed or 'none'}")
         for layer in [k for k in fp32 if k.startswith("patch_embed.")]:
             print(f"  {layer}: fp32 {fp32[layer]:.2f} ms, int8 {int8.get(layer, float('nan')):.2f} ms")
 

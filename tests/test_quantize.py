@@ -143,9 +143,9 @@ def test_no_faster_in_int8_names_the_layers_int8_slows():
     fp32 = {"stem": 3.3, "pw": 5.9, "tiny": 0.01, "level": 2.0}
     int8 = {"stem": 7.2, "pw": 3.4, "tiny": 0.05, "level": 2.0}
     slow = no_faster_in_int8(fp32, int8)
-    assert [s.layer for s in slow] == ["stem", "level"]  # the largest loss first; "tiny" is under 1 % of the time
+    assert [s.layer for s in slow] == ["stem"]  # "tiny" loses under 1 % of the fp32 time, "level" nothing
     assert (slow[0].fp32_ms, slow[0].int8_ms) == (3.3, 7.2)
-    assert no_faster_in_int8(fp32, int8, least_share=0.0)[1].layer == "tiny"
+    assert [s.layer for s in no_faster_in_int8(fp32, int8, least_share=0.0)] == ["stem", "tiny", "level"]
     assert no_faster_in_int8({}, {}) == []
 
 

@@ -72,18 +72,18 @@ class LayerSpeed:
     int8_ms: float
 
 
-#: Layers taking less than this share of the fp32 convolutions' time are never kept float for speed:
-#: their times are profiler noise, and the quantise/dequantise pair a float layer needs costs more.
+#: A layer is kept float for speed only when int8 is slower by at least this share of all the fp32
+#: convolutions' time: smaller differences are profiler noise, and a float layer among int8 ones also
+#: costs a quantise/dequantise pair.
 LEAST_SHARE = 0.01
 
 
 def no_faster_in_int8(fp32: dict[str, float], int8: dict[str, float], least_share: float = LEAST_SHARE) -> list[LayerSpeed]:
-    """The layers whose int8 kernel is no faster than fp32 (milliseconds per call, layer -> time, from one
-    runtime's profiler), among those taking at least ``least_share`` of the fp32 convolutions' time;
-    the largest loss first."""
+    """The layers whose int8 kernel is slower than fp32 (milliseconds per call, layer -> time, from one
+    runtime's profiler) by at least ``least_share`` of the fp32 convolutions' time; the largest loss first."""
     total = sum(fp32.values())
     rows = [LayerSpeed(layer, fp32[layer], int8[layer]) for layer in fp32
-            if layer in int8 and fp32[layer] >= least_share * total and int8[layer] >= fp32[layer]]
+            if layer in int8 and int8[layer] - fp32[layer] >= least_share * total]
     return sorted(rows, key=lambda r: r.fp32_ms - r.int8_ms)
 
 
