@@ -59,12 +59,39 @@ def test_a_closed_terminal_saves_the_run(data, tmp_path, sigterm_after):
     """SIGHUP (the terminal the run was started from closed) stops it like SIGTERM: last.pt is saved
     at the update reached, and the run resumes from there; before, the default action killed it."""
     out = tmp_path / "hup"
-    with sigterm_after(2, signal.SIGHUP):
-        result = train(tiny(data=str(data), epochs=2, output=str(out)))
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (CI may run the suite under nohup)
+    try:
+        with sigterm_after(2, signal.SIGHUP):
+            result = train(tiny(data=str(data), epochs=2, output=str(out)))
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handler is gone after the run
+    finally:
+        signal.signal(signal.SIGHUP, before)
     assert result.interrupted
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (0, 2)
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handler is gone after the run
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+def test_a_run_under_nohup_outlives_the_terminal(data, tmp_path):
+    """A SIGHUP the process ignores when the run starts (``nohup cgavit train``) stays ignored: one
+    arriving after the second update leaves the run going to its end."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = []
+
+    def hang_up(optimizer, args, kwargs) -> None:
+        steps.append(signal.getsignal(signal.SIGHUP))
+        if len(steps) == 2:
+            signal.raise_signal(signal.SIGHUP)
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    handle = register_optimizer_step_post_hook(hang_up)
+    try:
+        result = train(tiny(data=str(data), epochs=1, output=str(tmp_path / "nohup")))
+    finally:
+        handle.remove()
+        signal.signal(signal.SIGHUP, before)
+    assert not result.interrupted and len(steps) > 2 and set(steps) == {signal.SIG_IGN}
 
 
 def test_resume_equals_uninterrupted(data, tmp_path, sigterm_after):

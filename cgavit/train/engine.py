@@ -578,7 +578,8 @@ def _tidy_run_folder(output: Path, resuming: bool) -> None:
 
 
 class _Stopper:
-    """SIGTERM / SIGINT / SIGHUP set a flag the loop checks after every update (then it saves and exits)."""
+    """SIGTERM / SIGINT / SIGHUP set a flag the loop checks after every update (then it saves and exits);
+    one the process ignores already (``nohup``) is left ignored."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -587,9 +588,10 @@ class _Stopper:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        # SIGHUP: the terminal the run was started from closed (where the platform has it)
+        # SIGHUP: the terminal the run was started from closed (where the platform has it). A signal
+        # ignored when the run starts stays ignored: ``nohup cgavit train`` asked to outlive the terminal.
         for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
-            if sig is not None:
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
                 self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
