@@ -419,14 +419,16 @@ class _Search:
             builder = onnx
         else:
             builder = OpenVinoInt8Builder(model, self.size, [self.calibration], opts)
-        slow = self.no_faster_layers(runtime, builder)[:most] if profile and most != 0 else []
+        slow, every_int8 = self.no_faster_layers(runtime, builder) if profile and most != 0 else ([], None)
+        slow = slow[:most]
         self.no_faster[runtime] = slow
         kept = tuple(s.layer for s in slow)
 
         def judge(float_layers: tuple[str, ...]) -> CurvePoint:
             return self.judge(runtime, builder, kept + tuple(float_layers))
 
-        start = judge(())
+        # the profile's all-int8 build is the first point when nothing is kept float for speed
+        start = self.judge(runtime, builder, kept, None if kept else every_int8)
         if (sensitivity or not (start.meets or most == 0)) and not self.sensitivity:
             log.info("quantize: per-layer sensitivity of %d layers (ONNX Runtime)", len(self.onnx.layers))
             self.sensitivity = layer_sensitivity(list(self.onnx.layers), self.onnx_module, self.evaluation,
@@ -435,26 +437,29 @@ class _Search:
         order = [layer for layer in order if layer not in kept]
         self.curves[runtime] = search_float_layers(order, judge, start, None if most is None else most - len(kept))
 
-    def no_faster_layers(self, runtime: str, builder) -> list[LayerSpeed]:
-        """The layers whose int8 kernel is no faster than fp32 in ``runtime``'s profiler on the timing batch."""
+    def no_faster_layers(self, runtime: str, builder) -> tuple[list[LayerSpeed], object]:
+        """The layers whose int8 kernel is no faster than fp32 in ``runtime``'s profiler on the timing batch,
+        and the every-layer-int8 build that was profiled."""
         threads, layers = self.timing[1], list(builder.layers)
+        every_int8 = builder.build([])
         if runtime == "onnxruntime":
             fp32 = onnxruntime_conv_times(self.tmp / "int8-source.onnx", self.example, layers, threads)
-            int8 = onnxruntime_conv_times(builder.build([]), self.example, layers, threads)
+            int8 = onnxruntime_conv_times(every_int8, self.example, layers, threads)
         else:
             fp32 = openvino_conv_times(builder.float_model, self.example, layers, threads)
-            int8 = openvino_conv_times(builder.build([]), self.example, layers, threads)
+            int8 = openvino_conv_times(every_int8, self.example, layers, threads)
         slow = no_faster_in_int8(fp32, int8)
         log.info("quantize: %s: %d layer(s) no faster in int8 here, kept in float: %s", runtime, len(slow),
                  ", ".join(f"{s.layer} ({s.int8_ms:.2f} ms int8, {s.fp32_ms:.2f} fp32)" for s in slow) or "none")
-        return slow
+        return slow, every_int8
 
     def onnx_module(self, float_layers: list[str]) -> OnnxModule:
         return OnnxModule(self.onnx.build(float_layers), self.timing[1], "int8")
 
-    def judge(self, runtime: str, builder, float_layers: tuple[str, ...]) -> CurvePoint:
-        """Build ``runtime``'s int8 model with ``float_layers`` in float, and measure and time it."""
-        artifact = builder.build(float_layers)
+    def judge(self, runtime: str, builder, float_layers: tuple[str, ...], artifact: object = None) -> CurvePoint:
+        """Build ``runtime``'s int8 model with ``float_layers`` in float (unless ``artifact`` is that build
+        already), and measure and time it."""
+        artifact = builder.build(float_layers) if artifact is None else artifact
         threads = self.timing[1]
         module = OnnxModule(artifact, threads, "int8") if runtime == "onnxruntime" else \
             OpenVinoModule(artifact, threads, "int8")
