@@ -73,13 +73,19 @@ def openvino_from_onnx(path: str | os.PathLike):
 class OpenVinoInt8Builder:
     """int8 versions of one model for OpenVINO (NNCF), with any of its layers kept in float.
 
-    The model is converted once; each :meth:`build` is one NNCF quantisation (its statistics are
-    collected again: NNCF keeps no cache across calls). The recipe (measured in BENCHMARKS.md):
-    the ``MIXED`` preset (symmetric per-channel weights, asymmetric activations), the full bias
-    correction (on the digits model the fast one kept 99.4 % of decisions, the full one 99.7 %),
-    7-bit weights on x86 without VNNI (``OverflowFix.ENABLE``, see :mod:`cgavit.deploy.int8`), and
-    with ``attention_float`` the transformer model type with every matmul ignored: the attention
-    core (score and PV matmuls, softmax) and the residual adds stay float.
+    The model is converted once and quantised once, every convolution int8 (one NNCF run, about 85 s
+    for M0 at 96 px on 256 images on a 2-core AVX2 EPYC, most of it the full bias correction); a build
+    with layers kept in float is that model with their quantisers taken out again
+    (:func:`restore_float_layers`), a graph edit of a second or two. Asking NNCF itself to leave them out
+    (its ignored scope) costs one NNCF run per build and decides about as well: on the CIFAR-10
+    references, with 1 to 16 float layers, the two differed by 0 to 9 decisions of 2,000, NNCF's more
+    often ahead, since its bias correction then sees those layers float (BENCHMARKS.md); what the
+    edit buys is a sensitivity measured in OpenVINO itself. The recipe: the ``MIXED`` preset (symmetric
+    per-channel weights, asymmetric activations), the full bias correction (on the digits model the
+    fast one kept 99.4 % of decisions, the full one 99.7 %), 7-bit weights on x86 without VNNI
+    (``OverflowFix.ENABLE``, see :mod:`cgavit.deploy.int8`), and with ``attention_float`` the
+    transformer model type with every matmul ignored: the attention core (score and PV matmuls,
+    softmax) and the residual adds stay float.
 
     Args:
         model: the model (its export form is converted).
@@ -106,9 +112,11 @@ class OpenVinoInt8Builder:
             layer = layer_of_openvino_node(op.get_friendly_name())
             if layer is not None and op.get_type_name() in ("Convolution", "GroupConvolution"):
                 self.layers[layer] = op.get_friendly_name()
+        #: the every-layer-int8 model (NNCF's, made on the first build)
+        self.every_int8 = None
 
     def build(self, float_layers: Iterable[str] = ()):
-        """The int8 ``openvino.Model`` with ``float_layers`` kept in float.
+        """The int8 ``openvino.Model`` with ``float_layers`` kept in float (a new model each call).
 
         Raises:
             ValueError: a layer name the model does not have.
@@ -117,14 +125,19 @@ class OpenVinoInt8Builder:
         unknown = [name for name in keep if name not in self.layers]
         if unknown:
             raise ValueError(f"no such layer in the converted model: {', '.join(unknown)}")
+        if self.every_int8 is None:
+            self.every_int8 = self.quantize()
+        return restore_float_layers(self.every_int8, self.float_model, [self.layers[name] for name in keep])
+
+    def quantize(self):
+        """Every convolution int8: one NNCF run."""
         nncf, opts = _nncf(), self.options
         advanced = nncf.AdvancedQuantizationParameters(
             overflow_fix=nncf.OverflowFix.ENABLE if opts.reduce_range else nncf.OverflowFix.DISABLE,
             disable_bias_correction=opts.bias_correction == "none",
             activations_range_estimator_params=_range_estimator(nncf, opts.calibration),
         )
-        ignored = nncf.IgnoredScope(names=[self.layers[name] for name in keep],
-                                    types=["MatMul"] if opts.attention_float else [], validate=False)
+        ignored = nncf.IgnoredScope(types=["MatMul"] if opts.attention_float else [], validate=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return nncf.quantize(
@@ -133,6 +146,55 @@ class OpenVinoInt8Builder:
                 model_type=nncf.ModelType.TRANSFORMER if opts.attention_float else None,
                 ignored_scope=ignored, advanced_parameters=advanced,
             )
+
+
+def restore_float_layers(int8_model, float_model, convolutions: Iterable[str]):
+    """A copy of NNCF's ``int8_model`` in which the named convolution nodes run in float again: each reads
+    its input without the quantiser in front of it (other readers of that input keep theirs), and gets
+    back its fp32 weights and bias from ``float_model`` (the model NNCF quantised, before quantisation;
+    the bias also undoes NNCF's bias correction of that layer).
+
+    Raises:
+        ValueError: a node missing from either model, or weights that are not a constant in ``float_model``.
+    """
+    names = list(convolutions)
+    out = int8_model.clone()
+    if not names:
+        return out
+    ops = {op.get_friendly_name(): op for op in out.get_ordered_ops()}
+    plain = {op.get_friendly_name(): op for op in float_model.get_ordered_ops()}
+    missing = [name for name in names if name not in ops or name not in plain]
+    if missing:
+        raise ValueError(f"no such convolution in both models: {', '.join(missing)}")
+    constant = _openvino().opset13.constant
+    for name in names:
+        conv, original = ops[name], plain[name]
+        source = conv.input_value(0).get_node()
+        if source.get_type_name() == "FakeQuantize":
+            conv.input(0).replace_source_output(source.input_value(0))
+        conv.input(1).replace_source_output(constant(_folded_weights(original)).output(0))
+        for reader in conv.output(0).get_target_inputs():  # the bias: an Add of a constant, named as in float_model
+            add = reader.get_node()
+            twin = plain.get(add.get_friendly_name())
+            if add.get_type_name() != "Add" or twin is None:
+                continue
+            for i in range(2):
+                if add.input_value(i).get_node().get_type_name() == "Constant" and \
+                        twin.input_value(i).get_node().get_type_name() == "Constant":
+                    add.input(i).replace_source_output(constant(twin.input_value(i).get_node().get_data()).output(0))
+    out.validate_nodes_and_infer_types()
+    return out
+
+
+def _folded_weights(conv):
+    """A float convolution node's weights as an array of the shape it reads (a constant, or a reshaped one,
+    as OpenVINO converts grouped convolutions)."""
+    node = conv.input_value(1).get_node()
+    if node.get_type_name() == "Reshape":
+        node = node.input_value(0).get_node()
+    if node.get_type_name() != "Constant":
+        raise ValueError(f"{conv.get_friendly_name()}: weights are a {node.get_type_name()}, not a constant")
+    return node.get_data().astype("float32").reshape(list(conv.get_input_shape(1)))
 
 
 def openvino_conv_times(
