@@ -35,7 +35,9 @@ from cgavit.deploy import fastpath
 from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
 from cgavit.deploy.quantize import assess
-from cgavit.deploy.sensitivity import fewest_meeting, layer_sensitivity, no_faster_in_int8, search_float_layers
+from cgavit.deploy.sensitivity import (
+    fewest_meeting, layer_sensitivity, no_faster_in_int8, prune_float_layers, search_float_layers,
+)
 from cgavit.testing import rel_err
 from cgavit.weights import WeightsMeta
 from test_precision import EPYC_AVX2, XEON_AMX, features, scrambled
@@ -139,6 +141,25 @@ def test_search_finds_the_fewest_float_layers_in_few_builds():
     assert max(len(p.float_layers) for p in capped) == 4 and fewest_meeting(capped) is None
 
 
+def test_pruning_returns_the_float_layers_the_target_does_not_need():
+    """Only layer0 and layer2 matter: the search keeps the prefix of 3 float; pruning returns layer1, then
+    tries layer2 and layer0 and keeps them float (each return misses)."""
+    order = [f"layer{i}" for i in range(10)]
+
+    def judge(float_layers):
+        ok = {"layer0", "layer2"} <= set(float_layers)
+        a = Agreement(n=1000, top1_agreement=0.999 if ok else 0.99, max_rel_err=0.1)
+        return CurvePoint("openvino", tuple(float_layers), a, 100.0, 1.5, ok)
+
+    found = fewest_meeting(search_float_layers(order, judge))
+    assert found.float_layers == ("layer0", "layer1", "layer2")
+    pruned = prune_float_layers(found.float_layers, judge, ["layer9", "layer1", "layer2", "layer0"])
+    assert [p.float_layers for p in pruned] == [("layer0", "layer2"), ("layer0",), ("layer2",)]  # layer9: not float
+    assert [p.meets for p in pruned] == [True, False, False] and {p.step for p in pruned} == {"prune"}
+    assert fewest_meeting(pruned).float_layers == ("layer0", "layer2")
+    assert prune_float_layers((), judge, order) == []
+
+
 def test_no_faster_in_int8_names_the_layers_int8_slows():
     fp32 = {"stem": 3.3, "pw": 5.9, "tiny": 0.01, "level": 2.0}
     int8 = {"stem": 7.2, "pw": 3.4, "tiny": 0.05, "level": 2.0}
@@ -166,6 +187,74 @@ def test_layer_profiles_time_every_convolution(trained_digits, tmp_path):
         for model in (ov.float_model, ov.build([])):
             times = openvino_conv_times(model, x, ov.layers, runs=2)
             assert set(times) == set(ov.layers) and min(times.values()) >= 0
+
+
+def test_openvino_float_layers_are_float_again(trained_digits):
+    """A build with layers kept float is NNCF's every-layer-int8 model with their quantisers taken out: every
+    layer float gives fp32's logits back; one float layer reads fp32 weights and an unquantised input."""
+    from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    x = trained_digits.images[:32]
+    ov = OpenVinoInt8Builder(trained_digits.model, (48, 48), trained_digits.calibration(64), Int8Options(reduce_range=True))
+    fp32 = OpenVinoModule(ov.float_model, 1)(x)
+    every_int8 = OpenVinoModule(ov.build([]), 1, "int8")(x)
+    every_float = OpenVinoModule(ov.build(list(ov.layers)), 1, "int8")(x)
+    assert (every_int8 - fp32).abs().max() > 1e-3  # int8 moves the logits ...
+    torch.testing.assert_close(every_float, fp32, rtol=1e-4, atol=1e-4)  # ... and with every layer float, nothing does
+    one = ov.build(["stages.1.blocks.0.pre.1.m.pw1"])
+    conv = next(op for op in one.get_ordered_ops() if op.get_friendly_name() == ov.layers["stages.1.blocks.0.pre.1.m.pw1"])
+    assert conv.input_value(0).get_node().get_type_name() != "FakeQuantize"
+    assert conv.input_value(1).get_node().get_type_name() == "Constant"
+    assert ov.build([]) is not ov.build([])  # a new model each call: saving one does not change the next
+    with pytest.raises(ValueError, match="no such layer"):
+        ov.build(["stages.9.nothing"])
+
+
+def test_openvino_searches_in_its_own_sensitivity_order_and_prunes(trained_digits):
+    """Every decision of 360 as the target, in OpenVINO alone: the sensitivity is measured in OpenVINO's
+    builds, and each layer the search kept float is tried back in int8 (the answer keeps only the ones
+    whose return missed)."""
+    from cgavit.deploy.openvino import openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    r = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(1.0, 0.0),
+                 "openvino", labels=trained_digits.labels, warmup=0, repeats=1, profile_layers=False)
+    rows = r.sensitivity["openvino"]
+    assert list(r.sensitivity) == ["openvino"] and len(rows) == 71  # every convolution, measured in OpenVINO
+    assert [(s.agreement, -s.rel_err) for s in rows] == sorted((s.agreement, -s.rel_err) for s in rows)
+    search = [p for p in r.curves["openvino"] if p.step == "search"]
+    pruned = [p for p in r.curves["openvino"] if p.step == "prune"]
+    found = fewest_meeting(search)
+    if found is None or not found.float_layers:
+        assert pruned == []
+    else:
+        assert len(pruned) == len(found.float_layers)  # one build per float layer
+        assert all(set(p.float_layers) < set(found.float_layers) for p in pruned)
+        assert r.meets_target and set(r.float_layers) <= set(found.float_layers)
+        kept = set(r.float_layers)
+        for p in pruned:  # a layer stays float only because the build without it missed
+            if not p.meets:
+                assert (set(found.float_layers) - set(p.float_layers)) <= kept
+    assert "Sensitivity in OpenVINO" in r.markdown() and r.record()["sensitivity"]["openvino"][0]["layer"] == rows[0].layer
+
+
+def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_digits):
+    """With both runtimes meeting a loose target, their answers are timed again in one round-robin, and the faster
+    of that timing is the result."""
+    from cgavit.deploy.openvino import openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    r = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
+                 labels=trained_digits.labels, max_float_layers=0, warmup=0, repeats=2, sensitivity=False)
+    assert sorted(p.runtime for p in r.runoff) == ["onnxruntime", "openvino"] and r.meets_target
+    assert r.point == max(r.runoff, key=lambda p: p.speedup) and r.runtime == r.point.runtime
+    assert r.fp32_img_s == pytest.approx(r.point.img_s / r.point.speedup)
+    assert [p["runtime"] for p in r.record()["runoff"]] == [p.runtime for p in r.runoff]
+    assert "timed again side by side" in r.markdown()
 
 
 def test_layers_no_faster_in_int8_stay_float_in_every_build(trained_digits, monkeypatch):

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
-                      profile_layers=not args.no_layer_profile, info=export_info(info, size), threads=args.threads,
+                      profile_layers=not args.no_layer_profile, prune=not args.no_prune, info=export_info(info, size),
+                      threads=args.threads,
                       warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
@@ -125,7 +126,8 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
     slow = ptq.no_faster.get("onnxruntime", [])
     free = [s.layer for s in slow]
-    sensitive = [s.layer for s in ptq.sensitivity if s.layer not in free][:args.qat_float_layers]
+    ranked = ptq.sensitivity.get("onnxruntime") or next(iter(ptq.sensitivity.values()), [])  # the file is ONNX
+    sensitive = [s.layer for s in ranked if s.layer not in free][:args.qat_float_layers]
     keep = free + sensitive
     kinds = [f"{', '.join(names)} ({why})" for names, why in ((free, "no faster in int8"),
                                                                  (sensitive, "the most sensitive")) if names]
@@ -136,7 +138,7 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
                          config=cfg, options=options, float_layers=keep,
                          info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
-    qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ptq.sensitivity, keep, slow)  # why they stayed float
+    qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ranked, keep, slow)  # why they stayed float
     qat.no_faster = {"onnxruntime": slow}
     print(f"post-training: {ptq.describe_point()}\nquantization-aware: {qat.describe_point()}")
     if qat.meets_target and (not ptq.meets_target or qat.point.speedup > ptq.point.speedup):
@@ -171,8 +173,8 @@ def write_outputs(result: QuantizeResult, stem: Path) -> int:
 
 
 def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
-    """Agreement against speed-up over fp32 ONNX Runtime, one line per runtime, each point labelled with its
-    number of float layers; None (and a note) without matplotlib."""
+    """Agreement against speed-up over fp32 ONNX Runtime, one line per runtime (the search) and crosses for the
+    pruning's builds, each point labelled with its number of float layers; None (and a note) without matplotlib."""
     try:
         mpl = matplotlib_agg()
     except ImportError:
@@ -181,16 +183,21 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
     plt = mpl.pyplot
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for runtime, points in result.curves.items():
-        points = sorted(points, key=lambda p: len(p.float_layers))  # the search builds out of order
-        xs, ys = [p.speedup for p in points], [100 * p.agreement.top1_agreement for p in points]
-        ax.plot(xs, ys, "o-", label=runtime)
-        for p, x, y in zip(points, xs, ys):
-            ax.annotate(str(len(p.float_layers)), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        search = sorted((p for p in points if p.step == "search"), key=lambda p: len(p.float_layers))  # built out of order
+        pruned = [p for p in points if p.step == "prune"]
+        line, = ax.plot([p.speedup for p in search], [100 * p.agreement.top1_agreement for p in search], "o-",
+                        label=f"{runtime}: float layers added, most sensitive first")
+        if pruned:
+            ax.plot([p.speedup for p in pruned], [100 * p.agreement.top1_agreement for p in pruned], "x",
+                    color=line.get_color(), label=f"{runtime}: one returned to int8")
+        for p in search + pruned:
+            ax.annotate(str(len(p.float_layers)), (p.speedup, 100 * p.agreement.top1_agreement),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(100 * result.target.agreement, color="grey", ls="--", lw=1, label="target")
     ax.set_xlabel("speed-up over fp32 ONNX Runtime (same run)")
     ax.set_ylabel("top-1 agreement with fp32 (%)")
     ax.set_title(f"int8 builds, labelled by layers kept in float\n{result.cpu}", fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
@@ -232,6 +239,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-layer-profile", action="store_true",
                    help="do not keep in float the layers int8 makes no faster here (found by timing each convolution "
                         "in fp32 and int8 in the runtime's profiler; default: they stay float in every build)")
+    p.add_argument("--no-prune", action="store_true",
+                   help="keep the search's float layers as found (default: each goes back to int8 where the target "
+                        "holds without it, those int8 speeds up most first; one build per float layer)")
     p.add_argument("--skip-sensitivity", action="store_true",
                    help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
     p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (torch PT2E QAT, needs cgavit[qat]), distilled from fp32")

@@ -6,7 +6,8 @@ residual adds in float) and judged on held-out images against fp32: top-1 agreem
 change (:class:`QuantizeTarget`, default agreement >= 99.5 % and accuracy within 0.3 point). Layers
 whose int8 kernel is no faster than fp32 in the runtime's profiler on this CPU stay float in every
 build (they cost no speed). When the rest in int8 misses, layers are kept in float, most sensitive
-first (:mod:`cgavit.deploy.sensitivity`), until the target is met. Every build is timed round-robin beside
+first in that runtime (:mod:`cgavit.deploy.sensitivity`), until the target is met; then each of them
+goes back to int8 where the target holds without it, those int8 speeds up most first. Every build is timed round-robin beside
 fp32 ONNX Runtime on this machine; the fastest build that meets the target is the result. When none
 meets it, the result says so and names the best found, and :meth:`QuantizeResult.save` refuses it.
 
@@ -45,7 +46,7 @@ from .openvino import (
 from .runtime import RuntimeModule, pad_batch
 from .sensitivity import (
     CurvePoint, LayerSensitivity, LayerSpeed, fewest_meeting, layer_sensitivity, no_faster_in_int8, padded_logits,
-    search_float_layers,
+    prune_float_layers, search_float_layers,
 )
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,15 @@ class QuantizeResult:
         artifact: the build's file content: ONNX bytes, or an ``openvino.Model``.
         info: the metadata :meth:`save` writes into the file.
         reasons: each float layer -> why it is float.
-        sensitivity: every layer quantised alone, most sensitive first (empty when not measured).
-        curves: runtime -> every build measured, by the number of float layers.
+        sensitivity: runtime -> every layer quantised alone in it, most sensitive first (absent when not measured).
+        curves: runtime -> every build measured: the search's, then the pruning's.
         cpu: the CPU it was measured on.
         options: the int8 options used (weight range decided).
         calibration_images, evaluation_images: the image counts.
         method: how the weights were made int8 (post-training, or after quantisation-aware fine-tuning).
         no_faster: runtime -> the layers its int8 kernel did not make faster here (kept float in its builds).
+        runoff: when more than one runtime met the target, each one's answer timed again in one round-robin
+            (what chose between them; ``point`` is the chosen one's).
     """
 
     target: QuantizeTarget
@@ -117,7 +120,7 @@ class QuantizeResult:
     artifact: object
     info: ExportInfo
     reasons: dict[str, str]
-    sensitivity: list[LayerSensitivity]
+    sensitivity: dict[str, list[LayerSensitivity]]
     curves: dict[str, list[CurvePoint]]
     cpu: str
     options: Int8Options
@@ -125,6 +128,7 @@ class QuantizeResult:
     evaluation_images: int
     method: str = "post-training"
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
+    runoff: list[CurvePoint] = field(default_factory=list)
 
     @property
     def agreement(self) -> Agreement:
@@ -163,11 +167,13 @@ class QuantizeResult:
             cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
             calibration=self.options.calibration, calibration_images=self.calibration_images,
             evaluation_images=self.evaluation_images,
-            sensitivity=[dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
-                              changed=s.changed, n=s.n, rel_err=s.rel_err) for s in self.sensitivity],
+            sensitivity={rt: [dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
+                                   changed=s.changed, n=s.n, rel_err=s.rel_err) for s in rows]
+                         for rt, rows in self.sensitivity.items()},
             curves={rt: [_point_record(p) for p in points] for rt, points in self.curves.items()},
             no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
                                for rt, speeds in self.no_faster.items()},
+            runoff=[_point_record(p) for p in self.runoff],
         )
 
     def markdown(self, top: int = 15) -> str:
@@ -178,24 +184,29 @@ class QuantizeResult:
                  f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).",
                  f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range), self.options.weights)}, "
                  f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
-                 "| runtime | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target |",
-                 "|---|---:|---:|---:|---:|---:|---|"]
+                 "| runtime | step | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target |",
+                 "|---|---|---:|---:|---:|---:|---:|---|"]
         for runtime, points in self.curves.items():
             for p in points:
                 a = p.agreement
                 acc = "" if a.accuracy is None else f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f})"
-                lines.append(f"| {RUNTIME_NAMES[runtime]} | {len(p.float_layers)} | {100 * a.top1_agreement:.2f} % | "
+                lines.append(f"| {RUNTIME_NAMES[runtime]} | {p.step} | {len(p.float_layers)} | {100 * a.top1_agreement:.2f} % | "
                              f"{acc} | {p.img_s:.0f} | {p.speedup:.2f} | {'meets' if p.meets else 'misses'} |")
-        lines += ["", f"fp32 ONNX Runtime: {self.fp32_img_s:.0f} img/s (same round-robin timing).", "",
+        lines += ["", f"fp32 ONNX Runtime: {self.fp32_img_s:.0f} img/s (same round-robin timing)."]
+        if self.runoff:
+            timed = ", ".join(f"{RUNTIME_NAMES[p.runtime]} {p.speedup:.2f}x" for p in self.runoff)
+            lines += ["", f"Each runtime's answer timed again side by side (one round-robin, twice the rounds): {timed} "
+                      "fp32 ONNX Runtime; the faster is chosen."]
+        lines += ["",
                   "Kept in float by design: the attention core (score and PV matmuls, softmax) and the residual adds."]
         lines += [f"Kept in float: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
             ["No convolution kept in float."]
-        if self.sensitivity:
-            lines += ["", f"Sensitivity (each layer int8 alone, the {min(top, len(self.sensitivity))} most sensitive "
-                      f"of {len(self.sensitivity)}):", "", "| layer | decisions changed | agreement | rel. logit error |",
-                      "|---|---:|---:|---:|"]
+        for runtime, rows in self.sensitivity.items():
+            lines += ["", f"Sensitivity in {RUNTIME_NAMES[runtime]} (each layer int8 alone, the {min(top, len(rows))} "
+                      f"most sensitive of {len(rows)}):", "",
+                      "| layer | decisions changed | agreement | rel. logit error |", "|---|---:|---:|---:|"]
             lines += [f"| `{s.layer}` | {s.changed} of {s.n} | {100 * s.agreement:.2f} % | {s.rel_err:.1e} |"
-                      for s in self.sensitivity[:top]]
+                      for s in rows[:top]]
         return "\n".join(lines) + "\n"
 
     def describe_point(self, point: CurvePoint | None = None) -> str:
@@ -222,6 +233,7 @@ def quantize(
     sensitivity: bool = True,
     max_float_layers: int | None = None,
     profile_layers: bool = True,
+    prune: bool = True,
     info: ExportInfo | None = None,
     reference: nn.Module | None = None,
     batch: int = 16,
@@ -240,10 +252,10 @@ def quantize(
         labels: ``(M,)`` class indices of ``evaluation`` (for the accuracy part of the target).
         options: the int8 recipe (default: :class:`~cgavit.deploy.int8.Int8Options`, weight range by CPU).
         features: the CPU to quantise for (default: this machine's).
-        sensitivity: measure every layer quantised alone even when every layer in int8 meets the target
-            (it is measured anyway when layers must be kept in float).
+        sensitivity: measure every layer quantised alone even when all-int8 meets the target (else only when needed).
         max_float_layers: keep at most this many layers in float (default: no cap; 0: every layer int8).
-        profile_layers: keep in float the layers int8 makes no faster in the runtime's profiler (default).
+        profile_layers, prune: keep in float the layers int8 makes no faster in the runtime's profiler; after the
+            search, return each layer it kept float to int8 where the target holds without it (both default).
         info: metadata for the file (class names, preprocessing); precision and the verdict are added.
         reference: the fp32 model the builds are judged against and timed beside (default ``model``).
         batch, threads, warmup, repeats: how each build is timed beside fp32 ONNX Runtime.
@@ -256,16 +268,15 @@ def quantize(
     cal, ev = _checked_images(calibration, evaluation, labels)
     if max_float_layers is not None and max_float_layers < 0:
         raise ValueError(f"max_float_layers must be at least 0 (or None: no cap), got {max_float_layers}")
-    features = features or cpu_features()
+    features, size = features or cpu_features(), tuple(ev.shape[2:])
     opts = options.for_cpu(features)
-    size = tuple(ev.shape[2:])
     search = _Search(fuse(model), fuse(reference if reference is not None else model), cal, ev, labels, target, size,
                      (batch, threads, warmup, repeats))
     with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp:
         search.start(Path(tmp))
         try:
             for name in runtimes:
-                search.run(name, model, opts, sensitivity, max_float_layers, profile_layers)
+                search.run(name, model, opts, sensitivity, max_float_layers, profile_layers, prune)
         finally:
             search.close()
     return search.result(features, opts, info or ExportInfo(img_size=size))
@@ -329,7 +340,8 @@ def _runtimes(runtime: str | None) -> list[str]:
     if runtime is not None and runtime not in QUANT_RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(QUANT_RUNTIMES)} (or None: every one installed), got {runtime!r}")
     if not onnxruntime_available():
-        raise ValueError("quantize needs ONNX Runtime (the per-layer sensitivity runs in it): pip install 'cgavit[deploy]'")
+        raise ValueError("quantize needs ONNX Runtime (every build is timed beside fp32 ONNX Runtime): "
+                         "pip install 'cgavit[deploy]'")
     if runtime == "openvino" and not openvino_available():
         raise ValueError("runtime openvino is not installed: pip install 'cgavit[openvino]'")
     if runtime is not None:
@@ -388,7 +400,7 @@ class _Search:
     timing: tuple[int, int, int, int]  # batch, threads, warm-up, repeats
     builds: dict[tuple[str, tuple[str, ...]], _Build] = field(default_factory=dict)
     curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
-    sensitivity: list[LayerSensitivity] = field(default_factory=list)
+    sensitivity: dict[str, list[LayerSensitivity]] = field(default_factory=dict)
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
 
     def start(self, tmp: Path) -> None:
@@ -411,15 +423,15 @@ class _Search:
             self.onnx.close()
 
     def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None,
-            profile: bool = True) -> None:
+            profile: bool = True, prune: bool = True) -> None:
         """Search ``runtime``'s builds: every layer int8 (but those int8 does not make faster, with ``profile``),
-        then more layers kept in float as needed, at most ``most`` in all."""
-        onnx = self.onnx_builder(opts)
+        then more layers kept in float as needed, at most ``most`` in all, most sensitive in this runtime first;
+        then (``prune``) each of those returned to int8 where the target holds without it."""
         if runtime == "onnxruntime":
-            builder = onnx
+            builder = self.onnx_builder(opts)
         else:
             builder = OpenVinoInt8Builder(model, self.size, [self.calibration], opts)
-        slow, every_int8 = self.no_faster_layers(runtime, builder) if profile and most != 0 else ([], None)
+        slow, every_int8, gain = self.profile(runtime, builder) if profile and most != 0 else ([], None, {})
         slow = slow[:most]
         self.no_faster[runtime] = slow
         kept = tuple(s.layer for s in slow)
@@ -429,17 +441,24 @@ class _Search:
 
         # the profile's all-int8 build is the first point when nothing is kept float for speed
         start = self.judge(runtime, builder, kept, None if kept else every_int8)
-        if (sensitivity or not (start.meets or most == 0)) and not self.sensitivity:
-            log.info("quantize: per-layer sensitivity of %d layers (ONNX Runtime)", len(self.onnx.layers))
-            self.sensitivity = layer_sensitivity(list(self.onnx.layers), self.onnx_module, self.evaluation,
-                                                 self.reference)
-        order = [s.layer for s in self.sensitivity if s.layer in builder.layers] or list(builder.layers)
+        if sensitivity or not (start.meets or most == 0):
+            log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), RUNTIME_NAMES[runtime])
+            self.sensitivity[runtime] = layer_sensitivity(
+                list(builder.layers), partial(self.module, runtime, builder), self.evaluation, self.reference)
+        order = [s.layer for s in self.sensitivity.get(runtime, ())] or list(builder.layers)
         order = [layer for layer in order if layer not in kept]
-        self.curves[runtime] = search_float_layers(order, judge, start, None if most is None else most - len(kept))
+        curve = search_float_layers(order, judge, start, None if most is None else most - len(kept))
+        found = fewest_meeting(curve)
+        if prune and found is not None and len(found.float_layers) > len(kept):
+            searched = found.float_layers[len(kept):]
+            # the layers int8 speeds up most return first (without a profile: the least sensitive first)
+            returns = sorted(searched, key=lambda layer: -gain[layer]) if gain else list(reversed(searched))
+            curve += prune_float_layers(searched, judge, returns)
+        self.curves[runtime] = curve
 
-    def no_faster_layers(self, runtime: str, builder) -> tuple[list[LayerSpeed], object]:
+    def profile(self, runtime: str, builder) -> tuple[list[LayerSpeed], object, dict[str, float]]:
         """The layers whose int8 kernel is no faster than fp32 in ``runtime``'s profiler on the timing batch,
-        and the every-layer-int8 build that was profiled."""
+        the every-layer-int8 build that was profiled, and each layer's gain in int8 (fp32 minus int8 ms)."""
         threads, layers = self.timing[1], list(builder.layers)
         every_int8 = builder.build([])
         if runtime == "onnxruntime":
@@ -451,18 +470,18 @@ class _Search:
         slow = no_faster_in_int8(fp32, int8)
         log.info("quantize: %s: %d layer(s) no faster in int8 here, kept in float: %s", runtime, len(slow),
                  ", ".join(f"{s.layer} ({s.int8_ms:.2f} ms int8, {s.fp32_ms:.2f} fp32)" for s in slow) or "none")
-        return slow, every_int8
+        gain = {layer: fp32.get(layer, 0.0) - int8.get(layer, 0.0) for layer in layers}
+        return slow, every_int8, gain
 
-    def onnx_module(self, float_layers: list[str]) -> OnnxModule:
-        return OnnxModule(self.onnx.build(float_layers), self.timing[1], "int8")
+    def module(self, runtime: str, builder, float_layers: list[str]) -> RuntimeModule:
+        """``runtime``'s int8 build with ``float_layers`` in float, as a module (the timing threads)."""
+        return int8_module(runtime, builder.build(float_layers), self.timing[1])
 
     def judge(self, runtime: str, builder, float_layers: tuple[str, ...], artifact: object = None) -> CurvePoint:
         """Build ``runtime``'s int8 model with ``float_layers`` in float (unless ``artifact`` is that build
         already), and measure and time it."""
         artifact = builder.build(float_layers) if artifact is None else artifact
-        threads = self.timing[1]
-        module = OnnxModule(artifact, threads, "int8") if runtime == "onnxruntime" else \
-            OpenVinoModule(artifact, threads, "int8")
+        module = int8_module(runtime, artifact, self.timing[1])
         a = compare_logits(padded_logits(module, self.evaluation), self.reference, self.labels)
         img_s, fp32_img_s = self.time(module)
         point = CurvePoint(runtime, float_layers, a, img_s, img_s / fp32_img_s, self.target.met_by(a))
@@ -480,29 +499,51 @@ class _Search:
         self.fp32_img_s = t["fp32"].median_rate(batch)
         return t["int8"].median_rate(batch), self.fp32_img_s
 
+    def runoff(self, points: list[CurvePoint]) -> list[CurvePoint]:
+        """``points`` (one per runtime) timed again in one round-robin beside fp32 ONNX Runtime, twice the rounds:
+        each search timed its builds at its own moments, and the machine's load moves in between."""
+        batch, threads, warmup, repeats = self.timing
+        calls = {"fp32": partial(self.fp32, self.example)}
+        for p in points:
+            module = int8_module(p.runtime, self.builds[(p.runtime, p.float_layers)].artifact, threads)
+            calls[p.runtime] = partial(module, self.example)
+        with torch.no_grad():
+            t = round_robin(calls, warmup, 2 * repeats)
+        fp32 = t["fp32"].median_rate(batch)
+        return [replace(p, img_s=t[p.runtime].median_rate(batch), speedup=t[p.runtime].median_rate(batch) / fp32)
+                for p in points]
+
     def result(self, features: CpuFeatures, opts: Int8Options, info: ExportInfo) -> QuantizeResult:
-        """The fastest build that meets the target, or the best found."""
+        """The fastest build that meets the target (the runtimes' answers timed side by side), or the best found."""
         winners = [p for p in (fewest_meeting(c) for c in self.curves.values()) if p is not None]
+        runoff = self.runoff(winners) if len(winners) > 1 else []
         if winners:
-            point = max(winners, key=lambda p: p.speedup)
+            point = max(runoff or winners, key=lambda p: p.speedup)
         else:  # the most decisions kept, then the closest accuracy, then the fastest
             every = [p for c in self.curves.values() for p in c]
             point = max(every, key=lambda p: (p.agreement.top1_agreement, -abs(p.agreement.accuracy_change or 0),
                                               p.speedup))
         build = self.builds[(point.runtime, point.float_layers)]
-        module = OnnxModule(build.artifact, precision="int8") if point.runtime == "onnxruntime" else \
-            OpenVinoModule(build.artifact, precision="int8")
         return QuantizeResult(
             target=self.target, meets_target=bool(winners), runtime=point.runtime, point=point,
-            fp32_img_s=point.img_s / point.speedup, module=module, artifact=build.artifact,
+            fp32_img_s=point.img_s / point.speedup, module=int8_module(point.runtime, build.artifact),
+            artifact=build.artifact,
             info=_verdict_info(info, opts.with_float(point.float_layers), point, self.target, features),
             reasons=self.reasons(point), sensitivity=self.sensitivity, curves=self.curves,
             cpu=features.describe(), options=opts, calibration_images=len(self.calibration),
-            evaluation_images=len(self.evaluation), no_faster=self.no_faster,
+            evaluation_images=len(self.evaluation), no_faster=self.no_faster, runoff=runoff,
         )
 
     def reasons(self, point: CurvePoint) -> dict[str, str]:
-        return float_reasons(self.sensitivity, point.float_layers, self.no_faster.get(point.runtime, ()), self.timing[0])
+        return float_reasons(self.sensitivity.get(point.runtime, []), point.float_layers,
+                             self.no_faster.get(point.runtime, ()), self.timing[0])
+
+
+def int8_module(runtime: str, artifact: object, threads: int | None = None) -> RuntimeModule:
+    """An int8 build (ONNX bytes, or an ``openvino.Model``) in its runtime, called like a module."""
+    if runtime == "onnxruntime":
+        return OnnxModule(artifact, threads, "int8")
+    return OpenVinoModule(artifact, threads, "int8")
 
 
 def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[str],
@@ -531,7 +572,7 @@ def _point_record(p: CurvePoint) -> dict:
     a = p.agreement
     return dict(runtime=p.runtime, float_layers=list(p.float_layers), agreement=a.top1_agreement, changed=a.changed,
                 n=a.n, accuracy=a.accuracy, accuracy_change=a.accuracy_change, max_rel_err=a.max_rel_err,
-                img_s=p.img_s, speedup_over_fp32_onnxruntime=p.speedup, meets_target=p.meets)
+                img_s=p.img_s, speedup_over_fp32_onnxruntime=p.speedup, meets_target=p.meets, step=p.step)
 
 
 def _verdict_info(info: ExportInfo, opts: Int8Options, point: CurvePoint, target: QuantizeTarget,

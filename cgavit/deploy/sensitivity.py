@@ -1,14 +1,19 @@
 """Which layers int8 may not touch: per-layer sensitivity, and the search for the fewest layers kept in
 float that meet an agreement target.
 
-* :func:`layer_sensitivity` quantises **one layer at a time** (every other layer float) in ONNX
-  Runtime, which calibrates once and requantises in a second, and measures what that layer alone
-  costs: the share of fp32's decisions it changes, and the relative logit error.
+* :func:`layer_sensitivity` quantises **one layer at a time** (every other layer float) in the
+  runtime that will run the model (each runtime's int8 kernels and ranges differ: on the CIFAR-10
+  96 px reference OpenVINO needed 14 float layers in ONNX Runtime's order and 6 in its own), and
+  measures what that layer alone costs: the share of fp32's decisions it changes, and the relative
+  logit error.
 * :func:`search_float_layers` keeps layers in float in that order, most sensitive first: it tries
   1, 2, 4, ... layers until the target is met, then halves the last step until the fewest that met
   it is found (agreement grows with the layers kept in float, though not strictly, so this finds
   the fewest *in that order*, in a few builds rather than one per layer). Every build it makes is a
   point of the curve of agreement against speed.
+* :func:`prune_float_layers` then returns the layers it kept float to int8 one at a time, those
+  int8 speeds up most first, and keeps each return whose build still meets the target: a layer of
+  the sensitivity prefix may not be needed once the others are float (sensitivities do not add up).
 
 * :func:`no_faster_in_int8` names the layers int8 does not make faster on this CPU (from a
   runtime's per-layer profile, fp32 against int8): kept in float, they cost no speed and can only
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -98,6 +103,8 @@ class CurvePoint:
         img_s: images/s at the timing batch and threads.
         speedup: ``img_s`` over fp32 ONNX Runtime's, timed in the same round-robin.
         meets: whether it meets the target.
+        step: ``"search"`` (a prefix of the sensitivity order) or ``"prune"`` (a float layer of the search's
+            answer returned to int8).
     """
 
     runtime: str
@@ -106,6 +113,7 @@ class CurvePoint:
     img_s: float
     speedup: float
     meets: bool
+    step: str = "search"
 
 
 @torch.no_grad()
@@ -167,6 +175,32 @@ def search_float_layers(
             points[mid] = judge(tuple(order[:mid]))
             low, high = (low, mid) if points[mid].meets else (mid, high)
     return [points[i] for i in sorted(points)]
+
+
+def prune_float_layers(
+    found: Sequence[str], judge: Callable[[tuple[str, ...]], CurvePoint], order: Sequence[str],
+) -> list[CurvePoint]:
+    """Return the float layers ``found`` (a build that meets the target) to int8 one at a time, in ``order``
+    (layers not in ``found`` are skipped), keeping each return whose build still meets the target.
+
+    Args:
+        found: the float layers of a build that meets the target.
+        judge: builds and measures the int8 model with those layers in float (a :class:`CurvePoint`).
+        order: the order to try them in (e.g. the layers int8 speeds up most first).
+
+    Returns:
+        Every point measured (``step="prune"``); the last that meets has the fewest float layers (none
+        meets: no layer could return).
+    """
+    keep = list(found)
+    points = []
+    for layer in [name for name in order if name in found]:
+        trial = tuple(name for name in keep if name != layer)
+        point = replace(judge(trial), step="prune")
+        points.append(point)
+        if point.meets:
+            keep = list(trial)
+    return points
 
 
 def fewest_meeting(points: Sequence[CurvePoint]) -> CurvePoint | None:
