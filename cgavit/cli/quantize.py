@@ -106,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
                       profile_layers=not args.no_layer_profile, prune=not args.no_prune, info=export_info(info, size),
-                      threads=args.threads,
-                      warmup=args.warmup, repeats=args.repeats)
+                      threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
     elif args.qat:

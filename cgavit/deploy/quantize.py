@@ -479,7 +479,10 @@ class _Search:
 
     def judge(self, runtime: str, builder, float_layers: tuple[str, ...], artifact: object = None) -> CurvePoint:
         """Build ``runtime``'s int8 model with ``float_layers`` in float (unless ``artifact`` is that build
-        already), and measure and time it."""
+        already), and measure and time it; a build measured before is not made again (pruning the search's
+        last float layer gives the search's previous point)."""
+        if (runtime, float_layers) in self.builds:
+            return self.builds[(runtime, float_layers)].point
         artifact = builder.build(float_layers) if artifact is None else artifact
         module = int8_module(runtime, artifact, self.timing[1])
         a = compare_logits(padded_logits(module, self.evaluation), self.reference, self.labels)
