@@ -286,6 +286,13 @@ def run_bash(block: Block, code: str, cwd: Path, env: dict[str, str]) -> None:
     assert proc.returncode == 0, f"{block.where}: exit status {proc.returncode}\n{code}\n--- output ---\n{proc.stdout[-6000:]}"
 
 
+def as_in_a_terminal() -> None:
+    """In the child: Ctrl-C's default action, as for a command started at a terminal. A suite started in the
+    background (``make test &``, nohup) runs with SIGINT ignored, every child inherits that, and a server
+    rightly keeps a signal ignored at its start: it would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_servers(block: Block, code: str, cwd: Path, env: dict[str, str]) -> None:
     """Each command of a ``serve`` block: started, asked for its model, stopped with SIGINT."""
     for start, end in logical_lines(code):
@@ -293,7 +300,8 @@ def run_servers(block: Block, code: str, cwd: Path, env: dict[str, str]) -> None
         if not command or command.startswith("#"):
             continue
         proc = subprocess.Popen(["bash", "--noprofile", "--norc", "-c", f"exec {command}"], cwd=cwd, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=as_in_a_terminal)
         lines: list[str] = []
         try:
             url = None
