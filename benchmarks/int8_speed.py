@@ -4,7 +4,9 @@ Speed does not depend on the weights' values, so the variant (M4 by default) has
 layers kept in float are the ones a trained reference needed in each runtime (``cgavit quantize`` writes
 every build it judged in ``NAME.quantize.json``, ``curves``; M0-M4 share their depths, so names carry over). Every path is
 timed round-robin by :func:`cgavit.timing.round_robin` in the same run (batch 16, 1 thread, 224 px) and
-reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2").
+reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2" and
+"int8 on AMX"). On a CPU with native bf16 the OpenVINO builds are timed with their float part in bf16 too
+(``openvino+bf16`` curves of the reports), beside the whole model in bf16.
 
 Usage::
 
@@ -34,15 +36,16 @@ from cgavit.timing import round_robin
 
 
 def float_layers(reports: list[str]) -> dict[str, list[str]]:
-    """Per runtime, the union (in order) of the float layers that met the target in the ``cgavit quantize``
-    reports: each report's fewest that met it in each runtime it searched (its curves)."""
-    layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}}
+    """Per path (``onnxruntime``, ``openvino``, ``openvino+bf16``: runtime and float part), the union (in order) of
+    the float layers that met the target in the ``cgavit quantize`` reports: each report's fewest that met it in
+    each path it searched (its curves)."""
+    layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}, "openvino+bf16": {}}
     for path in reports:
         record = json.loads(Path(path).read_text())
         for runtime, points in record["curves"].items():
             meeting = [p["float_layers"] for p in points if p["meets_target"]]
             if meeting:
-                layers[runtime].update(dict.fromkeys(min(meeting, key=len)))
+                layers.setdefault(runtime, {}).update(dict.fromkeys(min(meeting, key=len)))
     return {runtime: list(names) for runtime, names in layers.items()}
 
 
@@ -96,13 +99,18 @@ def main() -> None:
     with OnnxInt8Builder(src, calibration, replace(opts, weights="uint8")) as builder:
         paths["int8 ONNX Runtime U8U8, every layer int8"] = OnnxModule(builder.build([]), 1, "int8")
     ov = OpenVinoInt8Builder(model, size, calibration, opts)
-    missing = [layer for layer in keep["openvino"] if layer not in ov.layers]
+    missing = [layer for layer in keep["openvino"] + keep["openvino+bf16"] if layer not in ov.layers]
     if missing:
         raise SystemExit(f"{args.model} has no OpenVINO layers {missing[:5]}: give reports of a variant of its depth")
-    paths[f"int8 OpenVINO {weights}, every layer int8"] = OpenVinoModule(ov.build([]), 1, "int8")
-    if keep["openvino"]:
-        paths[f"int8 OpenVINO {weights}, {len(keep['openvino'])} layers float"] = OpenVinoModule(
-            ov.build(keep["openvino"]), 1, "int8")
+    parts = ("fp32", "bf16") if cpu_features().native_bf16 else ("fp32",)
+    if "bf16" in parts:
+        paths["bf16 OpenVINO"] = OpenVinoModule(ov.float_model, 1, "bf16")
+    for part in parts:
+        label, split = ("", keep["openvino"]) if part == "fp32" else (", bf16 float part", keep["openvino+bf16"])
+        paths[f"int8 OpenVINO {weights}, every layer int8{label}"] = OpenVinoModule(ov.build([]), 1, "int8", part)
+        if split:
+            paths[f"int8 OpenVINO {weights}, {len(split)} layers float{label}"] = OpenVinoModule(
+                ov.build(split), 1, "int8", part)
     if args.qat:  # the file quantisation-aware fine-tuning writes (ranges from its observers; no training needed for speed)
         from cgavit.deploy.openvino import openvino_from_onnx
         from cgavit.deploy.qat import QatConfig, qat_finetune, qat_onnx

@@ -238,7 +238,7 @@ def test_openvino_searches_in_its_own_sensitivity_order_and_prunes(trained_digit
     with torch.no_grad():
         worst = compare_logits(padded_logits(OpenVinoModule(every, 1, "int8"), x), fuse(trained_digits.model)(x)).max_rel_err
     r = quantize(trained_digits.model, cal, x, LogitTarget(limit=0.6 * worst), "openvino", warmup=0, repeats=1,
-                 profile_layers=False)
+                 profile_layers=False, float_part="fp32")
     rows = r.sensitivity["openvino"]
     assert list(r.sensitivity) == ["openvino"] and len(rows) == 71  # every convolution, measured in OpenVINO
     assert [(s.agreement, -s.rel_err) for s in rows] == sorted((s.agreement, -s.rel_err) for s in rows)
@@ -265,12 +265,66 @@ def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_di
     if not openvino_available():
         pytest.skip("needs cgavit[openvino]")
     r = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
-                 labels=trained_digits.labels, max_float_layers=0, warmup=0, repeats=2, sensitivity=False)
+                 labels=trained_digits.labels, max_float_layers=0, warmup=0, repeats=2, sensitivity=False,
+                 float_part="fp32")
     assert sorted(p.runtime for p in r.runoff) == ["onnxruntime", "openvino"] and r.meets_target
     assert r.point == max(r.runoff, key=lambda p: p.speedup) and r.runtime == r.point.runtime
     assert r.fp32_img_s == pytest.approx(r.point.img_s / r.point.speedup)
     assert [p["runtime"] for p in r.record()["runoff"]] == [p.runtime for p in r.runoff]
     assert "timed again side by side" in r.markdown()
+
+
+def test_openvino_float_part_is_searched_judged_and_recorded(trained_digits, tmp_path, monkeypatch):
+    """On a CPU with native bf16 OpenVINO is searched with its float part in fp32 and in bf16; the chosen part is in
+    the file's metadata, cgavit compiles the file in it, and a bf16 file opened where bf16 is not native warns."""
+    from cgavit.deploy import formats
+    from cgavit.deploy.openvino import openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    amx = features(XEON_AMX)
+    seven_bit = Int8Options(reduce_range=reduced_weight_range(cpu_features()))  # this CPU's weights, whatever it is
+    common = dict(labels=trained_digits.labels, options=seven_bit, features=amx, max_float_layers=0, warmup=0,
+                  repeats=1, sensitivity=False)
+    both = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
+                    "openvino", **common)
+    assert list(both.curves) == ["openvino", "openvino+bf16"]
+    assert [p.float_part for c in both.curves.values() for p in c] == ["fp32", "bf16"]
+    assert sorted(p.path for p in both.runoff) == ["openvino", "openvino+bf16"]
+    assert both.record()["curves"]["openvino+bf16"][0]["float_part"] == "bf16"
+    r = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
+                 "openvino", float_part="bf16", **common)
+    assert list(r.curves) == ["openvino+bf16"] and r.float_part == "bf16" and r.module.float_part == "bf16"
+    assert r.module.config["INFERENCE_PRECISION_HINT"] == "bf16"
+    assert "OpenVINO (bf16 float part)" in r.describe_point() and "INFERENCE_PRECISION_HINT `bf16`" in r.markdown()
+    path = r.save(tmp_path / "digits")
+    monkeypatch.setattr(formats, "cpu_features", lambda: amx)
+    module, info = open_exported(path)
+    assert info.int8["float_part"] == "bf16" and module.config["INFERENCE_PRECISION_HINT"] == "bf16"
+    monkeypatch.setattr(formats, "cpu_features", lambda: features(EPYC_AVX2))
+    with pytest.warns(RuntimeWarning, match="judged with its float part in bf16"):
+        open_exported(path)
+    with pytest.raises(ValueError, match="needs native bf16"):
+        quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, runtime="openvino",
+                 float_part="bf16", features=features(EPYC_AVX2))
+    fp32 = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
+                    "openvino", float_part="auto", **{**common, "features": features(EPYC_AVX2)})
+    assert list(fp32.curves) == ["openvino"]  # no native bf16: fp32 only
+
+
+def test_openvino_compiles_the_float_part_asked_for(trained_digits):
+    """Where bf16 is native, OpenVINO's own default for what int8 leaves float is bf16: cgavit's int8 module asks for
+    fp32 unless the build was judged with a bf16 float part."""
+    from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, openvino_available
+
+    if not openvino_available() or not cpu_features().native_bf16:
+        pytest.skip("needs cgavit[openvino] and a CPU with native bf16")
+    cal, x = torch.cat(trained_digits.calibration()), trained_digits.images[:16]
+    every = OpenVinoInt8Builder(trained_digits.model, (48, 48), [cal], Int8Options().for_cpu(cpu_features())).build()
+    for part, precision in (("fp32", "f32"), ("bf16", "bf16")):
+        module = OpenVinoModule(every, 1, "int8", part)
+        module(x)
+        assert module.compiled_for(16).get_property("INFERENCE_PRECISION_HINT").to_string() == precision
 
 
 def test_layers_no_faster_in_int8_stay_float_in_every_build(trained_digits, monkeypatch):
@@ -354,7 +408,9 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
         for c in "abc":
             (wrong / split / c).mkdir(parents=True)
             (wrong / split / c / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(quantize_cli, "cpu_features", lambda: features(EPYC_AVX2))
     cases = [(["--agreement", "0"], "(0, 100]"), (["--agreement", "101"], "(0, 100]"),
+             (["--float-part", "bf16"], "needs native bf16"),
              (["--accuracy-tolerance", "-1"], "[0, 100]"), (["--calibration-images", "5000"], "fewer than"),
              (["--val-split", "train"], "different images"), (["--output", str(tmp_path / "q.xml")], "openvino file")]
     for extra, message in cases:

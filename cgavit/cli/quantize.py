@@ -16,7 +16,8 @@ from ..bench.optional import matplotlib_agg
 from ..bench.precision import LabelledImages, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
 from ..deploy.fusion import output_path
-from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, WEIGHT_TYPES
+from ..deploy.cpu import cpu_features
+from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.openvino import openvino_available
 from ..deploy.quantize import QUANT_RUNTIMES, float_reasons
 from ..factory import ModelInfo, load_model
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             or (args.max_float_layers is not None and args.max_float_layers < 0):
         raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images, "
                          "--qat-float-layers and --max-float-layers at least 0")
+    float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
     model, info = load_model(args.checkpoint)
     calib, evaluated = load_images(args, info, model.num_classes)
     size = (info.img_size, info.img_size)
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
-                      profile_layers=not args.no_layer_profile, prune=not args.no_prune, info=export_info(info, size),
+                      profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
+                      info=export_info(info, size),
                       threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
@@ -172,7 +175,7 @@ def write_outputs(result: QuantizeResult, stem: Path) -> int:
 
 
 def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
-    """Agreement against speed-up over fp32 ONNX Runtime, one line per runtime (the search) and crosses for the
+    """Agreement against speed-up over fp32 ONNX Runtime, one line per path (runtime and float part: the search) and crosses for the
     pruning's builds, each point labelled with its number of float layers; None (and a note) without matplotlib."""
     try:
         mpl = matplotlib_agg()
@@ -181,14 +184,14 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
         return None
     plt = mpl.pyplot
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for runtime, points in result.curves.items():
+    for path, points in result.curves.items():
         search = sorted((p for p in points if p.step == "search"), key=lambda p: len(p.float_layers))  # built out of order
         pruned = [p for p in points if p.step == "prune"]
         line, = ax.plot([p.speedup for p in search], [100 * p.agreement.top1_agreement for p in search], "o-",
-                        label=f"{runtime}: float layers added, most sensitive first")
+                        label=f"{path}: float layers added, most sensitive first")
         if pruned:
             ax.plot([p.speedup for p in pruned], [100 * p.agreement.top1_agreement for p in pruned], "x",
-                    color=line.get_color(), label=f"{runtime}: one returned to int8")
+                    color=line.get_color(), label=f"{path}: one returned to int8")
         for p in search + pruned:
             ax.annotate(str(len(p.float_layers)), (p.speedup, 100 * p.agreement.top1_agreement),
                         textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -234,6 +237,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(U8U8 kernels: 8-bit that does not saturate, slower); default int8")
     p.add_argument("--bias-correction", choices=BIAS_CORRECTIONS, default="full",
                    help="OpenVINO (NNCF) bias correction (default full)")
+    p.add_argument("--float-part", choices=["auto", *FLOAT_PARTS], default="auto",
+                   help="precision OpenVINO runs what int8 leaves in float (kept-float layers, attention core, residual "
+                        "adds): fp32, bf16 (CPUs with native bf16: AMX, avx512_bf16), or auto (default): fp32, and "
+                        "bf16 as a second search where the CPU has it; the file records it and cgavit compiles it so")
     p.add_argument("--max-float-layers", type=int, help="keep at most N layers in float (default: no cap; 0: all int8)")
     p.add_argument("--no-layer-profile", action="store_true",
                    help="do not keep in float the layers int8 makes no faster here (found by timing each convolution "

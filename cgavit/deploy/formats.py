@@ -26,7 +26,7 @@ from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_pa
 from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
 from .fusion import example_batch, fuse, output_path
 from .cpu import cpu_features
-from .int8 import Int8Options, weight_range_warning
+from .int8 import FLOAT_PARTS, Int8Options, float_part_warning, weight_range_warning
 from .metadata import ExportInfo
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
@@ -238,7 +238,9 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     The model takes float32 images ``(B, C, H, W)`` preprocessed as ``info`` says (its size,
     interpolation, crop, mean and std) and returns logits ``(B, classes)``, one per
     ``info.class_names``. An int8 file with full 8-bit weights opened on a CPU whose int8 kernels
-    saturate on them (x86 without VNNI) warns (``RuntimeWarning``): quantise it again there.
+    saturate on them (x86 without VNNI) warns (``RuntimeWarning``): quantise it again there. An int8
+    OpenVINO file is compiled with the float part it was judged in (its metadata's ``float_part``), and
+    one judged with a bf16 float part warns on a CPU without native bf16.
 
     Args:
         path: a file written by ``cgavit export`` or ``cgavit quantize`` (OpenVINO: the ``.xml``, its
@@ -263,10 +265,16 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     module = OpenVinoModule(path, threads) if format == "openvino" else OnnxModule(path, threads)
     info = ExportInfo.from_props(module.metadata, str(path))
     module.precision = info.precision
+    float_part = str(info.int8.get("float_part", "fp32"))
     if format == "openvino" and info.precision != "fp32":
-        module = OpenVinoModule(module.model, threads, info.precision)
-    warning = weight_range_warning(str(info.int8.get("weight_range", "")), cpu_features())
-    if info.precision == "int8" and warning:
-        log.warning("%s: %s", path.name, warning)
-        warnings.warn(f"{path.name}: {warning}", RuntimeWarning, stacklevel=2)
+        if float_part not in FLOAT_PARTS:
+            raise ValueError(f"{path.name}: cgavit metadata has an int8 float part {float_part!r} (not one of "
+                             f"{', '.join(FLOAT_PARTS)}); export the file again")
+        module = OpenVinoModule(module.model, threads, info.precision, float_part)
+    features = cpu_features()
+    for warning in (weight_range_warning(str(info.int8.get("weight_range", "")), features),
+                    float_part_warning(float_part, features) if format == "openvino" else None):
+        if info.precision == "int8" and warning:
+            log.warning("%s: %s", path.name, warning)
+            warnings.warn(f"{path.name}: {warning}", RuntimeWarning, stacklevel=2)
     return module, info

@@ -15,6 +15,14 @@ per CPU is the weight range:
 The choice is written into an exported file's metadata, and a full-range file opened on a CPU that
 would saturate it gets a warning (:func:`weight_range_warning`).
 
+What int8 leaves in float (the layers kept float, the attention core, the residual adds) is the
+*float part*. ONNX Runtime runs it in fp32. OpenVINO runs it in the inference precision it is compiled
+with, and on a CPU with native bf16 (AMX, ``avx512_bf16``) its default is bf16: the same int8 file then
+decides differently (on the CIFAR-10 96 px reference, an OpenVINO build judged at 99.5 % with an fp32
+float part kept 99.2 % with a bf16 one) and runs faster (M4 at 224 px on an AMX Xeon: 2.99x fp32 ONNX
+Runtime against 2.46x; BENCHMARKS.md). So an OpenVINO build's float part is part of the build: it is
+judged in it, written into the file's metadata (``float_part``), and compiled in it by cgavit's loader.
+
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
 (``stages.0.blocks.0.mixer.m.attn.k.0``), which both runtimes' node names carry.
 """
@@ -33,6 +41,8 @@ BIAS_CORRECTIONS = ("full", "fast", "none")
 #: ONNX Runtime's weight type: signed int8 (U8S8 kernels; 7-bit where they would saturate), or uint8
 #: (U8U8 kernels: 8-bit weights that do not saturate on AVX2 either, slower; BENCHMARKS.md).
 WEIGHT_TYPES = ("int8", "uint8")
+#: The precision of an OpenVINO int8 build's float part (see the module notes); ONNX Runtime's is fp32.
+FLOAT_PARTS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,32 @@ def reduced_weight_range(features: CpuFeatures) -> bool:
     """Whether int8 weights must use 7 bits on this CPU: x86 (AVX2 or AVX-512) without VNNI, where
     the uint8 x int8 kernels saturate (see the module notes)."""
     return (features.avx2 or features.avx512) and not features.vnni
+
+
+def float_parts_for_cpu(features: CpuFeatures, asked: str = "auto") -> tuple[str, ...]:
+    """The float parts OpenVINO's int8 builds are searched in: ``asked`` (one of :data:`FLOAT_PARTS`) or, for
+    ``"auto"``, fp32, and bf16 too where the CPU computes bf16 natively (elsewhere it would be emulated).
+
+    Raises:
+        ValueError: an unknown value, or bf16 asked for on a CPU without native bf16.
+    """
+    if asked not in ("auto", *FLOAT_PARTS):
+        raise ValueError(f"the float part must be auto or one of {', '.join(FLOAT_PARTS)}, got {asked!r}")
+    if asked == "bf16" and not features.native_bf16:
+        raise ValueError(f"a bf16 float part needs native bf16 (AMX or avx512_bf16), and this CPU has none "
+                         f"({features.describe()}); use fp32 (or auto)")
+    if asked != "auto":
+        return (asked,)
+    return ("fp32", "bf16") if features.native_bf16 else ("fp32",)
+
+
+def float_part_warning(float_part: str, features: CpuFeatures) -> str | None:
+    """Why an int8 OpenVINO file judged with a ``float_part`` float part will not run as judged on this CPU; None if fine."""
+    if float_part == "bf16" and not features.native_bf16:
+        return (f"this int8 file was judged with its float part in bf16, and this CPU ({features.describe()}) has "
+                "no native bf16: OpenVINO does not run that part as it was judged (it falls back to fp32 or "
+                "emulates bf16), so the recorded verdict does not hold here; quantize again on this CPU (cgavit quantize)")
+    return None
 
 
 def weight_range_label(reduce_range: bool, weights: str = "int8") -> str:

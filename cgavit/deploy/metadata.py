@@ -81,11 +81,11 @@ class ExportInfo:
         return _checked(raw, source)
 
 
-def int8_info(info: ExportInfo, options: Int8Options) -> ExportInfo:
-    """``info`` for an int8 file quantised with ``options`` (its weight range, calibration and float layers
-    recorded over what ``info.int8`` already holds)."""
+def int8_info(info: ExportInfo, options: Int8Options, float_part: str = "fp32") -> ExportInfo:
+    """``info`` for an int8 file quantised with ``options`` and judged with its float part in ``float_part``
+    (its weight range, calibration, float layers and float part recorded over what ``info.int8`` already holds)."""
     made = dict(weight_range=weight_range_label(bool(options.reduce_range), options.weights),
-                calibration=options.calibration, float_layers=list(options.float_layers))
+                calibration=options.calibration, float_layers=list(options.float_layers), float_part=float_part)
     return replace(info, precision="int8", int8={**dict(info.int8), **made})
 
 

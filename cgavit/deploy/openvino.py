@@ -5,8 +5,9 @@ OpenVINO in :func:`_openvino`, NNCF in :func:`_nncf`. Conversion goes straight f
 model (``openvino.convert_model``), batch dynamic, image size fixed (as for ONNX).
 
 On a CPU with native bf16 OpenVINO *computes in bf16 by default*; this module always asks for the
-precision it was given (``INFERENCE_PRECISION_HINT``): ``f32`` for fp32 and int8 (the layers NNCF
-leaves unquantised run in fp32), ``bf16`` only for bf16.
+precision it was given (``INFERENCE_PRECISION_HINT``): ``f32`` for fp32, ``bf16`` for bf16, and for int8
+the precision of the build's float part (what NNCF leaves unquantised; fp32 unless the build was judged
+with a bf16 one, :mod:`cgavit.deploy.int8`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 
 from .cpu import cpu_features
 from .fusion import example_batch, export_form, output_path
-from .int8 import Int8Options, layer_of_openvino_node
+from .int8 import FLOAT_PARTS, Int8Options, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, int8_info
 from .runtime import RuntimeModule
 
@@ -350,20 +351,26 @@ class OpenVinoModule(RuntimeModule):
         model: the ``.xml`` path or an ``openvino.Model``.
         threads: inference threads (default: ``torch.get_num_threads()``, so ``--threads`` applies).
         precision: ``"fp32"``, ``"bf16"`` or ``"int8"``: sets the compute precision (see the module notes).
+        float_part: for int8, the precision of what int8 leaves in float, one of
+            :data:`~cgavit.deploy.int8.FLOAT_PARTS` (default ``"fp32"``).
 
     Attributes:
         metadata: cgavit's keys of the model's ``rt_info`` (:mod:`cgavit.deploy.metadata`).
     """
 
-    def __init__(self, model, threads: int | None = None, precision: str = "fp32") -> None:
+    def __init__(self, model, threads: int | None = None, precision: str = "fp32", float_part: str = "fp32") -> None:
         super().__init__(precision)
         if precision not in PRECISION_HINT:
             raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
+        if float_part not in FLOAT_PARTS:
+            raise ValueError(f"an int8 float part is one of {', '.join(FLOAT_PARTS)}, got {float_part!r}")
         self.core = _openvino().Core()
         self.model = self.core.read_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
         self.metadata = openvino_metadata(self.model)
+        self.float_part = float_part if precision == "int8" else precision
+        hint = PRECISION_HINT[float_part] if precision == "int8" else PRECISION_HINT[precision]
         self.config = {"INFERENCE_NUM_THREADS": threads or torch.get_num_threads(), "NUM_STREAMS": 1,
-                       "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": PRECISION_HINT[precision]}
+                       "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": hint}
         self.compiled: dict[int, object] = {}  # batch size -> compiled model
 
     def compiled_for(self, batch: int):

@@ -7,7 +7,10 @@ change (:class:`QuantizeTarget`, default agreement >= 99.5 % and accuracy within
 whose int8 kernel is no faster than fp32 in the runtime's profiler on this CPU stay float in every
 build (they cost no speed). When the rest in int8 misses, layers are kept in float, most sensitive
 first in that runtime (:mod:`cgavit.deploy.sensitivity`), until the target is met; then each of them
-goes back to int8 where the target holds without it, those int8 speeds up most first. Every build is timed round-robin beside
+goes back to int8 where the target holds without it, those int8 speeds up most first. On a CPU with native
+bf16 OpenVINO is searched twice, with the float part (what int8 leaves in float) in fp32 and in bf16, which
+is OpenVINO's default there and faster, but decides differently (:mod:`cgavit.deploy.int8`); the bf16 search
+keeps layers float in the same order. Every build is timed round-robin beside
 fp32 ONNX Runtime on this machine; the fastest build that meets the target is the result. When none
 meets it, the result says so and names the best found, and :meth:`QuantizeResult.save` refuses it.
 
@@ -34,7 +37,7 @@ from ..timing import round_robin
 from .agreement import AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, compare_logits
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse, output_path
-from .int8 import Int8Options, weight_range_label
+from .int8 import Int8Options, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, int8_info
 from .onnx import (
     OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, onnxruntime_conv_times, with_onnx_metadata,
@@ -94,20 +97,22 @@ class QuantizeResult:
         target: the target asked for.
         meets_target: whether an int8 build met it; if not, the fields describe the best found.
         runtime: the chosen build's runtime (``"onnxruntime"`` or ``"openvino"``).
-        point: the chosen build: its float layers, agreement, images/s and speed-up over fp32 ONNX Runtime.
+        point: the chosen build: its float layers and float part, agreement, images/s and speed-up over fp32
+            ONNX Runtime.
         fp32_img_s: fp32 ONNX Runtime's images/s timed beside it.
         module: the build, called like the model (the runtime's default threads).
         artifact: the build's file content: ONNX bytes, or an ``openvino.Model``.
         info: the metadata :meth:`save` writes into the file.
         reasons: each float layer -> why it is float.
         sensitivity: runtime -> every layer quantised alone in it, most sensitive first (absent when not measured).
-        curves: runtime -> every build measured: the search's, then the pruning's.
+        curves: path (:attr:`CurvePoint.path`: the runtime, and ``+bf16`` for OpenVINO with a bf16 float part) ->
+            every build measured: the search's, then the pruning's.
         cpu: the CPU it was measured on.
         options: the int8 options used (weight range decided).
         calibration_images, evaluation_images: the image counts.
         method: how the weights were made int8 (post-training, or after quantisation-aware fine-tuning).
         no_faster: runtime -> the layers its int8 kernel did not make faster here (kept float in its builds).
-        runoff: when more than one runtime met the target, each one's answer timed again in one round-robin
+        runoff: when more than one path met the target, each one's answer timed again in one round-robin
             (what chose between them; ``point`` is the chosen one's).
     """
 
@@ -138,6 +143,11 @@ class QuantizeResult:
     def float_layers(self) -> tuple[str, ...]:
         return self.point.float_layers
 
+    @property
+    def float_part(self) -> str:
+        """The precision the chosen build's runtime runs its float part in (``"fp32"``, or ``"bf16"`` in OpenVINO)."""
+        return self.point.float_part
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write the int8 file (with its metadata), atomically: ONNX ``NAME.onnx``; OpenVINO ``NAME.xml`` +
         ``NAME.bin`` (``NAME`` alone gets the suffix).
@@ -161,7 +171,8 @@ class QuantizeResult:
         """Everything measured, as JSON-ready values (``cgavit quantize`` writes it as the report's json)."""
         return dict(
             target=dict(agreement=self.target.agreement, accuracy_tolerance=self.target.accuracy_tolerance),
-            meets_target=self.meets_target, method=self.method, runtime=self.runtime, chosen=_point_record(self.point),
+            meets_target=self.meets_target, method=self.method, runtime=self.runtime, float_part=self.float_part,
+            chosen=_point_record(self.point),
             fp32_onnxruntime_img_s=self.fp32_img_s, float_layers=self.reasons,
             kept_float_by_design="the attention core (score and PV matmuls, softmax) and the residual adds",
             cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
@@ -186,19 +197,24 @@ class QuantizeResult:
                  f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
                  "| runtime | step | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target |",
                  "|---|---|---:|---:|---:|---:|---:|---|"]
-        for runtime, points in self.curves.items():
+        for points in self.curves.values():
             for p in points:
                 a = p.agreement
                 acc = "" if a.accuracy is None else f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f})"
-                lines.append(f"| {RUNTIME_NAMES[runtime]} | {p.step} | {len(p.float_layers)} | {100 * a.top1_agreement:.2f} % | "
+                lines.append(f"| {path_name(p)} | {p.step} | {len(p.float_layers)} | {100 * a.top1_agreement:.2f} % | "
                              f"{acc} | {p.img_s:.0f} | {p.speedup:.2f} | {'meets' if p.meets else 'misses'} |")
         lines += ["", f"fp32 ONNX Runtime: {self.fp32_img_s:.0f} img/s (same round-robin timing)."]
         if self.runoff:
-            timed = ", ".join(f"{RUNTIME_NAMES[p.runtime]} {p.speedup:.2f}x" for p in self.runoff)
-            lines += ["", f"Each runtime's answer timed again side by side (one round-robin, twice the rounds): {timed} "
+            timed = ", ".join(f"{path_name(p)} {p.speedup:.2f}x" for p in self.runoff)
+            lines += ["", f"Each path's answer timed again side by side (one round-robin, twice the rounds): {timed} "
                       "fp32 ONNX Runtime; the faster is chosen."]
         lines += ["",
                   "Kept in float by design: the attention core (score and PV matmuls, softmax) and the residual adds."]
+        if self.runtime == "openvino":
+            lines += [f"The float part runs in {self.float_part}: cgavit's loader compiles the file so (its metadata's "
+                      f"`float_part`); with OpenVINO alone, compile it with INFERENCE_PRECISION_HINT "
+                      f"`{'bf16' if self.float_part == 'bf16' else 'f32'}` (OpenVINO's default on a CPU with native "
+                      "bf16 is bf16, which decides differently)."]
         lines += [f"Kept in float: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
             ["No convolution kept in float."]
         for runtime, rows in self.sensitivity.items():
@@ -212,12 +228,18 @@ class QuantizeResult:
     def describe_point(self, point: CurvePoint | None = None) -> str:
         """One line about a build (default: the chosen one)."""
         p = point or self.point
-        return (f"int8 {RUNTIME_NAMES[p.runtime]}, {len(p.float_layers)} layer(s) in float: "
+        return (f"int8 {path_name(p)}, {len(p.float_layers)} layer(s) in float: "
                 f"{p.agreement.describe(self.target.met_by(p.agreement))}; {p.img_s:.0f} img/s, "
                 f"{p.speedup:.2f}x fp32 ONNX Runtime")
 
 
 RUNTIME_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+
+
+def path_name(point: CurvePoint) -> str:
+    """A build's runtime, and its float part where that is not fp32: ``"OpenVINO (bf16 float part)"``."""
+    name = RUNTIME_NAMES[point.runtime]
+    return name if point.float_part == "fp32" else f"{name} ({point.float_part} float part)"
 
 
 def quantize(
@@ -234,6 +256,7 @@ def quantize(
     max_float_layers: int | None = None,
     profile_layers: bool = True,
     prune: bool = True,
+    float_part: str = "auto",
     info: ExportInfo | None = None,
     reference: nn.Module | None = None,
     batch: int = 16,
@@ -247,36 +270,35 @@ def quantize(
         model: a trained model (fused and exported here; not modified).
         calibration: training images ``(N, C, H, W)`` (or batches of them), preprocessed like the input.
         evaluation: held-out images ``(M, C, H, W)`` of the same size, never the calibration ones.
-        target: what the build must keep (:class:`QuantizeTarget`).
-        runtime: ``"onnxruntime"``, ``"openvino"``, or None: every one installed.
+        target, runtime: what the build must keep (:class:`QuantizeTarget`); ``"onnxruntime"``, ``"openvino"``,
+            or None: every one installed.
         labels: ``(M,)`` class indices of ``evaluation`` (for the accuracy part of the target).
         options: the int8 recipe (default: :class:`~cgavit.deploy.int8.Int8Options`, weight range by CPU).
         features: the CPU to quantise for (default: this machine's).
-        sensitivity: measure every layer quantised alone even when all-int8 meets the target (else only when needed).
-        max_float_layers: keep at most this many layers in float (default: no cap; 0: every layer int8).
-        profile_layers, prune: keep in float the layers int8 makes no faster in the runtime's profiler; after the
-            search, return each layer it kept float to int8 where the target holds without it (both default).
-        info: metadata for the file (class names, preprocessing); precision and the verdict are added.
-        reference: the fp32 model the builds are judged against and timed beside (default ``model``).
-        batch, threads, warmup, repeats: how each build is timed beside fp32 ONNX Runtime.
+        sensitivity, max_float_layers: measure each layer quantised alone even when all-int8 meets the target (else
+            only when needed); keep at most this many layers in float (default: no cap; 0: every layer int8).
+        profile_layers, prune: keep float the layers int8 makes no faster in the runtime's profiler; return each
+            layer the search kept float to int8 where the target holds without it (both default).
+        float_part: OpenVINO's, ``"fp32"``, ``"bf16"``, or ``"auto"``: :func:`~cgavit.deploy.int8.float_parts_for_cpu`.
+        info: the file's metadata (class names, preprocessing); reference: the fp32 model judged against and timed
+            beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
 
     Raises:
-        ValueError: images of the wrong shape or size, too few, labels that do not fit, a runtime
-            unknown or not installed, a target out of range.
+        ValueError: bad images, labels, runtime, target, or a bf16 float part without native bf16.
     """
-    runtimes = _runtimes(runtime)
-    cal, ev = _checked_images(calibration, evaluation, labels)
+    runtimes, (cal, ev) = _runtimes(runtime), _checked_images(calibration, evaluation, labels)
     if max_float_layers is not None and max_float_layers < 0:
         raise ValueError(f"max_float_layers must be at least 0 (or None: no cap), got {max_float_layers}")
     features, size = features or cpu_features(), tuple(ev.shape[2:])
-    opts = options.for_cpu(features)
+    parts, opts = float_parts_for_cpu(features, float_part), options.for_cpu(features)
     search = _Search(fuse(model), fuse(reference if reference is not None else model), cal, ev, labels, target, size,
                      (batch, threads, warmup, repeats))
     with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp:
         search.start(Path(tmp))
         try:
             for name in runtimes:
-                search.run(name, model, opts, sensitivity, max_float_layers, profile_layers, prune)
+                search.run(name, model, opts, sensitivity, max_float_layers, profile_layers, prune,
+                           parts if name == "openvino" else ("fp32",))
         finally:
             search.close()
     return search.result(features, opts, info or ExportInfo(img_size=size))
@@ -398,7 +420,7 @@ class _Search:
     target: QuantizeTarget
     size: tuple[int, int]
     timing: tuple[int, int, int, int]  # batch, threads, warm-up, repeats
-    builds: dict[tuple[str, tuple[str, ...]], _Build] = field(default_factory=dict)
+    builds: dict[tuple[str, str, tuple[str, ...]], _Build] = field(default_factory=dict)  # runtime, float part, layers
     curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
     sensitivity: dict[str, list[LayerSensitivity]] = field(default_factory=dict)
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
@@ -423,10 +445,11 @@ class _Search:
             self.onnx.close()
 
     def run(self, runtime: str, model: nn.Module, opts: Int8Options, sensitivity: bool, most: int | None,
-            profile: bool = True, prune: bool = True) -> None:
-        """Search ``runtime``'s builds: every layer int8 (but those int8 does not make faster, with ``profile``),
-        then more layers kept in float as needed, at most ``most`` in all, most sensitive in this runtime first;
-        then (``prune``) each of those returned to int8 where the target holds without it."""
+            profile: bool = True, prune: bool = True, float_parts: tuple[str, ...] = ("fp32",)) -> None:
+        """Search ``runtime``'s builds for each of ``float_parts``: every layer int8 (but those int8 does not make
+        faster, with ``profile``), then more layers kept in float as needed, at most ``most`` in all, most sensitive
+        in this runtime first; then (``prune``) each of those returned to int8 where the target holds without it.
+        The profile, the sensitivity (measured with an fp32 float part) and so the order are shared by the float parts."""
         if runtime == "onnxruntime":
             builder = self.onnx_builder(opts)
         else:
@@ -435,26 +458,26 @@ class _Search:
         slow = slow[:most]
         self.no_faster[runtime] = slow
         kept = tuple(s.layer for s in slow)
+        for part in float_parts:
+            def judge(float_layers: tuple[str, ...], part: str = part) -> CurvePoint:
+                return self.judge(runtime, builder, kept + tuple(float_layers), part=part)
 
-        def judge(float_layers: tuple[str, ...]) -> CurvePoint:
-            return self.judge(runtime, builder, kept + tuple(float_layers))
-
-        # the profile's all-int8 build is the first point when nothing is kept float for speed
-        start = self.judge(runtime, builder, kept, None if kept else every_int8)
-        if sensitivity or not (start.meets or most == 0):
-            log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), RUNTIME_NAMES[runtime])
-            self.sensitivity[runtime] = layer_sensitivity(
-                list(builder.layers), partial(self.module, runtime, builder), self.evaluation, self.reference)
-        order = [s.layer for s in self.sensitivity.get(runtime, ())] or list(builder.layers)
-        order = [layer for layer in order if layer not in kept]
-        curve = search_float_layers(order, judge, start, None if most is None else most - len(kept))
-        found = fewest_meeting(curve)
-        if prune and found is not None and len(found.float_layers) > len(kept):
-            searched = found.float_layers[len(kept):]
-            # the layers int8 speeds up most return first (without a profile: the least sensitive first)
-            returns = sorted(searched, key=lambda layer: -gain[layer]) if gain else list(reversed(searched))
-            curve += prune_float_layers(searched, judge, returns)
-        self.curves[runtime] = curve
+            # the profile's all-int8 build is the first point when nothing is kept float for speed
+            start = self.judge(runtime, builder, kept, None if kept else every_int8, part)
+            if runtime not in self.sensitivity and (sensitivity or not (start.meets or most == 0)):
+                log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), RUNTIME_NAMES[runtime])
+                self.sensitivity[runtime] = layer_sensitivity(
+                    list(builder.layers), partial(self.module, runtime, builder), self.evaluation, self.reference)
+            order = [s.layer for s in self.sensitivity.get(runtime, ())] or list(builder.layers)
+            order = [layer for layer in order if layer not in kept]
+            curve = search_float_layers(order, judge, start, None if most is None else most - len(kept))
+            found = fewest_meeting(curve)
+            if prune and found is not None and len(found.float_layers) > len(kept):
+                searched = found.float_layers[len(kept):]
+                # the layers int8 speeds up most return first (without a profile: the least sensitive first)
+                returns = sorted(searched, key=lambda layer: -gain[layer]) if gain else list(reversed(searched))
+                curve += prune_float_layers(searched, judge, returns)
+            self.curves[start.path] = curve
 
     def profile(self, runtime: str, builder) -> tuple[list[LayerSpeed], object, dict[str, float]]:
         """The layers whose int8 kernel is no faster than fp32 in ``runtime``'s profiler on the timing batch,
@@ -477,20 +500,24 @@ class _Search:
         """``runtime``'s int8 build with ``float_layers`` in float, as a module (the timing threads)."""
         return int8_module(runtime, builder.build(float_layers), self.timing[1])
 
-    def judge(self, runtime: str, builder, float_layers: tuple[str, ...], artifact: object = None) -> CurvePoint:
+    def judge(self, runtime: str, builder, float_layers: tuple[str, ...], artifact: object = None,
+              part: str = "fp32") -> CurvePoint:
         """Build ``runtime``'s int8 model with ``float_layers`` in float (unless ``artifact`` is that build
-        already), and measure and time it; a build measured before is not made again (pruning the search's
-        last float layer gives the search's previous point)."""
-        if (runtime, float_layers) in self.builds:
-            return self.builds[(runtime, float_layers)].point
-        artifact = builder.build(float_layers) if artifact is None else artifact
-        module = int8_module(runtime, artifact, self.timing[1])
+        already), and measure and time it with its float part in ``part``; a build measured before is not made
+        again (pruning the search's last float layer gives the search's previous point), and a model built for
+        another float part is reused."""
+        if (runtime, part, float_layers) in self.builds:
+            return self.builds[(runtime, part, float_layers)].point
+        if artifact is None:
+            made = [b.artifact for (rt, _, layers), b in self.builds.items() if (rt, layers) == (runtime, float_layers)]
+            artifact = made[0] if made else builder.build(float_layers)
+        module = int8_module(runtime, artifact, self.timing[1], part)
         a = compare_logits(padded_logits(module, self.evaluation), self.reference, self.labels)
         img_s, fp32_img_s = self.time(module)
-        point = CurvePoint(runtime, float_layers, a, img_s, img_s / fp32_img_s, self.target.met_by(a))
-        self.builds[(runtime, float_layers)] = _Build(point, artifact)
-        log.info("quantize: int8 %s with %d float layer(s): %s; %.2fx fp32 ONNX Runtime", runtime, len(float_layers),
-                 a.describe(point.meets), point.speedup)
+        point = CurvePoint(runtime, float_layers, a, img_s, img_s / fp32_img_s, self.target.met_by(a), float_part=part)
+        self.builds[(runtime, part, float_layers)] = _Build(point, artifact)
+        log.info("quantize: int8 %s with %d float layer(s): %s; %.2fx fp32 ONNX Runtime", point.path,
+                 len(float_layers), a.describe(point.meets), point.speedup)
         return point
 
     def time(self, module: nn.Module) -> tuple[float, float]:
@@ -503,17 +530,17 @@ class _Search:
         return t["int8"].median_rate(batch), self.fp32_img_s
 
     def runoff(self, points: list[CurvePoint]) -> list[CurvePoint]:
-        """``points`` (one per runtime) timed again in one round-robin beside fp32 ONNX Runtime, twice the rounds:
+        """``points`` (one per path) timed again in one round-robin beside fp32 ONNX Runtime, twice the rounds:
         each search timed its builds at its own moments, and the machine's load moves in between."""
         batch, threads, warmup, repeats = self.timing
         calls = {"fp32": partial(self.fp32, self.example)}
         for p in points:
-            module = int8_module(p.runtime, self.builds[(p.runtime, p.float_layers)].artifact, threads)
-            calls[p.runtime] = partial(module, self.example)
+            build = self.builds[(p.runtime, p.float_part, p.float_layers)]
+            calls[p.path] = partial(int8_module(p.runtime, build.artifact, threads, p.float_part), self.example)
         with torch.no_grad():
             t = round_robin(calls, warmup, 2 * repeats)
         fp32 = t["fp32"].median_rate(batch)
-        return [replace(p, img_s=t[p.runtime].median_rate(batch), speedup=t[p.runtime].median_rate(batch) / fp32)
+        return [replace(p, img_s=t[p.path].median_rate(batch), speedup=t[p.path].median_rate(batch) / fp32)
                 for p in points]
 
     def result(self, features: CpuFeatures, opts: Int8Options, info: ExportInfo) -> QuantizeResult:
@@ -526,10 +553,11 @@ class _Search:
             every = [p for c in self.curves.values() for p in c]
             point = max(every, key=lambda p: (p.agreement.top1_agreement, -abs(p.agreement.accuracy_change or 0),
                                               p.speedup))
-        build = self.builds[(point.runtime, point.float_layers)]
+        build = self.builds[(point.runtime, point.float_part, point.float_layers)]
         return QuantizeResult(
             target=self.target, meets_target=bool(winners), runtime=point.runtime, point=point,
-            fp32_img_s=point.img_s / point.speedup, module=int8_module(point.runtime, build.artifact),
+            fp32_img_s=point.img_s / point.speedup,
+            module=int8_module(point.runtime, build.artifact, float_part=point.float_part),
             artifact=build.artifact,
             info=_verdict_info(info, opts.with_float(point.float_layers), point, self.target, features),
             reasons=self.reasons(point), sensitivity=self.sensitivity, curves=self.curves,
@@ -542,11 +570,12 @@ class _Search:
                              self.no_faster.get(point.runtime, ()), self.timing[0])
 
 
-def int8_module(runtime: str, artifact: object, threads: int | None = None) -> RuntimeModule:
-    """An int8 build (ONNX bytes, or an ``openvino.Model``) in its runtime, called like a module."""
+def int8_module(runtime: str, artifact: object, threads: int | None = None, float_part: str = "fp32") -> RuntimeModule:
+    """An int8 build (ONNX bytes, or an ``openvino.Model``) in its runtime, called like a module (OpenVINO: with
+    its float part in ``float_part``; ONNX Runtime's is fp32)."""
     if runtime == "onnxruntime":
         return OnnxModule(artifact, threads, "int8")
-    return OpenVinoModule(artifact, threads, "int8")
+    return OpenVinoModule(artifact, threads, "int8", float_part)
 
 
 def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[str],
@@ -573,7 +602,8 @@ def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[st
 
 def _point_record(p: CurvePoint) -> dict:
     a = p.agreement
-    return dict(runtime=p.runtime, float_layers=list(p.float_layers), agreement=a.top1_agreement, changed=a.changed,
+    return dict(runtime=p.runtime, float_part=p.float_part, float_layers=list(p.float_layers),
+                agreement=a.top1_agreement, changed=a.changed,
                 n=a.n, accuracy=a.accuracy, accuracy_change=a.accuracy_change, max_rel_err=a.max_rel_err,
                 img_s=p.img_s, speedup_over_fp32_onnxruntime=p.speedup, meets_target=p.meets, step=p.step)
 
@@ -588,5 +618,5 @@ def _verdict_info(info: ExportInfo, opts: Int8Options, point: CurvePoint, target
                    accuracy_change=a.accuracy_change, evaluation_images=a.n, meets_target=target.met_by(a),
                    target_agreement=target.agreement, target_accuracy_tolerance=target.accuracy_tolerance,
                    cpu_class=features.cpu_class, measured_on=features.describe())
-    made = int8_info(info, opts)
+    made = int8_info(info, opts, point.float_part)
     return replace(made, int8={**made.int8, **verdict})

@@ -105,6 +105,8 @@ class CurvePoint:
         meets: whether it meets the target.
         step: ``"search"`` (a prefix of the sensitivity order) or ``"prune"`` (a float layer of the search's
             answer returned to int8).
+        float_part: the precision the runtime ran the float part in (:data:`~cgavit.deploy.int8.FLOAT_PARTS`;
+            a bf16 one only in OpenVINO).
     """
 
     runtime: str
@@ -114,6 +116,12 @@ class CurvePoint:
     speedup: float
     meets: bool
     step: str = "search"
+    float_part: str = "fp32"
+
+    @property
+    def path(self) -> str:
+        """The runtime and float part as one key: ``"onnxruntime"``, ``"openvino"``, ``"openvino+bf16"``."""
+        return self.runtime if self.float_part == "fp32" else f"{self.runtime}+{self.float_part}"
 
 
 @torch.no_grad()
