@@ -38,7 +38,8 @@ from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
 from cgavit.deploy.quantize import assess
 from cgavit.deploy.sensitivity import (
-    fewest_meeting, layer_sensitivity, no_faster_in_int8, padded_logits, prune_float_layers, search_float_layers,
+    fewest_meeting, layer_sensitivity, lowest_times, no_faster_in_int8, padded_logits, prune_float_layers,
+    search_float_layers,
 )
 from cgavit.testing import rel_err
 from cgavit.weights import WeightsMeta
@@ -170,6 +171,12 @@ def test_no_faster_in_int8_names_the_layers_int8_slows():
     assert (slow[0].fp32_ms, slow[0].int8_ms) == (3.3, 7.2)
     assert [s.layer for s in no_faster_in_int8(fp32, int8, least_share=0.0)] == ["stem", "tiny", "level"]
     assert no_faster_in_int8({}, {}) == []
+    # two int8 profiles, "pw" slowed by another process in the first: the lower time of each layer counts
+    blip, steady = {"stem": 7.4, "pw": 9.0, "tiny": 0.05}, {"stem": 7.2, "pw": 3.4, "tiny": 0.04, "level": 2.0}
+    lowest = lowest_times([blip, steady])
+    assert lowest == {"stem": 7.2, "pw": 3.4, "tiny": 0.04}  # "level" is missing from one profile
+    assert [s.layer for s in no_faster_in_int8(fp32, blip)] == ["stem", "pw"]
+    assert [s.layer for s in no_faster_in_int8(fp32, lowest)] == ["stem"]
 
 
 def test_layer_profiles_time_every_convolution(trained_digits, tmp_path):

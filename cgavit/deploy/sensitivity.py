@@ -92,6 +92,12 @@ def no_faster_in_int8(fp32: dict[str, float], int8: dict[str, float], least_shar
     return sorted(rows, key=lambda r: r.fp32_ms - r.int8_ms)
 
 
+def lowest_times(profiles: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each layer's lowest time over ``profiles`` (layer -> ms, the same model profiled more than once), for the
+    layers every profile timed: what another process added to one profile does not count."""
+    return {layer: min(p[layer] for p in profiles) for layer in profiles[0] if all(layer in p for p in profiles)}
+
+
 @dataclass(frozen=True)
 class CurvePoint:
     """One int8 build of a search: how many layers it keeps in float, how it decides, how fast it runs.
