@@ -18,8 +18,8 @@ would saturate it gets a warning (:func:`weight_range_warning`).
 What int8 leaves in float (the layers kept float, the attention core, the residual adds) is the
 *float part*. ONNX Runtime runs it in fp32. OpenVINO runs it in the inference precision it is compiled
 with, and on a CPU with native bf16 (AMX, ``avx512_bf16``) its default is bf16: the same int8 file then
-decides differently (on the CIFAR-10 96 px reference, an OpenVINO build judged at 99.5 % with an fp32
-float part kept 99.2 % with a bf16 one) and runs faster (M4 at 224 px on an AMX Xeon: 2.99x fp32 ONNX
+decides differently (on the CIFAR-10 96 px reference, an OpenVINO build judged at 99.50 % with an fp32
+float part kept 99.25 % with a bf16 one) and runs faster (M4 at 224 px on an AMX Xeon: 2.99x fp32 ONNX
 Runtime against 2.46x; BENCHMARKS.md). So an OpenVINO build's float part is part of the build: it is
 judged in it, written into the file's metadata (``float_part``), and compiled in it by cgavit's loader.
 

@@ -1,0 +1,55 @@
+"""An int8 OpenVINO file judged with each float part: what a user who compiles it differently gets.
+
+OpenVINO runs what int8 leaves in float in its inference precision, and on a CPU with native bf16 its
+default is bf16 (BENCHMARKS.md, "int8 on AMX"). This compiles one ``.xml`` that ``cgavit quantize`` wrote
+with ``INFERENCE_PRECISION_HINT`` ``f32`` and (where the CPU has native bf16) ``bf16``, and judges each
+against the checkpoint's fused fp32 model on DIR/VAL: top-1 agreement (decisions changed) and accuracy
+change, beside the float part the file records in its metadata. Nothing is timed.
+
+Usage::
+
+    python benchmarks/int8_float_part.py --file q3/c96.xml --checkpoint runs/c10-5k-m0-96/best.safetensors \\
+        --data cifar10-5k --val-split test
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from cgavit import load_model
+from cgavit.bench import load_labelled
+from cgavit.deploy import compare_logits, cpu_features, fuse, open_exported
+from cgavit.deploy.openvino import OpenVinoModule
+from cgavit.deploy.sensitivity import padded_logits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--file", required=True, help="an int8 OpenVINO .xml written by cgavit quantize (its .bin beside it)")
+    p.add_argument("--checkpoint", required=True, help="the checkpoint it was quantised from")
+    p.add_argument("--data", required=True, help="image folder with the evaluation split")
+    p.add_argument("--val-split", default="val", help="evaluation split folder name (default val)")
+    p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model, info = load_model(args.checkpoint)
+    evaluation = load_labelled(args.data, args.val_split, info, args.eval_images)
+    reference = padded_logits(fuse(model), evaluation.images)
+    recorded, meta = open_exported(args.file)
+    features = cpu_features()
+    parts = ("fp32", "bf16") if features.native_bf16 else ("fp32",)
+    print(f"{args.file}: int8, float part recorded as {meta.int8.get('float_part', 'fp32 (not recorded)')}, "
+          f"verdict {meta.int8.get('agreement')}; {features.describe()}\n")
+    print("| compiled with | top-1 agreement (changed) | accuracy (change) |\n|---|---:|---:|")
+    for part in parts:
+        module = OpenVinoModule(recorded.model, 1, "int8", part)
+        a = compare_logits(padded_logits(module, evaluation.images), reference, evaluation.labels)
+        hint = module.config["INFERENCE_PRECISION_HINT"]
+        print(f"| INFERENCE_PRECISION_HINT {hint} | {100 * a.top1_agreement:.2f} % ({a.changed}) | "
+              f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
