@@ -191,6 +191,33 @@ def test_auto_takes_int8_with_calibration_when_it_meets_the_target(trained_digit
     assert agreement(fast, trained_digits).meets_target
 
 
+def test_auto_int8_openvino_runs_its_float_part_in_bf16_where_native(trained_digits, monkeypatch):
+    """With calibration, auto's first AMX path is int8 OpenVINO compiled with its float part in bf16 (OpenVINO's
+    faster default there); an explicit int8 keeps it in fp32, and so does the AVX2 row."""
+    from cgavit.deploy.openvino import openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    x, cal = trained_digits.images[:8], trained_digits.calibration()
+    seen = []  # each path auto builds, in order, with the precision OpenVINO was asked for
+    build = fastpath._build
+
+    def recording(fused, example, precision, backend, calibration, opts, float_part="fp32"):
+        result = build(fused, example, precision, backend, calibration, opts, float_part)
+        seen.append((precision, backend, getattr(result, "config", {}).get("INFERENCE_PRECISION_HINT")))
+        return result
+
+    monkeypatch.setattr(fastpath, "_build", recording)
+    optimize(trained_digits.model, x, "auto", calibration=cal, compile=False, features=features(XEON_AMX))
+    assert seen[0] == ("int8", "openvino", "bf16")
+    seen.clear()
+    optimize(trained_digits.model, x, "auto", calibration=cal, compile=False, features=features(EPYC_AVX2))
+    assert seen[0] == ("int8", "openvino", "f32")
+    seen.clear()
+    optimize(trained_digits.model, x, "int8", backend="openvino", calibration=cal, check=False)
+    assert seen == [("int8", "openvino", "f32")]
+
+
 @pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
 def test_auto_skips_a_path_that_misses_the_target(trained_digits, monkeypatch):
     """On scrambled weights int8 misses the target on the calibration images: auto falls back to fp32."""

@@ -33,9 +33,9 @@ AUTO_RULES: dict[str, tuple[tuple[str, str], ...]] = {
 
 #: Where each row's order comes from.
 RULE_EVIDENCE: dict[str, str] = {
-    "amx": "order measured on an Intel Xeon with AMX, M4 at 224 px (BENCHMARKS.md, deploy): int8 OpenVINO 4.0x "
-           "fp32 torch.compile, bf16 OpenVINO 3.7x, int8 ONNX Runtime 2.2x, bf16 torch.compile 1.8x, fp32 ONNX "
-           "Runtime 1.5x",
+    "amx": "order measured on an Intel Xeon with AMX, M4 at 224 px (BENCHMARKS.md, int8 on AMX): int8 OpenVINO "
+           "with its float part in bf16 3.0-3.1x fp32 ONNX Runtime, bf16 OpenVINO 2.8x, int8 ONNX Runtime 1.8x, "
+           "fp32 OpenVINO 1.0x (deploy: bf16 torch.compile 1.8x fp32 torch.compile, fp32 ONNX Runtime 1.5x)",
     "avx512_bf16": "not measured on this class: int8 (VNNI) then fp32, bf16 left out until measured",
     "avx512": "not measured on this class: int8 (VNNI) then fp32; no native bf16",
     "avx2": "order measured on an AVX2-only AMD EPYC, M4 at 224 px, 7-bit int8 weights (BENCHMARKS.md, int8 on "

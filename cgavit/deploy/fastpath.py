@@ -126,7 +126,8 @@ def optimize(
     ``precision="auto"`` picks precision and backend by the rule table of :mod:`cgavit.deploy.auto`: the
     CPU class's fastest measured path first; bf16 only where native, int8 only with ``calibration`` or
     ``quantized``; a reduced path kept only with top-1 agreement >= 99.5 % on the calibration images (else
-    the example). Nothing is timed; the choice and why: ``result.choice``. bf16 without native bf16, or
+    the example); where bf16 is native its int8 OpenVINO runs what int8 leaves float in bf16 (the float part,
+    :mod:`cgavit.deploy.int8`). Nothing is timed; the choice and why: ``result.choice``. bf16 without native bf16, or
     int8 without VNNI/AVX2, warns why it is slow. ``model`` is not modified.
 
     Args:
@@ -194,14 +195,15 @@ def _warn_if_slow(precision: str, features: CpuFeatures, calibration: list[torch
 
 def _build(
     fused: nn.Module, example_input: torch.Tensor, precision: str, backend: str,
-    calibration: list[torch.Tensor] | None, opts: dict,
+    calibration: list[torch.Tensor] | None, opts: dict, float_part: str = "fp32",
 ) -> RuntimeModule:
-    """The ``precision``/``backend`` form of ``fused`` (which the torch path rewrites in place)."""
+    """The ``precision``/``backend`` form of ``fused`` (which the torch path rewrites in place); OpenVINO's int8
+    with its float part in ``float_part``."""
     start = time.perf_counter()
     if backend == "onnxruntime":
         result = onnxruntime_path(fused, example_input, precision, calibration)
     elif backend == "openvino":
-        result = openvino_path(fused, example_input, precision, calibration)
+        result = openvino_path(fused, example_input, precision, calibration, float_part)
     elif backend == "triton":
         result = _triton_path(fused, example_input, precision, opts["compile"], opts["channels_last"])
     else:
@@ -290,8 +292,11 @@ def _optimize_auto(
         if given and not artifact.trusted:
             log.info("optimize auto: %s skipped, its recorded verdict misses the target", artifact.describe())
             continue
+        # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
+        native = features is not None and features.native_bf16
+        part = "bf16" if native and (cand.precision, cand.backend) == ("int8", "openvino") else "fp32"
         result = artifact.module if given else _build(fuse(model), example_input, cand.precision, cand.backend,
-                                                       calibration, opts)
+                                                       calibration, opts, part)
         agreement = None if cand.precision == "fp32" else compare_logits(batched_logits(result, images), reference)
         if agreement is None or agreement.meets_target:
             cand = PathChoice(cand.precision, cand.backend, cand.cpu_class, f"{cand.reason}; {artifact.describe()}") \

@@ -388,10 +388,11 @@ class OpenVinoModule(RuntimeModule):
 
 
 def openvino_path(
-    fused: nn.Module, example_input: torch.Tensor, precision: str, calibration: list[torch.Tensor] | None
+    fused: nn.Module, example_input: torch.Tensor, precision: str, calibration: list[torch.Tensor] | None,
+    float_part: str = "fp32",
 ) -> OpenVinoModule:
     """``fused`` converted for the example's image size (int8: quantised on ``calibration``, else on the
-    example) and compiled by OpenVINO for the CPU, all in memory."""
+    example, its float part compiled in ``float_part``) and compiled by OpenVINO for the CPU, all in memory."""
     size = tuple(example_input.shape[2:])
     batches = (calibration or [example_input]) if precision == "int8" else None
-    return OpenVinoModule(openvino_model(fused, size, precision, batches), precision=precision)
+    return OpenVinoModule(openvino_model(fused, size, precision, batches), precision=precision, float_part=float_part)
