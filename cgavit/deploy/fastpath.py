@@ -126,17 +126,16 @@ def optimize(
     ``precision="auto"`` picks precision and backend by the rule table of :mod:`cgavit.deploy.auto`: the
     CPU class's fastest measured path first; bf16 only where native, int8 only with ``calibration`` or
     ``quantized``; a reduced path kept only with top-1 agreement >= 99.5 % on the calibration images (else
-    the example); where bf16 is native its int8 OpenVINO runs what int8 leaves float in bf16 (the float part,
-    :mod:`cgavit.deploy.int8`). Nothing is timed; the choice and why: ``result.choice``. bf16 without native bf16, or
-    int8 without VNNI/AVX2, warns why it is slow. ``model`` is not modified.
+    the example); where bf16 is native its int8 OpenVINO runs the float part in bf16 (:mod:`cgavit.deploy.int8`).
+    Nothing is timed; the choice and why: ``result.choice``. bf16 without native bf16, or int8 without
+    VNNI/AVX2, warns why it is slow. ``model`` is not modified.
 
     Args:
         model: a cgavit model (any module works for ``fast_attention=False``).
         example_input: a batch ``(B, C, H, W)`` of the shape you will run (compiling specialises on it).
         precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
-        compile, channels_last, fast_attention: torch backend: ``torch.compile`` (else the eager
-            fast modules), channels-last convolutions, the :mod:`cgavit.fast` modules.
+        compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
         check: compare with the plain model on ``example_input``; kept as ``result.rel_err``; for a
             fixed precision a value above ``TOLERANCE[precision]`` raises.
         calibration: int8: image batches for the activation ranges (real training images).
