@@ -389,6 +389,8 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert report["calibration"] == "minmax" and report["weight_range"] == "8-bit unsigned"
     assert "note: it keeps the decisions but runs at" in text and "the fp32 file (cgavit export) is as fast" in text
     assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
+    plot = tmp_path / "digits_int8.quantize.png"  # the plot beside the report, nowhere else
+    assert plot.read_bytes()[:4] == b"\x89PNG" and str(plot) in text
     module, info = open_exported(tmp_path / "digits_int8.onnx")
     assert info.class_names == tuple(str(c) for c in range(10)) and info.mean == (0.3, 0.3, 0.3)
 

@@ -184,14 +184,14 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
         return None
     plt = mpl.pyplot
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for path, points in result.curves.items():
+    for key, points in result.curves.items():
         search = sorted((p for p in points if p.step == "search"), key=lambda p: len(p.float_layers))  # built out of order
         pruned = [p for p in points if p.step == "prune"]
         line, = ax.plot([p.speedup for p in search], [100 * p.agreement.top1_agreement for p in search], "o-",
-                        label=f"{path}: float layers added, most sensitive first")
+                        label=f"{key}: float layers added, most sensitive first")
         if pruned:
             ax.plot([p.speedup for p in pruned], [100 * p.agreement.top1_agreement for p in pruned], "x",
-                    color=line.get_color(), label=f"{path}: one returned to int8")
+                    color=line.get_color(), label=f"{key}: one returned to int8")
         for p in search + pruned:
             ax.annotate(str(len(p.float_layers)), (p.speedup, 100 * p.agreement.top1_agreement),
                         textcoords="offset points", xytext=(4, 4), fontsize=8)
