@@ -21,6 +21,7 @@ from .artifact import QuantizedArtifact, quantized_artifact
 from .auto import auto_candidates, precision_warning
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse
+from .int8 import fastest_float_part
 from .onnx import onnxruntime_available, onnxruntime_path
 from .openvino import openvino_available, openvino_path
 from .quantize import QuantizeResult
@@ -292,8 +293,8 @@ def _optimize_auto(
             log.info("optimize auto: %s skipped, its recorded verdict misses the target", artifact.describe())
             continue
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
-        native = features is not None and features.native_bf16
-        part = "bf16" if native and (cand.precision, cand.backend) == ("int8", "openvino") else "fp32"
+        openvino_int8 = features is not None and (cand.precision, cand.backend) == ("int8", "openvino")
+        part = fastest_float_part(features) if openvino_int8 else "fp32"
         result = artifact.module if given else _build(fuse(model), example_input, cand.precision, cand.backend,
                                                        calibration, opts, part)
         agreement = None if cand.precision == "fp32" else compare_logits(batched_logits(result, images), reference)

@@ -19,8 +19,8 @@ What int8 leaves in float (the layers kept float, the attention core, the residu
 *float part*. ONNX Runtime runs it in fp32. OpenVINO runs it in the inference precision it is compiled
 with, and on a CPU with native bf16 (AMX, ``avx512_bf16``) its default is bf16: the same int8 file then
 decides differently (on the CIFAR-10 96 px reference, an OpenVINO build judged at 99.50 % with an fp32
-float part kept 99.25 % with a bf16 one) and runs faster (M4 at 224 px on an AMX Xeon: 2.99x fp32 ONNX
-Runtime against 2.46x; BENCHMARKS.md). So an OpenVINO build's float part is part of the build: it is
+float part kept 99.25 % with a bf16 one) and runs faster (M4 at 224 px on an AMX Xeon, the references'
+float layers: 2.93-2.95x fp32 ONNX Runtime against 2.15-2.16x; BENCHMARKS.md, int8 on AMX). So an OpenVINO build's float part is part of the build: it is
 judged in it, written into the file's metadata (``float_part``), and compiled in it by cgavit's loader.
 
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
@@ -94,6 +94,11 @@ def reduced_weight_range(features: CpuFeatures) -> bool:
     return (features.avx2 or features.avx512) and not features.vnni
 
 
+def fastest_float_part(features: CpuFeatures) -> str:
+    """The faster float part of OpenVINO's int8 on this CPU: bf16 where it computes bf16 natively, else fp32."""
+    return "bf16" if features.native_bf16 else "fp32"
+
+
 def float_parts_for_cpu(features: CpuFeatures, asked: str = "auto") -> tuple[str, ...]:
     """The float parts OpenVINO's int8 builds are searched in: ``asked`` (one of :data:`FLOAT_PARTS`) or, for
     ``"auto"``, fp32, and bf16 too where the CPU computes bf16 natively (elsewhere it would be emulated).
@@ -108,7 +113,7 @@ def float_parts_for_cpu(features: CpuFeatures, asked: str = "auto") -> tuple[str
                          f"({features.describe()}); use fp32 (or auto)")
     if asked != "auto":
         return (asked,)
-    return ("fp32", "bf16") if features.native_bf16 else ("fp32",)
+    return tuple(dict.fromkeys(("fp32", fastest_float_part(features))))
 
 
 def float_part_warning(float_part: str, features: CpuFeatures) -> str | None:
