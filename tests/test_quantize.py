@@ -32,6 +32,7 @@ from cgavit.deploy import (
 from cgavit.deploy.agreement import compare_logits
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
+from cgavit.deploy.quantize import split_holdout
 from cgavit.deploy.qat import QatConfig, qat_available, qat_finetune, qat_onnx
 from cgavit.deploy import fastpath
 from cgavit.deploy.fusion import export_form
@@ -76,7 +77,9 @@ def scrambled_int8(trained_digits):
 def test_quantize_meets_the_target_on_trained_weights(digits_int8, trained_digits):
     r = digits_int8
     assert r.meets_target and r.target.met_by(r.agreement), r.describe_point()
-    assert r.agreement.n == 360 and r.agreement.accuracy_change is not None
+    # judged on the half of the 360 images that the search never judged on
+    assert r.agreement is r.point.held_out and r.agreement.n == 180 and r.agreement.accuracy_change is not None
+    assert r.point.agreement.n == 180 and (r.evaluation_images, r.held_out_images) == (360, 180)
     assert r.agreement.max_rel_err > 1e-3  # really int8
     assert r.options.reduce_range == reduced_weight_range(cpu_features())
     out = torch.cat([r.module(b) for b in trained_digits.images[:32].split(16)])
@@ -100,7 +103,8 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
     assert path.name == "digits.onnx" and sorted(p.name for p in tmp_path.iterdir()) == ["digits.onnx"]
     module, info = open_exported(path)
     assert info.precision == "int8" and info.img_size == (48, 48) and info.class_names == tuple("0123456789")
-    assert info.int8["meets_target"] is True and info.int8["evaluation_images"] == 360
+    assert info.int8["meets_target"] is True and info.int8["evaluation_images"] == 180  # the held-out half
+    assert info.int8["held_out_of_search"] is True
     assert info.int8["weight_range"] == ("7-bit" if digits_int8.options.reduce_range else "8-bit")
     x = trained_digits.images[:16]
     assert torch.equal(module(x), digits_int8.module(x))
@@ -260,8 +264,81 @@ def test_openvino_searches_in_its_own_sensitivity_order_and_prunes(trained_digit
         tried = keep - set(p.float_layers)
         assert len(tried) == 1 and set(p.float_layers) < keep
         keep -= tried if p.meets else set()
-    assert r.meets_target and set(r.float_layers) == keep
+    assert set(fewest_meeting(r.curves["openvino"]).float_layers) == keep
+    # the answer: of the builds meeting the target on the search's images, fewest float layers first, the first that
+    # meets it on the held-out half too; every one before it was judged there and missed
+    meeting = sorted({p.float_layers: p for p in r.curves["openvino"] if p.meets}.values(),
+                     key=lambda p: (len(p.float_layers), -p.agreement.top1_agreement))
+    verdicts = [p.held_out is not None and r.target.met_by(p.held_out) for p in meeting]
+    first = verdicts.index(True) if True in verdicts else None
+    assert all(p.held_out is not None for p in meeting[:len(meeting) if first is None else first + 1])
+    assert r.meets_target == (first is not None)
+    if first is not None:
+        assert r.point.float_layers == meeting[first].float_layers and r.agreement is r.point.held_out
     assert "Sensitivity in OpenVINO" in r.markdown() and r.record()["sensitivity"]["openvino"][0]["layer"] == rows[0].layer
+
+
+def test_split_holdout_is_a_fixed_random_split_of_the_evaluation_images():
+    images, labels = torch.arange(10.0).view(10, 1, 1, 1), torch.arange(10)
+    search, search_labels, (held, held_labels) = split_holdout(images, labels, 0.3)
+    assert (len(search), len(held)) == (7, 3)
+    assert torch.equal(search.flatten().long(), search_labels) and torch.equal(held.flatten().long(), held_labels)
+    assert sorted(search_labels.tolist() + held_labels.tolist()) == list(range(10))  # disjoint, nothing lost
+    assert search_labels.tolist() == sorted(search_labels.tolist())  # each part keeps the original order
+    assert torch.equal(split_holdout(images, None, 0.3)[2][0], held)  # the same split every time, with or without labels
+    assert held_labels.tolist() != [7, 8, 9]  # random, not the tail (class folders load in order)
+    assert split_holdout(images, labels, 0)[2] is None
+    for bad in (-0.1, 1.0, True, "half"):
+        with pytest.raises(ValueError, match="holdout is the share"):
+            split_holdout(images, labels, bad)
+    with pytest.raises(ValueError, match="leaves a part empty"):
+        split_holdout(images[:1], labels[:1], 0.5)
+
+
+@dataclass(frozen=True)
+class SearchImagesOnly(QuantizeTarget):
+    """Met on any image count but ``held``: the search's images always meet it, the held-out ones only when the
+    largest relative logit error is under ``limit`` (never, by default)."""
+
+    held: int = 0
+    limit: float = 0.0
+
+    def met_by(self, agreement: Agreement) -> bool:
+        return agreement.n != self.held or agreement.max_rel_err < self.limit
+
+
+def test_the_held_out_images_decide_the_verdict_and_give_the_figure(trained_digits, tmp_path):
+    """The search met the target on its images, the held-out quarter refuses it: not met, nothing saved, and the
+    report gives both figures; with no holdout the same build meets it."""
+    cal, x, y = trained_digits.calibration(), trained_digits.images, trained_digits.labels
+    kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, **QUICK)
+    r = quantize(trained_digits.model, cal, x, SearchImagesOnly(held=90), holdout=0.25, **kwargs)
+    (point,) = r.curves["onnxruntime"]
+    assert point.meets and point.agreement.n == 270 and point.held_out.n == 90  # judged on both parts
+    assert not r.meets_target and r.agreement is point.held_out and r.info.int8["meets_target"] is False
+    assert r.record()["chosen"]["held_out"]["n"] == 90 and (r.evaluation_images, r.held_out_images) == (360, 90)
+    assert "the other 90, which chose nothing" in r.markdown() and "held out of the search" in r.describe_point()
+    with pytest.raises(ValueError, match="not written"):
+        r.save(tmp_path / "refused")
+    assert list(tmp_path.iterdir()) == []
+    r = quantize(trained_digits.model, cal, x, SearchImagesOnly(held=90), holdout=0, **kwargs)
+    assert r.meets_target and r.point.held_out is None and r.agreement.n == 360 and r.held_out_images == 0
+
+
+def test_when_the_held_out_images_refuse_the_search_keeps_more_layers_float(trained_digits):
+    """Every layer int8 meets the target on the search's images but not on the held-out ones: the search goes on,
+    1, 2, 4, ... layers float, each judged on both, until a build meets it on both; that one is the answer."""
+    cal, x, y = trained_digits.calibration(), trained_digits.images, trained_digits.labels
+    kwargs = dict(labels=y, profile_layers=False, holdout=0.25, **QUICK)
+    every = quantize(trained_digits.model, cal, x, SearchImagesOnly(held=90), max_float_layers=0, **kwargs).point
+    target = SearchImagesOnly(held=90, limit=0.5 * every.held_out.max_rel_err)
+    r = quantize(trained_digits.model, cal, x, target, **kwargs)
+    curve = r.curves["onnxruntime"]
+    counts = [len(p.float_layers) for p in curve]
+    assert counts[:3] == [0, 1, 2] and all(b == 2 * a for a, b in zip(counts[1:-1], counts[2:-1])), counts
+    assert all(p.meets and p.step == "search" for p in curve)  # on the search's images each one met it
+    assert all(not target.met_by(p.held_out) for p in curve[:-1])  # on the held-out ones all but the last missed
+    assert r.meets_target and r.point.float_layers == curve[-1].float_layers and target.met_by(r.agreement)
 
 
 def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_digits):
@@ -421,6 +498,8 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
     monkeypatch.setattr(quantize_cli, "cpu_features", lambda: features(EPYC_AVX2))
     cases = [(["--agreement", "0"], "(0, 100]"), (["--agreement", "101"], "(0, 100]"),
              (["--float-part", "bf16"], "needs native bf16"),
+             (["--holdout", "1"], "[0, 1)"), (["--holdout", "-0.5"], "[0, 1)"),
+             (["--eval-images", "1"], "leaves a part empty"),
              (["--accuracy-tolerance", "-1"], "[0, 100]"), (["--calibration-images", "5000"], "fewer than"),
              (["--val-split", "train"], "different images"), (["--output", str(tmp_path / "q.xml")], "openvino file")]
     for extra, message in cases:

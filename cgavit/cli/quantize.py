@@ -19,7 +19,7 @@ from ..deploy.fusion import output_path
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.openvino import openvino_available
-from ..deploy.quantize import QUANT_RUNTIMES, float_reasons
+from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons
 from ..factory import ModelInfo, load_model
 from ..io import write_json, write_text
 from .export import export_info
@@ -98,17 +98,20 @@ def run(args: argparse.Namespace) -> int:
             or (args.max_float_layers is not None and args.max_float_layers < 0):
         raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images, "
                          "--qat-float-layers and --max-float-layers at least 0")
+    if not 0 <= args.holdout < 1:
+        raise ValueError(f"--holdout is the share of the evaluation images held out of the search, in [0, 1), e.g. "
+                         f"0.5 (0: none); got {args.holdout:g}")
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
     model, info = load_model(args.checkpoint)
     calib, evaluated = load_images(args, info, model.num_classes)
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
-          f"{evaluated.source}; target: {target.describe()}")
+          f"{evaluated.source} ({args.holdout:g} of them held out of the search); target: {target.describe()}")
     options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
                       profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
-                      info=export_info(info, size),
+                      holdout=args.holdout, info=export_info(info, size),
                       threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
@@ -138,7 +141,7 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
           + (f"float: {'; '.join(kinds)}" if kinds else "every layer int8"))
     qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
                          config=cfg, options=options, float_layers=keep,
-                         info=export_info(info, (info.img_size, info.img_size)), threads=args.threads,
+                         info=export_info(info, (info.img_size, info.img_size)), holdout=args.holdout, threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
     qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ranked, keep, slow)  # why they stayed float
     qat.no_faster = {"onnxruntime": slow}
@@ -241,6 +244,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="precision OpenVINO runs what int8 leaves in float (kept-float layers, attention core, residual "
                         "adds): fp32, bf16 (CPUs with native bf16: AMX, avx512_bf16), or auto (default): fp32, and "
                         "bf16 as a second search where the CPU has it; the file records it and cgavit compiles it so")
+    p.add_argument("--holdout", type=float, default=HOLDOUT, metavar="SHARE",
+                   help=f"share of the evaluation images no search step judges on: the answer must meet the target on "
+                        f"them too, and its figure there is the one reported (default {HOLDOUT:g}; 0: judge on the images "
+                        "searched on, which is optimistic: pruning stops at the target's edge there)")
     p.add_argument("--max-float-layers", type=int, help="keep at most N layers in float (default: no cap; 0: all int8)")
     p.add_argument("--no-layer-profile", action="store_true",
                    help="do not keep in float the layers int8 makes no faster here (found by timing each convolution "

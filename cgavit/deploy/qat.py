@@ -265,7 +265,7 @@ def quantize_aware(
         evaluation, target, runtime, labels, options, features, info: as for :func:`~cgavit.deploy.quantize.quantize`.
         config: the fine-tuning schedule.
         float_layers: convolutions kept in float (e.g. the most sensitive of a post-training search).
-        **timing: ``batch``, ``threads``, ``warmup``, ``repeats`` of :func:`~cgavit.deploy.quantize.quantize`.
+        **timing: ``batch``, ``threads``, ``warmup``, ``repeats`` and ``holdout`` of :func:`~cgavit.deploy.quantize.quantize`.
 
     Raises:
         ValueError: torchao is not installed (``pip install 'cgavit[qat]'``), or as :func:`~cgavit.deploy.quantize.quantize`.

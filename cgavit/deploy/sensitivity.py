@@ -113,6 +113,8 @@ class CurvePoint:
             answer returned to int8).
         float_part: the precision the runtime ran the float part in (:data:`~cgavit.deploy.int8.FLOAT_PARTS`;
             a bf16 one only in OpenVINO).
+        held_out: against fp32 on the held-out images, which no search or pruning step saw (None: not judged
+            there; :func:`cgavit.deploy.quantize.quantize` judges only the builds it considers answering with).
     """
 
     runtime: str
@@ -123,6 +125,7 @@ class CurvePoint:
     meets: bool
     step: str = "search"
     float_part: str = "fp32"
+    held_out: Agreement | None = None
 
     @property
     def path(self) -> str:
