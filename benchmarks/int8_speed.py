@@ -38,12 +38,19 @@ from cgavit.timing import round_robin
 def float_layers(reports: list[str]) -> dict[str, list[str]]:
     """Per path (``onnxruntime``, ``openvino``, ``openvino+bf16``: runtime and float part), the union (in order) of
     the float layers that met the target in the ``cgavit quantize`` reports: each report's fewest that met it in
-    each path it searched (its curves)."""
+    each path it searched (its curves; where the report held images out of the search, on those images too)."""
     layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}, "openvino+bf16": {}}
     for path in reports:
         record = json.loads(Path(path).read_text())
+        target, held_out = record["target"], record.get("held_out_images", 0) > 0
+
+        def held_out_meets(point: dict) -> bool:  # the report's target on the held-out images
+            h = point.get("held_out")
+            return h is not None and h["agreement"] >= target["agreement"] - 1e-9 and (
+                h["accuracy_change"] is None or abs(h["accuracy_change"]) <= target["accuracy_tolerance"] + 1e-9)
+
         for runtime, points in record["curves"].items():
-            meeting = [p["float_layers"] for p in points if p["meets_target"]]
+            meeting = [p["float_layers"] for p in points if p["meets_target"] and (not held_out or held_out_meets(p))]
             if meeting:
                 layers.setdefault(runtime, {}).update(dict.fromkeys(min(meeting, key=len)))
     return {runtime: list(names) for runtime, names in layers.items()}

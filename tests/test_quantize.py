@@ -317,7 +317,7 @@ def test_the_held_out_images_decide_the_verdict_and_give_the_figure(trained_digi
     assert point.meets and point.agreement.n == 270 and point.held_out.n == 90  # judged on both parts
     assert not r.meets_target and r.agreement is point.held_out and r.info.int8["meets_target"] is False
     assert r.record()["chosen"]["held_out"]["n"] == 90 and (r.evaluation_images, r.held_out_images) == (360, 90)
-    assert "the other 90, which chose nothing" in r.markdown() and "held out of the search" in r.describe_point()
+    assert "the other 90, which no search step judged on" in r.markdown() and "held out of the search" in r.describe_point()
     with pytest.raises(ValueError, match="not written"):
         r.save(tmp_path / "refused")
     assert list(tmp_path.iterdir()) == []

@@ -185,7 +185,7 @@ class QuantizeResult:
         return dict(
             target=dict(agreement=self.target.agreement, accuracy_tolerance=self.target.accuracy_tolerance),
             meets_target=self.meets_target, method=self.method, runtime=self.runtime, float_part=self.float_part,
-            chosen=_point_record(self.point),
+            chosen=_point_record(self.point, self.target),
             fp32_onnxruntime_img_s=self.fp32_img_s, float_layers=self.reasons,
             kept_float_by_design="the attention core (score and PV matmuls, softmax) and the residual adds",
             cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
@@ -194,10 +194,10 @@ class QuantizeResult:
             sensitivity={rt: [dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
                                    changed=s.changed, n=s.n, rel_err=s.rel_err) for s in rows]
                          for rt, rows in self.sensitivity.items()},
-            curves={rt: [_point_record(p) for p in points] for rt, points in self.curves.items()},
+            curves={rt: [_point_record(p, self.target) for p in points] for rt, points in self.curves.items()},
             no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
                                for rt, speeds in self.no_faster.items()},
-            runoff=[_point_record(p) for p in self.runoff],
+            runoff=[_point_record(p, self.target) for p in self.runoff],
         )
 
     def markdown(self, top: int = 15) -> str:
@@ -205,7 +205,7 @@ class QuantizeResult:
         ``top`` most sensitive layers."""
         verdict = "meets the target" if self.meets_target else "**no int8 build met the target**; the best found"
         held = (f" The search judged its builds on {self.evaluation_images - self.held_out_images} of them; the "
-                f"answer was judged on the other {self.held_out_images}, which chose nothing (the figure reported)."
+                f"answer was judged on the other {self.held_out_images}, which no search step judged on (the figure reported)."
                 if self.held_out_images else "")
         lines = [f"# cgavit quantize: {verdict}", "", f"Target: {self.target.describe()}, on "
                  f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).{held}",
@@ -705,10 +705,11 @@ def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[st
     return out
 
 
-def _point_record(p: CurvePoint) -> dict:
+def _point_record(p: CurvePoint, target: QuantizeTarget) -> dict:
     a, h = p.agreement, p.held_out
     held = {} if h is None else dict(held_out=dict(agreement=h.top1_agreement, changed=h.changed, n=h.n,
-                                                   accuracy=h.accuracy, accuracy_change=h.accuracy_change))
+                                                   accuracy=h.accuracy, accuracy_change=h.accuracy_change,
+                                                   meets_target=target.met_by(h)))
     return dict(runtime=p.runtime, float_part=p.float_part, float_layers=list(p.float_layers),
                 agreement=a.top1_agreement, changed=a.changed,
                 n=a.n, accuracy=a.accuracy, accuracy_change=a.accuracy_change, max_rel_err=a.max_rel_err,
