@@ -5,8 +5,9 @@ layers kept in float are the ones a trained reference needed in each runtime (``
 every build it judged in ``NAME.quantize.json``, ``curves``; M0-M4 share their depths, so names carry over). Every path is
 timed round-robin by :func:`cgavit.timing.round_robin` in the same run (batch 16, 1 thread, 224 px) and
 reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2" and
-"int8 on AMX"). On a CPU with native bf16 the OpenVINO builds are timed with their float part in bf16 too
-(``openvino+bf16`` curves of the reports), beside the whole model in bf16.
+"int8 on AMX"). On a CPU with native bf16 the OpenVINO builds are timed with their float part in bf16 and with
+only the float layers in bf16 too (``openvino+bf16`` and ``openvino+bf16-layers`` curves of the reports), beside
+the whole model in bf16.
 
 Usage::
 
@@ -29,6 +30,7 @@ import cgavit
 from cgavit.bench import timm_port
 from cgavit.bench.candidates import trace
 from cgavit.deploy import Int8Options, cpu_features
+from cgavit.deploy.int8 import float_parts_for_cpu
 from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino
 from cgavit.testing import randomize_
@@ -36,10 +38,10 @@ from cgavit.timing import round_robin
 
 
 def float_layers(reports: list[str]) -> dict[str, list[str]]:
-    """Per path (``onnxruntime``, ``openvino``, ``openvino+bf16``: runtime and float part), the union (in order) of
+    """Per path (``onnxruntime``, ``openvino``, ``openvino+bf16``, ``openvino+bf16-layers``: runtime and float part), the union (in order) of
     the float layers that met the target in the ``cgavit quantize`` reports: each report's fewest that met it in
     each path it searched (its curves; where the report held images out of the search, on those images too)."""
-    layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}, "openvino+bf16": {}}
+    layers: dict[str, dict[str, None]] = {"onnxruntime": {}, "openvino": {}, "openvino+bf16": {}, "openvino+bf16-layers": {}}
     for path in reports:
         record = json.loads(Path(path).read_text())
         target, held_out = record["target"], record.get("held_out_images", 0) > 0
@@ -106,18 +108,20 @@ def main() -> None:
     with OnnxInt8Builder(src, calibration, replace(opts, weights="uint8")) as builder:
         paths["int8 ONNX Runtime U8U8, every layer int8"] = OnnxModule(builder.build([]), 1, "int8")
     ov = OpenVinoInt8Builder(model, size, calibration, opts)
-    missing = [layer for layer in keep["openvino"] + keep["openvino+bf16"] if layer not in ov.layers]
+    missing = [layer for path in ("openvino", "openvino+bf16", "openvino+bf16-layers") for layer in keep[path]
+               if layer not in ov.layers]
     if missing:
         raise SystemExit(f"{args.model} has no OpenVINO layers {missing[:5]}: give reports of a variant of its depth")
-    parts = ("fp32", "bf16") if cpu_features().native_bf16 else ("fp32",)
+    parts = float_parts_for_cpu(cpu_features())
     if "bf16" in parts:
         paths["bf16 OpenVINO"] = OpenVinoModule(ov.float_model, 1, "bf16")
     for part in parts:
-        label, split = ("", keep["openvino"]) if part == "fp32" else (", bf16 float part", keep["openvino+bf16"])
-        paths[f"int8 OpenVINO {weights}, every layer int8{label}"] = OpenVinoModule(ov.build([]), 1, "int8", part)
+        label, split = ("", keep["openvino"]) if part == "fp32" else (f", {part} float part", keep[f"openvino+{part}"])
+        if part != "bf16-layers":  # every layer int8, it is the fp32 float part's build
+            paths[f"int8 OpenVINO {weights}, every layer int8{label}"] = OpenVinoModule(ov.build([]), 1, "int8", part)
         if split:
             paths[f"int8 OpenVINO {weights}, {len(split)} layers float{label}"] = OpenVinoModule(
-                ov.build(split), 1, "int8", part)
+                ov.build(split, part), 1, "int8", part)
     if args.qat:  # the file quantisation-aware fine-tuning writes (ranges from its observers; no training needed for speed)
         from cgavit.deploy.openvino import openvino_from_onnx
         from cgavit.deploy.qat import QatConfig, qat_finetune, qat_onnx

@@ -359,8 +359,9 @@ def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_di
 
 
 def test_openvino_float_part_is_searched_judged_and_recorded(trained_digits, tmp_path, monkeypatch):
-    """On a CPU with native bf16 OpenVINO is searched with its float part in fp32 and in bf16; the chosen part is in
-    the file's metadata, cgavit compiles the file in it, and a bf16 file opened where bf16 is not native warns."""
+    """On a CPU with native bf16 OpenVINO is searched with its float part in fp32, in bf16 and with the float layers
+    in bf16; the chosen part is in the file's metadata, cgavit compiles the file in it, and a bf16 file opened where
+    bf16 is not native warns."""
     from cgavit.deploy import formats
     from cgavit.deploy.openvino import openvino_available
 
@@ -372,9 +373,9 @@ def test_openvino_float_part_is_searched_judged_and_recorded(trained_digits, tmp
                   repeats=1, sensitivity=False)
     both = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
                     "openvino", **common)
-    assert list(both.curves) == ["openvino", "openvino+bf16"]
-    assert [p.float_part for c in both.curves.values() for p in c] == ["fp32", "bf16"]
-    assert sorted(p.path for p in both.runoff) == ["openvino", "openvino+bf16"]
+    assert list(both.curves) == ["openvino", "openvino+bf16", "openvino+bf16-layers"]
+    assert [p.float_part for c in both.curves.values() for p in c] == ["fp32", "bf16", "bf16-layers"]
+    assert sorted(p.path for p in both.runoff) == ["openvino", "openvino+bf16", "openvino+bf16-layers"]
     assert both.record()["curves"]["openvino+bf16"][0]["float_part"] == "bf16"
     r = quantize(trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0),
                  "openvino", float_part="bf16", **common)
@@ -406,10 +407,44 @@ def test_openvino_compiles_the_float_part_asked_for(trained_digits):
         pytest.skip("needs cgavit[openvino] and a CPU with native bf16")
     cal, x = torch.cat(trained_digits.calibration()), trained_digits.images[:16]
     every = OpenVinoInt8Builder(trained_digits.model, (48, 48), [cal], Int8Options().for_cpu(cpu_features())).build()
-    for part, precision in (("fp32", "f32"), ("bf16", "bf16")):
+    for part, precision in (("fp32", "f32"), ("bf16", "bf16"), ("bf16-layers", "f32")):
         module = OpenVinoModule(every, 1, "int8", part)
         module(x)
         assert module.compiled_for(16).get_property("INFERENCE_PRECISION_HINT").to_string() == precision
+
+
+def test_bf16_layers_float_part_runs_the_float_layers_in_bf16_and_the_rest_in_fp32(trained_digits, tmp_path, monkeypatch):
+    """The bf16-layers build's float convolutions read bf16 inputs and weights (in the graph, and in the saved file),
+    nothing else changes type, and it is compiled in fp32; where bf16 is native the CPU runs those layers in bf16."""
+    from cgavit.deploy import formats
+    from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, openvino_available, save_openvino
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    cal, x = torch.cat(trained_digits.calibration()), trained_digits.images[:32]
+    ov = OpenVinoInt8Builder(trained_digits.model, (48, 48), [cal], Int8Options().for_cpu(cpu_features()))
+    layers = ["patch_embed.conv1", "stages.1.downsample.patchmerge.conv2"]  # a dense and a depthwise convolution
+
+    def bf16_convs(model) -> list[str]:
+        return sorted(op.get_friendly_name() for op in model.get_ordered_ops()
+                      if "Convolution" in op.get_type_name() and op.get_input_element_type(0).get_type_name() == "bf16")
+
+    mixed, plain = ov.build(layers, "bf16-layers"), ov.build(layers)
+    assert bf16_convs(mixed) == sorted(ov.layers[name] for name in layers) and bf16_convs(plain) == []
+    assert mixed.output(0).get_element_type().get_type_name() == "f32"
+    module = OpenVinoModule(mixed, 1, "int8", "bf16-layers")
+    assert module.config["INFERENCE_PRECISION_HINT"] == "f32"
+    out, ref = module(x), OpenVinoModule(plain, 1, "int8")(x)
+    assert 0 < (out - ref).abs().max() and rel_err(out, ref) < 0.05  # two layers in bf16: close, not the same
+    path = tmp_path / "mixed.xml"
+    save_openvino(mixed, path, ExportInfo(img_size=(48, 48), precision="int8", int8={"float_part": "bf16-layers"}))
+    monkeypatch.setattr(formats, "cpu_features", lambda: features(XEON_AMX))
+    opened, info = open_exported(path)
+    assert bf16_convs(opened.model) == bf16_convs(mixed) and opened.config["INFERENCE_PRECISION_HINT"] == "f32"
+    if cpu_features().native_bf16:
+        ran = {op.get_friendly_name(): op.get_rt_info()["runtimePrecision"].astype(str)
+               for op in module.compiled_for(32).get_runtime_model().get_ordered_ops()}
+        assert all(ran[ov.layers[name]] == "bf16" for name in layers), {n: ran.get(ov.layers[n]) for n in layers}
 
 
 def test_layers_no_faster_in_int8_stay_float_in_every_build(trained_digits, monkeypatch):

@@ -242,8 +242,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="OpenVINO (NNCF) bias correction (default full)")
     p.add_argument("--float-part", choices=["auto", *FLOAT_PARTS], default="auto",
                    help="precision OpenVINO runs what int8 leaves in float (kept-float layers, attention core, residual "
-                        "adds): fp32, bf16 (CPUs with native bf16: AMX, avx512_bf16), or auto (default): fp32, and "
-                        "bf16 as a second search where the CPU has it; the file records it and cgavit compiles it so")
+                        "adds): fp32; bf16 or bf16-layers (the float layers bf16, the rest fp32), for CPUs with native "
+                        "bf16 (AMX, avx512_bf16); or auto (default): fp32, and both bf16 ones as more searches where the "
+                        "CPU has it; the file records it and cgavit compiles it so")
     p.add_argument("--holdout", type=float, default=HOLDOUT, metavar="SHARE",
                    help=f"share of the evaluation images no search step judges on: the answer must meet the target on "
                         f"them too, and its figure there is the one reported (default {HOLDOUT:g}; 0: judge on the images "

@@ -23,6 +23,13 @@ float part kept 99.25 % with a bf16 one) and runs faster (M4 at 224 px on an AMX
 float layers: 2.93-2.95x fp32 ONNX Runtime against 2.15-2.16x; BENCHMARKS.md, int8 on AMX). So an OpenVINO build's float part is part of the build: it is
 judged in it, written into the file's metadata (``float_part``), and compiled in it by cgavit's loader.
 
+A third float part sits between them: ``"bf16-layers"`` runs the *float layers* in bf16 (the file's graph
+converts their inputs and weights to bf16) and the attention core and residual adds in fp32 (the file is
+compiled in fp32). The float layers are where an fp32 float part costs its speed (on the CIFAR-10 64 px
+reference five of them took M4 from 2.75-2.78x fp32 ONNX Runtime every layer int8 to 2.12-2.14x on the AMX
+Xeon), and the residual stream is where a bf16 one costs its decisions (on that reference no bf16-float-part
+build met the target, even with every layer float: 99.3 %; BENCHMARKS.md, int8 on AMX).
+
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
 (``stages.0.blocks.0.mixer.m.attn.k.0``), which both runtimes' node names carry.
 """
@@ -42,7 +49,8 @@ BIAS_CORRECTIONS = ("full", "fast", "none")
 #: (U8U8 kernels: 8-bit weights that do not saturate on AVX2 either, slower; BENCHMARKS.md).
 WEIGHT_TYPES = ("int8", "uint8")
 #: The precision of an OpenVINO int8 build's float part (see the module notes); ONNX Runtime's is fp32.
-FLOAT_PARTS = ("fp32", "bf16")
+#: ``"bf16-layers"``: the float layers in bf16 (bf16 convolutions in the graph), the rest of the float part in fp32.
+FLOAT_PARTS = ("fp32", "bf16", "bf16-layers")
 
 
 @dataclass(frozen=True)
@@ -101,25 +109,31 @@ def fastest_float_part(features: CpuFeatures) -> str:
 
 def float_parts_for_cpu(features: CpuFeatures, asked: str = "auto") -> tuple[str, ...]:
     """The float parts OpenVINO's int8 builds are searched in: ``asked`` (one of :data:`FLOAT_PARTS`) or, for
-    ``"auto"``, fp32, and bf16 too where the CPU computes bf16 natively (elsewhere it would be emulated).
+    ``"auto"``, fp32, and the bf16 ones too where the CPU computes bf16 natively (elsewhere it would be emulated).
 
     Raises:
-        ValueError: an unknown value, or bf16 asked for on a CPU without native bf16.
+        ValueError: an unknown value, or a bf16 one asked for on a CPU without native bf16.
     """
     if asked not in ("auto", *FLOAT_PARTS):
         raise ValueError(f"the float part must be auto or one of {', '.join(FLOAT_PARTS)}, got {asked!r}")
-    if asked == "bf16" and not features.native_bf16:
-        raise ValueError(f"a bf16 float part needs native bf16 (AMX or avx512_bf16), and this CPU has none "
+    if asked != "fp32" and asked != "auto" and not features.native_bf16:
+        raise ValueError(f"a {asked} float part needs native bf16 (AMX or avx512_bf16), and this CPU has none "
                          f"({features.describe()}); use fp32 (or auto)")
     if asked != "auto":
         return (asked,)
-    return tuple(dict.fromkeys(("fp32", fastest_float_part(features))))
+    return FLOAT_PARTS if features.native_bf16 else ("fp32",)
+
+
+def compile_precision(float_part: str) -> str:
+    """The precision OpenVINO compiles an int8 file with a ``float_part`` float part in: bf16 for ``"bf16"``; fp32
+    otherwise (``"bf16-layers"`` carries its bf16 in the graph)."""
+    return "bf16" if float_part == "bf16" else "fp32"
 
 
 def float_part_warning(float_part: str, features: CpuFeatures) -> str | None:
     """Why an int8 OpenVINO file judged with a ``float_part`` float part will not run as judged on this CPU; None if fine."""
-    if float_part == "bf16" and not features.native_bf16:
-        return (f"this int8 file was judged with its float part in bf16, and this CPU ({features.describe()}) has "
+    if float_part != "fp32" and not features.native_bf16:
+        return (f"this int8 file was judged with its float part in {float_part}, and this CPU ({features.describe()}) has "
                 "no native bf16: OpenVINO does not run that part as it was judged (it falls back to fp32 or "
                 "emulates bf16), so the recorded verdict does not hold here; quantize again on this CPU (cgavit quantize)")
     return None

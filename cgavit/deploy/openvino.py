@@ -27,7 +27,7 @@ from torch import nn
 
 from .cpu import cpu_features
 from .fusion import example_batch, export_form, output_path
-from .int8 import FLOAT_PARTS, Int8Options, layer_of_openvino_node
+from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, int8_info
 from .runtime import RuntimeModule
 
@@ -116,8 +116,9 @@ class OpenVinoInt8Builder:
         #: the every-layer-int8 model (NNCF's, made on the first build)
         self.every_int8 = None
 
-    def build(self, float_layers: Iterable[str] = ()):
-        """The int8 ``openvino.Model`` with ``float_layers`` kept in float (a new model each call).
+    def build(self, float_layers: Iterable[str] = (), float_part: str = "fp32"):
+        """The int8 ``openvino.Model`` with ``float_layers`` kept in float (a new model each call); with the float
+        part ``"bf16-layers"`` they are bf16 convolutions (:func:`bf16_convolutions`), else fp32 ones.
 
         Raises:
             ValueError: a layer name the model does not have.
@@ -128,7 +129,9 @@ class OpenVinoInt8Builder:
             raise ValueError(f"no such layer in the converted model: {', '.join(unknown)}")
         if self.every_int8 is None:
             self.every_int8 = self.quantize()
-        return restore_float_layers(self.every_int8, self.float_model, [self.layers[name] for name in keep])
+        nodes = [self.layers[name] for name in keep]
+        model = restore_float_layers(self.every_int8, self.float_model, nodes)
+        return bf16_convolutions(model, nodes) if float_part == "bf16-layers" else model
 
     def quantize(self):
         """Every convolution int8: one NNCF run."""
@@ -185,6 +188,36 @@ def restore_float_layers(int8_model, float_model, convolutions: Iterable[str]):
                     add.input(i).replace_source_output(constant(twin.input_value(i).get_node().get_data()).output(0))
     out.validate_nodes_and_infer_types()
     return out
+
+
+def bf16_convolutions(model, convolutions: Iterable[str]):
+    """``model`` (changed in place, and returned) with the named float convolution nodes computing in bf16:
+    each reads its input and weights through a conversion to bf16 and its readers get its output converted
+    back to fp32. OpenVINO compiled in fp32 keeps these bf16 (a CPU with native bf16 runs them so), and the rest
+    of the float part in fp32.
+
+    Raises:
+        ValueError: a node that is not a convolution of ``model``.
+    """
+    ov, names = _openvino(), list(convolutions)
+    ops = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
+    wrong = [n for n in names if n not in ops or ops[n].get_type_name() not in ("Convolution", "GroupConvolution")]
+    if wrong:
+        raise ValueError(f"no such convolution in the model: {', '.join(wrong)}")
+    opset = ov.opset13
+    for name in names:
+        conv = ops[name]
+        make = opset.group_convolution if conv.get_type_name() == "GroupConvolution" else opset.convolution
+        bf16 = make(opset.convert(conv.input_value(0), "bf16"), opset.convert(conv.input_value(1), "bf16"),
+                    strides=list(conv.get_strides()), pads_begin=list(conv.get_pads_begin()),
+                    pads_end=list(conv.get_pads_end()), dilations=list(conv.get_dilations()))
+        bf16.set_friendly_name(name)  # the layer keeps its name (profiles, reports)
+        conv.set_friendly_name(f"{name}/fp32")
+        back = opset.convert(bf16, "f32")
+        for reader in list(conv.output(0).get_target_inputs()):
+            reader.replace_source_output(back.output(0))
+    model.validate_nodes_and_infer_types()
+    return model
 
 
 def _folded_weights(conv):
@@ -368,7 +401,7 @@ class OpenVinoModule(RuntimeModule):
         self.model = self.core.read_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
         self.metadata = openvino_metadata(self.model)
         self.float_part = float_part if precision == "int8" else precision
-        hint = PRECISION_HINT[float_part] if precision == "int8" else PRECISION_HINT[precision]
+        hint = PRECISION_HINT[compile_precision(float_part) if precision == "int8" else precision]
         self.config = {"INFERENCE_NUM_THREADS": threads or torch.get_num_threads(), "NUM_STREAMS": 1,
                        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": hint}
         self.compiled: dict[int, object] = {}  # batch size -> compiled model

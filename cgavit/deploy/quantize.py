@@ -8,9 +8,9 @@ whose int8 kernel is no faster than fp32 in the runtime's profiler on this CPU s
 build (they cost no speed). When the rest in int8 misses, layers are kept in float, most sensitive
 first in that runtime (:mod:`cgavit.deploy.sensitivity`), until the target is met; then each of them
 goes back to int8 where the target holds without it, those int8 speeds up most first. On a CPU with native
-bf16 OpenVINO is searched twice, with the float part (what int8 leaves in float) in fp32 and in bf16, which
-is OpenVINO's default there and faster, but decides differently (:mod:`cgavit.deploy.int8`); the bf16 search
-keeps layers float in the same order. Every build is timed round-robin beside
+bf16 OpenVINO is searched three times, with the float part (what int8 leaves in float) in fp32, in bf16
+(OpenVINO's default there: faster, but it decides differently) and with only the float layers in bf16
+(:mod:`cgavit.deploy.int8`); each search keeps layers float in the same order. Every build is timed round-robin beside
 fp32 ONNX Runtime on this machine; the fastest build that meets the target is the result. When none
 meets it, the result says so and names the best found, and :meth:`QuantizeResult.save` refuses it.
 
@@ -44,7 +44,7 @@ from ..timing import round_robin
 from .agreement import AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, compare_logits
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse, output_path
-from .int8 import Int8Options, float_parts_for_cpu, weight_range_label
+from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, int8_info
 from .onnx import (
     OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, onnxruntime_conv_times, with_onnx_metadata,
@@ -115,7 +115,8 @@ class QuantizeResult:
         info: the metadata :meth:`save` writes into the file.
         reasons: each float layer -> why it is float.
         sensitivity: runtime -> every layer quantised alone in it, most sensitive first (absent when not measured).
-        curves: path (:attr:`CurvePoint.path`: the runtime, and ``+bf16`` for OpenVINO with a bf16 float part) ->
+        curves: path (:attr:`CurvePoint.path`: the runtime, and ``+bf16`` or ``+bf16-layers`` for OpenVINO's other float
+            parts) ->
             every build measured: the search's, then the pruning's.
         cpu: the CPU it was measured on.
         options: the int8 options used (weight range decided).
@@ -158,7 +159,8 @@ class QuantizeResult:
 
     @property
     def float_part(self) -> str:
-        """The precision the chosen build's runtime runs its float part in (``"fp32"``, or ``"bf16"`` in OpenVINO)."""
+        """The precision the chosen build's runtime runs its float part in (``"fp32"``; in OpenVINO also ``"bf16"`` or
+        ``"bf16-layers"``)."""
         return self.point.float_part
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -232,8 +234,8 @@ class QuantizeResult:
         if self.runtime == "openvino":
             lines += [f"The float part runs in {self.float_part}: cgavit's loader compiles the file so (its metadata's "
                       f"`float_part`); with OpenVINO alone, compile it with INFERENCE_PRECISION_HINT "
-                      f"`{'bf16' if self.float_part == 'bf16' else 'f32'}` (OpenVINO's default on a CPU with native "
-                      "bf16 is bf16, which decides differently)."]
+                      f"`{'bf16' if compile_precision(self.float_part) == 'bf16' else 'f32'}` (OpenVINO's default on a "
+                      "CPU with native bf16 is bf16, which decides differently)."]
         lines += [f"Kept in float: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
             ["No convolution kept in float."]
         for runtime, rows in self.sensitivity.items():
@@ -302,7 +304,7 @@ def quantize(
             only when needed); keep at most this many layers in float (default: no cap; 0: every layer int8).
         profile_layers, prune: keep float the layers int8 makes no faster in the runtime's profiler; return each
             layer the search kept float to int8 where the target holds without it (both default).
-        float_part: OpenVINO's, ``"fp32"``, ``"bf16"``, or ``"auto"``: :func:`~cgavit.deploy.int8.float_parts_for_cpu`.
+        float_part: OpenVINO's, one of :data:`~cgavit.deploy.int8.FLOAT_PARTS` or ``"auto"``: :func:`~cgavit.deploy.int8.float_parts_for_cpu`.
         holdout: the share of ``evaluation`` held out of the search, in [0, 1) (module notes; 0: none).
         info: the file's metadata (class names, preprocessing); reference: the fp32 model judged against and timed
             beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
@@ -447,7 +449,7 @@ class _Made:
     def __init__(self, artifact: object) -> None:
         self.artifact = artifact
 
-    def build(self, float_layers: tuple[str, ...]) -> object:
+    def build(self, float_layers: tuple[str, ...], float_part: str = "fp32") -> object:
         return self.artifact
 
 
@@ -565,12 +567,14 @@ class _Search:
         """Build ``runtime``'s int8 model with ``float_layers`` in float (unless ``artifact`` is that build
         already), and measure and time it with its float part in ``part``; a build measured before is not made
         again (pruning the search's last float layer gives the search's previous point), and a model built for
-        another float part is reused."""
+        another float part of the same graph is reused."""
         if (runtime, part, float_layers) in self.builds:
             return self.builds[(runtime, part, float_layers)].point
-        if artifact is None:
-            made = [b.artifact for (rt, _, layers), b in self.builds.items() if (rt, layers) == (runtime, float_layers)]
-            artifact = made[0] if made else builder.build(float_layers)
+        if artifact is None:  # fp32 and bf16 float parts compile one graph; bf16-layers has bf16 convolutions in its own
+            made = [b.artifact for (rt, p, layers), b in self.builds.items() if (rt, layers) == (runtime, float_layers)
+                    and (p == "bf16-layers") == (part == "bf16-layers")]
+            artifact = made[0] if made else (
+                builder.build(float_layers, part) if runtime == "openvino" else builder.build(float_layers))
         module = int8_module(runtime, artifact, self.timing[1], part)
         a = compare_logits(padded_logits(module, self.evaluation), self.reference, self.labels)
         img_s, fp32_img_s = self.time(module)
