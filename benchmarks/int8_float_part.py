@@ -2,7 +2,8 @@
 
 OpenVINO runs what int8 leaves in float in its inference precision, and on a CPU with native bf16 its
 default is bf16 (BENCHMARKS.md, "int8 on AMX"). This compiles one ``.xml`` that ``cgavit quantize`` wrote
-with ``INFERENCE_PRECISION_HINT`` ``f32`` and (where the CPU has native bf16) ``bf16``, and judges each
+with ``INFERENCE_PRECISION_HINT`` ``f32`` and (where the CPU has native bf16) ``bf16``, and with its float
+layers made bf16 convolutions (the ``bf16-layers`` float part; from a file with an fp32 or bf16 one), and judges each
 against the checkpoint's fused fp32 model on DIR/VAL: top-1 agreement (decisions changed) and accuracy
 change, beside the float part the file records in its metadata. Nothing is timed.
 
@@ -21,7 +22,8 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import compare_logits, cpu_features, fuse, open_exported
-from cgavit.deploy.openvino import OpenVinoModule
+from cgavit.deploy.int8 import float_parts_for_cpu, layer_of_openvino_node
+from cgavit.deploy.openvino import OpenVinoModule, bf16_convolutions
 from cgavit.deploy.sensitivity import padded_logits
 
 
@@ -39,15 +41,23 @@ def main() -> None:
     reference = padded_logits(fuse(model), evaluation.images)
     recorded, meta = open_exported(args.file)
     features = cpu_features()
-    parts = ("fp32", "bf16") if features.native_bf16 else ("fp32",)
-    print(f"{args.file}: int8, float part recorded as {meta.int8.get('float_part', 'fp32 (not recorded)')}, "
-          f"verdict {meta.int8.get('agreement')}; {features.describe()}\n")
-    print("| compiled with | top-1 agreement (changed) | accuracy (change) |\n|---|---:|---:|")
-    for part in parts:
-        module = OpenVinoModule(recorded.model, 1, "int8", part)
+    recorded_part = meta.int8.get("float_part", "fp32")
+    print(f"{args.file}: int8, float part recorded as {recorded_part}, verdict {meta.int8.get('agreement')}; "
+          f"{features.describe()}\n")
+    print("| float part | top-1 agreement (changed) | accuracy (change) |\n|---|---:|---:|")
+    for part in float_parts_for_cpu(features):
+        graph = recorded.model
+        if (part == "bf16-layers") != (recorded_part == "bf16-layers"):  # the float layers' convolutions change type
+            if part != "bf16-layers":
+                continue  # a bf16-layers file's fp32 graph is not in it
+            layers = set(meta.int8.get("float_layers", ()))
+            graph = bf16_convolutions(graph.clone(), [
+                op.get_friendly_name() for op in graph.get_ordered_ops() if "Convolution" in op.get_type_name()
+                and layer_of_openvino_node(op.get_friendly_name()) in layers])
+        module = OpenVinoModule(graph, 1, "int8", part)
         a = compare_logits(padded_logits(module, evaluation.images), reference, evaluation.labels)
         hint = module.config["INFERENCE_PRECISION_HINT"]
-        print(f"| INFERENCE_PRECISION_HINT {hint} | {100 * a.top1_agreement:.2f} % ({a.changed}) | "
+        print(f"| {part} (INFERENCE_PRECISION_HINT {hint}) | {100 * a.top1_agreement:.2f} % ({a.changed}) | "
               f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f}) |")
 
 
