@@ -22,8 +22,8 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import compare_logits, cpu_features, fuse, open_exported
-from cgavit.deploy.int8 import float_parts_for_cpu, layer_of_openvino_node
-from cgavit.deploy.openvino import OpenVinoModule, bf16_convolutions
+from cgavit.deploy.int8 import float_parts_for_cpu
+from cgavit.deploy.openvino import OpenVinoModule, bf16_convolutions, convolution_nodes
 from cgavit.deploy.sensitivity import padded_logits
 
 
@@ -50,10 +50,8 @@ def main() -> None:
         if (part == "bf16-layers") != (recorded_part == "bf16-layers"):  # the float layers' convolutions change type
             if part != "bf16-layers":
                 continue  # a bf16-layers file's fp32 graph is not in it
-            layers = set(meta.int8.get("float_layers", ()))
-            graph = bf16_convolutions(graph.clone(), [
-                op.get_friendly_name() for op in graph.get_ordered_ops() if "Convolution" in op.get_type_name()
-                and layer_of_openvino_node(op.get_friendly_name()) in layers])
+            nodes = convolution_nodes(graph)
+            graph = bf16_convolutions(graph.clone(), [nodes[layer] for layer in meta.int8.get("float_layers", ())])
         module = OpenVinoModule(graph, 1, "int8", part)
         a = compare_logits(padded_logits(module, evaluation.images), reference, evaluation.labels)
         hint = module.config["INFERENCE_PRECISION_HINT"]

@@ -7,7 +7,8 @@ model (``openvino.convert_model``), batch dynamic, image size fixed (as for ONNX
 On a CPU with native bf16 OpenVINO *computes in bf16 by default*; this module always asks for the
 precision it was given (``INFERENCE_PRECISION_HINT``): ``f32`` for fp32, ``bf16`` for bf16, and for int8
 the precision of the build's float part (what NNCF leaves unquantised; fp32 unless the build was judged
-with a bf16 one, :mod:`cgavit.deploy.int8`).
+with a bf16 one; a ``bf16-layers`` build compiles in fp32 with its bf16 convolutions typed in the graph;
+:mod:`cgavit.deploy.int8`).
 """
 
 from __future__ import annotations
@@ -108,11 +109,7 @@ class OpenVinoInt8Builder:
         self.options = options
         self.float_model = convert_openvino(model, img_size, fold_residuals=False)
         #: layer name -> its convolution node's name, in graph order
-        self.layers = {}
-        for op in self.float_model.get_ordered_ops():
-            layer = layer_of_openvino_node(op.get_friendly_name())
-            if layer is not None and op.get_type_name() in ("Convolution", "GroupConvolution"):
-                self.layers[layer] = op.get_friendly_name()
+        self.layers = convolution_nodes(self.float_model)
         #: the every-layer-int8 model (NNCF's, made on the first build)
         self.every_int8 = None
 
@@ -150,6 +147,17 @@ class OpenVinoInt8Builder:
                 model_type=nncf.ModelType.TRANSFORMER if opts.attention_float else None,
                 ignored_scope=ignored, advanced_parameters=advanced,
             )
+
+
+def convolution_nodes(model) -> dict[str, str]:
+    """Each layer (the qualified name of its ``nn.Conv2d``) of a converted model -> its convolution node's name, in
+    graph order."""
+    layers = {}
+    for op in model.get_ordered_ops():
+        layer = layer_of_openvino_node(op.get_friendly_name())
+        if layer is not None and op.get_type_name() in ("Convolution", "GroupConvolution"):
+            layers[layer] = op.get_friendly_name()
+    return layers
 
 
 def restore_float_layers(int8_model, float_model, convolutions: Iterable[str]):

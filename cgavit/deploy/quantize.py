@@ -595,12 +595,12 @@ class _Search:
 
     def judge_held_out(self, point: CurvePoint) -> CurvePoint:
         """``point`` judged on the held-out images too (once per build; the curves then show it)."""
-        build = self.builds[(point.runtime, point.float_part, point.float_layers)]
+        key = (point.runtime, point.float_part, point.float_layers)
+        build = self.builds[key]
         if self.held_out is None or build.point.held_out is not None:
             return build.point
         module = int8_module(point.runtime, build.artifact, self.timing[1], point.float_part)
         a = compare_logits(padded_logits(module, self.held_out[0]), self.held_reference, self.held_out[1])
-        key = (point.runtime, point.float_part, point.float_layers)
         for curve in self.curves.values():
             curve[:] = [replace(p, held_out=a) if (p.runtime, p.float_part, p.float_layers) == key else p for p in curve]
         judged = build.point = replace(point, held_out=a)
