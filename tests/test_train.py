@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,25 +57,43 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
+# the run of test_a_closed_terminal_saves_the_run, in a process of its own: SIGHUP's default action there, as in
+# a terminal; a real hang-up (kill) to the process after its second update; what train() returned, on stdout
+_HANG_UP_CHILD = """
+import ast, json, os, signal, sys
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from cgavit.train import TrainConfig, train
+
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+updates = 0
+
+def after_step(optimizer, args, kwargs):
+    global updates
+    updates += 1
+    if updates == 2:
+        os.kill(os.getpid(), signal.SIGHUP)
+
+register_optimizer_step_post_hook(after_step)
+result = train(TrainConfig(**ast.literal_eval(sys.argv[1])))
+print(json.dumps({"interrupted": result.interrupted, "default_back": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL}))
+"""
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
-def test_a_closed_terminal_saves_the_run(data, tmp_path, sigterm_after):
+def test_a_closed_terminal_saves_the_run(data, tmp_path):
     """SIGHUP (the terminal the run was started from closed) stops it like SIGTERM: last.pt is saved
-    at the update reached, and the run resumes from there; before, the default action killed it."""
+    at the update reached, and the run resumes from there; before, the default action killed it.
+
+    The run is a child process: without the engine's handler the hang-up kills the child (the test fails
+    saying so), never the test worker (CI lost an xdist worker in an in-process version of this test)."""
     out = tmp_path / "hup"
-
-    def not_ignored(signum, frame) -> None:
-        """Not ignored, as in a terminal (CI may run the suite under nohup). Unlike SIG_DFL, a hang-up sent to the
-        whole process group outside the run does not kill the test worker; one the run's handler did not take
-        would leave the run going (not interrupted: the test fails)."""
-
-    before = signal.signal(signal.SIGHUP, not_ignored)
-    try:
-        with sigterm_after(2, signal.SIGHUP):
-            result = train(tiny(data=str(data), epochs=2, output=str(out)))
-        assert signal.getsignal(signal.SIGHUP) is not_ignored  # the run's handler is gone after it
-    finally:
-        signal.signal(signal.SIGHUP, before)
-    assert result.interrupted
+    options = {**TINY, "data": str(data), "epochs": 2, "output": str(out)}
+    proc = subprocess.run([sys.executable, "-c", _HANG_UP_CHILD, repr(options)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != -signal.SIGHUP, "the hang-up killed the run: no SIGHUP handler in the engine"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"interrupted": True, "default_back": True}  # stopped, and the run's handler is gone after it
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (0, 2)
 
