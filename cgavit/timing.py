@@ -8,6 +8,7 @@ precision check, training comparison) and by the ablation study's throughput col
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -55,6 +56,19 @@ def time_call(fn: Callable[[], object], device: torch.device | str | None = None
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def other_load(own_threads: int) -> float | None:
+    """Cores' worth of work besides this process's ``own_threads`` that the 1-minute load average shows now
+    (0 on a quiet machine; None where the platform has no load average). Round-robin timing spreads steady
+    load over every candidate, but not load that comes and goes: above about half a core the ranking of close
+    candidates may not be this machine's (BENCHMARKS.md: a 64 px ``cgavit quantize`` run beside another chose
+    ONNX Runtime over an OpenVINO build that, timed alone, was the faster)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return max(0.0, load - own_threads)
 
 
 def round_robin(

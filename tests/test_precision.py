@@ -28,6 +28,7 @@ from cgavit.deploy.fusion import BATCHNORMS
 EPYC_AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse sse2 avx f16c fma bmi2 avx2 sha_ni\n"
 XEON_AMX = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: avx2 avx512f avx512_vnni "
             "avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+EPYC_AVX512_BF16 = "model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_vnni avx512_bf16 avx_vnni\n"  # no AMX
 COOPER_LAKE = "model name\t: Intel(R) Xeon(R) Gold 6348H\nflags\t\t: avx2 avx512f avx512_vnni avx512_bf16\n"
 SKYLAKE = "model name\t: Intel(R) Xeon(R) Gold 6148\nflags\t\t: avx2 avx512f\n"
 GRAVITON = "processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm\nCPU implementer\t: 0x41\n"
@@ -125,8 +126,8 @@ def test_cpu_features_reads_cpuinfo(tmp_path):
     (tmp_path / "cpuinfo").write_text(XEON_AMX)
     amx = cpu_features(tmp_path / "cpuinfo")
     assert amx.cpu_class == "amx" and amx.native_bf16 and amx.vnni and "Platinum" in amx.model_name
-    assert [features(t).cpu_class for t in (COOPER_LAKE, SKYLAKE, EPYC_AVX2, GRAVITON)] == [
-        "avx512_bf16", "avx512", "avx2", "other"]
+    assert [features(t).cpu_class for t in (COOPER_LAKE, EPYC_AVX512_BF16, SKYLAKE, EPYC_AVX2, GRAVITON)] == [
+        "avx512_bf16", "avx512_bf16", "avx512", "avx2", "other"]
     assert not features(EPYC_AVX2).native_bf16 and not features(SKYLAKE).vnni
     assert features(GRAVITON).native_bf16 and features(GRAVITON).vnni  # Arm's bf16 and dot-product flags
     fallback = cpu_features(tmp_path / "missing")  # not Linux: torch's dispatch level only
@@ -148,6 +149,12 @@ def test_auto_rule_table_by_cpu_class():
     assert auto_candidates(features(XEON_AMX), True, every)[0].precision == "int8"
     assert all(c.precision != "bf16" for rule in ("avx2", "avx512", "other") for c in auto_candidates(
         features({"avx2": EPYC_AVX2, "avx512": SKYLAKE, "other": GRAVITON}[rule]), True, every))
+    # the avx512_bf16 row as measured on an AMD EPYC with avx512_bf16 and VNNI (BENCHMARKS.md): bf16 OpenVINO without
+    # calibration, int8 OpenVINO first with it
+    bf16_class = auto_candidates(features(EPYC_AVX512_BF16), False, every)
+    assert [(c.precision, c.backend) for c in bf16_class][:2] == [("bf16", "openvino"), ("fp32", "onnxruntime")]
+    assert [(c.precision, c.backend) for c in auto_candidates(features(EPYC_AVX512_BF16), True, every)][:3] == [
+        ("int8", "openvino"), ("int8", "onnxruntime"), ("bf16", "openvino")]
     only_torch = auto_candidates(features(XEON_AMX), True, lambda backend: backend == "torch")
     assert [(c.precision, c.backend) for c in only_torch] == [("bf16", "torch"), ("fp32", "torch")]
 
@@ -179,6 +186,21 @@ def test_auto_uses_bf16_only_where_native(trained_digits):
     assert amx.choice.precision == "bf16" and "agreement" in amx.choice.reason
     with pytest.raises(ValueError, match="backend"):
         optimize(trained_digits.model, x, "auto", backend="torch")
+
+
+def test_auto_judges_on_the_evaluation_images_when_given(trained_digits):
+    """evaluation= (held-out images) is what a reduced path is judged on, not the training images it calibrates on;
+    it is refused for a fixed precision, and when empty."""
+    x = trained_digits.images[:8]
+    held_out = list(trained_digits.images.split(64))
+    amx = optimize(trained_digits.model, x, "auto", compile=False, features=features(XEON_AMX),
+                   calibration=trained_digits.calibration(64), evaluation=held_out)
+    assert amx.choice.precision != "fp32" and "measured on the evaluation images" in amx.choice.reason
+    assert f"on {len(trained_digits.images)} images" in amx.choice.reason  # all 360, not the 64 calibration images
+    with pytest.raises(ValueError, match="evaluation= is for precision='auto'"):
+        optimize(trained_digits.model, x, "fp32", backend="torch", compile=False, evaluation=held_out)
+    with pytest.raises(ValueError, match="evaluation is empty"):
+        optimize(trained_digits.model, x, "auto", compile=False, evaluation=[])
 
 
 @pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")

@@ -356,6 +356,28 @@ def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_di
     assert r.fp32_img_s == pytest.approx(r.point.img_s / r.point.speedup)
     assert [p["runtime"] for p in r.record()["runoff"]] == [p.runtime for p in r.runoff]
     assert "timed again side by side" in r.markdown()
+    assert r.runoff_load is None or r.record()["runoff_other_load"] == r.runoff_load
+
+
+def test_other_work_during_the_runoff_is_reported(trained_digits, monkeypatch, capsys):
+    """The load average after the runtimes' answers were timed side by side: above half a core of other work the
+    report and the command say the choice may not be this machine's; on a quiet machine they say nothing."""
+    from cgavit import timing
+    from cgavit.deploy.openvino import openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    args = (trained_digits.model, trained_digits.calibration(), trained_digits.images, QuantizeTarget(0.9, 100.0))
+    options = dict(labels=trained_digits.labels, max_float_layers=0, warmup=0, repeats=1, sensitivity=False,
+                   float_part="fp32", threads=1)
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (2.6, 1.0, 1.0))  # 1.6 cores besides this one thread
+    busy = quantize(*args, **options)
+    assert busy.runoff_load == pytest.approx(1.6) and busy.runoff_disturbed
+    assert "Other work ran meanwhile" in busy.markdown() and busy.record()["runoff_other_load"] == pytest.approx(1.6)
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (1.1, 1.0, 1.0))
+    quiet = quantize(*args, **options)
+    assert quiet.runoff_load == pytest.approx(0.1) and not quiet.runoff_disturbed
+    assert "Other work ran meanwhile" not in quiet.markdown()
 
 
 def test_openvino_float_part_is_searched_judged_and_recorded(trained_digits, tmp_path, monkeypatch):

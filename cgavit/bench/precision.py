@@ -166,7 +166,7 @@ def checkpoint_precision(
 ) -> CheckpointPrecision:
     """The precision check of a trained checkpoint on ``data/val_split`` (int8 calibrated on
     ``calibration_images`` images of ``data/train_split``), and the path ``optimize(precision="auto")``
-    picks for it on this CPU with those calibration images.
+    picks for it on this CPU with those calibration images, judging each reduced path on the evaluated images.
 
     Raises:
         ValueError: a missing or malformed split folder, a count below 1.
@@ -187,5 +187,6 @@ def checkpoint_precision(
     name = Path(checkpoint).name
     rows = precision_rows(name, paths, fuse(model), evaluated.images, evaluated.labels, evaluated.source, rates,
                           len(calib.images), batch)
-    auto = optimize(model, x, "auto", calibration=batches, check=False, compile=compile).choice
+    auto = optimize(model, x, "auto", calibration=batches, evaluation=list(evaluated.images.split(batch)), check=False,
+                    compile=compile).choice  # judged on the table's images, not on the training ones it calibrates on
     return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto)

@@ -170,6 +170,9 @@ def write_outputs(result: QuantizeResult, stem: Path) -> int:
     out = result.save(stem)
     print(f"wrote {out}: {result.describe_point()}\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
           f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
+    if result.runoff_disturbed:
+        print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "
+              "cores of it): the runtime chosen may not be the faster here; run cgavit quantize with nothing else running")
     if result.point.speedup < NO_GAIN:
         print(f"note: it keeps the decisions but runs at {result.point.speedup:.2f}x fp32 ONNX Runtime here "
               f"({len(result.float_layers)} layers had to stay in float): on this CPU the fp32 file "

@@ -116,20 +116,19 @@ def optimize(
     calibration: Iterable[torch.Tensor] | None = None,
     features: CpuFeatures | None = None,
     quantized: QuantizeResult | str | os.PathLike | None = None,
+    evaluation: Iterable[torch.Tensor] | None = None,
 ) -> RuntimeModule:
     """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
 
-    Backends: ``"torch"`` (:func:`fuse`, the :mod:`cgavit.fast` attention, channels-last, ``torch.compile``
-    with weight freezing, compiled on the example; fp32, bf16), ``"onnxruntime"`` (ONNX, batch dynamic;
-    fp32, int8 static QDQ) and ``"openvino"`` (fp32, bf16, int8 by NNCF). ``backend="auto"`` with a fixed
-    precision: ONNX Runtime on the CPU for fp32 and int8 when installed, else torch (:func:`choose_backend`).
+    Backends: ``"torch"`` (:func:`fuse`, :mod:`cgavit.fast`, channels-last, ``torch.compile`` with frozen weights;
+    fp32, bf16), ``"onnxruntime"`` (fp32, int8 static QDQ), ``"openvino"`` (fp32, bf16, int8 by NNCF); ``"auto"``
+    with a fixed precision: ONNX Runtime on the CPU when installed, else torch (:func:`choose_backend`).
 
     ``precision="auto"`` picks precision and backend by the rule table of :mod:`cgavit.deploy.auto`: the
     CPU class's fastest measured path first; bf16 only where native, int8 only with ``calibration`` or
-    ``quantized``; a reduced path kept only with top-1 agreement >= 99.5 % on the calibration images (else
-    the example); where bf16 is native its int8 OpenVINO runs the float part in bf16 (:mod:`cgavit.deploy.int8`).
-    Nothing is timed; the choice and why: ``result.choice``. bf16 without native bf16, or int8 without
-    VNNI/AVX2, warns why it is slow. ``model`` is not modified.
+    ``quantized``; a reduced path kept only with top-1 agreement >= 99.5 % on ``evaluation`` (else ``calibration``,
+    else the example); where bf16 is native int8 OpenVINO runs its float part in bf16 (:mod:`cgavit.deploy.int8`).
+    Nothing is timed; the choice and why: ``result.choice``. Slow paths warn. ``model`` is not modified.
 
     Args:
         model: a cgavit model (any module works for ``fast_attention=False``).
@@ -137,24 +136,25 @@ def optimize(
         precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
-        check: compare with the plain model on ``example_input``; kept as ``result.rel_err``; for a
-            fixed precision a value above ``TOLERANCE[precision]`` raises.
+        check: compare with the plain model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises).
         calibration: int8: image batches for the activation ranges (real training images).
         features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
         quantized: ``precision="auto"`` only: this model's int8 artifact from :func:`~cgavit.deploy.quantize`
             (its result or file), used for its runtime's int8 path (:mod:`cgavit.deploy.artifact`).
+        evaluation: ``precision="auto"`` only: images not trained on, to judge the reduced paths on (default: the
+            calibration images, which flatter the verdict: docs/deploy.md).
 
     Raises:
         ValueError: a precision, backend or combination not offered, a bad example, empty calibration.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
-    example_input, batches = _checked_inputs(example_input, calibration, precision, backend, quantized)
+    example_input, batches, judged = _checked_inputs(example_input, calibration, precision, backend, quantized, evaluation)
     opts = dict(compile=compile, channels_last=channels_last, fast_attention=fast_attention)
     on_cpu = example_input.device.type == "cpu"
     if precision == "auto":
         artifact = None if quantized is None else quantized_artifact(quantized)
         cpu = (features or cpu_features()) if on_cpu else None
-        return _optimize_auto(model, example_input, batches, cpu, check, opts, artifact)
+        return _optimize_auto(model, example_input, batches, cpu, check, opts, artifact, judged)
     backend = choose_backend(precision, backend, example_input.device)  # also checks the precision
     if on_cpu:
         _warn_if_slow(precision, features or cpu_features(), batches)
@@ -167,9 +167,9 @@ def optimize(
 
 def _checked_inputs(
     example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None, precision: str, backend: str,
-    quantized: object,
-) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """The example and the calibration batches as float32, checked (and what only auto takes)."""
+    quantized: object, evaluation: Iterable[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """The example, the calibration and the evaluation batches as float32, checked (and what only auto takes)."""
     if precision == "auto" and backend != "auto":
         raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
     if quantized is not None and precision != "auto":
@@ -180,7 +180,20 @@ def _checked_inputs(
     batches = None if calibration is None else [b.float() for b in calibration]
     if batches is not None and not batches:
         raise ValueError("calibration is empty: give image batches (a few hundred training images), or None")
-    return example_input.float(), batches
+    return example_input.float(), batches, _checked_evaluation(evaluation, precision)
+
+
+def _checked_evaluation(evaluation: Iterable[torch.Tensor] | None, precision: str) -> list[torch.Tensor] | None:
+    """``evaluation``'s batches as float32, checked: for ``precision="auto"`` only, not empty."""
+    if evaluation is None:
+        return None
+    if precision != "auto":
+        raise ValueError("evaluation= is for precision='auto' (the images its reduced paths are judged on); to "
+                         "judge a fixed precision, compare its logits with fp32 (cgavit.deploy.compare_logits)")
+    batches = [b.float() for b in evaluation]
+    if not batches:
+        raise ValueError("evaluation is empty: give image batches the model was not trained on, or None")
+    return batches
 
 
 def _warn_if_slow(precision: str, features: CpuFeatures, calibration: list[torch.Tensor] | None) -> None:
@@ -275,8 +288,10 @@ def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tens
 def _optimize_auto(
     model: nn.Module, example_input: torch.Tensor, calibration: list[torch.Tensor] | None,
     features: CpuFeatures | None, check: bool, opts: dict, artifact: QuantizedArtifact | None = None,
+    evaluation: list[torch.Tensor] | None = None,
 ) -> RuntimeModule:
-    """``precision="auto"``: the first path of the CPU's rule-table row that meets the agreement target."""
+    """``precision="auto"``: the first path of the CPU's rule-table row that meets the agreement target on the
+    ``evaluation`` images (else the calibration images, else the example)."""
     if artifact is not None and tuple(example_input.shape[2:]) != tuple(artifact.img_size):
         raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
                          f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
@@ -285,7 +300,9 @@ def _optimize_auto(
     else:
         candidates = auto_candidates(features, calibration is not None, backend_available,
                                      artifact.runtime if artifact else None)
-    images = torch.cat(calibration) if calibration else example_input
+    judged_on = evaluation or calibration or [example_input]
+    where = "the evaluation images" if evaluation else "the calibration images" if calibration else "the example input"
+    images = torch.cat(judged_on)
     reference = batched_logits(fuse(model), images)
     for cand in candidates:
         given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
@@ -301,7 +318,7 @@ def _optimize_auto(
         if agreement is None or agreement.meets_target:
             cand = PathChoice(cand.precision, cand.backend, cand.cpu_class, f"{cand.reason}; {artifact.describe()}") \
                 if given else cand
-            result.choice = _with_measurement(cand, agreement, calibration is not None)
+            result.choice = _with_measurement(cand, agreement, where)
             break
         log.info("optimize auto: %s %s skipped, %s", cand.precision, cand.backend, agreement.describe())
     log.info("optimize auto: chose %s", result.choice.describe())
@@ -311,9 +328,8 @@ def _optimize_auto(
     return result
 
 
-def _with_measurement(choice: PathChoice, agreement: Agreement | None, on_calibration: bool) -> PathChoice:
+def _with_measurement(choice: PathChoice, agreement: Agreement | None, where: str) -> PathChoice:
     if agreement is None:
         return choice
-    where = "the calibration images" if on_calibration else "the example input"
     reason = f"{choice.reason}; measured on {where}: {agreement.describe()}"
     return PathChoice(choice.precision, choice.backend, choice.cpu_class, reason)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..io import atomic_write
-from ..timing import round_robin
+from ..timing import other_load, round_robin
 from .agreement import AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, compare_logits
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse, output_path
@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 #: The share of the evaluation images held out of the search: the answer is judged on them (module notes).
 HOLDOUT = 0.5
+
+#: Cores' worth of other work during the runoff above which the report says its timings may not be this machine's.
+DISTURBING_LOAD = 0.5
 
 #: The runtimes ``quantize`` builds int8 for, and the extra each needs.
 QUANT_RUNTIMES = {"onnxruntime": "deploy", "openvino": "openvino"}
@@ -126,6 +129,8 @@ class QuantizeResult:
         no_faster: runtime -> the layers its int8 kernel did not make faster here (kept float in its builds).
         runoff: when more than one path met the target, each one's answer timed again in one round-robin
             (what chose between them; ``point`` is the chosen one's).
+        runoff_load: cores' worth of other work on the machine while the runoff was timed
+            (:func:`cgavit.timing.other_load`; None without a runoff or a load average).
     """
 
     target: QuantizeTarget
@@ -147,6 +152,12 @@ class QuantizeResult:
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
     runoff: list[CurvePoint] = field(default_factory=list)
     held_out_images: int = 0
+    runoff_load: float | None = None
+
+    @property
+    def runoff_disturbed(self) -> bool:
+        """Whether other work (half a core or more) ran while the runtimes' answers were timed side by side."""
+        return self.runoff_load is not None and self.runoff_load >= DISTURBING_LOAD
 
     @property
     def agreement(self) -> Agreement:
@@ -199,7 +210,7 @@ class QuantizeResult:
             curves={rt: [_point_record(p, self.target) for p in points] for rt, points in self.curves.items()},
             no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
                                for rt, speeds in self.no_faster.items()},
-            runoff=[_point_record(p, self.target) for p in self.runoff],
+            runoff=[_point_record(p, self.target) for p in self.runoff], runoff_other_load=self.runoff_load,
         )
 
     def markdown(self, top: int = 15) -> str:
@@ -229,6 +240,10 @@ class QuantizeResult:
             timed = ", ".join(f"{path_name(p)} {p.speedup:.2f}x" for p in self.runoff)
             lines += ["", f"Each path's answer timed again side by side (one round-robin, twice the rounds): {timed} "
                       "fp32 ONNX Runtime; the faster is chosen."]
+            if self.runoff_disturbed:
+                lines += ["", f"**Other work ran meanwhile** (the load average showed {self.runoff_load:.1f} cores of it): "
+                          "these timings, and so the runtime chosen, may not be this machine's; run cgavit quantize "
+                          "with nothing else running."]
         lines += ["",
                   "Kept in float by design: the attention core (score and PV matmuls, softmax) and the residual adds."]
         if self.runtime == "openvino":
@@ -470,6 +485,7 @@ class _Search:
     curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
     sensitivity: dict[str, list[LayerSensitivity]] = field(default_factory=dict)
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
+    runoff_load: float | None = None  # other work while the runoff was timed
 
     @contextmanager
     def started(self, tmp: Path) -> Iterator[None]:
@@ -647,6 +663,7 @@ class _Search:
             calls[p.path] = partial(int8_module(p.runtime, build.artifact, threads, p.float_part), self.example)
         with torch.no_grad():
             t = round_robin(calls, warmup, 2 * repeats)
+        self.runoff_load = other_load(threads or torch.get_num_threads())
         fp32 = t["fp32"].median_rate(batch)
         return [replace(p, img_s=t[p.path].median_rate(batch), speedup=t[p.path].median_rate(batch) / fp32)
                 for p in points]
@@ -672,6 +689,7 @@ class _Search:
             reasons=self.reasons(point), sensitivity=self.sensitivity, curves=self.curves,
             cpu=features.describe(), options=opts, calibration_images=len(self.calibration),
             evaluation_images=len(self.evaluation) + held, held_out_images=held, no_faster=self.no_faster, runoff=runoff,
+            runoff_load=self.runoff_load if runoff else None,
         )
 
     def reasons(self, point: CurvePoint) -> dict[str, str]:
