@@ -7,7 +7,7 @@ timed round-robin by :func:`cgavit.timing.round_robin` in the same run (batch 16
 reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2" and
 "int8 on AMX"). On a CPU with native bf16 the OpenVINO builds are timed with their float part in bf16 and with
 only the float layers in bf16 too (``openvino+bf16`` and ``openvino+bf16-layers`` curves of the reports), beside
-the whole model in bf16.
+the whole model in bf16 (OpenVINO, and torch.compile).
 
 Usage::
 
@@ -115,6 +115,7 @@ def main() -> None:
     parts = float_parts_for_cpu(cpu_features())
     if "bf16" in parts:
         paths["bf16 OpenVINO"] = OpenVinoModule(ov.float_model, 1, "bf16")
+        paths["bf16 torch.compile"] = cgavit.optimize(model, x, "bf16", backend="torch", check=False)
     for part in parts:
         label, split = ("", keep["openvino"]) if part == "fp32" else (f", {part} float part", keep[f"openvino+{part}"])
         if part != "bf16-layers":  # every layer int8, it is the fp32 float part's build

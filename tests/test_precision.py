@@ -149,10 +149,11 @@ def test_auto_rule_table_by_cpu_class():
     assert auto_candidates(features(XEON_AMX), True, every)[0].precision == "int8"
     assert all(c.precision != "bf16" for rule in ("avx2", "avx512", "other") for c in auto_candidates(
         features({"avx2": EPYC_AVX2, "avx512": SKYLAKE, "other": GRAVITON}[rule]), True, every))
-    # the avx512_bf16 row as measured on an AMD EPYC with avx512_bf16 and VNNI (BENCHMARKS.md): bf16 OpenVINO without
-    # calibration, int8 OpenVINO first with it
+    # the avx512_bf16 row as measured on an AMD EPYC with avx512_bf16 and VNNI (BENCHMARKS.md): bf16 OpenVINO, then bf16
+    # torch, before fp32 without calibration; int8 OpenVINO first with it
     bf16_class = auto_candidates(features(EPYC_AVX512_BF16), False, every)
-    assert [(c.precision, c.backend) for c in bf16_class][:2] == [("bf16", "openvino"), ("fp32", "onnxruntime")]
+    assert [(c.precision, c.backend) for c in bf16_class][:3] == [("bf16", "openvino"), ("bf16", "torch"),
+                                                                  ("fp32", "onnxruntime")]
     assert [(c.precision, c.backend) for c in auto_candidates(features(EPYC_AVX512_BF16), True, every)][:3] == [
         ("int8", "openvino"), ("int8", "onnxruntime"), ("bf16", "openvino")]
     only_torch = auto_candidates(features(XEON_AMX), True, lambda backend: backend == "torch")

@@ -24,8 +24,8 @@ from .runtime import PathChoice
 AUTO_RULES: dict[str, tuple[tuple[str, str], ...]] = {
     "amx": (("int8", "openvino"), ("bf16", "openvino"), ("int8", "onnxruntime"), ("bf16", "torch"),
             ("fp32", "onnxruntime"), ("fp32", "openvino"), ("fp32", "torch")),
-    "avx512_bf16": (("int8", "openvino"), ("int8", "onnxruntime"), ("bf16", "openvino"), ("fp32", "onnxruntime"),
-                    ("fp32", "openvino"), ("fp32", "torch")),
+    "avx512_bf16": (("int8", "openvino"), ("int8", "onnxruntime"), ("bf16", "openvino"), ("bf16", "torch"),
+                    ("fp32", "onnxruntime"), ("fp32", "openvino"), ("fp32", "torch")),
     "avx512": (("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "torch")),
     "avx2": (("int8", "openvino"), ("int8", "onnxruntime"), ("fp32", "onnxruntime"), ("fp32", "openvino"),
              ("fp32", "torch")),
@@ -39,7 +39,7 @@ RULE_EVIDENCE: dict[str, str] = {
            "fp32 OpenVINO 1.0x (deploy: bf16 torch.compile 1.8x fp32 torch.compile, fp32 ONNX Runtime 1.5x)",
     "avx512_bf16": "order measured on an AMD EPYC with avx512_bf16 and VNNI, no AMX, M4 at 224 px, 8-bit int8 weights "
                    "(BENCHMARKS.md, int8 on AVX-512 with bf16): int8 OpenVINO 2.4-2.5x fp32 ONNX Runtime (its float part in "
-                   "bf16 2.5x), int8 ONNX Runtime 2.1x, bf16 OpenVINO 1.7-1.8x, fp32 OpenVINO 0.9x; bf16 torch not measured",
+                   "bf16 2.5x), int8 ONNX Runtime 2.1x, bf16 OpenVINO 1.7-1.8x, bf16 torch.compile 1.1-1.2x, fp32 OpenVINO 0.9x",
     "avx512": "not measured on this class: int8 (VNNI) then fp32; no native bf16",
     "avx2": "order measured on an AVX2-only AMD EPYC, M4 at 224 px, 7-bit int8 weights (BENCHMARKS.md, int8 on "
             "AVX2): int8 OpenVINO 2.1x timm's traced port, int8 ONNX Runtime 1.9x, fp32 ONNX Runtime 1.5x, fp32 "
