@@ -359,9 +359,10 @@ def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_di
     assert r.runoff_load is None or r.record()["runoff_other_load"] == r.runoff_load
 
 
-def test_other_work_during_the_runoff_is_reported(trained_digits, monkeypatch, capsys):
+def test_other_work_during_the_runoff_is_reported(trained_digits, monkeypatch):
     """The load average after the runtimes' answers were timed side by side: above half a core of other work the
-    report and the command say the choice may not be this machine's; on a quiet machine they say nothing."""
+    result (which the command's note reads) and its report say the choice may not be this machine's; on a quiet
+    machine they say nothing."""
     from cgavit import timing
     from cgavit.deploy.openvino import openvino_available
 
