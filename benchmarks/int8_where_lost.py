@@ -1,0 +1,133 @@
+"""Where the sensitive layers' int8 loses decisions in OpenVINO: their activations, their weights, or both?
+
+The layers a trained reference needs in float (the stem's convolutions, the patch merges') are where int8
+pays most on AVX2, so a cheaper way to keep them precise would move the AVX2 speed targets. This script
+takes cgavit's every-layer-int8 OpenVINO build (NNCF, this CPU's weight range, ``patch_embed.conv1`` float
+since it costs nothing there) and, for groups of those layers, gives back to float
+
+* **both** (the layer float, as ``cgavit quantize`` keeps it),
+* only the **activation** (the convolution reads its input without the quantiser, its weights stay int8),
+* only the **weights** (fp32 weights and bias, the input still quantised),
+
+and tries one cheap remedy for the activation: the input carried as **two int8 tensors** (the quantised
+input and its quantised remainder, 16 bits of range), each through the same int8 convolution, summed. Each
+build is judged top-1 against the fused fp32 model on DIR/VAL.
+
+Usage::
+
+    python benchmarks/int8_where_lost.py --checkpoint runs/c10-5k-m0-96/best.safetensors --data cifar10-5k --val-split test
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import numpy as np
+import openvino as ov
+import torch
+
+from cgavit import load_model
+from cgavit.bench import load_labelled
+from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
+from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, restore_float_layers
+from cgavit.deploy.sensitivity import padded_logits
+
+OPS = ov.opset13
+
+
+def _ops(model) -> dict:
+    return {op.get_friendly_name(): op for op in model.get_ordered_ops()}
+
+
+def activations_float(model, nodes: list[str]):
+    """A copy of ``model`` whose named convolutions read their input past its quantiser."""
+    out = model.clone()
+    ops = _ops(out)
+    for name in nodes:
+        conv = ops[name]
+        conv.input(0).replace_source_output(conv.input_value(0).get_node().input_value(0))
+    out.validate_nodes_and_infer_types()
+    return out
+
+
+def weights_float(model, float_model, nodes: list[str]):
+    """A copy of ``model`` whose named convolutions get their fp32 weights and bias back, their input still quantised:
+    the layers made float (:func:`restore_float_layers`) with the input quantisers put back in front of them."""
+    restored = restore_float_layers(model, float_model, nodes)
+    quantised, ops = _ops(model), _ops(restored)
+    for name in nodes:
+        fq = quantised[name].input_value(0).get_node()
+        again = OPS.fake_quantize(ops[name].input_value(0), *(fq.input_value(i) for i in range(1, 5)),
+                                  fq.get_attributes()["levels"])
+        ops[name].input(0).replace_source_output(again.output(0))
+    restored.validate_nodes_and_infer_types()
+    return restored
+
+
+def two_int8_inputs(model, nodes: list[str]):
+    """A copy of ``model`` in which each named convolution also convolves its input's quantisation remainder, itself
+    quantised to int8 (the remainder of a step ``s`` lies in [-s/2, s/2]), and adds the two results."""
+    out = model.clone()
+    ops = _ops(out)
+    for name in nodes:
+        conv = ops[name]
+        fq = conv.input_value(0).get_node()
+        low, high = (fq.input_value(i).get_node().get_data().astype(np.float32) for i in (1, 2))
+        step = float(np.max((high - low) / (fq.get_attributes()["levels"] - 1))) / 254.0
+        rest = OPS.subtract(fq.input_value(0), fq.output(0))
+        rest = OPS.fake_quantize(rest, np.float32(-128 * step), np.float32(127 * step), np.float32(-128 * step),
+                                 np.float32(127 * step), 256)
+        make = OPS.group_convolution if conv.get_type_name() == "GroupConvolution" else OPS.convolution
+        second = make(rest, conv.input_value(1), strides=list(conv.get_strides()), pads_begin=list(conv.get_pads_begin()),
+                      pads_end=list(conv.get_pads_end()), dilations=list(conv.get_dilations()))
+        readers = list(conv.output(0).get_target_inputs())
+        total = OPS.add(conv.output(0), second.output(0))
+        for reader in readers:
+            reader.replace_source_output(total.output(0))
+    out.validate_nodes_and_infer_types()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
+    p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
+    p.add_argument("--val-split", default="val", help="evaluation split (default val)")
+    args = p.parse_args()
+    logging.getLogger("nncf").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    model, info = load_model(args.checkpoint)
+    ev = load_labelled(args.data, args.val_split, info, 0)
+    calibration = load_labelled(args.data, "train", info, 256, seed=1).images
+    fused = fuse(model)
+    reference = padded_logits(fused, ev.images)
+    builder = OpenVinoInt8Builder(fused, (info.img_size, info.img_size), [calibration],
+                                  Int8Options().for_cpu(cpu_features()))
+    base = builder.build(["patch_embed.conv1"])
+    layers = builder.layers
+    groups = {
+        "the stem's conv2-conv4": [n for n in layers if n.startswith("patch_embed.") and n != "patch_embed.conv1"],
+        "the first patch merge's three": [n for n in layers if n.startswith("stages.1.downsample.patchmerge.conv")],
+    }
+    groups["both, and the second patch merge's three"] = groups["the stem's conv2-conv4"] + \
+        groups["the first patch merge's three"] + [n for n in layers if n.startswith("stages.2.downsample.patchmerge.conv")]
+
+    def judge(m, label: str) -> None:
+        a = compare_logits(padded_logits(OpenVinoModule(m, 1, "int8"), ev.images), reference, ev.labels)
+        print(f"| {label} | {100 * a.top1_agreement:.2f} % ({a.changed}) | {a.accuracy_change:+.2f} |", flush=True)
+
+    print(f"{args.checkpoint}: {len(ev.images)} images judged; {cpu_features().describe()}\n")
+    print("| build | top-1 agreement (changed) | accuracy change |\n|---|---:|---:|")
+    judge(builder.build([]), "every layer int8")
+    judge(base, "`patch_embed.conv1` float (the base of the rows below)")
+    for label, group in groups.items():
+        nodes = [layers[n] for n in group]
+        judge(restore_float_layers(base, builder.float_model, nodes), f"{label}: float")
+        judge(activations_float(base, nodes), f"{label}: activations float, weights int8")
+        judge(weights_float(base, builder.float_model, nodes), f"{label}: weights float, activations int8")
+        judge(two_int8_inputs(base, nodes), f"{label}: input as two int8 tensors")
+
+
+if __name__ == "__main__":
+    main()
