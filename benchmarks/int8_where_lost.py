@@ -9,9 +9,13 @@ since it costs nothing there) and, for groups of those layers, gives back to flo
 * only the **activation** (the convolution reads its input without the quantiser, its weights stay int8),
 * only the **weights** (fp32 weights and bias, the input still quantised),
 
-and tries one cheap remedy for the activation: the input carried as **two int8 tensors** (the quantised
-input and its quantised remainder, 16 bits of range), each through the same int8 convolution, summed. Each
-build is judged top-1 against the fused fp32 model on DIR/VAL.
+and tries two cheap remedies: for the activation, the input carried as **two int8 tensors** (the quantised
+input and its quantised remainder, 16 bits of range), each through the same int8 convolution, summed; for the
+weights, **8-bit weights** (symmetric per output channel, the fp32 bias back) in those layers only, with the
+input's 8-bit quantiser (the uint8 x int8 kernels may saturate there on AVX2) or with a 7-bit one (128 levels
+over the same range: a pair of products stays under 2^15). Last, every layer but ``patch_embed.conv1`` with
+8-bit weights, and ``patch_embed.conv1`` int8 with 8-bit weights too: where the saturation lands. Each build is
+judged top-1 against the fused fp32 model on DIR/VAL.
 
 Usage::
 
@@ -89,6 +93,27 @@ def two_int8_inputs(model, nodes: list[str]):
     return out
 
 
+def eight_bit_weights(model, float_model, nodes: list[str], levels: int | None = None):
+    """A copy of ``model`` whose named convolutions use 8-bit weights (symmetric per output channel, from the fp32
+    weights of ``float_model``) and their fp32 bias; with ``levels`` their input quantiser gets that many levels
+    over the same range (128: 7-bit activations)."""
+    restored = restore_float_layers(model, float_model, nodes)  # fp32 weights and bias, input unquantised
+    quantised, ops = _ops(model), _ops(restored)
+    for name in nodes:
+        conv, fq = ops[name], quantised[name].input_value(0).get_node()
+        w = conv.input_value(1).get_node().get_data().astype(np.float32)
+        scale = np.maximum(np.abs(w.reshape(len(w), -1)).max(1) / 127.0, 1e-12).reshape([-1] + [1] * (w.ndim - 1))
+        q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+        conv.input(1).replace_source_output(OPS.multiply(OPS.convert(OPS.constant(q), "f32"),
+                                                         OPS.constant(scale.astype(np.float32))).output(0))
+        if fq.get_type_name() == "FakeQuantize":
+            again = OPS.fake_quantize(ops[name].input_value(0), *(fq.input_value(i) for i in range(1, 5)),
+                                      levels or fq.get_attributes()["levels"])
+            conv.input(0).replace_source_output(again.output(0))
+    restored.validate_nodes_and_infer_types()
+    return restored
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
@@ -127,6 +152,12 @@ def main() -> None:
         judge(activations_float(base, nodes), f"{label}: activations float, weights int8")
         judge(weights_float(base, builder.float_model, nodes), f"{label}: weights float, activations int8")
         judge(two_int8_inputs(base, nodes), f"{label}: input as two int8 tensors")
+        judge(eight_bit_weights(base, builder.float_model, nodes), f"{label}: 8-bit weights, 8-bit activations")
+        judge(eight_bit_weights(base, builder.float_model, nodes, 128), f"{label}: 8-bit weights, 7-bit activations")
+    rest = [node for name, node in layers.items() if name != "patch_embed.conv1"]
+    judge(eight_bit_weights(base, builder.float_model, rest), "every layer but `patch_embed.conv1` with 8-bit weights")
+    judge(eight_bit_weights(builder.build([]), builder.float_model, [layers["patch_embed.conv1"]]),
+          "every layer int8, `patch_embed.conv1` with 8-bit weights")
 
 
 if __name__ == "__main__":
