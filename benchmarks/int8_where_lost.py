@@ -13,8 +13,8 @@ and tries two cheap remedies: for the activation, the input carried as **two int
 input and its quantised remainder, 16 bits of range), each through the same int8 convolution, summed; for the
 weights, **8-bit weights** (symmetric per output channel, the fp32 bias back) in those layers only, with the
 input's 8-bit quantiser (the uint8 x int8 kernels may saturate there on AVX2) or with a 7-bit one (128 levels
-over the same range: a pair of products stays under 2^15). Last, every layer but ``patch_embed.conv1`` with
-8-bit weights, and ``patch_embed.conv1`` int8 with 8-bit weights too: where the saturation lands. Each build is
+over the same range: a pair of products stays under 2^15). Last, where the saturation lands: every layer but
+``patch_embed.conv1`` with 8-bit weights, and every layer int8 with only ``patch_embed.conv1``'s weights 8-bit. Each build is
 judged top-1 against the fused fp32 model on DIR/VAL.
 
 Usage::
@@ -55,15 +55,18 @@ def activations_float(model, nodes: list[str]):
     return out
 
 
-def weights_float(model, float_model, nodes: list[str]):
+def weights_float(model, float_model, nodes: list[str], levels: int | None = None):
     """A copy of ``model`` whose named convolutions get their fp32 weights and bias back, their input still quantised:
-    the layers made float (:func:`restore_float_layers`) with the input quantisers put back in front of them."""
+    the layers made float (:func:`restore_float_layers`) with the input quantisers put back in front of them (with
+    ``levels`` levels over the same range instead of their own, if given)."""
     restored = restore_float_layers(model, float_model, nodes)
     quantised, ops = _ops(model), _ops(restored)
     for name in nodes:
         fq = quantised[name].input_value(0).get_node()
+        if fq.get_type_name() != "FakeQuantize":  # no quantiser right in front of it: nothing to put back
+            continue
         again = OPS.fake_quantize(ops[name].input_value(0), *(fq.input_value(i) for i in range(1, 5)),
-                                  fq.get_attributes()["levels"])
+                                  levels or fq.get_attributes()["levels"])
         ops[name].input(0).replace_source_output(again.output(0))
     restored.validate_nodes_and_infer_types()
     return restored
@@ -94,24 +97,19 @@ def two_int8_inputs(model, nodes: list[str]):
 
 
 def eight_bit_weights(model, float_model, nodes: list[str], levels: int | None = None):
-    """A copy of ``model`` whose named convolutions use 8-bit weights (symmetric per output channel, from the fp32
-    weights of ``float_model``) and their fp32 bias; with ``levels`` their input quantiser gets that many levels
-    over the same range (128: 7-bit activations)."""
-    restored = restore_float_layers(model, float_model, nodes)  # fp32 weights and bias, input unquantised
-    quantised, ops = _ops(model), _ops(restored)
+    """:func:`weights_float` with the fp32 weights quantised to 8 bits (symmetric per output channel): the named
+    convolutions keep their fp32 bias and input quantiser (``levels``: as there; 128 gives 7-bit activations)."""
+    out = weights_float(model, float_model, nodes, levels)
+    ops = _ops(out)
     for name in nodes:
-        conv, fq = ops[name], quantised[name].input_value(0).get_node()
+        conv = ops[name]
         w = conv.input_value(1).get_node().get_data().astype(np.float32)
         scale = np.maximum(np.abs(w.reshape(len(w), -1)).max(1) / 127.0, 1e-12).reshape([-1] + [1] * (w.ndim - 1))
         q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
         conv.input(1).replace_source_output(OPS.multiply(OPS.convert(OPS.constant(q), "f32"),
                                                          OPS.constant(scale.astype(np.float32))).output(0))
-        if fq.get_type_name() == "FakeQuantize":
-            again = OPS.fake_quantize(ops[name].input_value(0), *(fq.input_value(i) for i in range(1, 5)),
-                                      levels or fq.get_attributes()["levels"])
-            conv.input(0).replace_source_output(again.output(0))
-    restored.validate_nodes_and_infer_types()
-    return restored
+    out.validate_nodes_and_infer_types()
+    return out
 
 
 def main() -> None:
