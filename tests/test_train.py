@@ -57,6 +57,12 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
+def _child(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` run by this Python in a process of its own (one thread), with ``args``; its output kept."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 # the run of test_a_closed_terminal_saves_the_run, in a process of its own: SIGHUP's default action there, as in
 # a terminal; a real hang-up (kill) to the process after its second update; what train() returned, on stdout
 _HANG_UP_CHILD = """
@@ -88,8 +94,7 @@ def test_a_closed_terminal_saves_the_run(data, tmp_path):
     saying so), never the test worker (CI lost an xdist worker in an in-process version of this test)."""
     out = tmp_path / "hup"
     options = {**TINY, "data": str(data), "epochs": 2, "output": str(out)}
-    proc = subprocess.run([sys.executable, "-c", _HANG_UP_CHILD, repr(options)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = _child(_HANG_UP_CHILD, repr(options))
     assert proc.returncode != -signal.SIGHUP, "the hang-up killed the run: no SIGHUP handler in the engine"
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -166,8 +171,7 @@ def test_resume_equals_uninterrupted(data, tmp_path, one_thread):
     assert full.epochs == 3 and not full.interrupted
     out = tmp_path / "resumed"
     options = {**TINY, **common, "output": str(out)}
-    proc = subprocess.run([sys.executable, "-c", _STOPPED_TWICE_CHILD, repr(options), str(out / "last.pt")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = _child(_STOPPED_TWICE_CHILD, repr(options), str(out / "last.pt"))
     assert proc.returncode != -signal.SIGTERM, "SIGTERM killed the run: no SIGTERM handler in the engine"
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second, last = json.loads(proc.stdout.strip().splitlines()[-1])
