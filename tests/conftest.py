@@ -41,8 +41,8 @@ def _sigterm_after(updates: int, signum: int = signal.SIGTERM):
     """Inside the block, the handler this process has for SIGTERM (or ``signum``) is called right after
     its ``updates``-th optimiser step (counted from the block's start), as a SIGTERM arriving then would
     call it, so the run stops after exactly that update. Called, not delivered: the tests that send a
-    real signal do it to a child process (tests/test_train.py), since CI lost xdist workers, with no
-    traceback, to real signals raised inside them."""
+    real signal do it to a child process (tests/test_train.py): CI lost xdist workers, with no traceback,
+    in tests that raised real signals inside them (and once in a test that raised none; pyproject.toml)."""
     count = 0
 
     def after_step(optimizer, args, kwargs) -> None:
