@@ -112,22 +112,33 @@ def eight_bit_weights(model, float_model, nodes: list[str], levels: int | None =
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def reference_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments of the scripts that judge OpenVINO builds of a trained reference: its checkpoint and images."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
     p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
     p.add_argument("--val-split", default="val", help="evaluation split (default val)")
-    args = p.parse_args()
+    return p
+
+
+def int8_base(args: argparse.Namespace):
+    """One thread; the checkpoint fused, its DIR/VAL images and their fp32 logits, and cgavit's OpenVINO int8
+    builder for it (256 calibration images of DIR/train, this CPU's options) with the base build of these
+    scripts: every layer int8 but ``patch_embed.conv1``. Returns ``(info, fused, ev, reference, builder, base)``."""
     logging.getLogger("nncf").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
     calibration = load_labelled(args.data, "train", info, 256, seed=1).images
     fused = fuse(model)
-    reference = padded_logits(fused, ev.images)
     builder = OpenVinoInt8Builder(fused, (info.img_size, info.img_size), [calibration],
                                   Int8Options().for_cpu(cpu_features()))
-    base = builder.build(["patch_embed.conv1"])
+    return info, fused, ev, padded_logits(fused, ev.images), builder, builder.build(["patch_embed.conv1"])
+
+
+def main() -> None:
+    args = reference_arguments(__doc__.split("\n\n")[0]).parse_args()
+    _, _, ev, reference, builder, base = int8_base(args)
     layers = builder.layers
     groups = {
         "the stem's conv2-conv4": [n for n in layers if n.startswith("patch_embed.") and n != "patch_embed.conv1"],
