@@ -37,9 +37,10 @@ RULE_EVIDENCE: dict[str, str] = {
     "amx": "order measured on an Intel Xeon with AMX, M4 at 224 px (BENCHMARKS.md, int8 on AMX): int8 OpenVINO "
            "with its float part in bf16 3.0-3.1x fp32 ONNX Runtime, bf16 OpenVINO 2.8x, int8 ONNX Runtime 1.8x, "
            "fp32 OpenVINO 1.0x (deploy: bf16 torch.compile 1.8x fp32 torch.compile, fp32 ONNX Runtime 1.5x)",
-    "avx512_bf16": "order measured on an AMD EPYC with avx512_bf16 and VNNI, no AMX, M4 at 224 px, 8-bit int8 weights "
-                   "(BENCHMARKS.md, int8 on AVX-512 with bf16): int8 OpenVINO 2.4-2.5x fp32 ONNX Runtime (its float part in "
-                   "bf16 2.5x), int8 ONNX Runtime 2.1x, bf16 OpenVINO 1.7-1.8x, bf16 torch.compile 1.1-1.2x, fp32 OpenVINO 0.9x",
+    "avx512_bf16": "order measured on two AMD EPYCs with avx512_bf16 and VNNI, no AMX (Zen 5, Zen 4), M4 at 224 px, "
+                   "8-bit int8 weights (BENCHMARKS.md, int8 on AVX-512 with bf16): int8 OpenVINO 2.4-2.7x fp32 ONNX Runtime "
+                   "(its float part in bf16 2.5-2.8x), int8 ONNX Runtime 2.1-2.3x, bf16 OpenVINO 1.7-1.9x, bf16 torch.compile "
+                   "1.1-1.35x, fp32 OpenVINO 0.9-1.0x",
     "avx512": "not measured on this class: int8 (VNNI) then fp32; no native bf16",
     "avx2": "order measured on an AVX2-only AMD EPYC, M4 at 224 px, 7-bit int8 weights (BENCHMARKS.md, int8 on "
             "AVX2): int8 OpenVINO 2.1x timm's traced port, int8 ONNX Runtime 1.9x, fp32 ONNX Runtime 1.5x, fp32 "
