@@ -180,8 +180,8 @@ def parse_page(page: str) -> tuple[list[Block], Directives]:
     return blocks, page_wide
 
 
-def outside_code(text: str) -> str:
-    """``text`` with its fenced blocks and inline code blanked out."""
+def outside_code(text: str, inline: bool = True) -> str:
+    """``text`` with its fenced blocks and (unless ``inline`` is false) its inline code blanked out."""
     out, marker = [], None
     for line in text.splitlines():
         fence = FENCE.match(line)
@@ -193,7 +193,7 @@ def outside_code(text: str) -> str:
                 marker = None
             out.append("")
         else:
-            out.append(re.sub(r"`[^`]*`", "``", line))
+            out.append(re.sub(r"`[^`]*`", "``", line) if inline else line)
     return "\n".join(out)
 
 
@@ -471,10 +471,13 @@ def slug(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    """The anchors of ``page``'s headings (repeated headings get ``-1``, ``-2``, ... as on GitHub)."""
+    """The anchors of ``page``'s headings (repeated headings get ``-1``, ``-2``, ... as on GitHub).
+
+    Inline code stays in a heading's text, as GitHub keeps it: "what `auto` judged on" is ``what-auto-judged-on``.
+    """
     seen: dict[str, int] = {}
     out = set()
-    for m in re.finditer(r"^#{1,6} +(.+?) *#*$", outside_code(page.read_text()), re.M):
+    for m in re.finditer(r"^#{1,6} +(.+?) *#*$", outside_code(page.read_text(), inline=False), re.M):
         base = slug(m.group(1))
         n = seen.get(base, 0)
         seen[base] = n + 1
