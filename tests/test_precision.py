@@ -135,6 +135,31 @@ def test_cpu_features_reads_cpuinfo(tmp_path):
     assert cpu_features().describe()  # this machine
 
 
+def test_onednn_isa_cap_hides_what_its_kernels_may_not_use(tmp_path):
+    """oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA) counts: an AMX Xeon capped at AVX2 is probed as the
+    AVX2 class, so its int8 gets 7-bit weights and OpenVINO's bf16 is refused; an unknown value is ignored, as oneDNN
+    ignores it, and Arm's flags are not oneDNN's x86 levels."""
+    from cgavit.deploy.int8 import reduced_weight_range
+    from cgavit.deploy.openvino import capped_bf16_error
+
+    (tmp_path / "cpuinfo").write_text(XEON_AMX)
+    probe = lambda **env: cpu_features(tmp_path / "cpuinfo", environ=env)  # noqa: E731
+    capped = probe(ONEDNN_MAX_CPU_ISA="avx2")
+    assert capped.cpu_class == "avx2" and not capped.vnni and not capped.native_bf16 and reduced_weight_range(capped)
+    assert {"amx_bf16", "avx512_vnni", "avx512f"} <= capped.hidden and capped.flags == probe().flags
+    assert "hidden by oneDNN's ISA cap AVX2" in capped.describe()
+    assert "unset ONEDNN_MAX_CPU_ISA" in capped_bf16_error(capped)
+    assert capped_bf16_error(probe()) is None and capped_bf16_error(features(EPYC_AVX2)) is None  # no bf16 to hide
+    levels = ("AVX512_CORE", "avx512_core_vnni", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "ALL", "no-such-isa")
+    assert [probe(DNNL_MAX_CPU_ISA=level).cpu_class for level in levels] == [
+        "avx512", "avx512", "avx512_bf16", "amx", "amx", "amx"]
+    assert probe(DNNL_MAX_CPU_ISA="AVX512_CORE_VNNI").vnni and not probe(DNNL_MAX_CPU_ISA="AVX512_CORE").vnni
+    assert probe(ONEDNN_MAX_CPU_ISA="AVX2", DNNL_MAX_CPU_ISA="ALL").cpu_class == "avx2"  # oneDNN's own name first
+    assert probe().isa_cap == "" and not probe().hidden
+    (tmp_path / "arm").write_text(GRAVITON)
+    assert cpu_features(tmp_path / "arm", environ={"ONEDNN_MAX_CPU_ISA": "AVX2"}).native_bf16
+
+
 def test_auto_rule_table_by_cpu_class():
     every = lambda backend: True  # noqa: E731
     assert set(AUTO_RULES) == set(CPU_CLASSES) == set(RULE_EVIDENCE)

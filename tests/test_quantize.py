@@ -7,6 +7,7 @@ carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. N
 
 import importlib
 import json
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -223,6 +224,59 @@ def test_openvino_float_layers_are_float_again(trained_digits):
     assert ov.build([]) is not ov.build([])  # a new model each call: saving one does not change the next
     with pytest.raises(ValueError, match="no such layer"):
         ov.build(["stages.9.nothing"])
+
+
+# run under oneDNN's ISA cap AVX2: cgavit's own int8 of the digits model, and one with 8-bit weights, in OpenVINO
+CAPPED_INT8 = """
+import sys, torch
+from cgavit import load_model
+from cgavit.deploy import Int8Options, cpu_features
+from cgavit.deploy.agreement import batched_logits
+from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, openvino_model
+torch.set_num_threads(1)
+model, _ = load_model(sys.argv[1])
+inputs = torch.load(sys.argv[2], weights_only=True)
+calibration, images = list(inputs["calibration"].split(32)), inputs["images"]
+full = OpenVinoInt8Builder(model, (48, 48), calibration, Int8Options(reduce_range=False)).build()
+torch.save({"class": cpu_features().cpu_class,
+            "cgavit": batched_logits(OpenVinoModule(openvino_model(model, (48, 48), "int8", calibration), 1), images),
+            "8-bit": batched_logits(OpenVinoModule(full, 1), images)}, sys.argv[3])
+"""
+
+
+def test_the_avx2_int8_kernels_run_on_any_x86_cpu(trained_digits, tmp_path):
+    """With ``ONEDNN_MAX_CPU_ISA=AVX2`` OpenVINO runs the AVX2 int8 kernels on any x86 CPU, so the suite checks the
+    AVX2 class's int8 on every machine: under the cap cgavit sees the class ``avx2`` and quantises with 7-bit
+    weights, whose decisions are those of this CPU's own kernels and meet the target; 8-bit weights saturate there
+    (on VNNI and AMX they do not)."""
+    import subprocess
+    import sys
+
+    from cgavit.deploy.agreement import batched_logits
+    from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, openvino_available
+
+    if not openvino_available() or "avx2" not in cpu_features().flags:
+        pytest.skip("needs cgavit[openvino] on an x86 CPU with AVX2")
+    calibration, images = trained_digits.calibration(), trained_digits.images
+    torch.save({"calibration": torch.cat(calibration), "images": images}, tmp_path / "inputs.pt")
+    (tmp_path / "capped.py").write_text(CAPPED_INT8)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env.pop("DNNL_MAX_CPU_ISA", None)
+    run = subprocess.run([sys.executable, str(tmp_path / "capped.py"), str(trained_digits.checkpoint),
+                          str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    capped = torch.load(tmp_path / "out.pt", weights_only=True)
+    native = OpenVinoInt8Builder(trained_digits.model, (48, 48), calibration, Int8Options(reduce_range=True)).build()
+    native = batched_logits(OpenVinoModule(native, 1), images)
+    fp32 = batched_logits(fuse(trained_digits.model), images)
+    assert capped["class"] == "avx2"
+    same = compare_logits(capped["cgavit"], native)
+    assert same.meets_target and same.max_rel_err < 2e-2, same.describe()  # 7-bit: nothing saturates (the float
+    # part's fp32 sums may run in another order: on the CIFAR-10 96 px reference the logits moved by up to 1e-2)
+    cgavit_int8 = compare_logits(capped["cgavit"], fp32, trained_digits.labels)
+    assert cgavit_int8.meets_target, cgavit_int8.describe()
+    saturated = compare_logits(capped["8-bit"], fp32, trained_digits.labels)
+    assert not saturated.meets_target and saturated.max_rel_err > 2 * cgavit_int8.max_rel_err, saturated.describe()
 
 
 @dataclass(frozen=True)
@@ -595,6 +649,30 @@ def test_weight_range_by_cpu_and_the_warning():
     assert Int8Options(reduce_range=False).for_cpu(epyc).reduce_range is False  # asked for explicitly
     assert "saturate" in weight_range_warning("8-bit", epyc)
     assert weight_range_warning("7-bit", epyc) is None and weight_range_warning("8-bit", xeon) is None
+
+
+def test_the_isa_cap_warns_of_saturation_in_openvino_not_in_onnx_runtime(trained_digits, tmp_path, monkeypatch):
+    """An 8-bit int8 file opened under oneDNN's ISA cap AVX2 on a VNNI CPU: OpenVINO's kernels saturate on it, which
+    gets the warning; ONNX Runtime's (MLAS) do not read the cap, and its file opens quietly."""
+    import warnings
+
+    from cgavit.deploy import formats
+    from cgavit.deploy.openvino import openvino_available
+
+    if not openvino_available():
+        pytest.skip("needs cgavit[openvino]")
+    (tmp_path / "cpuinfo").write_text(XEON_AMX)
+    options, calibration = Int8Options(reduce_range=False, bias_correction="none"), trained_digits.calibration(64)
+    files = {fmt: export_model(trained_digits.model, tmp_path / f"d8.{fmt}", fmt, (48, 48), "int8", calibration,
+                               options=options) for fmt in ("onnx", "openvino")}
+    probe = formats.cpu_features
+    monkeypatch.setattr(formats, "cpu_features", lambda environ=None: probe(tmp_path / "cpuinfo", environ))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    with pytest.warns(RuntimeWarning, match="hidden by oneDNN's ISA cap AVX2"):
+        open_exported(files["openvino"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        open_exported(files["onnx"])
 
 
 def test_layer_names_of_both_runtimes():

@@ -238,7 +238,8 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     The model takes float32 images ``(B, C, H, W)`` preprocessed as ``info`` says (its size,
     interpolation, crop, mean and std) and returns logits ``(B, classes)``, one per
     ``info.class_names``. An int8 file with full 8-bit weights opened on a CPU whose int8 kernels
-    saturate on them (x86 without VNNI) warns (``RuntimeWarning``): quantise it again there. An int8
+    saturate on them (x86 without VNNI; for OpenVINO also oneDNN's ISA cap below VNNI, :mod:`cgavit.deploy.cpu`)
+    warns (``RuntimeWarning``): quantise it again there. An int8
     OpenVINO file is compiled with the float part it was judged in (its metadata's ``float_part``), and
     one judged with a bf16 float part warns on a CPU without native bf16.
 
@@ -271,7 +272,7 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
             raise ValueError(f"{path.name}: cgavit metadata has an int8 float part {float_part!r} (not one of "
                              f"{', '.join(FLOAT_PARTS)}); export the file again")
         module = OpenVinoModule(module.model, threads, info.precision, float_part)
-    features = cpu_features()
+    features = cpu_features() if format == "openvino" else cpu_features(environ={})  # MLAS ignores oneDNN's ISA cap
     for warning in (weight_range_warning(str(info.int8.get("weight_range", "")), features),
                     float_part_warning(float_part, features) if format == "openvino" else None):
         if info.precision == "int8" and warning:

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .cpu import cpu_features
+from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, int8_info
@@ -381,6 +381,16 @@ def openvino_model(
     return OpenVinoInt8Builder(model, img_size, calibration, Int8Options().for_cpu(cpu_features())).build()
 
 
+def capped_bf16_error(features: CpuFeatures) -> str | None:
+    """Why OpenVINO cannot compile in bf16 here, or None: the CPU has bf16 and oneDNN's ISA cap hides it, so
+    OpenVINO, which picks bf16 by the CPU, finds no bf16 kernels (it failed to compile a Softmax so)."""
+    hidden = sorted({"avx512_bf16", "amx_bf16"} & features.hidden)
+    if not hidden:
+        return None
+    return (f"OpenVINO cannot compute in bf16 here: oneDNN's ISA cap {features.isa_cap.upper()} hides this CPU's "
+            f"{', '.join(hidden)} from its kernels; unset {' and '.join(ISA_CAP_VARIABLES)}, or use fp32")
+
+
 class OpenVinoModule(RuntimeModule):
     """An OpenVINO model (an ``.xml`` file or an ``openvino.Model``) compiled for the CPU, called like a module.
 
@@ -410,6 +420,8 @@ class OpenVinoModule(RuntimeModule):
         self.metadata = openvino_metadata(self.model)
         self.float_part = float_part if precision == "int8" else precision
         hint = PRECISION_HINT[compile_precision(float_part) if precision == "int8" else precision]
+        if hint == PRECISION_HINT["bf16"] and (error := capped_bf16_error(cpu_features())):
+            raise ValueError(error)
         self.config = {"INFERENCE_NUM_THREADS": threads or torch.get_num_threads(), "NUM_STREAMS": 1,
                        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": hint}
         self.compiled: dict[int, object] = {}  # batch size -> compiled model
