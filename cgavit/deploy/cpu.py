@@ -19,9 +19,9 @@ it. With ``AVX2`` on a VNNI CPU, OpenVINO's int8 convolutions run the AVX2 kerne
 2,000 CIFAR-10 images changed decision; with 7-bit weights not one decision moved from that of the CPU's
 own kernels; BENCHMARKS.md), and OpenVINO fails to compile bf16 because its kernels are gone. So the
 probe counts a feature only where the cap lets oneDNN use it (:attr:`CpuFeatures.usable`), and every
-choice made from it follows the cap. ONNX Runtime's kernels (MLAS) do not read it: its int8 gets 7-bit weights under such a cap,
-which cannot saturate anywhere and cost it a few decisions where 8-bit ones would not have. An unknown
-value is ignored, as oneDNN ignores it.
+choice made from it follows the cap. ONNX Runtime's kernels (MLAS) do not read it: its int8 gets 7-bit
+weights under such a cap, which cannot saturate anywhere and cost it a few decisions where 8-bit ones
+would not have. An unknown value is ignored, as oneDNN ignores it.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class CpuFeatures:
         cap = ONEDNN_ISA_BITS.get(self.isa_cap)
         if cap is None:
             return self.flags
-        return frozenset(f for f in self.flags if f not in _FLAG_LEVEL or ONEDNN_ISA_BITS[_FLAG_LEVEL[f]] & ~cap == 0)
+        return frozenset(f for f in self.flags if f not in _FLAG_LEVEL or (ONEDNN_ISA_BITS[_FLAG_LEVEL[f]] & ~cap) == 0)
 
     @property
     def hidden(self) -> frozenset[str]:
