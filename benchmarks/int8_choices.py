@@ -42,7 +42,8 @@ class Bench:
         self.evaluation = load_labelled(args.data, args.val_split, info, args.eval_images)
         calibration = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
         self.size = (info.img_size, info.img_size)
-        self.tmp = Path(tempfile.mkdtemp())
+        self.scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed with the bench
+        self.tmp = Path(self.scratch.name)
         self.reference = padded_logits(fuse(self.model), self.evaluation.images)
         self.fp32 = OnnxModule(export_onnx(self.model, self.tmp / "fp32.onnx", self.size), 1)
         self.x = pad_batch(self.evaluation.images[:16], 16)

@@ -105,7 +105,8 @@ def main() -> None:
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
     batches = even_batches(load_labelled(args.data, "train", info, 256, seed=1).images)
-    size, tmp = (info.img_size, info.img_size), Path(tempfile.mkdtemp())
+    scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
+    size, tmp = (info.img_size, info.img_size), Path(scratch.name)
     fused = fuse(model)
     reference = padded_logits(fused, ev.images)
     print(f"{args.checkpoint}: {len(ev.images)} images judged, every layer int8\n")

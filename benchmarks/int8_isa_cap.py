@@ -74,7 +74,8 @@ def main() -> None:
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
     calibration = even_batches(load_labelled(args.data, "train", info, 256, seed=1).images)
-    size, tmp = (info.img_size, info.img_size), Path(tempfile.mkdtemp())
+    scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
+    size, tmp = (info.img_size, info.img_size), Path(scratch.name)
     reference = padded_logits(fuse(model), ev.images)
     files = []
     for label, reduce_range in WEIGHTS.items():

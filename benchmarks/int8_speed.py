@@ -87,7 +87,8 @@ def main() -> None:
     model, x, calibration, opts = speed_probe(args.model, args.img_size)
     size = (args.img_size, args.img_size)
     keep = float_layers(args.float_layers)
-    tmp = Path(tempfile.mkdtemp())
+    scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
+    tmp = Path(scratch.name)
     paths = {
         "timm traced port": trace(timm_port(model, args.model, size), x),
         "fp32 ONNX Runtime": OnnxModule(export_onnx(model, tmp / "fp32.onnx", size), 1),
