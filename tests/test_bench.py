@@ -18,7 +18,7 @@ from cgavit.model import to_timm_state_dict
 
 def test_timm_port_gets_our_weights():
     model = randomize_(cgavit.create_model("m0", img_size=64)).eval()
-    port = timm_port(model, "efficientvit_m0", (64, 64))  # loads strictly: every key mapped
+    port = timm_port(model, "m0", (64, 64))  # the short name as create_model takes it; loads strictly
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in port.modules())  # timm fused it
     assert "stages.0.blocks.0.dw0.m.conv.weight" in to_timm_state_dict(model.state_dict())
     x = torch.randn(2, 3, 64, 64)

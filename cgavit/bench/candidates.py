@@ -20,7 +20,7 @@ from torch import nn
 
 from ..deploy import fuse, optimize
 from ..deploy.formats import runtime_path
-from ..factory import create_model
+from ..factory import create_model, resolve_name
 from ..testing import randomize_, rel_err
 from ..timing import iqr, round_robin
 from ..variants import VARIANTS
@@ -75,8 +75,9 @@ class Candidate:
 
 
 def timm_port(model: nn.Module, name: str, img_size: tuple[int, int]) -> nn.Module:
-    """timm's ``efficientvit_msra`` model with ``model``'s weights, BatchNorm fused by timm itself."""
-    port = create_timm_model(name, img_size=img_size[0])
+    """timm's ``efficientvit_msra`` model with ``model``'s weights, BatchNorm fused by timm itself; ``name`` as
+    :func:`cgavit.create_model` takes it (``m4`` too)."""
+    port = create_timm_model(resolve_name(name), img_size=img_size[0])
     port.load_state_dict(to_timm_state_dict(model.state_dict()))
     return reparameterize(port)
 
