@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import tempfile
@@ -37,37 +36,29 @@ from cgavit.deploy.sensitivity import padded_logits
 from cgavit.timing import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_speed import speed_probe  # noqa: E402  (the paper's protocol, shared with the speed script)
+from int8_speed import float_layers, speed_probe  # noqa: E402  (shared with the speed script)
 
 
 def fp32_answer(report: str) -> list[str]:
-    """The float layers of the report's smallest OpenVINO fp32-float-part build that met its target on both halves."""
-    record = json.loads(Path(report).read_text())
-    target = record["target"]
-
-    def meets(point: dict) -> bool:
-        h = point.get("held_out") or {}
-        return point["meets_target"] and h.get("agreement", -1) >= target["agreement"] - 1e-9 and (
-            h.get("accuracy_change") is None or abs(h["accuracy_change"]) <= target["accuracy_tolerance"] + 1e-9)
-
-    points = [p["float_layers"] for p in record["curves"].get("openvino", []) if meets(p)]
-    if not points:
-        raise SystemExit(f"{report}: no OpenVINO fp32-float-part build met the target on both halves")
-    return min(points, key=len)
+    """The float layers of the report's smallest OpenVINO fp32-float-part build that met its target (on both halves,
+    where it held images out): :func:`int8_speed.float_layers`'s rule, for one report."""
+    layers = float_layers([report])["openvino"]
+    if not layers:
+        raise SystemExit(f"{report}: no OpenVINO fp32-float-part build with float layers met the target")
+    return layers
 
 
 def variants(layers: list[str], each: bool) -> dict[str, list[str]]:
     """Label -> the float layers made bf16 convolutions (the others stay fp32)."""
     stem = [name for name in layers if name.startswith("patch_embed.")]
     merges = [name for name in layers if ".downsample." in name]
-    out = {"every float layer fp32 (the answer)": [], "every float layer bf16": layers, "the stem's bf16": stem,
-           "the patch merges' bf16": merges,
-           "the stem's but patch_embed.conv1 bf16": [n for n in stem if n != "patch_embed.conv1"]}
+    subsets = {"every float layer bf16": layers, "the stem's bf16": stem, "the patch merges' bf16": merges,
+               "the stem's but patch_embed.conv1 bf16": [n for n in stem if n != "patch_embed.conv1"]}
     for stage in sorted({name.split(".")[1] for name in merges}):
-        out[f"stage {stage}'s merge bf16"] = [n for n in merges if n.startswith(f"stages.{stage}.")]
+        subsets[f"stage {stage}'s merge bf16"] = [n for n in merges if n.startswith(f"stages.{stage}.")]
     if each:
-        out.update({f"{name} bf16": [name] for name in layers})
-    return {label: subset for label, subset in out.items() if subset or not label.startswith(("the", "stage"))}
+        subsets.update({f"{name} bf16": [name] for name in layers})
+    return {"every float layer fp32 (the answer)": [], **{k: v for k, v in subsets.items() if v}}
 
 
 def build(builder: OpenVinoInt8Builder, layers: list[str], bf16: list[str]) -> OpenVinoModule:
@@ -114,7 +105,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for label, t in times.items():
         a = judged.get(label)
-        verdict = f"{100 * a.top1_agreement:.2f} % ({a.changed}) | {a.accuracy_change:+.2f}" if a else "| "
+        verdict = f"{100 * a.top1_agreement:.2f} % ({a.changed}) | {a.accuracy_change:+.2f}" if a else "– | –"
         print(f"| {label} | {verdict} | {t.median_rate(16):.1f} | {t.median_rate(16) / ort:.2f} |")
 
 
