@@ -30,7 +30,7 @@ from cgavit.deploy import (
     optimize,
     quantize,
 )
-from cgavit.deploy.agreement import compare_logits
+from cgavit.deploy.agreement import NOISE_GREY_LEVELS, compare_logits, noise_floor
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
 from cgavit.deploy.quantize import split_holdout
@@ -88,6 +88,45 @@ def test_quantize_meets_the_target_on_trained_weights(digits_int8, trained_digit
         ref = fuse(trained_digits.model)(trained_digits.images[:32])
     assert rel_err(out, ref) < 0.5 and r.fp32_img_s > 0 and r.point.speedup > 0
     assert r.record()["meets_target"] is True and "meets the target" in r.markdown()
+    # for scale: fp32's own decisions under half a grey level of pixel noise, on the same held-out images
+    held = split_holdout(trained_digits.images, trained_digits.labels, 0.5)[2][0]
+    expected = noise_floor(fuse(trained_digits.model), held, ExportInfo().std)
+    assert r.noise_floor == expected and r.noise_floor.n == 180
+    assert r.record()["noise_floor"] == dict(grey_levels=NOISE_GREY_LEVELS, changed=list(expected.changed), n=180)
+    assert f"For scale: on the images the answer was judged on, {expected.describe()}" in r.markdown()
+
+
+def test_noise_floor_adds_grey_levels_of_noise_in_each_channel_and_counts_changed_decisions(trained_digits):
+    """The noise is uniform, half-width ``grey_levels / (255 std[c])`` in channel ``c`` of the normalised images, a seeded
+    draw each time; a trained model keeps its decisions under half a grey level and loses some under a sixth of the range."""
+    from cgavit.train.demo import DIGITS_STD
+
+    std = (0.2, 0.4, 0.8)
+    images = torch.randn(40, 3, 8, 8)
+    seen = []
+
+    def logits(x):
+        seen.append(x)
+        return x.flatten(1)[:, :10]  # its decision moves with the noise, and only with it
+
+    floor = noise_floor(logits, images, std, grey_levels=2.0, draws=2, batch=40)
+    assert len(seen) == 3 and torch.equal(seen[0], images)  # the clean pass, then one per draw
+    for noisy in seen[1:]:
+        bound = torch.tensor([2.0 / (255 * s) for s in std]).view(1, 3, 1, 1)
+        offset = (noisy - images) / bound
+        assert offset.abs().max() <= 1 + 1e-5 and offset.abs().amax(dim=(0, 2, 3)).min() > 0.9  # fills the range
+        assert offset.mean().abs() < 0.05  # centred
+    assert not torch.equal(seen[1], seen[2]) and floor.n == 40 and len(floor.changed) == 2
+    assert floor == noise_floor(logits, images, std, grey_levels=2.0, draws=2, batch=40)  # seeded
+
+    model, x = fuse(trained_digits.model), trained_digits.images
+    quiet = noise_floor(model, x, DIGITS_STD)
+    loud = noise_floor(model, x, DIGITS_STD, grey_levels=40.0)
+    assert quiet.n == len(x) and len(quiet.changed) == 3 and max(quiet.changed) <= 0.01 * len(x)
+    assert min(loud.changed) > max(quiet.changed) and "of fp32's own decisions (3 draws)" in quiet.describe()
+    for bad in (dict(std=(0.2,)), dict(std=(0.2, 0.0, 0.3)), dict(draws=0), dict(grey_levels=0.0)):
+        with pytest.raises(ValueError):
+            noise_floor(logits, images, **{"std": std, **bad})
 
 
 def test_scrambled_weights_miss_the_target_and_nothing_is_saved(scrambled_int8, tmp_path):
@@ -582,6 +621,11 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert plot.read_bytes()[:4] == b"\x89PNG" and str(plot) in text
     module, info = open_exported(tmp_path / "digits_int8.onnx")
     assert info.class_names == tuple(str(c) for c in range(10)) and info.mean == (0.3, 0.3, 0.3)
+    # the noise floor, in the checkpoint's own grey levels, on the held-out half the answer was judged on
+    held = split_holdout(trained_digits.images, trained_digits.labels, 0.5)[2][0]
+    floor = noise_floor(fuse(trained_digits.model), held, info.std)
+    assert report["noise_floor"] == dict(grey_levels=0.5, changed=list(floor.changed), n=180)
+    assert f"for scale: {floor.describe()}" in text
 
 
 def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digits, tmp_path, capsys):

@@ -163,6 +163,8 @@ def write_outputs(result: QuantizeResult, stem: Path) -> int:
     written += [plot] if plot else []
     for layer, why in result.reasons.items():
         print(f"kept in float: {layer}: {why}")
+    if result.noise_floor is not None:
+        print(f"for scale: {result.noise_floor.describe()} (the rounding an 8-bit image already carries)")
     if not result.meets_target:
         print(f"nothing int8 met the target ({result.target.describe()}); the best found: {result.describe_point()}. "
               f"No int8 file written. Report: {', '.join(str(p) for p in written)}")

@@ -29,7 +29,9 @@ from .agreement import (
     AGREEMENT_TARGET,
     QUANTIZE_ACCURACY_TOLERANCE,
     Agreement,
+    NoiseFloor,
     compare_logits,
+    noise_floor,
 )
 from .auto import AUTO_RULES
 from .cpu import CpuFeatures, cpu_features
@@ -66,6 +68,7 @@ __all__ = [
     "ExportInfo",
     "Int8Options",
     "LayerSensitivity",
+    "NoiseFloor",
     "OptimizedModel",
     "ParityCheck",
     "PathChoice",
@@ -80,6 +83,7 @@ __all__ = [
     "export_model",
     "fuse",
     "load_exported",
+    "noise_floor",
     "open_exported",
     "optimize",
     "quantize",

@@ -98,6 +98,75 @@ def compare_logits(out: torch.Tensor, reference: torch.Tensor, labels: torch.Ten
                      max_rel_err=float(per_image.max()), accuracy=acc, reference_accuracy=ref_acc)
 
 
+#: The pixel noise of :func:`noise_floor`, in grey levels of an 8-bit image: the rounding such an image already carries.
+NOISE_GREY_LEVELS = 0.5
+#: How many noise draws :func:`noise_floor` makes (a single draw's count moves by a factor of several).
+NOISE_DRAWS = 3
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """How many of fp32's *own* decisions change under pixel noise that no 8-bit image resolves: a scale for
+    the decisions a reduced-precision path changes. A model that is unsure of many answers (near-ties between two
+    classes) changes some under any perturbation; on the CIFAR-10 references, uniform noise of half a grey level
+    changed 2-8 of 2,000 decisions and a one-grey-level brightness shift 12 (BENCHMARKS.md).
+
+    Args:
+        grey_levels: the noise, uniform in ``[-grey_levels, +grey_levels]`` grey levels (of 255) per pixel and channel.
+        changed: the decisions changed, one count per draw.
+        n: the images.
+    """
+
+    grey_levels: float
+    changed: tuple[int, ...]
+    n: int
+
+    def describe(self) -> str:
+        """One line, such as "uniform pixel noise of +-0.5 grey level changes 2-8 of 1000 of fp32's own decisions
+        (3 draws)"."""
+        low, high = min(self.changed), max(self.changed)
+        counts = f"{low}" if low == high else f"{low}-{high}"
+        return (f"uniform pixel noise of +-{self.grey_levels:g} grey level changes {counts} of {self.n} of fp32's own "
+                f"decisions ({len(self.changed)} draw{'s' if len(self.changed) > 1 else ''})")
+
+
+@torch.no_grad()
+def noise_floor(
+    fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, std: tuple[float, ...],
+    reference: torch.Tensor | None = None, grey_levels: float = NOISE_GREY_LEVELS, draws: int = NOISE_DRAWS,
+    seed: int = 0, batch: int = 16,
+) -> NoiseFloor:
+    """The decisions ``fn`` (the fp32 model) changes on ``images`` when each pixel gets uniform noise of
+    ``grey_levels`` grey levels (a seeded draw each time): :class:`NoiseFloor`.
+
+    Args:
+        fn: the fp32 model, or any callable from image batches to logits.
+        images: ``(N, C, H, W)``, normalised with ``std`` (a grey level is ``1 / (255 * std[c])`` in channel ``c``).
+        std: the per-channel standard deviation the images were normalised with.
+        reference: ``fn``'s logits on ``images`` (computed here when None).
+        grey_levels, draws, seed, batch: the noise's half-width, how many draws, the first draw's seed, the batch size.
+
+    Raises:
+        ValueError: no images, a ``std`` that does not match their channels or is not positive, no draw, or
+            ``grey_levels`` not positive.
+    """
+    if images.ndim != 4 or not len(images):
+        raise ValueError(f"expected images (N, C, H, W) with N >= 1, got shape {tuple(images.shape)}")
+    if len(std) != images.shape[1] or min(std) <= 0:
+        raise ValueError(f"std must give one positive value per image channel ({images.shape[1]}), got {tuple(std)}")
+    if draws < 1 or not grey_levels > 0:
+        raise ValueError(f"noise_floor needs at least one draw and a positive noise, got draws={draws}, "
+                         f"grey_levels={grey_levels}")
+    clean = batched_logits(fn, images, batch) if reference is None else reference
+    step = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=images.dtype).view(1, -1, 1, 1)
+    changed = []
+    for draw in range(draws):
+        g = torch.Generator().manual_seed(seed + draw)
+        noise = (torch.rand(images.shape, generator=g, dtype=images.dtype) * 2 - 1) * grey_levels * step
+        changed.append(compare_logits(batched_logits(fn, images + noise, batch), clean).changed)
+    return NoiseFloor(grey_levels, tuple(changed), len(images))
+
+
 @torch.no_grad()
 def batched_logits(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch: int = 16) -> torch.Tensor:
     """``fn`` over ``images`` ``(N, C, H, W)`` in batches of ``batch``; float32 logits ``(N, classes)``."""

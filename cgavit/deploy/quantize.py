@@ -41,7 +41,9 @@ from torch import nn
 
 from ..io import atomic_write
 from ..timing import other_load, round_robin
-from .agreement import AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, compare_logits
+from .agreement import (
+    AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, NoiseFloor, compare_logits, noise_floor,
+)
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse, output_path
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
@@ -131,6 +133,9 @@ class QuantizeResult:
             (what chose between them; ``point`` is the chosen one's).
         runoff_load: cores' worth of other work on the machine while the runoff was timed
             (:func:`cgavit.timing.other_load`; None without a runoff or a load average).
+        noise_floor: for scale, the decisions the fp32 model itself changes on the images the answer was judged on
+            when their pixels get noise of half a grey level (:func:`~cgavit.deploy.agreement.noise_floor`, normalised
+            with ``info.std``).
     """
 
     target: QuantizeTarget
@@ -153,6 +158,7 @@ class QuantizeResult:
     runoff: list[CurvePoint] = field(default_factory=list)
     held_out_images: int = 0
     runoff_load: float | None = None
+    noise_floor: NoiseFloor | None = None
 
     @property
     def runoff_disturbed(self) -> bool:
@@ -211,6 +217,8 @@ class QuantizeResult:
             no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
                                for rt, speeds in self.no_faster.items()},
             runoff=[_point_record(p, self.target) for p in self.runoff], runoff_other_load=self.runoff_load,
+            noise_floor=None if self.noise_floor is None else dict(
+                grey_levels=self.noise_floor.grey_levels, changed=list(self.noise_floor.changed), n=self.noise_floor.n),
         )
 
     def markdown(self, top: int = 15) -> str:
@@ -224,6 +232,9 @@ class QuantizeResult:
                  f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).{held}",
                  f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range), self.options.weights)}, "
                  f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
+                 *([f"For scale: on the images the answer was judged on, {self.noise_floor.describe()}: the rounding "
+                    "an 8-bit image already carries. A decision that such noise changes is a near-tie of the model's own.",
+                    ""] if self.noise_floor else []),
                  "| runtime | step | layers in float | agreement | accuracy (change) | img/s | x fp32 ONNX Runtime | target "
                  "| held out: agreement, accuracy change, target |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
         for points in self.curves.values():
@@ -680,6 +691,10 @@ class _Search:
                 p.agreement.top1_agreement, -abs(p.agreement.accuracy_change or 0), p.speedup)))
         build = self.builds[(point.runtime, point.float_part, point.float_layers)]
         held = 0 if self.held_out is None else len(self.held_out[0])
+        judged_on, clean = (self.evaluation, self.reference) if self.held_out is None else \
+            (self.held_out[0], self.held_reference)
+        floor = noise_floor(self.fp32_model, judged_on, tuple(info.std), clean, batch=self.timing[0]) \
+            if len(info.std) == judged_on.shape[1] else None
         return QuantizeResult(
             target=self.target, meets_target=bool(winners), runtime=point.runtime, point=point,
             fp32_img_s=point.img_s / point.speedup,
@@ -689,7 +704,7 @@ class _Search:
             reasons=self.reasons(point), sensitivity=self.sensitivity, curves=self.curves,
             cpu=features.describe(), options=opts, calibration_images=len(self.calibration),
             evaluation_images=len(self.evaluation) + held, held_out_images=held, no_faster=self.no_faster, runoff=runoff,
-            runoff_load=self.runoff_load if runoff else None,
+            runoff_load=self.runoff_load if runoff else None, noise_floor=floor,
         )
 
     def reasons(self, point: CurvePoint) -> dict[str, str]:
