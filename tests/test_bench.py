@@ -125,6 +125,14 @@ def test_precision_check_on_a_trained_checkpoint(trained_digits, capsys):
     assert all(" 100 " in row and ("meets" in row or "MISSES" in row) for row in rows)
     assert "int8 calibrated on 64 training images" in text and "never on the evaluated ones" in text
     assert "optimize(precision='auto') chose:" in text and "Why: CPU" in text
+    # for scale, fp32's own decisions under pixel noise, on the same 100 images, in the checkpoint's grey levels
+    from cgavit import load_model
+    from cgavit.bench import load_labelled
+    from cgavit.deploy import fuse, noise_floor
+
+    model, info = load_model(trained_digits.checkpoint)
+    floor = noise_floor(fuse(model), load_labelled(trained_digits.data, "val", info, 100).images, info.std)
+    assert f"For scale: on these images, {floor.describe()}" in text and floor.n == 100
 
 
 def test_precision_check_needs_checkpoint_and_data(capsys):

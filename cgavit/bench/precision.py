@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..deploy import Agreement, PathChoice, RuntimeModule, compare_logits, cpu_features, fuse, optimize
-from ..deploy.agreement import batched_logits
+from ..deploy.agreement import NoiseFloor, batched_logits, noise_floor
 from ..deploy.formats import runtime_path
 from ..factory import ModelInfo, load_model
 from ..timing import round_robin
@@ -150,13 +150,15 @@ def precision_rows(
 
 @dataclass
 class CheckpointPrecision:
-    """What :func:`checkpoint_precision` measured: the rows, the images used, and ``auto``'s choice."""
+    """What :func:`checkpoint_precision` measured: the rows, the images used, ``auto``'s choice, and for scale the
+    decisions the fp32 model changes on the evaluated images under half a grey level of pixel noise."""
 
     rows: list[PrecisionRow]
     evaluated: str
     calibration: str
     calibration_images: int
     auto: PathChoice | None
+    noise_floor: NoiseFloor | None = None
 
 
 def checkpoint_precision(
@@ -189,4 +191,5 @@ def checkpoint_precision(
                           len(calib.images), batch)
     auto = optimize(model, x, "auto", calibration=batches, evaluation=list(evaluated.images.split(batch)), check=False,
                     compile=compile).choice  # judged on the table's images, not on the training ones it calibrates on
-    return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto)
+    floor = noise_floor(fuse(model), evaluated.images, tuple(info.std), batch=batch)
+    return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto, floor)

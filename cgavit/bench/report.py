@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, PathChoice
+from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, NoiseFloor, PathChoice
 from ..io import atomic_write, make_folder, write_json
 from .candidates import Result
 from .optional import matplotlib_agg, timm_version
@@ -72,6 +72,12 @@ def precision_note(images: dict[str, str | int]) -> str:
     text = (f"Evaluated: every image of {images['evaluated']}. int8 calibrated on {images['calibration_images']} "
             f"training images of {images['calibration']} (never on the evaluated ones).")
     return PRECISION_NOTE.format(agree=100 * AGREEMENT_TARGET, acc=ACCURACY_TOLERANCE, images=text)
+
+
+def format_noise_floor(floor: NoiseFloor) -> str:
+    """The line under the precision table that gives its agreement column a scale: fp32's own near-ties."""
+    return (f"For scale: on these images, {floor.describe()}, the rounding an 8-bit image already carries: "
+            "a decision that such noise changes is a near-tie of the model's own.")
 
 
 def format_auto(choice: PathChoice) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..deploy import PathChoice, cpu_features
+from ..deploy import NoiseFloor, PathChoice, cpu_features
 from ..deploy.auto import auto_candidates
 from ..deploy.fastpath import backend_available
 from ..deploy.formats import require_format
@@ -123,6 +123,7 @@ class BenchReport:
     precision_images: dict[str, str | int] | None = None  # with a checkpoint: evaluated, calibration, count
     auto_order: list[PathChoice] = field(default_factory=list)  # what precision="auto" tries here, without calibration
     auto: PathChoice | None = None  # with a checkpoint: what optimize(precision="auto") chose, measured
+    noise_floor: NoiseFloor | None = None  # with a checkpoint: fp32's own decisions under half a grey level of noise
     training: list[TrainingRow] | None = None
     ceilings: list[CeilingRow] = field(default_factory=list)  # CPU fp32: each variant's FLOPs at the measured peak
     files: list[Path] = field(default_factory=list)
@@ -139,6 +140,8 @@ class BenchReport:
             rec["auto_order"] = [asdict(c) for c in self.auto_order]
         if self.auto is not None:
             rec["auto"] = asdict(self.auto)
+        if self.noise_floor is not None:
+            rec["noise_floor"] = self.noise_floor.record()
         if self.training is not None:
             rec["training"] = self.training
         if self.ceilings:
@@ -281,7 +284,7 @@ def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: Bench
         cfg.checkpoint, cfg.data, protocol.batch, protocol.warmup, protocol.repeats, runtimes=protocol.runtimes,
         compile=cfg.compile, calibration_images=cfg.calibration_images, eval_images=cfg.eval_images,
         train_split=cfg.train_split, val_split=cfg.val_split)
-    report.precision, report.auto = check.rows, check.auto
+    report.precision, report.auto, report.noise_floor = check.rows, check.auto, check.noise_floor
     report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
                                    calibration_images=check.calibration_images)
 

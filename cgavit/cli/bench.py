@@ -13,6 +13,7 @@ from ..bench.report import (
     TABLE_NOTE,
     format_auto,
     format_auto_order,
+    format_noise_floor,
     format_precision_table,
     format_training,
     precision_note,
@@ -64,6 +65,8 @@ def print_section(section: str, report: BenchReport) -> None:
     elif section == "precision":
         print("\n" + format_precision_table(report.precision))
         print(precision_note(report.precision_images))
+        if report.noise_floor is not None:
+            print(format_noise_floor(report.noise_floor))
         if report.auto is not None:
             print(format_auto(report.auto))
     elif section == "training" and report.training:

@@ -129,6 +129,10 @@ class NoiseFloor:
         return (f"uniform pixel noise of +-{self.grey_levels:g} grey level changes {counts} of {self.n} of fp32's own "
                 f"decisions ({len(self.changed)} draw{'s' if len(self.changed) > 1 else ''})")
 
+    def record(self) -> dict:
+        """JSON-ready: ``{"grey_levels", "changed" (a list), "n"}``."""
+        return dict(grey_levels=self.grey_levels, changed=list(self.changed), n=self.n)
+
 
 @torch.no_grad()
 def noise_floor(

@@ -217,8 +217,7 @@ class QuantizeResult:
             no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
                                for rt, speeds in self.no_faster.items()},
             runoff=[_point_record(p, self.target) for p in self.runoff], runoff_other_load=self.runoff_load,
-            noise_floor=None if self.noise_floor is None else dict(
-                grey_levels=self.noise_floor.grey_levels, changed=list(self.noise_floor.changed), n=self.noise_floor.n),
+            noise_floor=None if self.noise_floor is None else self.noise_floor.record(),
         )
 
     def markdown(self, top: int = 15) -> str:
