@@ -23,8 +23,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import copy
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +39,9 @@ from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, even_batches, export
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits
 from cgavit.layers import FFN, PatchMerging
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_where_lost import reference_arguments  # noqa: E402  (this folder's checkpoint-and-images arguments)
 
 
 def pairs(model: nn.Module) -> list[tuple[nn.Conv2d, tuple[nn.Conv2d, ...], bool]]:
@@ -93,10 +96,7 @@ def equalize(model: nn.Module, batches: list[torch.Tensor], alpha: float, limit:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
-    p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
-    p.add_argument("--val-split", default="val", help="evaluation split (default val)")
+    p = reference_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--alphas", default="0,0.5,1", help="balances to try, comma-separated (0: not equalised)")
     p.add_argument("--which", default="ov7,ov8,ort7,ort8",
                    help="builds: ov/ort (OpenVINO, ONNX Runtime) with 7- or 8-bit weights, comma-separated")

@@ -16,7 +16,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import subprocess
@@ -33,6 +32,9 @@ from cgavit.deploy.onnx import even_batches
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, save_openvino
 from cgavit.deploy.metadata import ExportInfo
 from cgavit.deploy.sensitivity import padded_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_where_lost import reference_arguments  # noqa: E402  (this folder's checkpoint-and-images arguments)
 
 WEIGHTS = {"7-bit": True, "8-bit": False}  # the label -> Int8Options.reduce_range
 
@@ -63,10 +65,7 @@ def child(argv: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--run-files"]:
         return child(sys.argv[2:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
-    p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
-    p.add_argument("--val-split", default="val", help="evaluation split (default val)")
+    p = reference_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--cap", default="AVX2", help="the ONEDNN_MAX_CPU_ISA value of the capped run (default AVX2)")
     args = p.parse_args()
     torch.set_num_threads(1)
