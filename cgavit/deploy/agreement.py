@@ -109,7 +109,7 @@ class NoiseFloor:
     """How many of fp32's *own* decisions change under pixel noise that no 8-bit image resolves: a scale for
     the decisions a reduced-precision path changes. A model that is unsure of many answers (near-ties between two
     classes) changes some under any perturbation; on the CIFAR-10 references, uniform noise of half a grey level
-    changed 2-8 of 2,000 decisions and a one-grey-level brightness shift 12 (BENCHMARKS.md).
+    changed 3-10 of 2,000 decisions and a one-grey-level brightness shift 12 (BENCHMARKS.md).
 
     Args:
         grey_levels: the noise, uniform in ``[-grey_levels, +grey_levels]`` grey levels (of 255) per pixel and channel.
