@@ -186,10 +186,10 @@ def checkpoint_precision(
     x = evaluated.images[torch.arange(batch) % len(evaluated.images)]  # real images as the example batch
     paths = inference_paths(model, x, batches, runtimes, compile)
     rates = time_paths(paths, x, warmup, repeats)
-    name = Path(checkpoint).name
-    rows = precision_rows(name, paths, fuse(model), evaluated.images, evaluated.labels, evaluated.source, rates,
+    name, fused = Path(checkpoint).name, fuse(model)
+    rows = precision_rows(name, paths, fused, evaluated.images, evaluated.labels, evaluated.source, rates,
                           len(calib.images), batch)
     auto = optimize(model, x, "auto", calibration=batches, evaluation=list(evaluated.images.split(batch)), check=False,
                     compile=compile).choice  # judged on the table's images, not on the training ones it calibrates on
-    floor = noise_floor(fuse(model), evaluated.images, tuple(info.std), batch=batch)
+    floor = noise_floor(fused, evaluated.images, tuple(info.std), batch=batch)
     return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto, floor)

@@ -10,7 +10,7 @@ models measures noise (near-uniform logits), so the figures that count come from
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -162,13 +162,21 @@ def noise_floor(
         raise ValueError(f"noise_floor needs at least one draw and a positive noise, got draws={draws}, "
                          f"grey_levels={grey_levels}")
     clean = batched_logits(fn, images, batch) if reference is None else reference
+    noisy = noisy_logits(fn, images, std, grey_levels, draws, seed, batch)
+    return NoiseFloor(grey_levels, tuple(compare_logits(out, clean).changed for out in noisy), len(images))
+
+
+def noisy_logits(
+    fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, std: tuple[float, ...],
+    grey_levels: float = NOISE_GREY_LEVELS, draws: int = NOISE_DRAWS, seed: int = 0, batch: int = 16,
+) -> Iterator[torch.Tensor]:
+    """``fn``'s logits on ``images`` with :func:`noise_floor`'s noise, one ``(N, classes)`` tensor per seeded draw
+    (the same draws, for a caller that needs to know which decisions changed, not only how many)."""
     step = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=images.dtype).view(1, -1, 1, 1)
-    changed = []
     for draw in range(draws):
         g = torch.Generator().manual_seed(seed + draw)
         noise = (torch.rand(images.shape, generator=g, dtype=images.dtype) * 2 - 1) * grey_levels * step
-        changed.append(compare_logits(batched_logits(fn, images + noise, batch), clean).changed)
-    return NoiseFloor(grey_levels, tuple(changed), len(images))
+        yield batched_logits(fn, images + noise, batch)
 
 
 @torch.no_grad()
