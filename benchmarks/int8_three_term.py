@@ -38,6 +38,7 @@ from cgavit.deploy.sensitivity import padded_logits
 from cgavit.timing import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_adaround import conv_inputs  # noqa: E402
 from int8_bf16_float_layers import fp32_answer  # noqa: E402
 from int8_speed import speed_probe  # noqa: E402
 from int8_where_lost import int8_base, reference_arguments  # noqa: E402
@@ -47,19 +48,8 @@ OPS = ov.opset13
 
 def input_ranges(float_model, nodes: list[str], batches: list[np.ndarray]) -> dict[str, tuple[float, float]]:
     """Each named convolution's input min and max over the calibration batches, in the fp32 model."""
-    probe = float_model.clone()
-    ops = {op.get_friendly_name(): op for op in probe.get_ordered_ops()}
-    first = len(probe.outputs)
-    probe.add_outputs([ops[name].input_value(0) for name in nodes])
-    compiled = ov.Core().compile_model(probe, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
-    lo = {n: np.inf for n in nodes}
-    hi = {n: -np.inf for n in nodes}
-    for batch in batches:
-        result = compiled(batch)
-        for i, name in enumerate(nodes):
-            value = result[compiled.outputs[first + i]]
-            lo[name], hi[name] = min(lo[name], float(value.min())), max(hi[name], float(value.max()))
-    return {n: (lo[n], hi[n]) for n in nodes}
+    images = torch.from_numpy(np.concatenate(batches))
+    return {node: (float(x.min()), float(x.max())) for node in nodes for x in [conv_inputs(float_model, node, images)]}
 
 
 def _fq(value, low, high, levels: int):
