@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from cgavit.deploy import compare_logits, cpu_features
-from cgavit.deploy.openvino import OpenVinoModule, _folded_weights, restore_float_layers
+from cgavit.deploy.openvino import OpenVinoModule, _folded_weights, compile_cpu, restore_float_layers
 from cgavit.deploy.sensitivity import padded_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,7 +50,7 @@ def conv_inputs(model, node: str, images: torch.Tensor, batch: int = 32) -> torc
     ops = {op.get_friendly_name(): op for op in m.get_ordered_ops()}
     m.add_outputs([ops[node].input_value(0)])
     m.reshape([batch, *images.shape[1:]])
-    compiled = ov.Core().compile_model(m, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
+    compiled = compile_cpu(m, {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
     return torch.cat([torch.from_numpy(compiled(x.numpy())[compiled.outputs[1]].copy())
                       for x in images.split(batch) if len(x) == batch])
 

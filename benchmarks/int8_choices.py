@@ -28,7 +28,7 @@ from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import Int8Options, compare_logits, fuse
 from cgavit.deploy.onnx import QUANTIZED_OPS, OnnxModule, even_batches, export_onnx
-from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino
+from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino, kept_signal_stack
 from cgavit.deploy.runtime import pad_batch
 from cgavit.deploy.sensitivity import padded_logits
 from cgavit.timing import round_robin
@@ -82,9 +82,10 @@ class Bench:
         if options is None:
             import nncf
 
-            model = nncf.quantize(convert_openvino(self.model, self.size, fold_residuals=False),
-                                  nncf.Dataset([b.numpy() for b in self.batches]), subset_size=len(self.batches),
-                                  preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=False)
+            with kept_signal_stack():  # NNCF compiles with OpenVINO Cores of its own
+                model = nncf.quantize(convert_openvino(self.model, self.size, fold_residuals=False),
+                                      nncf.Dataset([b.numpy() for b in self.batches]), subset_size=len(self.batches),
+                                      preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=False)
         else:
             model = OpenVinoInt8Builder(self.model, self.size, self.batches, options).build()
         self.report("OpenVINO " + label, OpenVinoModule(model, 1, "int8"))

@@ -3,6 +3,9 @@ within the agreement target on the trained digits model. Each format is skipped,
 install, when its runtime is missing."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,3 +144,56 @@ def test_an_exported_file_refuses_what_only_a_checkpoint_takes(trained_digits, t
     torch.onnx.export(torch.nn.Conv2d(3, 10, 48), (torch.randn(1, 3, 48, 48),), str(bare), dynamo=False)
     assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(bare), "--workers", "0"]) == 2
     assert "carries no cgavit metadata" in capsys.readouterr().err
+
+
+# Two OpenVINO models dropped in the order they were made, then a signal with a Python handler (SIGCHLD from a
+# DataLoader's workers is the one that struck the suite): each OpenVINO Core's CPU plugin maps an alternate signal
+# stack for this thread, and before cgavit kept the thread's own, the second left it with the first's, unmapped.
+TWO_OPENVINO_MODELS = """
+import gc, os, signal, sys
+import torch
+from cgavit.deploy.openvino import OpenVinoModule, convert_openvino, signal_stack
+from cgavit.testing import randomize_
+import cgavit
+model = randomize_(cgavit.create_model("efficientvit_m0", img_size=32, embed_dim=(16, 16, 16), depth=(1, 1, 1),
+                                       num_heads=(2, 2, 2), num_classes=3)).eval()
+before = signal_stack()
+first, second = (OpenVinoModule(convert_openvino(model, (32, 32)), threads=1) for _ in range(2))
+first(torch.randn(1, 3, 32, 32)), second(torch.randn(1, 3, 32, 32))
+del first; gc.collect()
+del second; gc.collect()
+assert signal_stack() == before, (signal_stack(), before)
+handled = []
+signal.signal(signal.SIGUSR1, lambda *_: handled.append(True))
+os.kill(os.getpid(), signal.SIGUSR1)
+assert handled
+print("survived")
+"""
+
+
+@need("openvino")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenVINO sets alternate signal stacks on Linux")
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_openvino_models_leave_the_threads_signal_stack_as_they_found_it(faulthandler, tmp_path):
+    """Run in a child process, since the failure is a segmentation fault; with and without faulthandler's stack."""
+    script = tmp_path / "two_models.py"
+    script.write_text(TWO_OPENVINO_MODELS)
+    flags = ["-X", "faulthandler"] if faulthandler else []
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    run = subprocess.run([sys.executable, *flags, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and "survived" in run.stdout, (run.returncode, run.stderr[-2000:])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sigaltstack through the C library: Linux")
+def test_kept_signal_stack_puts_back_the_threads_stack():
+    import ctypes
+
+    from cgavit.deploy.openvino import _SignalStack, _libc, kept_signal_stack, signal_stack
+
+    before = signal_stack()
+    buffer = ctypes.create_string_buffer(256 * 1024)
+    theirs = _SignalStack(ctypes.cast(buffer, ctypes.c_void_p), 0, len(buffer))
+    with kept_signal_stack():
+        assert _libc().sigaltstack(ctypes.byref(theirs), None) == 0
+        assert signal_stack() == (ctypes.addressof(buffer), len(buffer))
+    assert signal_stack() == before

@@ -13,9 +13,13 @@ with a bf16 one; a ``bf16-layers`` build compiles in fp32 with its bf16 convolut
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import importlib.util
 import os
 import statistics
+import sys
 import tempfile
 import warnings
 from collections import defaultdict
@@ -48,6 +52,67 @@ def _nncf() -> ModuleType:
     import nncf
 
     return nncf
+
+
+class _SignalStack(ctypes.Structure):
+    """C's ``stack_t`` (Linux): a thread's alternate signal stack."""
+
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+_SS_DISABLE = 2  # stack_t.ss_flags: no alternate stack
+
+
+@functools.cache
+def _libc():
+    """The C library, for ``sigaltstack`` (None off Linux, where OpenVINO's CPU plugin leaves it alone)."""
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def signal_stack() -> tuple[int | None, int] | None:
+    """The calling thread's alternate signal stack as ``(address, size)`` (``(None, 0)``: none is set), or None
+    where it cannot be read (not Linux)."""
+    libc, now = _libc(), _SignalStack()
+    if libc is None or libc.sigaltstack(None, ctypes.byref(now)) != 0:
+        return None
+    return (None, 0) if now.ss_flags & _SS_DISABLE else (now.ss_sp, now.ss_size)
+
+
+@contextlib.contextmanager
+def kept_signal_stack():
+    """Give the calling thread back the alternate signal stack it had before the block.
+
+    OpenVINO's CPU plugin (2026.4.1; Linux) maps an alternate signal stack for the thread that creates it and
+    unmaps it when the plugin goes, putting back the stack it found only if its own is still the thread's.
+    Two plugins that go in the order they came (or one that goes on another thread) leave the thread with an
+    unmapped stack; the next signal that runs a Python handler there (``SIGCHLD`` from a DataLoader's
+    workers, ``SIGINT``: Python's handlers ask for the alternate stack) is then written over whatever holds
+    that memory now, and the process dies of a segmentation fault, often much later and far away. With the
+    thread's own stack back after each block that can create a plugin, no thread holds a plugin's stack, and
+    a plugin that goes unmaps memory no one uses.
+    """
+    before = signal_stack()
+    try:
+        yield
+    finally:
+        if before is not None and signal_stack() != before:
+            address, size = before
+            _libc().sigaltstack(ctypes.byref(_SignalStack(address, 0 if address else _SS_DISABLE, size)), None)
+
+
+@functools.cache
+def _core():
+    """The process's one ``openvino.Core``: its CPU plugin is made once and lives as long as the process
+    (each Core makes its own, with an alternate signal stack; see :func:`kept_signal_stack`)."""
+    with kept_signal_stack():
+        return _openvino().Core()
+
+
+def compile_cpu(model, config: dict):
+    """``model`` (an ``openvino.Model``) compiled for the CPU with ``config``, by the process's one Core,
+    leaving the calling thread's signal stack as it was (:func:`kept_signal_stack`)."""
+    with kept_signal_stack():
+        return _core().compile_model(model, "CPU", config)
 
 
 def openvino_available() -> bool:
@@ -139,7 +204,7 @@ class OpenVinoInt8Builder:
             activations_range_estimator_params=_range_estimator(nncf, opts.calibration),
         )
         ignored = nncf.IgnoredScope(types=["MatMul"] if opts.attention_float else [], validate=False)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), kept_signal_stack():  # NNCF compiles with Cores of its own
             warnings.simplefilter("ignore")
             return nncf.quantize(
                 self.float_model.clone(), nncf.Dataset(self.batches), subset_size=len(self.batches),
@@ -254,7 +319,7 @@ def openvino_conv_times(
     wanted = set(layers)
     static = model.clone()
     static.reshape(list(example.shape))
-    compiled = _openvino().Core().compile_model(static, "CPU", {
+    compiled = compile_cpu(static, {
         "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERF_COUNT": True,
         "INFERENCE_PRECISION_HINT": PRECISION_HINT["fp32"]})
     request = compiled.create_infer_request()
@@ -415,8 +480,7 @@ class OpenVinoModule(RuntimeModule):
             raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
         if float_part not in FLOAT_PARTS:
             raise ValueError(f"an int8 float part is one of {', '.join(FLOAT_PARTS)}, got {float_part!r}")
-        self.core = _openvino().Core()
-        self.model = self.core.read_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
+        self.model = _core().read_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
         self.metadata = openvino_metadata(self.model)
         self.float_part = float_part if precision == "int8" else precision
         hint = PRECISION_HINT[compile_precision(float_part) if precision == "int8" else precision]
@@ -432,7 +496,7 @@ class OpenVinoModule(RuntimeModule):
             shape = [dim.get_length() for dim in self.model.input(0).get_partial_shape()[1:]]  # (C, H, W)
             static = self.model.clone()
             static.reshape([batch, *shape])
-            self.compiled[batch] = self.core.compile_model(static, "CPU", self.config)
+            self.compiled[batch] = compile_cpu(static, self.config)
         return self.compiled[batch]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
