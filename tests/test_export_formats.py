@@ -197,3 +197,34 @@ def test_kept_signal_stack_puts_back_the_threads_stack():
         assert _libc().sigaltstack(ctypes.byref(theirs), None) == 0
         assert signal_stack() == (ctypes.addressof(buffer), len(buffer))
     assert signal_stack() == before
+
+
+def test_kept_signal_stack_leaves_none_when_the_old_one_is_refused(monkeypatch):
+    """The kernel refuses a stack too small for AMX frames once AMX is on: then no stack, never the plugin's."""
+    import ctypes
+
+    from cgavit.deploy import openvino
+
+    class Libc:  # a thread whose stack changes inside the block and whose old one cannot be set again
+        def __init__(self):
+            self.now, self.set = (111, 8192), []
+
+        def sigaltstack(self, new, old):
+            if old is not None:
+                out = ctypes.cast(old, ctypes.POINTER(openvino._SignalStack)).contents
+                out.ss_sp, out.ss_size = self.now
+                out.ss_flags = openvino._SS_DISABLE if self.now[0] is None else 0
+            if new is not None:
+                ask = ctypes.cast(new, ctypes.POINTER(openvino._SignalStack)).contents
+                self.set.append((ask.ss_sp, ask.ss_flags))
+                if ask.ss_flags != openvino._SS_DISABLE:
+                    return -1
+                self.now = (None, 0)
+            return 0
+
+    libc = Libc()
+    monkeypatch.setattr(openvino, "_libc", lambda: libc)
+    with openvino.kept_signal_stack():
+        libc.now = (222, 20144)  # a plugin's
+    assert libc.set == [(111, 0), (None, openvino._SS_DISABLE)]
+    assert openvino.signal_stack() == (None, 0)

@@ -97,7 +97,11 @@ def kept_signal_stack():
     finally:
         if before is not None and signal_stack() != before:
             address, size = before
-            _libc().sigaltstack(ctypes.byref(_SignalStack(address, 0 if address else _SS_DISABLE, size)), None)
+            libc = _libc()
+            if libc.sigaltstack(ctypes.byref(_SignalStack(address, 0 if address else _SS_DISABLE, size)), None) != 0:
+                # refused (with AMX enabled since, the kernel refuses a stack too small for its frames): none
+                # at all is still safer than a plugin's, which goes with the plugin
+                libc.sigaltstack(ctypes.byref(_SignalStack(None, _SS_DISABLE, 0)), None)
 
 
 @functools.cache
