@@ -94,6 +94,28 @@ def test_quantize_meets_the_target_on_trained_weights(digits_int8, trained_digit
     assert r.noise_floor == expected and r.noise_floor.n == 180
     assert r.record()["noise_floor"] == dict(grey_levels=NOISE_GREY_LEVELS, changed=list(expected.changed), n=180)
     assert f"For scale: on the images the answer was judged on, {expected.describe()}" in r.markdown()
+    # how precisely 180 images know the figure: not enough to show 99.5 % beyond them, and the report says so
+    low, high = r.agreement.interval()
+    assert low < 0.995 <= r.agreement.top1_agreement <= high and r.record()["agreement_interval_95"] == [low, high]
+    assert f"between {100 * low:.2f} % and {100 * high:.2f} %" in r.markdown() and "too few images" in r.markdown()
+
+
+def test_agreement_interval_is_wilsons():
+    """Wilson's score interval, checked against figures computed independently (scipy's ``binomtest``)."""
+    def interval(kept, n, level=0.95):
+        return Agreement(n=n, top1_agreement=kept / n, max_rel_err=0.0).interval(level)
+
+    assert interval(995, 1000) == pytest.approx((0.9883490446, 0.9978624645), abs=1e-9)
+    assert interval(0, 10) == pytest.approx((0.0, 0.2775327999), abs=1e-9)
+    assert interval(180, 180)[1] == 1.0 and interval(180, 180)[0] == pytest.approx(180 / (180 + 1.959963985 ** 2))
+    wide, narrow = interval(4975, 5000, 0.99), interval(4975, 5000, 0.9)
+    assert wide[0] < narrow[0] < 0.995 < narrow[1] < wide[1]
+    # four times the images halve it
+    one, four = interval(995, 1000), interval(3980, 4000)
+    assert (four[1] - four[0]) / (one[1] - one[0]) == pytest.approx(0.5, abs=0.03)
+    for level in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="probability"):
+            interval(995, 1000, level)
 
 
 def test_noise_floor_adds_grey_levels_of_noise_in_each_channel_and_counts_changed_decisions(trained_digits):

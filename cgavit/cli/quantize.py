@@ -170,7 +170,8 @@ def write_outputs(result: QuantizeResult, stem: Path) -> int:
               f"No int8 file written. Report: {', '.join(str(p) for p in written)}")
         return 1
     out = result.save(stem)
-    print(f"wrote {out}: {result.describe_point()}\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
+    print(f"wrote {out}: {result.describe_point()}\n{result.uncertainty()}."
+          f"\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
           f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
     if result.runoff_disturbed:
         print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import torch
 
@@ -65,6 +66,24 @@ class Agreement:
     def changed(self) -> int:
         """Decisions that differ from the reference's."""
         return round(self.n * (1.0 - self.top1_agreement))
+
+    def interval(self, level: float = 0.95) -> tuple[float, float]:
+        """The range (shares, 0-1) that holds the agreement a path would show on unlimited images like these, with
+        probability ``level``: Wilson's score interval for the share of ``n`` images that kept fp32's decision. On
+        1,000 images a build that kept 995 is known only to within about 98.8-99.8 %; on 5,000 that kept 4,975,
+        99.3-99.7 %.
+
+        Raises:
+            ValueError: ``level`` outside (0, 1).
+        """
+        if not 0 < level < 1:
+            raise ValueError(f"an interval's level is a probability in (0, 1), got {level}")
+        z = NormalDist().inv_cdf(0.5 + level / 2)
+        n, share = self.n, self.top1_agreement
+        shrink = 1 + z * z / n
+        centre = (share + z * z / (2 * n)) / shrink
+        half = z / shrink * (share * (1 - share) / n + z * z / (4 * n * n)) ** 0.5
+        return min(share, centre - half), max(share, centre + half)  # it holds the share (exactly, despite rounding)
 
     def describe(self, verdict: bool | None = None) -> str:
         """One line, e.g. ``"top-1 agreement 99.7% on 360 images, accuracy 98.1% (-0.3 pt), ..."``; the

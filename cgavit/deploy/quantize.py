@@ -205,6 +205,7 @@ class QuantizeResult:
             target=dict(agreement=self.target.agreement, accuracy_tolerance=self.target.accuracy_tolerance),
             meets_target=self.meets_target, method=self.method, runtime=self.runtime, float_part=self.float_part,
             chosen=_point_record(self.point, self.target),
+            agreement_interval_95=list(self.agreement.interval()),
             fp32_onnxruntime_img_s=self.fp32_img_s, float_layers=self.reasons,
             kept_float_by_design="the attention core (score and PV matmuls, softmax) and the residual adds",
             cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
@@ -231,6 +232,7 @@ class QuantizeResult:
                  f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).{held}",
                  f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range), self.options.weights)}, "
                  f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
+                 f"{self.uncertainty()}.", "",
                  *([f"For scale: on the images the answer was judged on, {self.noise_floor.describe()}: the rounding "
                     "an 8-bit image already carries. A decision that such noise changes is a near-tie of the model's own.",
                     ""] if self.noise_floor else []),
@@ -270,6 +272,19 @@ class QuantizeResult:
             lines += [f"| `{s.layer}` | {s.changed} of {s.n} | {100 * s.agreement:.2f} % | {s.rel_err:.1e} |"
                       for s in rows[:top]]
         return "\n".join(lines) + "\n"
+
+    def uncertainty(self) -> str:
+        """One line on how precisely the images pin the chosen build's agreement down (Wilson's 95 % interval,
+        :meth:`Agreement.interval`), and, where the interval reaches below the target, that more images are needed
+        to show it is met."""
+        a = self.agreement
+        low, high = a.interval()
+        text = (f"The answer's agreement of {100 * a.top1_agreement:.2f} % on {a.n} images lies, with 95 % confidence, "
+                f"between {100 * low:.2f} % and {100 * high:.2f} % on images like these (Wilson's interval)")
+        if low < self.target.agreement - 1e-9:
+            text += (f": too few images to show that it keeps {100 * self.target.agreement:g} % beyond them; four times "
+                     "the evaluation images halve the interval")
+        return text
 
     def describe_point(self, point: CurvePoint | None = None) -> str:
         """One line about a build (default: the chosen one)."""
