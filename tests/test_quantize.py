@@ -158,6 +158,9 @@ def test_scrambled_weights_miss_the_target_and_nothing_is_saved(scrambled_int8, 
     with pytest.raises(ValueError, match="not written"):
         r.save(tmp_path / "scrambled")
     assert list(tmp_path.iterdir()) == []
+    # its interval is given, but not the "too few images" line: the figure itself misses the target
+    low, high = r.agreement.interval()
+    assert f"between {100 * low:.2f} % and {100 * high:.2f} %" in r.markdown() and "too few images" not in r.markdown()
 
 
 def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digits, tmp_path, monkeypatch):

@@ -275,13 +275,13 @@ class QuantizeResult:
 
     def uncertainty(self) -> str:
         """One line on how precisely the images pin the chosen build's agreement down (Wilson's 95 % interval,
-        :meth:`Agreement.interval`), and, where the interval reaches below the target, that more images are needed
-        to show it is met."""
+        :meth:`Agreement.interval`), and, where the figure reaches the target but the interval reaches below it,
+        that more images are needed to show the target holds beyond them."""
         a = self.agreement
         low, high = a.interval()
-        text = (f"The answer's agreement of {100 * a.top1_agreement:.2f} % on {a.n} images lies, with 95 % confidence, "
+        text = (f"The agreement of {100 * a.top1_agreement:.2f} % on {a.n} images lies, with 95 % confidence, "
                 f"between {100 * low:.2f} % and {100 * high:.2f} % on images like these (Wilson's interval)")
-        if low < self.target.agreement - 1e-9:
+        if low < self.target.agreement - 1e-9 <= a.top1_agreement:
             text += (f": too few images to show that it keeps {100 * self.target.agreement:g} % beyond them; four times "
                      "the evaluation images halve the interval")
         return text
