@@ -135,6 +135,31 @@ def test_cpu_features_reads_cpuinfo(tmp_path):
     assert cpu_features().describe()  # this machine
 
 
+def test_cpuid_must_confirm_the_kernels_list(tmp_path):
+    """A flag counts only where this process's CPUID confirms it too: under an emulator presenting an AVX2 EPYC on an
+    AMX Xeon (qemu-user) the kernel still lists AMX, torch's CPUID probes deny it, and the probe says ``avx2``
+    (also dropping ``avx_vnni``, which CPUID cannot be asked about); on a real machine the two agree."""
+    from cgavit.deploy.cpu import CPUID_PROBES, confirmed_flags, cpuid_flags
+    from cgavit.deploy.int8 import reduced_weight_range
+
+    (tmp_path / "cpuinfo").write_text(XEON_AMX.replace("avx2 ", "avx2 avx_vnni "))
+    on_amx = {flag: True for flag in CPUID_PROBES}
+    on_zen3 = {**{flag: False for flag in CPUID_PROBES}, "avx2": True}
+    real = cpu_features(tmp_path / "cpuinfo", environ={}, cpuid=on_amx)
+    emulated = cpu_features(tmp_path / "cpuinfo", environ={}, cpuid=on_zen3)
+    assert real.cpu_class == "amx" and not real.unconfirmed and "avx_vnni" in real.flags
+    assert emulated.cpu_class == "avx2" and not emulated.vnni and reduced_weight_range(emulated)
+    assert {"amx_bf16", "amx_int8", "avx512f", "avx512_vnni", "avx_vnni"} <= emulated.unconfirmed
+    assert "not this process's CPUID (an emulator?)" in emulated.describe()
+    assert cpu_features(tmp_path / "cpuinfo", environ={}).cpu_class == "amx"  # another machine's file: no CPUID
+    vnni_laptop = frozenset({"avx2", "avx_vnni"})  # Alder Lake: AVX2 with VNNI, nothing denied, avx_vnni kept
+    assert confirmed_flags(vnni_laptop, {**on_zen3}) == vnni_laptop and confirmed_flags(vnni_laptop, {}) == vnni_laptop
+    here = cpuid_flags()  # this process: every probe answered on x86, none elsewhere
+    assert set(here) in (set(CPUID_PROBES), set())
+    probed = cpu_features()
+    assert probed.flags == confirmed_flags(probed.flags | probed.unconfirmed, here)
+
+
 def test_onednn_isa_cap_hides_what_its_kernels_may_not_use(tmp_path):
     """oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA) counts: an AMX Xeon capped at AVX2 is probed as the
     AVX2 class, so its int8 gets 7-bit weights and OpenVINO's bf16 is refused; an unknown value is ignored, as oneDNN

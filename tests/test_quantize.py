@@ -343,6 +343,85 @@ def test_the_avx2_int8_kernels_run_on_any_x86_cpu(trained_digits, tmp_path):
     assert not saturated.meets_target and saturated.max_rel_err > 2 * cgavit_int8.max_rel_err, saturated.describe()
 
 
+#: The emulated CPU of the ONNX Runtime AVX2 test: AMD's Zen 3 EPYC, the AVX2-only class the issue names (AVX2,
+#: neither AVX-512 nor VNNI). qemu 7.2 or later emulates AVX2; older ones leave it out (the test then skips).
+EMULATED_AVX2_CPU = "EPYC-Milan"
+
+EMULATED_INT8 = """
+import sys, warnings, torch
+from cgavit.deploy import cpu_features, open_exported
+from cgavit.deploy.agreement import batched_logits
+from cgavit.deploy.onnx import quantize_onnx
+torch.set_num_threads(1)
+features = cpu_features()
+inputs = torch.load(sys.argv[2], weights_only=True)
+out = {"class": features.cpu_class, "describe": features.describe(), "capability": features.capability}
+if features.capability == "AVX2":  # torch reads CPUID: qemu emulates AVX2 (and no AVX-512)
+    quantize_onnx(sys.argv[1] + "/fp32.onnx", sys.argv[1] + "/cgavit.onnx", list(inputs["calibration"].split(32)))
+    for name in ("fp32", "cgavit", "8-bit"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, info = open_exported(sys.argv[1] + "/" + name + ".onnx", threads=1)
+        out[name] = batched_logits(model, inputs["images"])
+        out[name + " warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        out[name + " weights"] = info.int8.get("weight_range", "")
+torch.save(out, sys.argv[3])
+"""
+
+
+def test_onnxruntime_int8_on_an_emulated_avx2_cpu(trained_digits, tmp_path):
+    """ONNX Runtime's int8 kernels (MLAS) follow the CPU's CPUID, which oneDNN's ISA cap does not touch, so the suite
+    runs them under qemu-user's Zen 3 EPYC: there cgavit probes the class ``avx2``, quantises with 7-bit weights, and
+    the file keeps fp32's decisions as the same file does on this CPU's own kernels; a file with 8-bit weights warns
+    when opened and its sums saturate (on VNNI and AMX they do not). Without ``qemu-x86_64`` it skips, unless
+    ``CGAVIT_REQUIRE_QEMU=1`` (CI)."""
+    import platform
+    import shutil
+    import subprocess
+    import sys
+
+    from cgavit.deploy.agreement import batched_logits
+    from cgavit.deploy.onnx import OnnxModule, export_onnx, quantize_onnx
+
+    def missing(why: str) -> None:
+        if os.environ.get("CGAVIT_REQUIRE_QEMU") == "1":
+            pytest.fail(f"the emulated AVX2 test is required (CGAVIT_REQUIRE_QEMU=1) but {why}")
+        pytest.skip(why)
+
+    if not onnxruntime_available() or platform.machine() != "x86_64":
+        pytest.skip("needs cgavit[onnx] on x86_64")
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        missing("qemu-x86_64 is not installed (Debian: apt-get install qemu-user)")
+    calibration, images = trained_digits.calibration(64), trained_digits.images
+    export_onnx(trained_digits.model, tmp_path / "fp32.onnx", (48, 48), fold_residuals=False)
+    quantize_onnx(tmp_path / "fp32.onnx", tmp_path / "8-bit.onnx", calibration, Int8Options(reduce_range=False))
+    torch.save({"calibration": torch.cat(calibration), "images": images}, tmp_path / "inputs.pt")
+    (tmp_path / "emulated.py").write_text(EMULATED_INT8)
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    run = subprocess.run([qemu, "-cpu", EMULATED_AVX2_CPU, sys.executable, str(tmp_path / "emulated.py"), str(tmp_path),
+                          str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    emulated = torch.load(tmp_path / "out.pt", weights_only=True)
+    if emulated["capability"] != "AVX2":
+        missing(f"qemu-x86_64 -cpu {EMULATED_AVX2_CPU} did not present an AVX2 CPU to torch (qemu 7.2 or later "
+                f"emulates AVX2): {emulated['describe']}")
+    assert emulated["class"] == "avx2", emulated["describe"]
+    assert "listed by the kernel but not this process's CPUID" in emulated["describe"] or "avx512f" not in cpu_features().flags
+    assert emulated["cgavit weights"] == "7-bit" and not emulated["cgavit warnings"]
+    assert emulated["8-bit weights"] == "8-bit" and "saturate" in " ".join(emulated["8-bit warnings"])
+    fp32 = emulated["fp32"]
+    assert compare_logits(fp32, batched_logits(fuse(trained_digits.model), images)).max_rel_err < 1e-4
+    kept = compare_logits(emulated["cgavit"], fp32, trained_digits.labels)
+    assert kept.meets_target, kept.describe()
+    here = batched_logits(OnnxModule((tmp_path / "cgavit.onnx").read_bytes(), 1), images)
+    assert compare_logits(emulated["cgavit"], here).max_rel_err < 1e-4  # 7-bit: nothing saturates, same sums
+    saturated = compare_logits(emulated["8-bit"], fp32, trained_digits.labels)
+    same_file_here = compare_logits(batched_logits(OnnxModule((tmp_path / "8-bit.onnx").read_bytes(), 1), images), fp32)
+    assert saturated.max_rel_err > 3 * max(kept.max_rel_err, same_file_here.max_rel_err), (
+        saturated.describe(), kept.describe(), same_file_here.describe())
+
+
 @dataclass(frozen=True)
 class LogitTarget(QuantizeTarget):
     """Met when the largest relative logit error is under ``limit``: a target that needs float layers even where

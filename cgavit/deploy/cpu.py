@@ -22,6 +22,16 @@ probe counts a feature only where the cap lets oneDNN use it (:attr:`CpuFeatures
 choice made from it follows the cap. ONNX Runtime's kernels (MLAS) do not read it: its int8 gets 7-bit
 weights under such a cap, which cannot saturate anywhere and cost it a few decisions where 8-bit ones
 would not have. An unknown value is ignored, as oneDNN ignores it.
+
+**The CPU this process runs on.** The kernel's list describes the machine. Under an emulator that
+presents another CPU to the process (``qemu-x86_64 -cpu Haswell`` on an AMX Xeon) the kernels' own
+dispatch follows the CPU's ``CPUID`` instead, so the probe counts a flag only where ``CPUID`` confirms
+it too, as torch reads it (``torch.cpu._is_avx2_supported()`` and its siblings). On a real machine the
+two agree. Where ``CPUID`` denies a flag the kernel lists, the list is another CPU's, and the flags
+``CPUID`` cannot be asked about through torch (``avx_vnni``) count as absent. Under qemu's Haswell an
+AMX Xeon so probes as class ``avx2``, and ONNX Runtime's int8 kernels there are the AVX2 ones that
+saturate on 8-bit weights: the suite checks that class's ONNX Runtime int8 on any x86 machine with
+``qemu-user`` that way, as it checks OpenVINO's under oneDNN's ISA cap.
 """
 
 from __future__ import annotations
@@ -50,6 +60,14 @@ ONEDNN_ISA_BITS = {
     "avx10_1_512_amx_fp16": 0x1FEF, "avx512_core_amx_fp16": 0x1FEF,
 }
 
+#: The x86 flags whose presence torch reads from this process's ``CPUID``, and the function of
+#: ``torch.cpu`` that reads each (see the module notes).
+CPUID_PROBES = {
+    "avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported", "avx512_vnni": "_is_vnni_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported", "amx_tile": "_is_amx_tile_supported",
+    "amx_bf16": "_is_amx_tile_supported", "amx_int8": "_is_amx_tile_supported",
+}
+
 #: The x86 flags the probe interprets, and the oneDNN level each needs.
 _FLAG_LEVEL = {
     "avx2": "avx2", "avx_vnni": "avx2_vnni", "avx512f": "avx512_core", "avx512_vnni": "avx512_core_vnni",
@@ -67,12 +85,15 @@ class CpuFeatures:
         capability: torch's CPU dispatch level (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...).
         model_name: the CPU's model name, for messages ("" when unknown).
         isa_cap: oneDNN's ISA cap, a key of :data:`ONEDNN_ISA_BITS` ("" for none; see the module notes).
+        unconfirmed: the flags the kernel lists and this process's ``CPUID`` does not confirm, left out of
+            ``flags`` (empty on a real machine; see the module notes).
     """
 
     flags: frozenset[str]
     capability: str = ""
     model_name: str = ""
     isa_cap: str = ""
+    unconfirmed: frozenset[str] = frozenset()
 
     @property
     def usable(self) -> frozenset[str]:
@@ -130,7 +151,9 @@ class CpuFeatures:
         name = f"{self.model_name} " if self.model_name else ""
         capped = f"; {', '.join(sorted(self.hidden))} hidden by oneDNN's ISA cap " \
                  f"{self.isa_cap.upper()} ({' or '.join(ISA_CAP_VARIABLES)})" if self.hidden else ""
-        return f"{name}(class {self.cpu_class}: {', '.join(shown) or 'none of amx/avx512/avx2'}{capped})"
+        denied = f"; {', '.join(sorted(self.unconfirmed))} listed by the kernel but not this process's CPUID " \
+                 "(an emulator?)" if self.unconfirmed else ""
+        return f"{name}(class {self.cpu_class}: {', '.join(shown) or 'none of amx/avx512/avx2'}{capped}{denied})"
 
 
 def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
@@ -155,14 +178,41 @@ def onednn_isa_cap(environ: Mapping[str, str] | None = None) -> str:
     return value if value in ONEDNN_ISA_BITS else ""
 
 
-def cpu_features(cpuinfo: str | Path = "/proc/cpuinfo", environ: Mapping[str, str] | None = None) -> CpuFeatures:
+def cpuid_flags() -> dict[str, bool]:
+    """What this process's ``CPUID`` says of each flag of :data:`CPUID_PROBES`, as torch reads it; empty
+    off x86 or where this torch lacks the probes."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return {}
+    try:
+        return {flag: bool(getattr(torch.cpu, probe)()) for flag, probe in CPUID_PROBES.items()}
+    except (AttributeError, RuntimeError):
+        return {}
+
+
+def confirmed_flags(flags: frozenset[str], cpuid: Mapping[str, bool]) -> frozenset[str]:
+    """``flags`` (the kernel's list) less what ``cpuid`` (:func:`cpuid_flags`) denies; where it denies any of
+    them, the list is another CPU's and ``avx_vnni``, which ``cpuid`` cannot confirm, goes too."""
+    denied = {flag for flag, present in cpuid.items() if not present and flag in flags}
+    if denied:
+        denied |= {"avx_vnni"} & flags
+    return flags - denied
+
+
+def cpu_features(
+    cpuinfo: str | Path = "/proc/cpuinfo", environ: Mapping[str, str] | None = None,
+    cpuid: Mapping[str, bool] | None = None,
+) -> CpuFeatures:
     """Probe this machine's CPU (or read another machine's ``cpuinfo`` file, e.g. in tests), with oneDNN's
-    ISA cap from ``environ`` (default: this process's environment; see the module notes).
+    ISA cap from ``environ`` (default: this process's environment) and the flags ``cpuid`` denies left out
+    (default: this process's ``CPUID`` when reading ``/proc/cpuinfo``, nothing for another file; see the
+    module notes).
 
     When the file cannot be read (not Linux), the flags are inferred from torch's dispatch level
     alone: ``AVX512`` -> ``avx512f``, ``AVX2`` -> ``avx2``; native bf16 and VNNI then count as absent.
     """
     capability = torch.backends.cpu.get_cpu_capability()
+    if cpuid is None:
+        cpuid = cpuid_flags() if str(cpuinfo) == "/proc/cpuinfo" else {}
     try:
         flags, model = parse_cpuinfo(Path(cpuinfo).read_text())
     except OSError:
@@ -170,4 +220,6 @@ def cpu_features(cpuinfo: str | Path = "/proc/cpuinfo", environ: Mapping[str, st
     if not flags:
         implied = {"AVX512": {"avx512f", "avx2"}, "AVX2": {"avx2"}}.get(capability, set())
         flags = frozenset(implied)
-    return CpuFeatures(flags=flags, capability=capability, model_name=model, isa_cap=onednn_isa_cap(environ))
+    kept = confirmed_flags(flags, cpuid)
+    return CpuFeatures(flags=kept, capability=capability, model_name=model, isa_cap=onednn_isa_cap(environ),
+                       unconfirmed=flags - kept)
