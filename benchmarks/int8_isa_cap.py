@@ -6,19 +6,21 @@ script quantises a trained checkpoint with cgavit's OpenVINO recipe (every layer
 with 7-bit weights (the AVX2 range) and with 8-bit ones, and saves both files. It then runs each file twice:
 here with this CPU's own kernels, and in a child process under the cap. For each run it reports the decisions
 against fp32 on DIR/VAL, and for the capped run how far its logits are from the uncapped run's. It also names
-the int8 kernels each run compiled. Nothing is timed: the cap changes the kernels, not the chip they run on.
+the int8 kernels each run compiled. With ``--emulate CPU`` a third run, uncapped, goes under ``qemu-x86_64 -cpu CPU``,
+whose ``CPUID`` is an AVX2-only CPU's, to check that the cap gives what such a CPU gives (``int8_emulated.py`` does
+the same for ONNX Runtime). Nothing is timed: the cap changes the kernels, not the chip they run on.
 
 Usage::
 
     python benchmarks/int8_isa_cap.py --checkpoint runs/c10-5k-m0-96/best.safetensors --data cifar10-5k \\
-        --val-split test [--cap AVX2]
+        --val-split test [--cap AVX2] [--emulate EPYC-Milan]
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +36,7 @@ from cgavit.deploy.metadata import ExportInfo
 from cgavit.deploy.sensitivity import padded_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_where_lost import reference_arguments  # noqa: E402  (this folder's checkpoint-and-images arguments)
+from int8_where_lost import reference_arguments, run_files_child, run_files_elsewhere  # noqa: E402  (this folder's checkpoint-and-images arguments)
 
 WEIGHTS = {"7-bit": True, "8-bit": False}  # the label -> Int8Options.reduce_range
 
@@ -56,17 +58,13 @@ def run_files(files: list[Path], images: torch.Tensor) -> dict:
     return out
 
 
-def child(argv: list[str]) -> None:
-    """``--run-files IMAGES OUT FILE...``: :func:`run_files` in a child process, saved to OUT."""
-    images, out, *files = argv
-    torch.save(run_files([Path(f) for f in files], torch.load(images, weights_only=True)), out)
-
-
 def main() -> None:
-    if sys.argv[1:2] == ["--run-files"]:
-        return child(sys.argv[2:])
+    if run_files_child(run_files):
+        return
     p = reference_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--cap", default="AVX2", help="the ONEDNN_MAX_CPU_ISA value of the capped run (default AVX2)")
+    p.add_argument("--emulate", metavar="CPU", help="also run the files uncapped under qemu-x86_64 -cpu CPU (e.g. "
+                   "EPYC-Milan, a Zen 3 EPYC: AVX2-only by its CPUID; Debian's qemu-user, 7.2 or later)")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("nncf").setLevel(logging.WARNING)  # its per-node notes would bury the table
@@ -81,20 +79,26 @@ def main() -> None:
         built = OpenVinoInt8Builder(model, size, calibration, Int8Options(reduce_range=reduce_range)).build()
         files.append(tmp / f"{label}.xml")
         save_openvino(built, files[-1], ExportInfo(img_size=size))
-    torch.save(ev.images, tmp / "images.pt")
     own = run_files(files, ev.images)
     env = {**{k: v for k, v in os.environ.items() if k != "DNNL_MAX_CPU_ISA"}, "ONEDNN_MAX_CPU_ISA": args.cap}
-    subprocess.run([sys.executable, __file__, "--run-files", str(tmp / "images.pt"), str(tmp / "capped.pt"),
-                    *map(str, files)], env=env, check=True)
-    capped = torch.load(tmp / "capped.pt", weights_only=True)
+    capped = run_files_elsewhere(__file__, files, ev.images, tmp, env)
+    runs = [("own", own), (args.cap, capped)]
+    if args.emulate:
+        qemu = shutil.which("qemu-x86_64")
+        if qemu is None:
+            sys.exit("qemu-x86_64 not found: install Debian's qemu-user (7.2 or later emulates AVX2)")
+        env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+        runs.append((f"qemu {args.emulate}", run_files_elsewhere(__file__, files, ev.images, tmp, env,
+                                                                 (qemu, "-cpu", args.emulate))))
     print(f"{args.checkpoint}: {len(ev.images)} images of {args.data}/{args.val_split}, "
           "every layer int8, fp32 float part")
-    print(f"own kernels: {own['cpu']}\nunder ONEDNN_MAX_CPU_ISA={args.cap}: {capped['cpu']}\n")
+    print(f"own kernels: {own['cpu']}\nunder ONEDNN_MAX_CPU_ISA={args.cap}: {capped['cpu']}")
+    print("".join(f"under qemu-x86_64 -cpu {args.emulate}: {run['cpu']}" for name, run in runs[2:]) + "\n")
     print("| weights | kernels | int8 kernels compiled | top-1 agreement with fp32 (changed) | accuracy change "
           "| largest relative logit error | largest logit difference from this CPU's own kernels |")
     print("|---|---|---|---:|---:|---:|---:|")
     for f in files:
-        for name, run in (("own", own), (args.cap, capped)):
+        for name, run in runs:
             a = compare_logits(run[f.stem]["logits"], reference, ev.labels)
             diff = (run[f.stem]["logits"] - own[f.stem]["logits"]).abs().max().item()
             print(f"| {f.stem} | {name} | {run[f.stem]['kernels']} | {100 * a.top1_agreement:.2f} % ({a.changed}) "

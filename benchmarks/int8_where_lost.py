@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
@@ -119,6 +123,26 @@ def reference_arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
     p.add_argument("--val-split", default="val", help="evaluation split (default val)")
     return p
+
+
+def run_files_child(run_files: Callable[[list[Path], torch.Tensor], dict]) -> bool:
+    """In a child started by :func:`run_files_elsewhere` (``--run-files IMAGES OUT FILE...``): ``run_files`` on the
+    files and images, saved to OUT; True there, False in any other process."""
+    if sys.argv[1:2] != ["--run-files"]:
+        return False
+    images, out, *files = sys.argv[2:]
+    torch.save(run_files([Path(f) for f in files], torch.load(images, weights_only=True)), out)
+    return True
+
+
+def run_files_elsewhere(script: str, files: list[Path], images: torch.Tensor, tmp: Path, env: dict[str, str],
+                        prefix: tuple[str, ...] = ()) -> dict:
+    """``script``'s ``run_files`` on ``files`` and ``images`` in a child process with environment ``env``, started
+    through ``prefix`` (an emulator's command, or nothing); its stderr is dropped only under a prefix."""
+    torch.save(images, tmp / "images.pt")
+    subprocess.run([*prefix, sys.executable, script, "--run-files", str(tmp / "images.pt"), str(tmp / "out.pt"),
+                    *map(str, files)], env=env, check=True, stderr=subprocess.DEVNULL if prefix else None)
+    return torch.load(tmp / "out.pt", weights_only=True)
 
 
 def int8_base(args: argparse.Namespace):

@@ -417,9 +417,11 @@ def test_onnxruntime_int8_on_an_emulated_avx2_cpu(trained_digits, tmp_path):
     here = batched_logits(OnnxModule((tmp_path / "cgavit.onnx").read_bytes(), 1), images)
     assert compare_logits(emulated["cgavit"], here).max_rel_err < 1e-4  # 7-bit: nothing saturates, same sums
     saturated = compare_logits(emulated["8-bit"], fp32, trained_digits.labels)
-    same_file_here = compare_logits(batched_logits(OnnxModule((tmp_path / "8-bit.onnx").read_bytes(), 1), images), fp32)
-    assert saturated.max_rel_err > 3 * max(kept.max_rel_err, same_file_here.max_rel_err), (
-        saturated.describe(), kept.describe(), same_file_here.describe())
+    assert saturated.max_rel_err > 3 * kept.max_rel_err, (saturated.describe(), kept.describe())
+    if not reduced_weight_range(cpu_features()):  # this CPU's own kernels do not saturate on the same file
+        here_8 = batched_logits(OnnxModule((tmp_path / "8-bit.onnx").read_bytes(), 1), images)
+        same_file_here = compare_logits(here_8, fp32)
+        assert saturated.max_rel_err > 3 * same_file_here.max_rel_err, (saturated.describe(), same_file_here.describe())
 
 
 @dataclass(frozen=True)
