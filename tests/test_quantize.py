@@ -8,7 +8,7 @@ carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. N
 import importlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -98,6 +98,22 @@ def test_quantize_meets_the_target_on_trained_weights(digits_int8, trained_digit
     low, high = r.agreement.interval()
     assert low < 0.995 <= r.agreement.top1_agreement <= high and r.record()["agreement_interval_95"] == [low, high]
     assert f"between {100 * low:.2f} % and {100 * high:.2f} %" in r.markdown() and "too few images" in r.markdown()
+    # the first held-out look met the target: nothing chosen among several looks, nothing said of it
+    assert r.held_out_misses == 0 and r.record()["held_out_misses"] == 0 and "reads somewhat high" not in r.markdown()
+
+
+def test_a_build_chosen_after_held_out_misses_is_said_to_read_high(digits_int8):
+    """When smaller builds of the chosen path met the target on the search's images and missed it held out, the answer
+    is the first of several looks at the held-out images, and its report says the figure reads somewhat high."""
+    r = digits_int8
+    missed = replace(r.point, float_layers=(), held_out=Agreement(n=180, top1_agreement=170 / 180, max_rel_err=0.5))
+    chosen = replace(r.point, float_layers=("patch_embed.conv1",))
+    other_path = replace(missed, runtime="openvino", float_part="bf16")  # another path's misses do not count
+    later = replace(r, point=chosen, curves={r.point.path: [missed, chosen], other_path.path: [other_path]})
+    assert later.held_out_misses == 1 and later.record()["held_out_misses"] == 1
+    assert "1 smaller build of this path missed the target on the held-out images" in later.uncertainty()
+    assert "reads somewhat high" in later.markdown()
+    assert "reads somewhat high" not in replace(later, meets_target=False).uncertainty()
 
 
 def test_agreement_interval_is_wilsons():

@@ -175,6 +175,13 @@ class QuantizeResult:
         return self.point.float_layers
 
     @property
+    def held_out_misses(self) -> int:
+        """How many builds of the chosen build's path met the target on the search's images and then missed it on the
+        held-out ones (each path takes the first that meets it there: the module notes)."""
+        return len({p.float_layers for p in self.curves.get(self.point.path, [])
+                    if p.held_out is not None and not self.target.met_by(p.held_out)})
+
+    @property
     def float_part(self) -> str:
         """The precision the chosen build's runtime runs its float part in (``"fp32"``; in OpenVINO also ``"bf16"`` or
         ``"bf16-layers"``)."""
@@ -211,6 +218,7 @@ class QuantizeResult:
             cpu=self.cpu, weight_range=weight_range_label(bool(self.options.reduce_range), self.options.weights),
             calibration=self.options.calibration, calibration_images=self.calibration_images,
             evaluation_images=self.evaluation_images, held_out_images=self.held_out_images,
+            held_out_misses=self.held_out_misses,
             sensitivity={rt: [dict(layer=s.layer, agreement=s.agreement, agreement_lost=s.agreement_lost,
                                    changed=s.changed, n=s.n, rel_err=s.rel_err) for s in rows]
                          for rt, rows in self.sensitivity.items()},
@@ -284,6 +292,11 @@ class QuantizeResult:
         if low < self.target.agreement - 1e-9 <= a.top1_agreement:
             text += (f": too few images to show that it keeps {100 * self.target.agreement:g} % beyond them; four times "
                      "the evaluation images halve the interval")
+        misses = self.held_out_misses
+        if self.meets_target and self.point.held_out is not None and misses:
+            text += (f". {misses} smaller build{'s' if misses > 1 else ''} of this path missed the target on the held-out "
+                     "images before this one met it there; taking the first that meets it favours a build those "
+                     "images happen to suit, so the figure reads somewhat high")
         return text
 
     def describe_point(self, point: CurvePoint | None = None) -> str:
