@@ -24,11 +24,11 @@ weights under such a cap, which cannot saturate anywhere and cost it a few decis
 would not have. An unknown value is ignored, as oneDNN ignores it.
 
 **The CPU this process runs on.** The kernel's list describes the machine. Under an emulator that
-presents another CPU to the process (``qemu-x86_64 -cpu Haswell`` on an AMX Xeon) the kernels' own
+presents another CPU to the process (``qemu-x86_64 -cpu EPYC-Milan``, a Zen 3 EPYC, on an AMX Xeon) the kernels' own
 dispatch follows the CPU's ``CPUID`` instead, so the probe counts a flag only where ``CPUID`` confirms
 it too, as torch reads it (``torch.cpu._is_avx2_supported()`` and its siblings). On a real machine the
 two agree. Where ``CPUID`` denies a flag the kernel lists, the list is another CPU's, and the flags
-``CPUID`` cannot be asked about through torch (``avx_vnni``) count as absent. Under qemu's Haswell an
+``CPUID`` cannot be asked about through torch (``avx_vnni``) count as absent. Under that emulator an
 AMX Xeon so probes as class ``avx2``, and ONNX Runtime's int8 kernels there are the AVX2 ones that
 saturate on 8-bit weights: the suite checks that class's ONNX Runtime int8 on any x86 machine with
 ``qemu-user`` that way, as it checks OpenVINO's under oneDNN's ISA cap.
