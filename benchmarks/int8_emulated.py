@@ -18,7 +18,6 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import Int8Options, compare_logits, cpu_features
+from cgavit.deploy.cpu import uncapped_environ
 from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx, quantize_onnx
 from cgavit.deploy.sensitivity import padded_logits
 
@@ -67,8 +67,7 @@ def main() -> None:
     for label, reduce_range in WEIGHTS.items():
         files.append(quantize_onnx(files[0], tmp / f"{label}.onnx", calibration, Int8Options(reduce_range=reduce_range)))
     own = run_files(files, ev.images)
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
-    emulated = run_files_elsewhere(__file__, files, ev.images, tmp, env, (qemu, "-cpu", args.cpu))
+    emulated = run_files_elsewhere(__file__, files, ev.images, tmp, uncapped_environ(), (qemu, "-cpu", args.cpu))
     print(f"{args.checkpoint}: {len(ev.images)} images of {args.data}/{args.val_split}, ONNX Runtime, "
           "every layer int8")
     print(f"own CPU: {own['cpu']}\nunder qemu-x86_64 -cpu {args.cpu}: {emulated['cpu']}")

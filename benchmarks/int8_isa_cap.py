@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
+from cgavit.deploy.cpu import uncapped_environ
 from cgavit.deploy.onnx import even_batches
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, save_openvino
 from cgavit.deploy.metadata import ExportInfo
@@ -80,15 +80,14 @@ def main() -> None:
         files.append(tmp / f"{label}.xml")
         save_openvino(built, files[-1], ExportInfo(img_size=size))
     own = run_files(files, ev.images)
-    env = {**{k: v for k, v in os.environ.items() if k != "DNNL_MAX_CPU_ISA"}, "ONEDNN_MAX_CPU_ISA": args.cap}
+    env = {**uncapped_environ(), "ONEDNN_MAX_CPU_ISA": args.cap}
     capped = run_files_elsewhere(__file__, files, ev.images, tmp, env)
     runs = [("own", own), (args.cap, capped)]
     if args.emulate:
         qemu = shutil.which("qemu-x86_64")
         if qemu is None:
             sys.exit("qemu-x86_64 not found: install Debian's qemu-user (7.2 or later emulates AVX2)")
-        env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
-        runs.append((f"qemu {args.emulate}", run_files_elsewhere(__file__, files, ev.images, tmp, env,
+        runs.append((f"qemu {args.emulate}", run_files_elsewhere(__file__, files, ev.images, tmp, uncapped_environ(),
                                                                  (qemu, "-cpu", args.emulate))))
     print(f"{args.checkpoint}: {len(ev.images)} images of {args.data}/{args.val_split}, "
           "every layer int8, fp32 float part")

@@ -147,6 +147,14 @@ def _build_digits(root: Path) -> None:
     save_weights(model, root / "digits.safetensors", meta)
 
 
+def skip_unless_required(variable: str, why: str) -> None:
+    """Skip the test because a tool it needs is missing (``why``), or fail it where ``variable=1`` says the tool is
+    required (CI: ``CGAVIT_REQUIRE_BROWSER``, ``CGAVIT_REQUIRE_QEMU``)."""
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"required ({variable}=1), but {why}")
+    pytest.skip(why)
+
+
 @pytest.fixture(scope="session")
 def trained_digits(tmp_path_factory) -> TrainedDigits:
     """The digits model, trained once per session (once in all for pytest-xdist workers, by a file lock)."""

@@ -18,6 +18,7 @@ import pytest
 
 from cgavit.explorer import ImageAttention, build_model
 from cgavit.explorer.server import ExplorerServer
+from conftest import skip_unless_required
 
 pytestmark = pytest.mark.browser
 
@@ -39,9 +40,7 @@ def _chromium_missing() -> str | None:
 def browser():
     missing = _chromium_missing()
     if missing:
-        if os.environ.get("CGAVIT_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"browser tests required (CGAVIT_REQUIRE_BROWSER=1) but {missing}")
-        pytest.skip(missing)
+        skip_unless_required("CGAVIT_REQUIRE_BROWSER", missing)
     from playwright.sync_api import sync_playwright
 
     path = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")

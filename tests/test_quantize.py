@@ -30,6 +30,7 @@ from cgavit.deploy import (
     optimize,
     quantize,
 )
+from cgavit.deploy.cpu import uncapped_environ
 from cgavit.deploy.agreement import NOISE_GREY_LEVELS, compare_logits, noise_floor
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
@@ -45,6 +46,7 @@ from cgavit.deploy.sensitivity import (
 )
 from cgavit.testing import rel_err
 from cgavit.weights import WeightsMeta
+from conftest import skip_unless_required
 from test_precision import EPYC_AVX2, XEON_AMX, features, scrambled
 
 pytestmark = pytest.mark.skipif(not onnxruntime_available(), reason="quantize needs pip install 'cgavit[deploy]'")
@@ -340,8 +342,7 @@ def test_the_avx2_int8_kernels_run_on_any_x86_cpu(trained_digits, tmp_path):
     calibration, images = trained_digits.calibration(), trained_digits.images
     torch.save({"calibration": torch.cat(calibration), "images": images}, tmp_path / "inputs.pt")
     (tmp_path / "capped.py").write_text(CAPPED_INT8)
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    env.pop("DNNL_MAX_CPU_ISA", None)
+    env = {**uncapped_environ(), "ONEDNN_MAX_CPU_ISA": "AVX2"}
     run = subprocess.run([sys.executable, str(tmp_path / "capped.py"), str(trained_digits.checkpoint),
                           str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -399,28 +400,23 @@ def test_onnxruntime_int8_on_an_emulated_avx2_cpu(trained_digits, tmp_path):
     from cgavit.deploy.agreement import batched_logits
     from cgavit.deploy.onnx import OnnxModule, export_onnx, quantize_onnx
 
-    def missing(why: str) -> None:
-        if os.environ.get("CGAVIT_REQUIRE_QEMU") == "1":
-            pytest.fail(f"the emulated AVX2 test is required (CGAVIT_REQUIRE_QEMU=1) but {why}")
-        pytest.skip(why)
-
     if not onnxruntime_available() or platform.machine() != "x86_64":
         pytest.skip("needs cgavit[onnx] on x86_64")
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
-        missing("qemu-x86_64 is not installed (Debian: apt-get install qemu-user)")
+        skip_unless_required("CGAVIT_REQUIRE_QEMU", "qemu-x86_64 is not installed (Debian: apt-get install qemu-user)")
     calibration, images = trained_digits.calibration(64), trained_digits.images
     export_onnx(trained_digits.model, tmp_path / "fp32.onnx", (48, 48), fold_residuals=False)
     quantize_onnx(tmp_path / "fp32.onnx", tmp_path / "8-bit.onnx", calibration, Int8Options(reduce_range=False))
     torch.save({"calibration": torch.cat(calibration), "images": images}, tmp_path / "inputs.pt")
     (tmp_path / "emulated.py").write_text(EMULATED_INT8)
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
     run = subprocess.run([qemu, "-cpu", EMULATED_AVX2_CPU, sys.executable, str(tmp_path / "emulated.py"), str(tmp_path),
-                          str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
+                          str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env=uncapped_environ(), capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     emulated = torch.load(tmp_path / "out.pt", weights_only=True)
     if emulated["capability"] != "AVX2":
-        missing(f"qemu-x86_64 -cpu {EMULATED_AVX2_CPU} did not present an AVX2 CPU to torch (qemu 7.2 or later "
+        skip_unless_required("CGAVIT_REQUIRE_QEMU", f"qemu-x86_64 -cpu {EMULATED_AVX2_CPU} did not present an AVX2 CPU to torch (qemu 7.2 or later "
                 f"emulates AVX2): {emulated['describe']}")
     assert emulated["class"] == "avx2", emulated["describe"]
     assert "listed by the kernel but not this process's CPUID" in emulated["describe"] or "avx512f" not in cpu_features().flags

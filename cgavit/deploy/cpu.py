@@ -178,6 +178,13 @@ def onednn_isa_cap(environ: Mapping[str, str] | None = None) -> str:
     return value if value in ONEDNN_ISA_BITS else ""
 
 
+def uncapped_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's environment) without oneDNN's ISA cap: a child process started with it
+    sees the CPU's own instruction sets (or, under an emulator, the emulated CPU's)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k not in ISA_CAP_VARIABLES}
+
+
 def cpuid_flags() -> dict[str, bool]:
     """What this process's ``CPUID`` says of each flag of :data:`CPUID_PROBES`, as torch reads it; empty
     off x86 or where this torch lacks the probes."""
