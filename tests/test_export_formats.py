@@ -146,6 +146,32 @@ def test_an_exported_file_refuses_what_only_a_checkpoint_takes(trained_digits, t
     assert "carries no cgavit metadata" in capsys.readouterr().err
 
 
+@need("onnx")
+def test_eval_names_a_file_this_cpu_would_run_wrongly_once(trained_digits, tmp_path, monkeypatch, caplog, capfd):
+    """An int8 file with 8-bit weights, opened where uint8 x int8 sums saturate: the library warns (a
+    ``RuntimeWarning``, once), and ``cgavit eval`` shows that warning as one line of its own log, not twice."""
+    from cgavit import load_model
+    from cgavit.cli.export import export_info
+    from cgavit.deploy import Int8Options, formats
+    from test_precision import EPYC_AVX2, features
+
+    model, info = load_model(trained_digits.checkpoint)
+    path = export_model(model, tmp_path / "d8.onnx", "onnx", (48, 48), "int8", trained_digits.calibration(32),
+                        options=Int8Options(reduce_range=False), info=export_info(info, (48, 48)))
+    monkeypatch.setattr(formats, "cpu_features", lambda environ=None: features(EPYC_AVX2))
+    with pytest.warns(RuntimeWarning, match="full 8-bit weights") as caught:
+        formats.open_exported(path)
+    assert len(caught) == 1
+    capfd.readouterr()
+    with caplog.at_level("WARNING"):
+        assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(path), "--workers", "0",
+                     "--device", "cpu"]) == 0
+    said = [r for r in caplog.records if "saturate" in r.getMessage()]
+    assert len(said) == 1 and said[0].name == "cgavit", caplog.text
+    assert said[0].getMessage().startswith("d8.onnx: this int8 file has full 8-bit weights")
+    assert "RuntimeWarning" not in capfd.readouterr().err
+
+
 # Two OpenVINO models dropped in the order they were made, then a signal with a Python handler (SIGCHLD from a
 # DataLoader's workers is the one that struck the suite): each OpenVINO Core's CPU plugin maps an alternate signal
 # stack for this thread, and before cgavit kept the thread's own, the second left it with the first's, unmapped.

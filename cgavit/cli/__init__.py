@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
+from functools import partial
+from pathlib import Path
 
 from ..io import CheckpointError, WriteError, printable
 from . import info, roofline  # no optional dependency
@@ -130,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = partial(_show_own_warning, warnings.showwarning)
+            return int(args.func(args) or 0)
     except USER_ERRORS as err:
         if args.debug:
             raise
@@ -141,6 +146,23 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cgavit {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _show_own_warning(shown, message, category, filename, lineno, file=None, line=None) -> None:
+    """Show a warning cgavit raised (a ``RuntimeWarning`` such as an int8 file that will saturate on this CPU)
+    as one log line, like the rest of the command's output; anyone else's as ``shown`` (Python's) shows it."""
+    try:
+        own = Path(filename).resolve().is_relative_to(_PACKAGE)
+    except (OSError, ValueError):
+        own = False
+    if own:
+        kind = "" if category in (RuntimeWarning, UserWarning) else f"{category.__name__}: "
+        logging.getLogger("cgavit").warning("%s%s", kind, message)
+    else:
+        shown(message, category, filename, lineno, file, line)
 
 
 def _one_line(err: BaseException) -> str:

@@ -202,8 +202,7 @@ def _warn_if_slow(precision: str, features: CpuFeatures, calibration: list[torch
         message = ((message + "; also: ") if message else "") + (
             "int8 is calibrated on the example input alone: give calibration= a few hundred real training images")
     if message:
-        log.warning("optimize: %s", message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(f"optimize: {message}", RuntimeWarning, stacklevel=3)
 
 
 def _build(

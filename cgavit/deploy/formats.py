@@ -7,7 +7,6 @@ stays light; :func:`require_format` says which to install when one is missing.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import warnings
@@ -31,7 +30,6 @@ from .metadata import ExportInfo
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
 
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -276,6 +274,5 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     for warning in (weight_range_warning(str(info.int8.get("weight_range", "")), features),
                     float_part_warning(float_part, features) if format == "openvino" else None):
         if info.precision == "int8" and warning:
-            log.warning("%s: %s", path.name, warning)
             warnings.warn(f"{path.name}: {warning}", RuntimeWarning, stacklevel=2)
     return module, info
