@@ -30,6 +30,10 @@ reference five of them took M4 from 2.75-2.78x fp32 ONNX Runtime every layer int
 Xeon), and the residual stream is where a bf16 one costs its decisions (on that reference no bf16-float-part
 build met the target, even with every layer float: 99.3 %; BENCHMARKS.md, int8 on AMX).
 
+An f16 float part (11 bits of mantissa where bf16 has 8; offered by OpenVINO where the CPU has ``avx512_fp16``) is
+not offered: OpenVINO 2026.4.1 runs no int8 file with it (an empty output, or a convolution "not initialized"),
+and f16 convolutions in the graph of an fp32 compile run in fp32 (docs/benchmarks-log.md, eighth AMX session).
+
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
 (``stages.0.blocks.0.mixer.m.attn.k.0``), which both runtimes' node names carry.
 """
