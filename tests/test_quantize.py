@@ -746,6 +746,27 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert f"for scale: {floor.describe()}" in text
 
 
+def test_a_quantisers_chatter_goes_to_the_debug_log(capsys, caplog):
+    """What a runtime's quantiser prints (calibrator notes, progress bars) and NNCF's INFO lines stay off a
+    command's stdout, where its results go: printed text reaches cgavit's debug log, NNCF is held to warnings
+    (unless cgavit logs at DEBUG, ``cgavit -v``), and both come back as they were."""
+    import logging
+
+    from cgavit.deploy.runtime import quiet_quantiser
+
+    nncf = logging.getLogger("nncf")
+    before = nncf.level
+    with caplog.at_level(logging.INFO, logger="cgavit"), quiet_quantiser("a calibrator"):
+        print("Collecting tensor data and making histogram ...")
+        assert not nncf.isEnabledFor(logging.INFO) and nncf.isEnabledFor(logging.WARNING)
+    assert "Collecting" not in capsys.readouterr().out and nncf.level == before
+    with caplog.at_level(logging.DEBUG, logger="cgavit"), quiet_quantiser("a calibrator"):
+        print("Number of tensors : 126")
+        assert nncf.level == before  # cgavit -v: NNCF's own lines too
+    said = [r.getMessage() for r in caplog.records if r.name == "cgavit.deploy.runtime"]
+    assert said == ["a calibrator printed:\nNumber of tensors : 126"] and not capsys.readouterr().out
+
+
 def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digits, tmp_path, capsys):
     model, _ = scrambled_int8
     meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=10, img_size=48, crop_pct=1.0,
@@ -757,6 +778,7 @@ def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digi
                  "--max-float-layers", "0"])
     text = capsys.readouterr().out
     assert code == 1 and "nothing int8 met the target" in text and "the best found" in text
+    assert "Collecting tensor data" not in text and "Percentile" not in text  # ONNX Runtime's calibrator: debug log
     assert not (tmp_path / "s.onnx").exists() and not json.loads((tmp_path / "s.quantize.json").read_text())["meets_target"]
 
 

@@ -25,7 +25,7 @@ from .cpu import CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import Int8Options, layer_of_onnx_node
 from .metadata import ExportInfo, int8_info
-from .runtime import RuntimeModule
+from .runtime import RuntimeModule, quiet_quantiser
 
 
 def _onnx() -> ModuleType:
@@ -275,14 +275,15 @@ class OnnxInt8Builder:
         method = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile,
                   "entropy": q.CalibrationMethod.Entropy}[opts.calibration]
         out = Path(self._tmp.name) / "int8.onnx"
-        q.quantize_static(
-            str(self.pre), str(out), None if self.cache.exists() else _CalibrationReader(self.batches),
-            quant_format=q.QuantFormat.QDQ, per_channel=True, reduce_range=opts.reduce_range and opts.weights == "int8",
-            activation_type=q.QuantType.QUInt8, op_types_to_quantize=list(QUANTIZED_OPS),
-            weight_type=q.QuantType.QUInt8 if opts.weights == "uint8" else q.QuantType.QInt8,
-            nodes_to_exclude=[node for name in keep for node in self._nodes[name]], calibrate_method=method,
-            calibration_cache_path=str(self.cache), extra_options={"CalibPercentile": 99.999},
-        )
+        with quiet_quantiser("ONNX Runtime's quantize_static"):
+            q.quantize_static(
+                str(self.pre), str(out), None if self.cache.exists() else _CalibrationReader(self.batches),
+                quant_format=q.QuantFormat.QDQ, per_channel=True, reduce_range=opts.reduce_range and opts.weights == "int8",
+                activation_type=q.QuantType.QUInt8, op_types_to_quantize=list(QUANTIZED_OPS),
+                weight_type=q.QuantType.QUInt8 if opts.weights == "uint8" else q.QuantType.QInt8,
+                nodes_to_exclude=[node for name in keep for node in self._nodes[name]], calibrate_method=method,
+                calibration_cache_path=str(self.cache), extra_options={"CalibPercentile": 99.999},
+            )
         return out.read_bytes()
 
 

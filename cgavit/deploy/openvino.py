@@ -34,7 +34,7 @@ from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, int8_info
-from .runtime import RuntimeModule
+from .runtime import RuntimeModule, quiet_quantiser
 
 #: OpenVINO's name of each precision this module offers (its ``INFERENCE_PRECISION_HINT``).
 PRECISION_HINT = {"fp32": "f32", "int8": "f32", "bf16": "bf16"}
@@ -208,7 +208,7 @@ class OpenVinoInt8Builder:
             activations_range_estimator_params=_range_estimator(nncf, opts.calibration),
         )
         ignored = nncf.IgnoredScope(types=["MatMul"] if opts.attention_float else [], validate=False)
-        with warnings.catch_warnings(), kept_signal_stack():  # NNCF compiles with Cores of its own
+        with warnings.catch_warnings(), kept_signal_stack(), quiet_quantiser("NNCF"):  # NNCF compiles with Cores of its own
             warnings.simplefilter("ignore")
             return nncf.quantize(
                 self.float_model.clone(), nncf.Dataset(self.batches), subset_size=len(self.batches),

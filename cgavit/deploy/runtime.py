@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,3 +81,23 @@ class FixedBatchModule(RuntimeModule, ABC):
             out = self.run_batch(pad_batch(piece, self.batch).contiguous())
             outs.append(torch.as_tensor(out)[: len(piece)].clone())
         return torch.cat(outs)
+
+
+@contextlib.contextmanager
+def quiet_quantiser(name: str) -> Iterator[None]:
+    """Run a runtime's quantiser with its chatter in cgavit's debug log rather than on stdout, where a command's
+    results go: what it prints (ONNX Runtime's calibrator notes, NNCF's progress bars) is captured and logged at
+    DEBUG, and NNCF's INFO lines (which it writes to stdout itself) are dropped unless cgavit logs at DEBUG
+    (``cgavit -v``). Its warnings and errors still show."""
+    nncf = logging.getLogger("nncf")
+    level = nncf.level
+    if not log.isEnabledFor(logging.DEBUG):
+        nncf.setLevel(logging.WARNING)
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            yield
+    finally:
+        nncf.setLevel(level)
+        if text.getvalue().strip():
+            log.debug("%s printed:\n%s", name, text.getvalue().rstrip())
