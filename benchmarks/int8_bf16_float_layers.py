@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from cgavit import load_model
-from cgavit.bench import load_labelled
+from cgavit.bench import load_calibration, load_labelled
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
 from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, bf16_convolutions
@@ -84,7 +84,7 @@ def main() -> None:
     subsets = variants(layers, args.each)
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
-    calibration = even_batches(load_labelled(args.data, "train", info, 256, seed=1).images)
+    calibration = even_batches(load_calibration(args.data, "train", info).images)
     size = (info.img_size, info.img_size)
     reference = padded_logits(fuse(model), ev.images)
     builder = OpenVinoInt8Builder(model, size, calibration, Int8Options().for_cpu(cpu_features()))

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from cgavit import load_model
-from cgavit.bench import load_labelled
+from cgavit.bench import load_calibration, load_labelled
+from cgavit.bench.precision import CALIBRATION_IMAGES
 from cgavit.deploy import Int8Options, compare_logits, fuse
 from cgavit.deploy.onnx import QUANTIZED_OPS, OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino, kept_signal_stack
@@ -40,7 +41,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.model, info = load_model(args.checkpoint)
         self.evaluation = load_labelled(args.data, args.val_split, info, args.eval_images)
-        calibration = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
+        calibration = load_calibration(args.data, args.train_split, info, args.calibration_images)
         self.size = (info.img_size, info.img_size)
         self.scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed with the bench
         self.tmp = Path(self.scratch.name)
@@ -97,7 +98,8 @@ def main() -> None:
     p.add_argument("--data", required=True, help="image folder with DIR/TRAIN and DIR/VAL class folders")
     p.add_argument("--train-split", default="train", help="calibration split (default train)")
     p.add_argument("--val-split", default="val", help="evaluation split (default val)")
-    p.add_argument("--calibration-images", type=int, default=256, help="calibration images (default 256)")
+    p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
+                   help=f"calibration images (default {CALIBRATION_IMAGES})")
     p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
     p.add_argument("--which", choices=("ort", "ov", "all"), default="all", help="runtimes to measure (default all)")
     args = p.parse_args()

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cgavit import load_model
-from cgavit.bench import load_labelled
+from cgavit.bench import load_calibration, load_labelled
 from cgavit.deploy import Int8Options, compare_logits, cpu_features
 from cgavit.deploy.cpu import uncapped_environ
 from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx, quantize_onnx
@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
-    calibration = even_batches(load_labelled(args.data, "train", info, 256, seed=1).images)
+    calibration = even_batches(load_calibration(args.data, "train", info).images)
     scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
     size, tmp = (info.img_size, info.img_size), Path(scratch.name)
     files = [export_onnx(model, tmp / "fp32.onnx", size, fold_residuals=False)]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from cgavit import load_model
-from cgavit.bench import load_labelled
+from cgavit.bench import load_calibration, load_labelled
 from cgavit.deploy import Int8Options, compare_logits, fuse
 from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
@@ -104,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
-    batches = even_batches(load_labelled(args.data, "train", info, 256, seed=1).images)
+    batches = even_batches(load_calibration(args.data, "train", info).images)
     scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
     size, tmp = (info.img_size, info.img_size), Path(scratch.name)
     fused = fuse(model)

@@ -36,7 +36,7 @@ import openvino as ov
 import torch
 
 from cgavit import load_model
-from cgavit.bench import load_labelled
+from cgavit.bench import load_calibration, load_labelled
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, restore_float_layers
 from cgavit.deploy.sensitivity import padded_logits
@@ -153,7 +153,7 @@ def int8_base(args: argparse.Namespace):
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
-    calibration = load_labelled(args.data, "train", info, 256, seed=1).images
+    calibration = load_calibration(args.data, "train", info).images
     fused = fuse(model)
     builder = OpenVinoInt8Builder(fused, (info.img_size, info.img_size), [calibration],
                                   Int8Options().for_cpu(cpu_features()))

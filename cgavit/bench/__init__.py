@@ -29,7 +29,7 @@ Example::
 """
 
 from .candidates import Result, timm_port
-from .precision import CheckpointPrecision, LabelledImages, checkpoint_precision, load_labelled
+from .precision import CheckpointPrecision, LabelledImages, checkpoint_precision, load_calibration, load_labelled
 from .report import format_table, plot, write_report
 from .run import BenchConfig, BenchProtocol, BenchReport, measure_table, run_bench
 from .train_speed import train_throughput
@@ -43,6 +43,7 @@ __all__ = [
     "Result",
     "checkpoint_precision",
     "format_table",
+    "load_calibration",
     "load_labelled",
     "measure_table",
     "plot",

@@ -66,6 +66,13 @@ class LabelledImages:
     classes: list[str] = field(default_factory=list)
 
 
+#: Training images int8 is calibrated on unless told otherwise (``--calibration-images``).
+CALIBRATION_IMAGES = 256
+#: The order calibration images are drawn in (:func:`load_labelled`'s seed), one for every command and script, so
+#: that ``cgavit export``, ``quantize`` and ``bench`` calibrate a checkpoint on the same images.
+CALIBRATION_SEED = 1
+
+
 def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0, seed: int = 0) -> LabelledImages:
     """``limit`` images (0: all) of ``root/split/<class>/`` in a seeded random order, preprocessed with
     the checkpoint's evaluation transform (its size, crop, interpolation, mean and std).
@@ -81,6 +88,12 @@ def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0,
     images = torch.stack([transform(load_image(path)) for path, _ in chosen])  # (N, C, H, W)
     labels = torch.tensor([label for _, label in chosen])
     return LabelledImages(images, labels, str(Path(root) / split), classes)
+
+
+def load_calibration(root: str | Path, split: str, info: ModelInfo, limit: int = CALIBRATION_IMAGES) -> LabelledImages:
+    """The ``limit`` images of ``root/split`` that int8 is calibrated on: :func:`load_labelled` in the order every
+    cgavit command draws them (:data:`CALIBRATION_SEED`)."""
+    return load_labelled(root, split, info, limit, seed=CALIBRATION_SEED)
 
 
 def path_label(precision: str, runtime: str, compile: bool = True) -> str:
@@ -163,7 +176,7 @@ class CheckpointPrecision:
 
 def checkpoint_precision(
     checkpoint: str | Path, data: str | Path, batch: int, warmup: int, repeats: int, *,
-    runtimes: tuple[str, ...] = ("onnxruntime",), compile: bool = True, calibration_images: int = 256,
+    runtimes: tuple[str, ...] = ("onnxruntime",), compile: bool = True, calibration_images: int = CALIBRATION_IMAGES,
     eval_images: int = 0, train_split: str = "train", val_split: str = "val",
 ) -> CheckpointPrecision:
     """The precision check of a trained checkpoint on ``data/val_split`` (int8 calibrated on
@@ -178,7 +191,7 @@ def checkpoint_precision(
         raise ValueError(f"--calibration-images must be at least 1, got {calibration_images}")
     model, info = load_model(checkpoint)
     evaluated = load_labelled(data, val_split, info, eval_images)
-    calib = load_labelled(data, train_split, info, calibration_images, seed=1)
+    calib = load_calibration(data, train_split, info, calibration_images)
     if evaluated.classes != calib.classes or len(evaluated.classes) != model.num_classes:
         raise ValueError(f"{evaluated.source} and {calib.source} must hold the same {model.num_classes} class "
                          f"folders the checkpoint predicts; found {len(evaluated.classes)} and {len(calib.classes)}")

@@ -7,7 +7,7 @@ import argparse
 from ..bench import BenchConfig, BenchReport, format_table, run_bench
 from ..bench.candidates import PEERS_TOP1
 from ..bench.ceiling import format_ceilings
-from ..bench.precision import RUNTIMES
+from ..bench.precision import CALIBRATION_IMAGES, RUNTIMES
 from ..bench.report import (
     BATCH_NOTE,
     TABLE_NOTE,
@@ -119,8 +119,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "...); the image size and preprocessing are the checkpoint's")
     p.add_argument("--data", default="", help="--precision-check with --checkpoint: image folder; DIR/val evaluated, "
                    "DIR/train for the int8 calibration")
-    p.add_argument("--calibration-images", type=int, default=256,
-                   help="training images int8 is calibrated on (default 256)")
+    p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
+                   help=f"training images int8 is calibrated on (default {CALIBRATION_IMAGES})")
     p.add_argument("--eval-images", type=int, default=0, help="evaluated images (default 0: the whole val split)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluated split folder name (default val)")

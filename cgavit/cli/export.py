@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..bench.precision import LabelledImages, load_labelled
+from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, load_calibration, load_labelled
 from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
 from ..factory import ModelInfo, create_model, load_model
@@ -44,7 +44,7 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
         return None, None
-    calib = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
+    calib = load_calibration(args.data, args.train_split, info, args.calibration_images)
     check = load_labelled(args.data, args.val_split, info, args.eval_images)
     return calib, check
 
@@ -108,7 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="input size N or H W (default: the checkpoint's, else 224)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "int8"], help="fp32 (default) or int8 (needs --data)")
     p.add_argument("--data", help="image folder: int8 calibration on DIR/train, agreement check on DIR/val")
-    p.add_argument("--calibration-images", type=int, default=256, help="training images int8 is calibrated on (default 256)")
+    p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
+                   help=f"training images int8 is calibrated on (default {CALIBRATION_IMAGES})")
     p.add_argument("--eval-images", type=int, default=0, help="validation images of the agreement check (default 0: all)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="checked split folder name (default val)")

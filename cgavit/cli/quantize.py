@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
-from ..bench.precision import LabelledImages, load_labelled
+from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, load_calibration, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
 from ..deploy.fusion import output_path
 from ..deploy.cpu import cpu_features
@@ -73,7 +73,7 @@ def load_images(args: argparse.Namespace, info: ModelInfo, num_classes: int) -> 
     if args.train_split == args.val_split:
         raise ValueError(f"calibration and evaluation must be different images; --train-split and --val-split are "
                          f"both {args.train_split!r}")
-    calib = load_labelled(args.data, args.train_split, info, args.calibration_images, seed=1)
+    calib = load_calibration(args.data, args.train_split, info, args.calibration_images)
     evaluated = load_labelled(args.data, args.val_split, info, args.eval_images)
     named = [n for n in info.class_names if not n.startswith("class ")]
     for split in (evaluated, calib):
@@ -235,7 +235,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accuracy-tolerance", type=float, default=0.3,
                    help="largest accuracy change against fp32, points (default 0.3)")
     p.add_argument("--runtime", choices=list(QUANT_RUNTIMES), help="only this runtime (default: every one installed)")
-    p.add_argument("--calibration-images", type=int, default=256, help="training images to calibrate on (default 256)")
+    p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
+                   help=f"training images to calibrate on (default {CALIBRATION_IMAGES})")
     p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluation split folder name (default val)")
