@@ -94,7 +94,9 @@ def round_robin(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     names = list(calls)
     out = {n: Timings([]) for n in names}
-    bar = _bar if progress else _plain
+    def bar(items, desc):
+        return progress_bar(items, desc, only_on_a_terminal=False) if progress else items
+
     for n in bar(names, "warm-up"):
         for _ in range(warmup):
             calls[n]()
@@ -104,11 +106,11 @@ def round_robin(
     return out
 
 
-def _plain(items, desc):
-    return items
-
-
-def _bar(items, desc):
-    from tqdm import tqdm  # optional: only for progress bars
-
-    return tqdm(items, desc=desc, leave=False)
+def progress_bar(items, desc: str, only_on_a_terminal: bool = True):
+    """``items``, iterated under a tqdm bar (on stderr) labelled ``desc``: with ``only_on_a_terminal`` only where
+    stderr is a terminal (not in logs or CI); plain ``items`` without tqdm (an optional dependency)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False, disable=None if only_on_a_terminal else False)

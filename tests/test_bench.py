@@ -60,6 +60,27 @@ def test_format_table_lists_every_result():
     assert "1.80" in text and "11.0" in text and "1e-07" in text
 
 
+def test_progress_bars_show_on_a_terminal_only(monkeypatch, capsys):
+    """Long loops (the per-layer sensitivity, QAT epochs) iterate every item under a bar on stderr when it is a
+    terminal, with no bar in logs and CI, and plainly without tqdm (an optional dependency)."""
+    import io
+    import sys
+
+    from cgavit.timing import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert list(progress_bar(range(5), "sensitivity")) == list(range(5))
+        assert ("sensitivity: " in stream.getvalue()) is shown, stream.getvalue()
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed
+    items = [1, 2]
+    assert progress_bar(items, "sensitivity") is items
+
+
 def test_round_robin_warms_up_then_calls_in_turn():
     calls = []
     timings = round_robin({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=2, repeats=3)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..timing import progress_bar
 from .cpu import CpuFeatures, cpu_features
 from .fusion import export_form, fuse
 from .int8 import Int8Options
@@ -223,7 +224,8 @@ def _train(ao: SimpleNamespace, prepared: nn.Module, teacher: nn.Module, images:
     t, start = config.temperature, time.perf_counter()
     for epoch in range(config.epochs):
         total = 0.0
-        for idx in torch.randperm(len(images), generator=g).split(config.batch_size):
+        batches = torch.randperm(len(images), generator=g).split(config.batch_size)
+        for idx in progress_bar(batches, f"qat epoch {epoch + 1}/{config.epochs}"):
             x = images[idx]
             flip = torch.rand(len(x), generator=g) < 0.5
             x = torch.where(flip[:, None, None, None], x.flip(3), x)

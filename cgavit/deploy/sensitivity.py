@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..timing import progress_bar
 from .agreement import Agreement, compare_logits
 from .runtime import pad_batch
 
@@ -150,7 +151,7 @@ def layer_sensitivity(
     """Each layer quantised alone: ``build(float_layers)`` with every other layer in float, run on ``images``
     and compared with the fp32 ``reference`` logits; most sensitive first (agreement, then logit error)."""
     rows = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(progress_bar(layers, "sensitivity, one layer int8 at a time")):
         module = build([other for other in layers if other != layer])
         out = padded_logits(module, images)
         a = compare_logits(out, reference)
