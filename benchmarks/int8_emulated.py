@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from cgavit import load_model
-from cgavit.bench import load_calibration, load_labelled
+from cgavit.bench import LabelledImages, load_calibration, load_labelled
 from cgavit.deploy import Int8Options, compare_logits, cpu_features
 from cgavit.deploy.cpu import uncapped_environ
 from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx, quantize_onnx
@@ -36,6 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_where_lost import reference_arguments, run_files_child, run_files_elsewhere  # noqa: E402  (this folder's checkpoint-and-images arguments)
 
 WEIGHTS = {"7-bit": True, "8-bit": False}  # the label -> Int8Options.reduce_range
+
+
+def checkpoint_files(args: argparse.Namespace, folder: Path) -> tuple[LabelledImages, list[Path]]:
+    """The checkpoint's DIR/VAL images, and in ``folder`` its fp32 ONNX file and the int8 ones with 7-bit and with
+    8-bit weights (cgavit's ONNX Runtime recipe, every layer int8, its calibration images): what an emulated run
+    compares. One torch thread."""
+    torch.set_num_threads(1)
+    model, info = load_model(args.checkpoint)
+    ev = load_labelled(args.data, args.val_split, info, 0)
+    calibration = even_batches(load_calibration(args.data, "train", info).images)
+    files = [export_onnx(model, folder / "fp32.onnx", (info.img_size, info.img_size), fold_residuals=False)]
+    for label, reduce_range in WEIGHTS.items():
+        files.append(quantize_onnx(files[0], folder / f"{label}.onnx", calibration, Int8Options(reduce_range=reduce_range)))
+    return ev, files
 
 
 def run_files(files: list[Path], images: torch.Tensor) -> dict:
@@ -57,15 +72,9 @@ def main() -> None:
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
         sys.exit("qemu-x86_64 not found: install Debian's qemu-user (7.2 or later emulates AVX2)")
-    torch.set_num_threads(1)
-    model, info = load_model(args.checkpoint)
-    ev = load_labelled(args.data, args.val_split, info, 0)
-    calibration = even_batches(load_calibration(args.data, "train", info).images)
     scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
-    size, tmp = (info.img_size, info.img_size), Path(scratch.name)
-    files = [export_onnx(model, tmp / "fp32.onnx", size, fold_residuals=False)]
-    for label, reduce_range in WEIGHTS.items():
-        files.append(quantize_onnx(files[0], tmp / f"{label}.onnx", calibration, Int8Options(reduce_range=reduce_range)))
+    tmp = Path(scratch.name)
+    ev, files = checkpoint_files(args, tmp)
     own = run_files(files, ev.images)
     emulated = run_files_elsewhere(__file__, files, ev.images, tmp, uncapped_environ(), (qemu, "-cpu", args.cpu))
     print(f"{args.checkpoint}: {len(ev.images)} images of {args.data}/{args.val_split}, ONNX Runtime, "

@@ -632,6 +632,33 @@ def test_openvino_float_part_is_searched_judged_and_recorded(trained_digits, tmp
     assert list(fp32.curves) == ["openvino"]  # no native bf16: fp32 only
 
 
+@pytest.mark.skipif(not onnxruntime_available(), reason="needs cgavit[deploy]")
+def test_a_file_judged_on_another_instruction_set_warns(trained_digits, tmp_path, monkeypatch):
+    """x86 and Arm run different int8 kernels (the CIFAR-10 reference's file decided 9 of 2,000 images differently on
+    an AMX Xeon and on an emulated Arm core, BENCHMARKS.md), so a recorded verdict does not carry between them: the file
+    records the instruction set it was judged on, opens quietly there, and warns once anywhere else."""
+    import warnings
+
+    from cgavit.deploy import formats
+    from cgavit.deploy.cpu import architecture
+
+    options = Int8Options(reduce_range=reduced_weight_range(cpu_features()))  # nothing else to warn about here
+    r = quantize(trained_digits.model, trained_digits.calibration(64), trained_digits.images, QuantizeTarget(0.9, 100.0),
+                 "onnxruntime", labels=trained_digits.labels, options=options, max_float_layers=0, warmup=0, repeats=1,
+                 sensitivity=False)
+    path = r.save(tmp_path / "digits")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where it was judged
+        _, info = open_exported(path)
+    assert info.int8["architecture"] == architecture()
+    other = "aarch64" if architecture() == "x86_64" else "x86_64"
+    monkeypatch.setattr(formats, "architecture", lambda: other)
+    with pytest.warns(RuntimeWarning) as caught:
+        open_exported(path)
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and f"judged on an {architecture()} CPU, and this one is {other}" in said[0], said
+
+
 def test_openvino_compiles_the_float_part_asked_for(trained_digits):
     """Where bf16 is native, OpenVINO's own default for what int8 leaves float is bf16: cgavit's int8 module asks for
     fp32 unless the build was judged with a bf16 float part."""

@@ -156,6 +156,16 @@ class CpuFeatures:
         return f"{name}(class {self.cpu_class}: {', '.join(shown) or 'none of amx/avx512/avx2'}{capped}{denied})"
 
 
+#: Names the same instruction set goes by (``platform.machine()`` differs between systems).
+_ARCHITECTURE_NAMES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+
+
+def architecture() -> str:
+    """This process's instruction set, e.g. ``"x86_64"`` or ``"aarch64"`` (``platform.machine()``, one name each)."""
+    name = platform.machine().lower()
+    return _ARCHITECTURE_NAMES.get(name, name)
+
+
 def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
     """The flag set and model name of the first processor in a ``/proc/cpuinfo`` text."""
     flags: frozenset[str] = frozenset()

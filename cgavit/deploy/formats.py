@@ -24,8 +24,8 @@ from .executorch import ExecutorchModule, executorch_available, executorch_path,
 from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, quantize_onnx
 from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
 from .fusion import example_batch, fuse, output_path
-from .cpu import cpu_features
-from .int8 import FLOAT_PARTS, Int8Options, float_part_warning, weight_range_warning
+from .cpu import architecture, cpu_features
+from .int8 import FLOAT_PARTS, Int8Options, architecture_warning, float_part_warning, weight_range_warning
 from .metadata import ExportInfo
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
@@ -239,7 +239,8 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     saturate on them (x86 without VNNI; for OpenVINO also oneDNN's ISA cap below VNNI, :mod:`cgavit.deploy.cpu`)
     warns (``RuntimeWarning``): quantise it again there. An int8
     OpenVINO file is compiled with the float part it was judged in (its metadata's ``float_part``), and
-    one judged with a bf16 float part warns on a CPU without native bf16.
+    one judged with a bf16 float part warns on a CPU without native bf16. A file ``cgavit quantize`` judged on
+    another instruction set (x86 and Arm) warns that its recorded agreement does not carry over.
 
     Args:
         path: a file written by ``cgavit export`` or ``cgavit quantize`` (OpenVINO: the ``.xml``, its
@@ -272,7 +273,8 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
         module = OpenVinoModule(module.model, threads, info.precision, float_part)
     features = cpu_features() if format == "openvino" else cpu_features(environ={})  # MLAS ignores oneDNN's ISA cap
     for warning in (weight_range_warning(str(info.int8.get("weight_range", "")), features),
-                    float_part_warning(float_part, features) if format == "openvino" else None):
+                    float_part_warning(float_part, features) if format == "openvino" else None,
+                    architecture_warning(str(info.int8.get("architecture", "")), architecture())):
         if info.precision == "int8" and warning:
             warnings.warn(f"{path.name}: {warning}", RuntimeWarning, stacklevel=2)
     return module, info

@@ -143,6 +143,17 @@ def float_part_warning(float_part: str, features: CpuFeatures) -> str | None:
     return None
 
 
+def architecture_warning(recorded: str, here: str) -> str | None:
+    """Why an int8 file's recorded verdict, measured on a ``recorded`` CPU (its instruction set), does not vouch for
+    its decisions on this one (``here``); None where they are the same, or nothing was recorded."""
+    if not recorded or recorded == here:
+        return None
+    return (f"this int8 file was judged on an {recorded} CPU, and this one is {here}: the two run different int8 "
+            "kernels (the CIFAR-10 reference's int8 file decided 9 of 2,000 images differently on an x86 Xeon and on "
+            "an emulated Arm core), so its recorded agreement does not carry over; judge it here (cgavit eval "
+            "--checkpoint FILE), or quantize on this CPU (cgavit quantize)")
+
+
 def weight_range_label(reduce_range: bool, weights: str = "int8") -> str:
     """How an exported file's metadata names its weights: ``"7-bit"``, ``"8-bit"`` (signed), or
     ``"8-bit unsigned"`` (ONNX Runtime's U8U8, which does not saturate)."""

@@ -44,7 +44,7 @@ from ..timing import other_load, round_robin
 from .agreement import (
     AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, NoiseFloor, compare_logits, noise_floor,
 )
-from .cpu import CpuFeatures, cpu_features
+from .cpu import CpuFeatures, architecture, cpu_features
 from .fusion import fuse, output_path
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, int8_info
@@ -790,6 +790,6 @@ def _verdict_info(info: ExportInfo, opts: Int8Options, point: CurvePoint, target
                    accuracy_change=a.accuracy_change, evaluation_images=a.n, held_out_of_search=point.held_out is not None,
                    meets_target=point.meets and target.met_by(a),
                    target_agreement=target.agreement, target_accuracy_tolerance=target.accuracy_tolerance,
-                   cpu_class=features.cpu_class, measured_on=features.describe())
+                   cpu_class=features.cpu_class, measured_on=features.describe(), architecture=architecture())
     made = int8_info(info, opts, point.float_part)
     return replace(made, int8={**made.int8, **verdict})
