@@ -10,7 +10,8 @@ per CPU is the weight range:
   saturates when both products are large (255 x 127 x 2 > 32767): on the trained digits model this
   alone changed 8 % of the decisions. With 7-bit weights (ONNX Runtime's ``reduce_range``, NNCF's
   ``OverflowFix.ENABLE``) a pair sums to at most 255 x 63 x 2 = 32130 and nothing saturates.
-* **VNNI, AMX and Arm dot products** accumulate in 32 bits: the full 8-bit range is kept.
+* **VNNI, AMX and Arm** accumulate in 32 bits: the full 8-bit range is kept (on emulated Arm cores with and without
+  dot products the 8-bit files kept their decisions; BENCHMARKS.md, int8 on emulated Arm cores).
 
 The choice is written into an exported file's metadata, and a full-range file opened on a CPU that
 would saturate it gets a warning (:func:`weight_range_warning`).
