@@ -31,7 +31,6 @@ from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
 
 
-
 @dataclass(frozen=True)
 class ExportFormat:
     """One export format.
