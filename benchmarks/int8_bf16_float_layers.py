@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
 from functools import partial
@@ -78,7 +77,6 @@ def main() -> None:
     args = p.parse_args()
     if not cpu_features().native_bf16:
         raise SystemExit(f"no native bf16 on this CPU ({cpu_features().describe()}): bf16 float layers are not a choice here")
-    logging.getLogger("nncf").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     layers = fp32_answer(args.report)
     subsets = variants(layers, args.each)

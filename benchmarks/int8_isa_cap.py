@@ -18,7 +18,6 @@ Usage::
 
 from __future__ import annotations
 
-import logging
 import shutil
 import sys
 import tempfile
@@ -67,7 +66,6 @@ def main() -> None:
                    "EPYC-Milan, a Zen 3 EPYC: AVX2-only by its CPUID; Debian's qemu-user, 7.2 or later)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    logging.getLogger("nncf").setLevel(logging.WARNING)  # its per-node notes would bury the table
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)
     calibration = even_batches(load_calibration(args.data, "train", info).images)

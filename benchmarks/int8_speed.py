@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import tempfile
 from dataclasses import replace
 from functools import partial
@@ -60,8 +59,7 @@ def float_layers(reports: list[str]) -> dict[str, list[str]]:
 
 def speed_probe(name: str, img_size: int) -> tuple[torch.nn.Module, torch.Tensor, list[torch.Tensor], Int8Options]:
     """The paper's CPU protocol for int8 speed: the variant with random weights (seed 0), one batch of 16, four
-    random calibration batches, this CPU's int8 options; one torch thread, NNCF's progress notes off."""
-    logging.getLogger("nncf").setLevel(logging.WARNING)
+    random calibration batches, this CPU's int8 options; one torch thread."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = randomize_(cgavit.create_model(name, img_size=img_size), seed=0).eval()

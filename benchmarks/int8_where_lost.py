@@ -25,7 +25,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import logging
 import subprocess
 import sys
 from collections.abc import Callable
@@ -149,7 +148,6 @@ def int8_base(args: argparse.Namespace):
     """One thread; the checkpoint fused, its DIR/VAL images and their fp32 logits, and cgavit's OpenVINO int8
     builder for it (256 calibration images of DIR/train, this CPU's options) with the base build of these
     scripts: every layer int8 but ``patch_embed.conv1``. Returns ``(info, fused, ev, reference, builder, base)``."""
-    logging.getLogger("nncf").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)
     ev = load_labelled(args.data, args.val_split, info, 0)

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -94,9 +95,7 @@ def round_robin(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     names = list(calls)
     out = {n: Timings([]) for n in names}
-    def bar(items, desc):
-        return progress_bar(items, desc, only_on_a_terminal=False) if progress else items
-
+    bar = partial(progress_bar, only_on_a_terminal=False) if progress else (lambda items, desc: items)
     for n in bar(names, "warm-up"):
         for _ in range(warmup):
             calls[n]()
