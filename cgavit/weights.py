@@ -183,7 +183,7 @@ def read_weights_meta(path: str | os.PathLike) -> WeightsMeta | None:
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMeta | Mapping[str, str] | None = None) -> Path:
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
-    The model's config and class count always go into the metadata; a
+    The model's config, class count and (square) image size always go into the metadata; a
     :class:`~cgavit.schema.WeightsMeta` adds the preprocessing and class names that
     :func:`cgavit.load_model` gives back. A plain mapping of strings is stored as given, for notes of
     your own.
@@ -196,6 +196,9 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     if cfg is not None:
         meta["config"] = json.dumps(asdict(cfg))
         meta["num_classes"] = str(getattr(model, "num_classes", ""))
+        size = tuple(getattr(model, "img_size", ()))
+        if len(size) == 2 and size[0] == size[1]:  # the record holds one side; load_model builds for it
+            meta["img_size"] = str(size[0])
     if isinstance(metadata, WeightsMeta):
         meta.update(metadata.to_strings())
     else:

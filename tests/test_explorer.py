@@ -240,12 +240,14 @@ def test_checkpoint_model(tmp_path):
     from cgavit import create_model, save_weights
     from cgavit.io import CheckpointError
 
-    src = randomize_(create_model("m0", num_classes=10, cascade=False), 3)
+    src = randomize_(create_model("m0", num_classes=10, cascade=False, img_size=96), 3)
     path = save_weights(src, tmp_path / "m0.safetensors")
     model, about = build_model(path)
     assert "m0.safetensors" in about and model.num_classes == 10 and model.cfg.cascade is False
+    assert tuple(model.img_size) == (96, 96)  # the size it was built for, not 224
     for key, value in src.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+    assert tuple(build_model(path, img_size=128)[0].img_size) == (128, 128)
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError):

@@ -13,7 +13,8 @@ from .common import add_dial_args, dials_from_args, image_size
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    image_size(args.img_size, "--img-size")
+    if args.img_size is not None:
+        image_size(args.img_size, "--img-size")
     for name in args.allow_host:
         if split_host(name)[1] is not None:
             raise ValueError(f"--allow-host takes a host name without a port, got {name!r}")
@@ -55,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
     p.add_argument("--checkpoint", type=Path, default=None, help="weights for the image panel (cgavit, official or timm file)")
     p.add_argument("--model", default=None, help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
-    p.add_argument("--img-size", type=int, default=224, help="side the uploaded image is resized and centre-cropped to, 32..4096 (default 224)")
+    p.add_argument("--img-size", type=int, default=None, help="side the uploaded image is resized and centre-cropped to, 32..4096 "
+                   "(default: the checkpoint's, else 224)")
     p.add_argument(
         "--allow-host", action="append", default=[], metavar="NAME",
         help="also answer requests addressed to this host name (repeatable); by default only 127.0.0.1, "

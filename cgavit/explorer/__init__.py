@@ -1,4 +1,4 @@
-"""The CGA Explorer (seed chapter 8): a small web page over cascaded group attention.
+"""The CGA Explorer (design notes, chapter 8): a small web page over cascaded group attention.
 
 One module per job: :mod:`.toy` (six tokens through the package's own
 :class:`~cgavit.attention.CascadedGroupAttention`), :mod:`.loading` (the model behind the image

@@ -14,7 +14,7 @@ from ..testing import randomize_
 def build_model(
     checkpoint: str | os.PathLike | None = None,
     model_name: str | None = None,
-    img_size: int = 224,
+    img_size: int | None = None,
     trust: bool = False,
     **dials,
 ) -> tuple[EfficientViT, str]:
@@ -23,14 +23,15 @@ def build_model(
     A checkpoint is rebuilt by :func:`cgavit.load_model`: a cgavit file from the architecture it
     records, an official or timm file as ``model_name`` (with ``dials``). Without a checkpoint the
     model is a randomly initialised ``model_name`` (default ``efficientvit_m0``), with BatchNorm
-    statistics and bias tables randomised (seed 0).
+    statistics and bias tables randomised (seed 0). ``img_size`` (default: the size a checkpoint records, else 224)
+    is the side images are resized to; a checkpoint built for another size gets its bias tables resized.
 
     Raises:
         ValueError: unknown model, impossible dials, or an unusable checkpoint (``CheckpointError``).
     """
     if checkpoint is None:
         model_name = model_name or "efficientvit_m0"
-        model = create_model(model_name, img_size=img_size, **dials)
+        model = create_model(model_name, img_size=img_size or 224, **dials)
         randomize_(model, 0)
         about = (
             f"a randomly initialised {model_name} (no --checkpoint given; BatchNorm statistics and "

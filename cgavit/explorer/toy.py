@@ -1,4 +1,4 @@
-"""The seed's six tokens (chapter 8) through one freshly drawn cascaded group attention: the
+"""The design notes' six tokens (chapter 8) through one freshly drawn cascaded group attention: the
 explorer's first panel.
 
 :class:`ToyCGA` runs a :class:`~cgavit.attention.CascadedGroupAttention` of 24 channels on a 2x3
@@ -21,7 +21,7 @@ from ..testing import randomize_
 
 
 class ToyCGA:
-    """Six tokens through one cascaded group attention, as in the seed's chapter 8.
+    """Six tokens through one cascaded group attention, as in the design notes' chapter 8.
 
     The six tokens form a 2x3 map (read row by row: t1 t2 t3 / t4 t5 t6) attended as one window of
     side 3, which is the module's ``(B, C, H, W)`` contract with ``H, W <= window``. A seed fixes
