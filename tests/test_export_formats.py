@@ -70,6 +70,10 @@ def test_export_cli_int8_with_data(trained_digits, tmp_path, capsys):
     assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--precision", "int8",
                  "--output", str(tmp_path / "m.onnx")]) == 2
     assert "needs --data" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--precision", "int8", "--data",
+                 str(trained_digits.data), "--val-split", "train", "--output", str(tmp_path / "m.onnx")]) == 2
+    assert "calibration and evaluation must be different images" in capsys.readouterr().err
+    assert not (tmp_path / "m.onnx").exists()
 
 
 @need("executorch")
@@ -83,6 +87,18 @@ def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
         module = load_exported(path, "executorch", threads=threads)
         assert portable_lib._threadpool_get_thread_count() == threads
         assert module(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+
+
+def test_an_export_named_without_its_suffix_gets_it(tmp_path, capsys):
+    """--output m0 writes m0.onnx, a file that cgavit predict and the runtimes recognise; a name ending in
+    another kind of file's suffix is refused before any work."""
+    small = ["--img-size", "64", "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"]
+    assert main(["export", "--model", "efficientvit_m0", "--output", str(tmp_path / "m0"), *small]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m0.onnx"]
+    assert "m0.onnx" in capsys.readouterr().out
+    assert main(["export", "--model", "efficientvit_m0", "--output", str(tmp_path / "m1.pt"), *small]) == 2
+    assert "give NAME or NAME.onnx, not m1.pt" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m0.onnx"]
 
 
 @need("openvino")

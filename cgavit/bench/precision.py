@@ -96,6 +96,47 @@ def load_calibration(root: str | Path, split: str, info: ModelInfo, limit: int =
     return load_labelled(root, split, info, limit, seed=CALIBRATION_SEED)
 
 
+def calibration_and_evaluation(
+    root: str | Path, train_split: str, val_split: str, info: ModelInfo, num_classes: int | None,
+    calibration_images: int = CALIBRATION_IMAGES, eval_images: int = 0, *, all_calibration_images: bool = False,
+) -> tuple[LabelledImages, LabelledImages]:
+    """The images int8 is calibrated on (:func:`load_calibration` of ``root/train_split``) and the labelled images
+    it is judged on (``eval_images`` of ``root/val_split``, 0: all): the one place every int8 command loads them.
+
+    Args:
+        num_classes: the classes the model predicts, which both folders must hold (in the names ``info``
+            records, where it records them); None for a model without trained classes (random weights).
+        all_calibration_images: refuse a folder that holds fewer than ``calibration_images`` images.
+
+    Raises:
+        ValueError: the same split for both (int8 judged on its own calibration images says nothing about
+            other images), a missing or malformed folder, class folders unlike the model's or each other's,
+            or too few calibration images.
+    """
+    if train_split == val_split:
+        raise ValueError(f"calibration and evaluation must be different images; --train-split and --val-split are "
+                         f"both {train_split!r}")
+    calib = load_calibration(root, train_split, info, calibration_images)
+    evaluated = load_labelled(root, val_split, info, eval_images)
+    named = [n for n in info.class_names if not n.startswith("class ")]
+    for split in (evaluated, calib):
+        if num_classes is None:
+            if split.classes != evaluated.classes:
+                raise ValueError(f"{calib.source} and {evaluated.source} must hold the same class folders; found "
+                                 f"{_few(calib.classes)} and {_few(evaluated.classes)}")
+        elif len(split.classes) != num_classes or (len(named) == num_classes and split.classes != named):
+            raise ValueError(f"{split.source} has class folders {_few(split.classes)}, but the checkpoint predicts "
+                             f"{num_classes} classes {_few(info.class_names)}: give the folder the model was trained on")
+    if all_calibration_images and len(calib.images) < calibration_images:
+        raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
+                         f"{calibration_images}; give more images or a smaller count")
+    return calib, evaluated
+
+
+def _few(names: list[str]) -> str:
+    return "[" + ", ".join(names[:4]) + (", ...]" if len(names) > 4 else "]")
+
+
 def path_label(precision: str, runtime: str, compile: bool = True) -> str:
     """The row name of a path, e.g. ``"fp32 torch.compile"``, ``"int8 OpenVINO"``."""
     if runtime == "torch":
@@ -184,17 +225,15 @@ def checkpoint_precision(
     picks for it on this CPU with those calibration images, judging each reduced path on the evaluated images.
 
     Raises:
-        ValueError: a missing or malformed split folder, a count below 1.
+        ValueError: a missing or malformed split folder, the same split for both, class folders unlike the
+            checkpoint's, a count below 1.
         CheckpointError: an unreadable checkpoint.
     """
     if calibration_images < 1:
         raise ValueError(f"--calibration-images must be at least 1, got {calibration_images}")
     model, info = load_model(checkpoint)
-    evaluated = load_labelled(data, val_split, info, eval_images)
-    calib = load_calibration(data, train_split, info, calibration_images)
-    if evaluated.classes != calib.classes or len(evaluated.classes) != model.num_classes:
-        raise ValueError(f"{evaluated.source} and {calib.source} must hold the same {model.num_classes} class "
-                         f"folders the checkpoint predicts; found {len(evaluated.classes)} and {len(calib.classes)}")
+    calib, evaluated = calibration_and_evaluation(data, train_split, val_split, info, model.num_classes,
+                                                  calibration_images, eval_images)
     batches = list(calib.images.split(batch))
     x = evaluated.images[torch.arange(batch) % len(evaluated.images)]  # real images as the example batch
     paths = inference_paths(model, x, batches, runtimes, compile)

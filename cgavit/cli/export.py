@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, load_calibration, load_labelled
+from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation
 from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
 from ..factory import ModelInfo, create_model, load_model
@@ -44,9 +44,9 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
         return None, None
-    calib = load_calibration(args.data, args.train_split, info, args.calibration_images)
-    check = load_labelled(args.data, args.val_split, info, args.eval_images)
-    return calib, check
+    num_classes = len(info.class_names) if args.checkpoint and info.class_names else None
+    return calibration_and_evaluation(args.data, args.train_split, args.val_split, info, num_classes,
+                                      args.calibration_images, args.eval_images)
 
 
 def output_format(args: argparse.Namespace) -> str:
@@ -102,8 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", help="weights file (official, timm or cgavit format); default random weights")
     p.add_argument("--format", default=None, choices=list(FORMATS),
                    help="export format (default: the one --output's suffix names, else onnx)")
-    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml (or m0: m0.xml + m0.bin), m0.pte, "
-                   "m0.tflite (written atomically)")
+    p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml (+ m0.bin), m0.pte, m0.tflite; a name "
+                   "without its format's suffix gets it (m0 -> m0.onnx); written atomically")
     p.add_argument("--img-size", type=int, nargs="+", metavar="N",
                    help="input size N or H W (default: the checkpoint's, else 224)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "int8"], help="fp32 (default) or int8 (needs --data)")

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
-from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, load_calibration, load_labelled
+from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
 from ..deploy.fusion import output_path
 from ..deploy.cpu import cpu_features
@@ -63,33 +63,6 @@ def output_stem(args: argparse.Namespace) -> tuple[Path, str | None]:
     return (out.with_suffix("") if implied else out), runtime
 
 
-def load_images(args: argparse.Namespace, info: ModelInfo, num_classes: int) -> tuple[LabelledImages, LabelledImages]:
-    """``--calibration-images`` images of DIR/train and the DIR/val images, checked against the checkpoint.
-
-    Raises:
-        ValueError: the same split for both, fewer calibration images than asked, or class folders
-            that do not match the checkpoint's classes.
-    """
-    if args.train_split == args.val_split:
-        raise ValueError(f"calibration and evaluation must be different images; --train-split and --val-split are "
-                         f"both {args.train_split!r}")
-    calib = load_calibration(args.data, args.train_split, info, args.calibration_images)
-    evaluated = load_labelled(args.data, args.val_split, info, args.eval_images)
-    named = [n for n in info.class_names if not n.startswith("class ")]
-    for split in (evaluated, calib):
-        if len(split.classes) != num_classes or (len(named) == num_classes and split.classes != named):
-            raise ValueError(f"{split.source} has class folders {_few(split.classes)}, but the checkpoint predicts "
-                             f"{num_classes} classes {_few(info.class_names)}: give the folder the model was trained on")
-    if len(calib.images) < args.calibration_images:
-        raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
-                         f"{args.calibration_images}; give more images or a smaller count")
-    return calib, evaluated
-
-
-def _few(names: list[str]) -> str:
-    return "[" + ", ".join(names[:4]) + (", ...]" if len(names) > 4 else "]")
-
-
 def run(args: argparse.Namespace) -> int:
     target = checked_target(args)
     stem, runtime = output_stem(args)
@@ -103,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
                          f"0.5 (0: none); got {args.holdout:g}")
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
     model, info = load_model(args.checkpoint)
-    calib, evaluated = load_images(args, info, model.num_classes)
+    calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
+                                                  args.calibration_images, args.eval_images,
+                                                  all_calibration_images=True)
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
           f"{evaluated.source} ({args.holdout:g} of them held out of the search); target: {target.describe()}")

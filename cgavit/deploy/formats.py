@@ -23,7 +23,7 @@ from .agreement import Agreement, batched_logits, compare_logits
 from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
 from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, quantize_onnx
 from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
-from .fusion import example_batch, fuse, output_path
+from .fusion import example_batch, fuse, named_output
 from .cpu import architecture, cpu_features
 from .int8 import FLOAT_PARTS, Int8Options, architecture_warning, float_part_warning, weight_range_warning
 from .metadata import ExportInfo
@@ -96,7 +96,8 @@ def export_model(
 
     Args:
         model: the model (fused by the exporter).
-        path: the output file (OpenVINO: ``NAME.xml`` or ``NAME``; ``NAME.bin`` is written beside it).
+        path: the output file, ``NAME`` or ``NAME`` with the format's suffix (:attr:`ExportFormat.suffix`, added
+            where it is missing; OpenVINO writes ``NAME.bin`` beside ``NAME.xml``).
         format: a key of :data:`FORMATS`.
         img_size: ``(H, W)`` the file accepts (fixed in every format: the window attention
             partitions each size differently).
@@ -109,11 +110,13 @@ def export_model(
             :class:`~cgavit.deploy.metadata.ExportInfo`; default: the image size alone).
 
     Raises:
-        ValueError: see :func:`require_format`; int8 without calibration; a missing output folder.
+        ValueError: see :func:`require_format`; int8 without calibration; a missing output folder; a name
+            ending in another format's suffix.
     """
-    require_format(format, precision)
+    fmt = require_format(format, precision)
     if precision == "int8" and calibration is None:
         raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
+    path = named_output(path, fmt.suffix, f"a {fmt.runtime} file")
     info = info or ExportInfo(img_size=tuple(img_size))
     if format == "openvino":
         return export_openvino(model, path, img_size, precision, calibration, options, info)
@@ -123,7 +126,6 @@ def export_model(
         return export_tflite(model, path, img_size, batch)
     if precision == "fp32":
         return export_onnx(model, path, img_size, info=info)
-    output_path(path)  # the folder is checked before minutes of work
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size, fold_residuals=False)
         return quantize_onnx(fp32, path, calibration, options, info=info)

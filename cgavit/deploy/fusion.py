@@ -82,3 +82,28 @@ def output_path(path: str | os.PathLike) -> Path:
     if not path.parent.exists():
         raise ValueError(f"output folder {path.parent} does not exist; create it first")
     return path
+
+
+#: The suffixes of the files cgavit writes: an output name ending in one of them names that kind of file.
+WRITTEN_SUFFIXES = (".onnx", ".xml", ".bin", ".pte", ".tflite", ".pt", ".safetensors")
+
+
+def named_output(path: str | os.PathLike, suffix: str, what: str) -> Path:
+    """Where a file of one format named ``path`` goes: ``NAME{suffix}`` as given, ``NAME`` (or a name whose
+    suffix is none of :data:`WRITTEN_SUFFIXES`, ``m0.v2``) with ``suffix`` added, so that the file is
+    recognised by what it is.
+
+    Args:
+        path: the name given.
+        suffix: the format's suffix, e.g. ``".onnx"``.
+        what: the kind of file, for the message.
+
+    Raises:
+        ValueError: the folder does not exist, or the name ends in another format's suffix.
+    """
+    path = output_path(path)
+    if path.suffix.lower() == suffix:
+        return path
+    if path.suffix.lower() in WRITTEN_SUFFIXES:
+        raise ValueError(f"{what} is written as NAME{suffix}: give NAME or NAME{suffix}, not {path.name}")
+    return path.with_name(path.name + suffix)

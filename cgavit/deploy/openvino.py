@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
-from .fusion import example_batch, export_form, output_path
+from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, int8_info
 from .runtime import RuntimeModule, quiet_quantiser
@@ -400,10 +400,7 @@ def ir_path(path: str | os.PathLike) -> Path:
     Raises:
         ValueError: the folder does not exist, or the name ends in another format's suffix.
     """
-    path = output_path(path)
-    if path.suffix.lower() in (".bin", ".onnx", ".pte", ".tflite", ".pt", ".safetensors"):
-        raise ValueError(f"OpenVINO IR is written as NAME.xml + NAME.bin: give NAME or NAME.xml, not {path.name}")
-    return path if path.suffix.lower() == ".xml" else path.with_name(path.name + ".xml")
+    return named_output(path, ".xml", "OpenVINO IR (NAME.xml + NAME.bin)")
 
 
 def save_openvino(ov_model, path: Path, info: ExportInfo) -> None:
