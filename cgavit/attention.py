@@ -1,4 +1,4 @@
-"""Cascaded group attention (seed chapters 4-5), its relative-position biases, local windows.
+"""Cascaded group attention (design notes, chapters 4-5), its relative-position biases, local windows.
 
 Shapes follow the official code: feature maps are ``(B, C, H, W)``; inside a window a head's
 queries and keys are ``(B, key_dim, N)`` with ``N = h * w`` tokens.

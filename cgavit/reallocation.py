@@ -1,4 +1,4 @@
-"""Parameter reallocation (seed chapter 6): where an EfficientViT block spends its widths.
+"""Parameter reallocation (design notes, chapter 6): where an EfficientViT block spends its widths.
 
 Queries and keys only produce a similarity score, so they can be narrow; values carry the content
 that is mixed, so they stay wide; and the FFN expands 2x instead of a standard ViT's 4x. The opposite

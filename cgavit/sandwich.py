@@ -1,4 +1,4 @@
-"""The sandwich layout (seed chapter 2): one memory-bound attention between cheap FFN layers.
+"""The sandwich layout (design notes, chapter 2): one memory-bound attention between cheap FFN layers.
 
 A standard ViT block is attention then FFN. EfficientViT's block puts ``N`` depthwise-conv + FFN
 pairs before one local-window cascaded group attention and ``M`` after it (the paper: ``N = M = 1``),

@@ -1,4 +1,4 @@
-"""The M0-M5 table, their published figures, and the seed's design dials, in one place."""
+"""The M0-M5 table, their published figures, and the design dials, in one place."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _bounded(name: str, values: tuple[int, ...]) -> None:
 
 @dataclass(frozen=True)
 class EfficientViTConfig:
-    """Architecture of one EfficientViT, including the seed's design dials.
+    """Architecture of one EfficientViT, including the design dials.
 
     The dial defaults are the paper's; every variant M0-M5 differs only in the first five fields.
     Every config is checked when it is made (:meth:`validate`, the one home of these rules):
@@ -97,7 +97,7 @@ class EfficientViTConfig:
     num_heads: tuple[int, int, int]  # attention heads per stage
     window_size: tuple[int, int, int] = (7, 7, 7)  # local attention window (clamped to the map)
     kernels: tuple[int, ...] = (5, 5, 5, 5)  # depthwise kernel on each head's query
-    # --- design dials (seed chapters 2, 4-6) ---
+    # --- design dials (design notes, chapters 2, 4-6) ---
     key_dim: tuple[int, int, int] = (16, 16, 16)  # Q/K width per head (narrow: chapter 6)
     attn_ratio: tuple[float, float, float] | None = None  # V width = attn_ratio * key_dim;
     #   None = embed_dim / heads, so a head's output is as wide as the next head's group

@@ -1,4 +1,4 @@
-"""Cascaded group attention against the seed's equations, written out by hand."""
+"""Cascaded group attention against the design notes' equations, written out by hand."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from cgavit.testing import randomize_
 
 
 def _reference(attn: CascadedGroupAttention, x: torch.Tensor) -> torch.Tensor:
-    """Seed chapter 5 in plain tensor algebra, using the module's (eval-mode) weights."""
+    """Design notes, chapter 5, in plain tensor algebra, using the module's (eval-mode) weights."""
     B, C, H, W = x.shape
     h = attn.num_heads
     groups = x.chunk(h, 1) if attn.group_split else [x] * h

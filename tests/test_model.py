@@ -205,7 +205,7 @@ def test_no_batchnorm_in_attention_core_is_shared():
 
 
 def test_parameter_reallocation_is_a_dial():
-    """Seed chapter 6: the paper's allocation (Q/K 16, V C/h, FFN x2) against the uniform one (Q/K = V = C/h, FFN x4)."""
+    """Design notes, chapter 6: the paper's allocation (Q/K 16, V C/h, FFN x2) against the uniform one (Q/K = V = C/h, FFN x4)."""
     paper = cgavit.VARIANTS["efficientvit_m0"].cfg
     assert paper.allocation == "paper"
     uniform = paper.with_dials(allocation="uniform")

@@ -1,4 +1,4 @@
-"""Roofline: the analytic model on the seed's worked example, and a smoke run."""
+"""Roofline: the analytic model on the design notes' worked example, and a smoke run."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from cgavit.analysis.roofline import (
 
 
 def test_seed_worked_example():
-    """T=196 tokens, C=192 channels, fp16: score matmul ~64 FLOP/byte, softmax ~1.3 (seed chapter 1)."""
+    """T=196 tokens, C=192 channels, fp16: score matmul ~64 FLOP/byte, softmax ~1.3 (design notes, chapter 1)."""
     costs = attention_costs(196, 192, 2)
     score, softmax = costs["score matmul Q·Kᵀ"], costs["softmax"]
     assert score.flops == pytest.approx(14.7e6, rel=0.01)

@@ -1,4 +1,4 @@
-"""Analyses of the seed's claims: head similarity, Taylor channel importance, the ablation study.
+"""Analyses of the design notes' claims: head similarity, Taylor channel importance, the ablation study.
 
 - :func:`head_similarity` (``heads``): per-block cosine similarity of the heads' attention maps;
   :func:`map_similarity` is the same definition for maps already in hand (the explorer uses it).

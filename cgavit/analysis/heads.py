@@ -1,4 +1,4 @@
-"""Head redundancy (seed chapter 3): cosine similarity between the heads' attention maps.
+"""Head redundancy (design notes, chapter 3): cosine similarity between the heads' attention maps.
 
 For every attention block, each head's softmax map ``(N, N)`` of a window is flattened and compared
 with every other head's by cosine similarity; the ``h x h`` matrices are averaged over all images and

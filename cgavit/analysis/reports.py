@@ -127,7 +127,7 @@ class TaylorRun:
 def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, int, float, tuple | None, tuple | None]:
     """The model to analyse and how to feed it: ``(model, img_size, crop_pct, mean, std)``.
 
-    With ``checkpoint`` / ``pretrained`` the model is rebuilt as :func:`cgavit.train.load_model`
+    With ``checkpoint`` / ``pretrained`` the model is rebuilt as :func:`cgavit.load_model`
     does (files trained here record their architecture, image size and preprocessing); otherwise a
     randomly initialised ``model`` with the given dials is built (mean/std None: ImageNet's).
     """

@@ -1,4 +1,4 @@
-"""Roofline analysis (seed chapter 1): which operators are compute-bound and which memory-bound.
+"""Roofline analysis (design notes, chapter 1): which operators are compute-bound and which memory-bound.
 
 For every aten operator a forward pass runs, an analytic model gives the FLOPs it does
 (``torch.utils.flop_counter``'s formulas for matmuls/convolutions/attention, a per-element count for
@@ -27,7 +27,7 @@ from ..factory import create_model, resolve_name
 
 log = logging.getLogger(__name__)
 
-#: FLOPs per output element of element-wise / reduction operators (the seed's softmax: max,
+#: FLOPs per output element of element-wise / reduction operators (the design notes' softmax: max,
 #: subtract, exp, sum, divide = 5).
 ELEMENTWISE_FLOPS = {
     "softmax": 5, "_softmax": 5, "log_softmax": 5, "layer_norm": 8, "native_layer_norm": 8, "gelu": 8,
@@ -65,7 +65,7 @@ def elementwise_cost(numel: int, flops_per_el: float, bytes_per_el: int, reads: 
 
 
 def attention_costs(tokens: int, channels: int, bytes_per_el: int = 2) -> dict[str, OpCost]:
-    """The seed's worked example: one self-attention layer's score matmul, softmax and value mix.
+    """The design notes' worked example: one self-attention layer's score matmul, softmax and value mix.
 
     ``attention_costs(196, 192, 2)`` gives the score matmul ~64 FLOP/byte and the softmax ~1.3.
     """

@@ -1,4 +1,4 @@
-"""First-order Taylor channel importance (seed chapter 6): which Q, K, V, FFN channels matter.
+"""First-order Taylor channel importance (design notes, chapter 6): which Q, K, V, FFN channels matter.
 
 The importance of an output channel is ``sum |w * dL/dw|`` over the weights that produce it (the
 weight row of a 1x1 / kxk convolution), with ``dL/dw`` the gradient of the mean cross-entropy over a

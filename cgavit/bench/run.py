@@ -49,7 +49,7 @@ class BenchConfig:
         precision_check: also compare every fp32, bf16 and int8 path on a trained ``checkpoint``
             with ``data`` (both needed).
         skip_table: skip the main throughput table.
-        checkpoint: trained weights for the precision check (any file ``cgavit.train.load_model`` reads).
+        checkpoint: trained weights for the precision check (any file ``cgavit.load_model`` reads).
         data: image folder for the precision check with ``checkpoint``: ``data/val_split`` evaluated,
             ``data/train_split`` for the int8 calibration.
         calibration_images: training images int8 is calibrated on.

@@ -153,8 +153,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train on an image folder with the official recipe (single process or torchrun)",
         description="Train an EfficientViT on DIR/train/<class>/, evaluating on DIR/val/<class>/ every epoch. Defaults "
         "are the official recipe; option names follow timm's train.py. Under torchrun the same command runs "
-        "DistributedDataParallel (NCCL on GPU, gloo on CPU). Writes DIR/last.pt every epoch, best.pt, "
-        "best.safetensors, metrics.jsonl, train.log and curves.png. SIGTERM/SIGINT save last.pt before exiting.",
+        "DistributedDataParallel (NCCL on GPU, gloo on CPU). Writes into the --output run folder: last.pt every epoch, "
+        "best.pt, best.safetensors, metrics.jsonl, train.log and curves.png. SIGTERM/SIGINT save last.pt before exiting.",
     )
     add_train_args(p)
     p.set_defaults(func=_train)
@@ -168,7 +168,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, metavar="DIR", help="dataset root or split folder")
     p.add_argument("--split", default=None, help="split folder inside --data (default: val when present)")
     p.add_argument("--crop-pct", type=float, default=None, help="centre-crop fraction (default: the checkpoint's, else 0.875)")
-    p.add_argument("--interpolation", default=None, choices=INTERPOLATIONS, help="resize interpolation (default bicubic)")
+    p.add_argument("--interpolation", default=None, choices=INTERPOLATIONS, help="resize interpolation (default: the checkpoint's, else bicubic)")
     p.add_argument("--batch-size", "-b", type=int, default=128, help="batch size per process (default 128)")
     p.add_argument("--workers", "-j", type=int, default=4, help="loader workers (default 4)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")

@@ -85,7 +85,7 @@ class DetectionTrainConfig:
     lr_steps: tuple[int, ...] = option((8, 11), "divide the lr by 10 after these epochs", nargs="*", metavar="EPOCH")
     warmup_iters: int = option(500, "linear warm-up iterations")
     warmup_ratio: float = option(0.001, "warm-up starts at this fraction of --lr")
-    lr: float = option(1e-4, "AdamW learning rate, for 16 images per step")
+    lr: float = option(1e-4, "AdamW learning rate (the paper's, for 16 images per step; used as given at any batch)")
     weight_decay: float = option(0.05, "AdamW weight decay")
     hflip: float = option(0.5, "horizontal-flip probability (0 turns augmentation off)")
     batch_size: int = option(2, "images per process and step (paper: 8 GPUs x 2)")

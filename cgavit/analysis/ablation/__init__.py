@@ -1,4 +1,4 @@
-"""The ablation ladder (seed chapters 2-7), trained under one budget and measured side by side.
+"""The ablation ladder (design notes, chapters 2-7), trained under one budget and measured side by side.
 
 Rungs, each adding one idea to the one before:
 
