@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import warnings
 from functools import partial
 from pathlib import Path
@@ -25,6 +27,16 @@ from . import info, roofline  # no optional dependency
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
 USER_ERRORS = (ValueError, CheckpointError, WriteError, FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM (a job scheduler, ``kill``, ``timeout``) raised in the main thread as an interrupt, so that it
+    unwinds as Ctrl-C does: temporary files and folders removed, nothing half-written. ``cgavit train``'s loop
+    takes both signals itself, to save its checkpoint first."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 class MissingExtra:
@@ -132,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         with warnings.catch_warnings():
             warnings.showwarning = partial(_show_own_warning, warnings.showwarning)
@@ -141,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cgavit {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if args.debug:
             raise
-        print(f"cgavit {args.command}: interrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(err, Terminated)
+        print(f"cgavit {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        if old_term is not None:  # None: not the main thread, or a handler not set from Python (left alone)
+            signal.signal(signal.SIGTERM, old_term)
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
