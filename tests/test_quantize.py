@@ -8,7 +8,12 @@ carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. N
 import importlib
 import json
 import os
+import signal
+import tempfile
+import threading
+import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -751,6 +756,7 @@ def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
 def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(quantize_cli, "NO_GAIN", 1e9)  # any speed-up counts as none: the note must be printed
     out = tmp_path / "digits_int8"
+    (tmp_path / "digits_int8.xml").write_text("an earlier run's OpenVINO answer")
     code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
                  "--runtime", "onnxruntime", "--output", str(out), "--calibration-images", "128", "--warmup", "0",
                  "--repeats", "1", "--skip-sensitivity", "--calibration", "minmax", "--weights", "uint8"])
@@ -761,6 +767,7 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert report["meets_target"] and report["calibration_images"] == 128 and report["evaluation_images"] == 360
     assert report["calibration"] == "minmax" and report["weight_range"] == "8-bit unsigned"
     assert "note: it keeps the decisions but runs at" in text and "the fp32 file (cgavit export) is as fast" in text
+    assert f"note: {tmp_path / 'digits_int8.xml'}, another runtime's int8 file from an earlier run, is still there" in text
     assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
     plot = tmp_path / "digits_int8.quantize.png"  # the plot beside the report, nowhere else
     assert plot.read_bytes()[:4] == b"\x89PNG" and str(plot) in text
@@ -799,14 +806,23 @@ def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digi
     meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=10, img_size=48, crop_pct=1.0,
                        mean=(0.3, 0.3, 0.3), std=(0.4, 0.4, 0.4), class_names=tuple(str(c) for c in range(10)))
     save_weights(model, tmp_path / "scrambled.safetensors", meta)
-    code = main(["quantize", "--checkpoint", str(tmp_path / "scrambled.safetensors"), "--data", str(trained_digits.data),
-                 "--runtime", "onnxruntime", "--output", str(tmp_path / "s"), "--calibration-images", "64",
-                 "--eval-images", "120", "--warmup", "0", "--repeats", "1", "--skip-sensitivity",
-                 "--max-float-layers", "0"])
+    args = ["quantize", "--checkpoint", str(tmp_path / "scrambled.safetensors"), "--data", str(trained_digits.data),
+            "--runtime", "onnxruntime", "--output", str(tmp_path / "s"), "--calibration-images", "64",
+            "--eval-images", "120", "--warmup", "0", "--repeats", "1", "--skip-sensitivity", "--max-float-layers", "0"]
+    code = main(args)
     text = capsys.readouterr().out
     assert code == 1 and "nothing int8 met the target" in text and "the best found" in text
     assert "Collecting tensor data" not in text and "Percentile" not in text  # ONNX Runtime's calibrator: debug log
     assert not (tmp_path / "s.onnx").exists() and not json.loads((tmp_path / "s.quantize.json").read_text())["meets_target"]
+    # run again where an earlier run left an int8 file: that file and its report stay as they were
+    (tmp_path / "s.onnx").write_bytes(b"an earlier run's answer")
+    report = (tmp_path / "s.quantize.json").read_bytes()
+    assert main(args) == 1
+    text = capsys.readouterr().out
+    assert (tmp_path / "s.onnx").read_bytes() == b"an earlier run's answer"
+    assert (tmp_path / "s.quantize.json").read_bytes() == report
+    assert not json.loads((tmp_path / "s.quantize-missed.json").read_text())["meets_target"]
+    assert f"note: {tmp_path / 's.onnx'} from an earlier run is left as it was, with its report" in text
 
 
 def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, tmp_path, capsys, monkeypatch):
@@ -824,17 +840,55 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
              (["--holdout", "1"], "[0, 1)"), (["--holdout", "-0.5"], "[0, 1)"),
              (["--eval-images", "1"], "leaves a part empty"),
              (["--accuracy-tolerance", "-1"], "[0, 100]"), (["--calibration-images", "5000"], "fewer than"),
-             (["--val-split", "train"], "different images"), (["--output", str(tmp_path / "q.xml")], "openvino file")]
+             (["--val-split", "train"], "different images"), (["--val-split", "./train"], "are the same folder"),
+             (["--output", str(tmp_path / "q.xml")], "openvino file"),
+             (["--output", ""], "is a file name"), (["--output", f"{tmp_path}/"], "is a file name"),
+             (["--output", str(tmp_path / "..")], "is a file name"), (["--output", str(tmp_path / "wrong")], "is a folder"),
+             (["--output", str(tmp_path / "q.pt")], "another kind of file"),
+             (["--output", str(tmp_path / "in" / "q")], "is a folder, and this run may write"),
+             (["--warmup", "-1"], "--warmup"), (["--qat", "--qat-batch", "0"], "--qat-batch"),
+             (["--qat", "--qat-lr", "nan"], "finite --qat-lr"), (["--qat", "--qat-images", "-5"], "--qat-images")]
+    (tmp_path / "in" / "q.quantize.md").mkdir(parents=True)  # a folder where the report would go
     for extra, message in cases:
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert main(base[:4] + [str(wrong), "--output", str(tmp_path / "q")]) == 2
     assert "class folders" in capsys.readouterr().err
+    renamed = tmp_path / "renamed"  # the checkpoint's ten classes, with 9 renamed: the message names both
+    for split in ("train", "val"):
+        (renamed / split).mkdir(parents=True)
+        for folder in (trained_digits.data / split).iterdir():
+            (renamed / split / ("nine" if folder.name == "9" else folder.name)).symlink_to(folder)
+    assert main(base[:4] + [str(renamed), "--output", str(tmp_path / "q")]) == 2
+    assert "'nine' is not among them; '9' is missing" in capsys.readouterr().err
     monkeypatch.setattr(quantize_cli, "openvino_available", lambda: False)
     assert main(base[:-2] + ["--runtime", "openvino"]) == 2
     assert "pip install 'cgavit[openvino]'" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrong"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "renamed", "wrong"]  # nothing half-written
+    assert [p.name for p in (tmp_path / "in").iterdir()] == ["q.quantize.md"]
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_sigterm_ends_the_command_as_ctrl_c_does(trained_digits, tmp_path, capsys, monkeypatch):
+    """A SIGTERM (kill, a job scheduler, timeout) unwinds like Ctrl-C: the search's temporary folder goes, nothing
+    is written, one line, exit 128 + 15; the process's own handler is back afterwards."""
+    seen = {}
+
+    def terminated_mid_search(*args, **kwargs):
+        with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp:
+            seen["tmp"] = Path(tmp)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the signal ends this first
+        raise AssertionError("not terminated")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(quantize_cli, "quantize", terminated_mid_search)
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                 "--runtime", "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "16"])
+    assert code == 143 and capsys.readouterr().err == "cgavit quantize: terminated\n"
+    assert not seen["tmp"].exists() and not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_target_and_options_are_checked(trained_digits):
@@ -851,6 +905,20 @@ def test_target_and_options_are_checked(trained_digits):
         quantize(trained_digits.model, x[:8], x, labels=trained_digits.labels[:5], **QUICK)
     with pytest.raises(ValueError, match="runtime"):
         quantize(trained_digits.model, x[:8], x, runtime="tensorrt")
+    bad = [(dict(labels=trained_digits.labels + 100), "class indices in 0..9"),
+           (dict(labels=trained_digits.labels + 0.5), "whole class indices"),
+           (dict(labels=list(trained_digits.labels)), "labels must be a tensor"),
+           (dict(target=0.995), "QuantizeTarget"), (dict(options={"calibration": "minmax"}), "Int8Options"),
+           (dict(batch=0), "at least 1"), (dict(threads=0), "at least 1"), (dict(max_float_layers="3"), "whole number")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            quantize(trained_digits.model, x[:8], x, **{**QUICK, **kwargs})
+    nan = x.clone()
+    nan[3, 0, 5, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize(trained_digits.model, x[:8], nan, **QUICK)
+    with pytest.raises(ValueError, match="got str"):
+        quantize(trained_digits.model, "runs/demo/data/train", x, **QUICK)
 
 
 def test_weight_range_by_cpu_and_the_warning():

@@ -104,37 +104,59 @@ def calibration_and_evaluation(
     it is judged on (``eval_images`` of ``root/val_split``, 0: all): the one place every int8 command loads them.
 
     Args:
-        num_classes: the classes the model predicts, which both folders must hold (in the names ``info``
-            records, where it records them); None for a model without trained classes (random weights).
+        num_classes: the classes the model predicts, which both folders must hold (by the names ``info``
+            records, where it records them: the labels are then the model's indices of those names); None for a
+            model without trained classes (random weights).
         all_calibration_images: refuse a folder that holds fewer than ``calibration_images`` images.
 
     Raises:
-        ValueError: the same split for both (int8 judged on its own calibration images says nothing about
-            other images), a missing or malformed folder, class folders unlike the model's or each other's,
-            or too few calibration images.
+        ValueError: the same folder for both, however it is spelt (int8 judged on its own calibration images says
+            nothing about other images), a missing or malformed folder, class folders unlike the model's (the
+            message names the difference) or each other's, or too few calibration images.
     """
-    if train_split == val_split:
-        raise ValueError(f"calibration and evaluation must be different images; --train-split and --val-split are "
-                         f"both {train_split!r}")
+    train_dir, val_dir = Path(root) / train_split, Path(root) / val_split
+    if train_split == val_split or (train_dir.is_dir() and val_dir.is_dir() and train_dir.samefile(val_dir)):
+        raise ValueError(f"calibration and evaluation must be different images; --train-split {train_split!r} and "
+                         f"--val-split {val_split!r} are the same folder")
     calib = load_calibration(root, train_split, info, calibration_images)
     evaluated = load_labelled(root, val_split, info, eval_images)
-    named = [n for n in info.class_names if not n.startswith("class ")]
-    for split in (evaluated, calib):
-        if num_classes is None:
-            if split.classes != evaluated.classes:
-                raise ValueError(f"{calib.source} and {evaluated.source} must hold the same class folders; found "
-                                 f"{_few(calib.classes)} and {_few(evaluated.classes)}")
-        elif len(split.classes) != num_classes or (len(named) == num_classes and split.classes != named):
-            raise ValueError(f"{split.source} has class folders {_few(split.classes)}, but the checkpoint predicts "
-                             f"{num_classes} classes {_few(info.class_names)}: give the folder the model was trained on")
+    if num_classes is None:
+        if calib.classes != evaluated.classes:
+            raise ValueError(f"{calib.source} and {evaluated.source} must hold the same class folders: "
+                             f"{_difference(evaluated.classes, calib.classes)}")
+    else:
+        calib, evaluated = (_in_model_order(split, info, num_classes) for split in (calib, evaluated))
     if all_calibration_images and len(calib.images) < calibration_images:
         raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
                          f"{calibration_images}; give more images or a smaller count")
     return calib, evaluated
 
 
-def _few(names: list[str]) -> str:
-    return "[" + ", ".join(names[:4]) + (", ...]" if len(names) > 4 else "]")
+def _in_model_order(split: LabelledImages, info: ModelInfo, num_classes: int) -> LabelledImages:
+    """``split`` labelled with the model's class indices: by name where the checkpoint records its names, else
+    the folders' sorted order, which must then count ``num_classes``."""
+    named = list(info.class_names) if info.names_recorded else []
+    if len(named) != num_classes:
+        if len(split.classes) != num_classes:
+            raise ValueError(f"{split.source} has {len(split.classes)} class folders, but the checkpoint predicts "
+                             f"{num_classes} classes: give the folder the model was trained on")
+        return split
+    if sorted(split.classes) != sorted(named):
+        raise ValueError(f"{split.source}'s class folders are not the checkpoint's classes: "
+                         f"{_difference(split.classes, named)}; give the folder the model was trained on")
+    index = torch.tensor([named.index(name) for name in split.classes])
+    return LabelledImages(split.images, index[split.labels], split.source, list(named))
+
+
+def _difference(have: list[str], want: list[str]) -> str:
+    """What ``have`` has that ``want`` lacks and the other way round, e.g. ``"'nine' is not among them; '9' is missing"``."""
+    def few(names: list[str]) -> str:
+        return ", ".join(map(repr, names[:5])) + (" ..." if len(names) > 5 else "")
+
+    extra, missing = [n for n in have if n not in want], [n for n in want if n not in have]
+    parts = ([f"{few(extra)} {'is' if len(extra) == 1 else 'are'} not among them"] if extra else []) \
+        + ([f"{few(missing)} {'is' if len(missing) == 1 else 'are'} missing"] if missing else [])
+    return "; ".join(parts) or "the same names"
 
 
 def path_label(precision: str, runtime: str, compile: bool = True) -> str:
@@ -218,7 +240,7 @@ class CheckpointPrecision:
 def checkpoint_precision(
     checkpoint: str | Path, data: str | Path, batch: int, warmup: int, repeats: int, *,
     runtimes: tuple[str, ...] = ("onnxruntime",), compile: bool = True, calibration_images: int = CALIBRATION_IMAGES,
-    eval_images: int = 0, train_split: str = "train", val_split: str = "val",
+    eval_images: int = 0, train_split: str = "train", val_split: str = "val", trust: bool = False,
 ) -> CheckpointPrecision:
     """The precision check of a trained checkpoint on ``data/val_split`` (int8 calibrated on
     ``calibration_images`` images of ``data/train_split``), and the path ``optimize(precision="auto")``
@@ -231,7 +253,7 @@ def checkpoint_precision(
     """
     if calibration_images < 1:
         raise ValueError(f"--calibration-images must be at least 1, got {calibration_images}")
-    model, info = load_model(checkpoint)
+    model, info = load_model(checkpoint, trust=trust)
     calib, evaluated = calibration_and_evaluation(data, train_split, val_split, info, model.num_classes,
                                                   calibration_images, eval_images)
     batches = list(calib.images.split(batch))

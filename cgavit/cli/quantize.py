@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
-from ..deploy.fusion import output_path
+from ..deploy.fusion import WRITTEN_SUFFIXES, output_path
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.openvino import openvino_available
@@ -46,36 +50,97 @@ def checked_target(args: argparse.Namespace) -> QuantizeTarget:
     return QuantizeTarget(args.agreement / 100.0, args.accuracy_tolerance)
 
 
-def output_stem(args: argparse.Namespace) -> tuple[Path, str | None]:
-    """The output name without its suffix, and the runtime: ``--runtime``, or the one ``--output``'s suffix names.
+@dataclass(frozen=True)
+class Outputs:
+    """The files a run may write, named from ``--output``: the int8 file of each runtime (``NAME.onnx``;
+    ``NAME.xml`` + ``NAME.bin``) and the report (``NAME.quantize.json``, ``.md``, ``.png``), or, where a run that
+    met no target would otherwise replace the report of an earlier run's int8 file, ``NAME.quantize-missed.*``."""
+
+    stem: Path
+
+    def artifact(self, runtime: str) -> list[Path]:
+        suffixes = (".xml", ".bin") if runtime == "openvino" else (".onnx",)
+        return [self.stem.with_name(self.stem.name + s) for s in suffixes]
+
+    def report(self, suffix: str, missed: bool = False) -> Path:
+        return self.stem.with_name(f"{self.stem.name}.quantize{'-missed' if missed else ''}{suffix}")
+
+    def all(self) -> list[Path]:
+        return [*(p for rt in QUANT_RUNTIMES for p in self.artifact(rt)),
+                *(self.report(s, missed) for s in REPORT_SUFFIXES for missed in (False, True))]
+
+    def earlier_artifacts(self) -> list[Path]:
+        """The int8 files of an earlier run under this name, now there."""
+        return [p for rt in QUANT_RUNTIMES for p in self.artifact(rt) if p.suffix != ".bin" and p.exists()]
+
+
+#: The report's files, beside the int8 file.
+REPORT_SUFFIXES = (".json", ".md", ".png")
+
+
+def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
+    """The files ``--output`` names, checked before any work, and the runtime: ``--runtime``, or the one the
+    suffix names.
 
     Raises:
-        ValueError: a missing folder, or a suffix that contradicts ``--runtime``.
+        ValueError: not a file name (empty, ``.``, ``..``, a trailing ``/``, an existing folder), a missing or
+            unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, one of the
+            files to write is a folder, or OpenVINO asked for and not installed.
     """
-    out = output_path(args.output)
+    raw = args.output
+    if not raw.strip() or raw.endswith(("/", os.sep)) or Path(raw).name in ("", ".", ".."):
+        raise ValueError(f"--output is a file name, e.g. q/digits_int8 (.onnx or .xml is added); got {raw!r}")
+    out = output_path(raw)
+    if out.is_dir():
+        raise ValueError(f"--output {raw} is a folder; give a file name inside it, e.g. {out / 'int8'}")
     implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
     if implied and args.runtime and implied != args.runtime:
         raise ValueError(f"--output {out.name} is a {implied} file but --runtime is {args.runtime}; "
                          "give a matching suffix, or NAME alone")
+    if not implied and out.suffix.lower() in WRITTEN_SUFFIXES:
+        raise ValueError(f"--output {out.name} names another kind of file; give NAME, NAME.onnx or NAME.xml")
     runtime = args.runtime or implied
     if runtime == "openvino" and not openvino_available():
         raise ValueError("--runtime openvino is not installed: pip install 'cgavit[openvino]'")
-    return (out.with_suffix("") if implied else out), runtime
+    outputs = Outputs(out.with_suffix("") if implied else out)
+    folders = [p for p in outputs.all() if p.is_dir()]
+    if folders:
+        raise ValueError(f"{folders[0]} is a folder, and this run may write a file there; give another --output")
+    try:
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write into {out.parent} ({err.strerror or err}); give an --output in a folder you "
+                         "can write") from None
+    return outputs, runtime
 
 
-def run(args: argparse.Namespace) -> int:
-    target = checked_target(args)
-    stem, runtime = output_stem(args)
-    if min(args.calibration_images, args.epochs, args.repeats, args.threads) < 1 \
-            or min(args.eval_images, args.qat_float_layers) < 0 \
+def checked_numbers(args: argparse.Namespace) -> None:
+    """Every numeric option in range, before any work, each message naming its flag.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+    if min(args.calibration_images, args.repeats, args.threads) < 1 \
+            or min(args.eval_images, args.warmup, args.qat_float_layers) < 0 \
             or (args.max_float_layers is not None and args.max_float_layers < 0):
-        raise ValueError("--calibration-images, --epochs, --repeats and --threads must be at least 1, --eval-images, "
+        raise ValueError("--calibration-images, --repeats and --threads must be at least 1, --eval-images, --warmup, "
                          "--qat-float-layers and --max-float-layers at least 0")
     if not 0 <= args.holdout < 1:
         raise ValueError(f"--holdout is the share of the evaluation images held out of the search, in [0, 1), e.g. "
                          f"0.5 (0: none); got {args.holdout:g}")
+    if args.qat and (min(args.epochs, args.qat_batch) < 1 or args.qat_images < 0
+                     or not (math.isfinite(args.qat_lr) and args.qat_lr > 0)):
+        raise ValueError(f"--qat needs --epochs and --qat-batch of at least 1, --qat-images of at least 0 and a finite "
+                         f"--qat-lr above 0; got {args.epochs}, {args.qat_batch}, {args.qat_images} and {args.qat_lr:g}")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = checked_target(args)
+    checked_numbers(args)
+    outputs, runtime = checked_outputs(args)
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
-    model, info = load_model(args.checkpoint)
+    model, info = load_model(args.checkpoint, trust=args.trust_checkpoint)
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
                                                   all_calibration_images=True)
@@ -92,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
     elif args.qat:
         print("--qat: post-training int8 already meets the target with every layer int8; no fine-tuning needed")
-    return write_outputs(result, stem)
+    return write_outputs(result, outputs)
 
 
 def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
@@ -128,26 +193,35 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     return ptq
 
 
-def write_outputs(result: QuantizeResult, stem: Path) -> int:
-    """The report (json, md, png) always; the int8 file only when it meets the target. Exit status 0 or 1."""
-    def beside(suffix: str) -> Path:
-        return stem.with_name(f"{stem.name}.quantize{suffix}")
-
-    written = [write_json(beside(".json"), result.record()), write_text(beside(".md"), result.markdown())]
-    plot = plot_curves(result, beside(".png"))
+def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
+    """The int8 file only when it meets the target, first; then the report (json, md, png). A run that meets no
+    target leaves an earlier run's int8 file and its report as they were (its own report is then
+    ``NAME.quantize-missed.*``). Exit status 0 or 1."""
+    earlier = outputs.earlier_artifacts()
+    out = result.save(outputs.stem) if result.meets_target else None
+    missed = out is None and bool(earlier)
+    written = [write_json(outputs.report(".json", missed), result.record()),
+               write_text(outputs.report(".md", missed), result.markdown())]
+    plot = plot_curves(result, outputs.report(".png", missed))
     written += [plot] if plot else []
     for layer, why in result.reasons.items():
         print(f"kept in float: {layer}: {why}")
     if result.noise_floor is not None:
         print(f"for scale: {result.noise_floor.describe()} (the rounding an 8-bit image already carries)")
-    if not result.meets_target:
+    if out is None:
         print(f"nothing int8 met the target ({result.target.describe()}); the best found: {result.describe_point()}. "
               f"No int8 file written. Report: {', '.join(str(p) for p in written)}")
+        if missed:
+            print(f"note: {', '.join(str(p) for p in earlier)} from an earlier run {'is' if len(earlier) == 1 else 'are'} "
+                  f"left as it was, with its report {outputs.report('.md')}")
         return 1
-    out = result.save(stem)
     print(f"wrote {out}: {result.describe_point()}\n{result.uncertainty()}."
           f"\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
           f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
+    stale = [p for p in earlier if p != out]
+    if stale:
+        print(f"note: {', '.join(str(p) for p in stale)}, another runtime's int8 file from an earlier run, is still "
+              f"there; the report describes {out} alone")
     if result.runoff_disturbed:
         print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "
               "cores of it): the runtime chosen may not be the faster here; run cgavit quantize with nothing else running")
@@ -205,7 +279,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="trained weights written by cgavit train (best.pt, .safetensors)")
     p.add_argument("--data", required=True, help="image folder: calibration on DIR/train, judged on DIR/val")
-    p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml")
+    p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml, in a "
+                   "folder that exists; a run replaces the NAME.* files it writes, and one that meets no target leaves "
+                   "an earlier int8 file and its report alone")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="allow pickled objects in the checkpoint (runs code from it: only for files you trust)")
     p.add_argument("--agreement", type=float, default=99.5, help="least top-1 agreement with fp32, %% (default 99.5)")
     p.add_argument("--accuracy-tolerance", type=float, default=0.3,
                    help="largest accuracy change against fp32, points (default 0.3)")

@@ -45,7 +45,7 @@ from .agreement import (
     AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, NoiseFloor, compare_logits, noise_floor,
 )
 from .cpu import CpuFeatures, architecture, cpu_features
-from .fusion import fuse, output_path
+from .fusion import fuse, named_output
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, int8_info
 from .onnx import (
@@ -201,8 +201,7 @@ class QuantizeResult:
             out = ir_path(path)
             save_openvino(self.artifact, out, self.info)
             return out
-        out = output_path(path)
-        out = out if out.suffix.lower() == ".onnx" else out.with_name(out.name + ".onnx")
+        out = named_output(path, ".onnx", "an ONNX Runtime file")
         data = with_onnx_metadata(self.artifact, self.info)
         return atomic_write(out, lambda tmp: Path(tmp).write_bytes(data))
 
@@ -365,9 +364,11 @@ def quantize(
     Raises:
         ValueError: bad images, labels, runtime, target, holdout, or a bf16 float part without native bf16.
     """
-    runtimes, (cal, ev) = _runtimes(runtime), _checked_images(calibration, evaluation, labels)
-    if max_float_layers is not None and max_float_layers < 0:
-        raise ValueError(f"max_float_layers must be at least 0 (or None: no cap), got {max_float_layers}")
+    runtimes, (cal, ev) = _runtimes(runtime), _checked_images(calibration, evaluation, labels, _classes(model))
+    _check_settings(target, options, (batch, threads, warmup, repeats))
+    if max_float_layers is not None and (isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int)
+                                         or max_float_layers < 0):
+        raise ValueError(f"max_float_layers must be a whole number, at least 0 (or None: no cap), got {max_float_layers!r}")
     features, size = features or cpu_features(), tuple(ev.shape[2:])
     parts, opts = float_parts_for_cpu(features, float_part), options.for_cpu(features)
     search = _Search(fuse(model), fuse(reference if reference is not None else model), cal,
@@ -415,7 +416,8 @@ def assess(
         ValueError: as :func:`quantize`.
     """
     runtimes = _runtimes(runtime)
-    cal, ev = _checked_images(calibration, evaluation, labels)
+    cal, ev = _checked_images(calibration, evaluation, labels, _classes(reference))
+    _check_settings(target, options, (batch, threads, warmup, repeats))
     features = features or cpu_features()
     opts = options.for_cpu(features)
     size = tuple(ev.shape[2:])
@@ -447,14 +449,20 @@ def _runtimes(runtime: str | None) -> list[str]:
 
 
 def _checked_images(
-    calibration: torch.Tensor | Iterable[torch.Tensor], evaluation: torch.Tensor, labels: torch.Tensor | None
+    calibration: torch.Tensor | Iterable[torch.Tensor], evaluation: torch.Tensor, labels: torch.Tensor | None,
+    num_classes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Calibration and evaluation images as float32 ``(N, C, H, W)`` of one shape, checked."""
+    """Calibration and evaluation images as float32 ``(N, C, H, W)`` of one shape, finite, and the labels class
+    indices of the model's (``num_classes``, where known), checked."""
     if isinstance(calibration, torch.Tensor):
         cal = calibration
     else:
-        batches = [b.float() for b in calibration or ()]
-        cal = torch.cat(batches) if batches else torch.empty(0)
+        iterable = isinstance(calibration, Iterable) and not isinstance(calibration, (str, bytes))
+        batches = list(calibration) if iterable else None
+        if batches is None or not all(isinstance(b, torch.Tensor) for b in batches):
+            raise ValueError("calibration must be training images (N, C, H, W) or batches of them, as tensors "
+                             f"preprocessed like the input; got {type(calibration).__name__}")
+        cal = torch.cat([b.float() for b in batches]) if batches else torch.empty(0)
     if not isinstance(evaluation, torch.Tensor) or evaluation.ndim != 4 or not len(evaluation):
         raise ValueError("evaluation must be a non-empty image tensor (M, C, H, W) of held-out images")
     if cal.ndim != 4 or not len(cal):
@@ -462,9 +470,44 @@ def _checked_images(
     if cal.shape[1:] != evaluation.shape[1:]:
         raise ValueError(f"calibration images are {tuple(cal.shape[1:])} but evaluation images "
                          f"{tuple(evaluation.shape[1:])}: preprocess both like the model's input")
-    if labels is not None and tuple(labels.shape) != (len(evaluation),):
-        raise ValueError(f"labels must have shape ({len(evaluation)},), one per evaluation image; got {tuple(labels.shape)}")
-    return cal.float(), evaluation.float()
+    cal, evaluation = cal.float(), evaluation.float()
+    for name, images in (("calibration", cal), ("evaluation", evaluation)):
+        if not torch.isfinite(images).all():
+            raise ValueError(f"the {name} images hold NaN or infinite values: preprocess real images")
+    if labels is not None:
+        if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (len(evaluation),):
+            raise ValueError(f"labels must be a tensor of shape ({len(evaluation)},), one class index per evaluation "
+                             f"image; got {tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be whole class indices (an integer tensor), got {labels.dtype}")
+        if labels.min() < 0 or (num_classes is not None and labels.max() >= num_classes):
+            raise ValueError(f"labels must be class indices in 0..{num_classes - 1 if num_classes else 'N-1'}, got "
+                             f"values from {int(labels.min())} to {int(labels.max())}")
+    return cal, evaluation
+
+
+def _classes(model: nn.Module) -> int | None:
+    """How many classes ``model`` predicts, where it says (cgavit's models and timm's do)."""
+    count = getattr(model, "num_classes", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+
+
+def _check_settings(target: object, options: object, timing: tuple) -> None:
+    """The target and recipe are of their types, and the timing (batch, threads, warmup, repeats) in range,
+    before any work.
+
+    Raises:
+        ValueError: what is wrong, and what to give.
+    """
+    if not isinstance(target, QuantizeTarget):
+        raise ValueError(f"target must be a QuantizeTarget, e.g. QuantizeTarget(agreement=0.995); got {target!r}")
+    if not isinstance(options, Int8Options):
+        raise ValueError(f"options must be an Int8Options, e.g. Int8Options(calibration='percentile'); got {options!r}")
+    batch, threads, warmup, repeats = timing
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in timing) or min(batch, threads, repeats) < 1 \
+            or warmup < 0:
+        raise ValueError(f"batch, threads and repeats must be whole numbers of at least 1 and warmup at least 0; got "
+                         f"{batch!r}, {threads!r}, {repeats!r} and {warmup!r}")
 
 
 def split_holdout(images: torch.Tensor, labels: torch.Tensor | None, share: float
