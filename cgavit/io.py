@@ -43,6 +43,11 @@ class CheckpointError(ValueError):
     another architecture. The message names the file and what is wrong with it."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint refused because loading it would unpickle arbitrary objects (code could run); the opt-in is
+    ``trust=True`` (``--trust-checkpoint``)."""
+
+
 class UnreadableFileError(ValueError):
     """A path that cannot be read as a file: missing, a folder, a FIFO or device, empty, or not
     permitted. The message names the path and says what to do."""

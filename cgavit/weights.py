@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .io import CheckpointError, UnreadableFileError, atomic_write, check_readable_file, sniff_format
+from .io import CheckpointError, UnreadableFileError, UnsafeCheckpointError, atomic_write, check_readable_file, sniff_format
 from .schema import WeightsMeta, check_meta_against_shapes, check_state_dict, is_weights_meta, parse_weights_meta
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,15 @@ def read_weights_file(path: str | os.PathLike, trust: bool = False) -> WeightsFi
 
 def _torch_load(path: Path, trust: bool) -> object:
     try:
-        with torch.serialization.safe_globals([(_OptionsRecord, "argparse.Namespace")]):
+        with torch.serialization.safe_globals([(_OptionsRecord, "argparse.Namespace")]), warnings.catch_warnings():
+            # torch's note on an old pickle protocol would stand before the one line that says what is wrong
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             with open(path, "rb") as fh:  # a file object: torch would pick its reader from a .safetensors name
                 return torch.load(fh, map_location="cpu", weights_only=not trust)
     except Exception as err:
         text = str(err)
         if not trust and ("weights_only" in text or "Unsupported global" in text or "GLOBAL" in text):
-            raise CheckpointError(
+            raise UnsafeCheckpointError(
                 f"{path} holds pickled Python objects that could run code when loaded, so it was "
                 "refused. If you trust its source, opt in with load_checkpoint(..., trust=True) "
                 "(command line: --trust-checkpoint)."

@@ -198,3 +198,19 @@ def test_a_group_whose_extra_is_missing_is_listed_and_says_what_to_install():
     assert runs["info --model m0"][0] == 0  # the core's commands still run
     res = _cli_without("cgavit.cli.detect", ["info"])  # our own module broken: a bug, shown as one
     assert res.returncode == 1 and "Traceback" in res.stderr and "cgavit.cli.detect" in res.stderr
+
+
+def test_every_command_that_reads_a_checkpoint_offers_the_trust_opt_in():
+    """A pickled checkpoint is refused with a message naming ``--trust-checkpoint``: every command that reads one
+    (a ``--checkpoint`` or ``--pretrained-backbone`` option) must offer it, but for ``detect eval/predict``, which
+    read only what ``cgavit detect train`` wrote (never pickled objects) and say so."""
+    from cgavit.cli import _all_subparsers
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    readers = [p for p in _all_subparsers(sub)
+               if {"--checkpoint", "--pretrained-backbone"} & set(p._option_string_actions)]
+    assert {p.prog.split()[-1] for p in readers} >= {"eval", "predict", "export", "quantize", "bench", "heads", "explore"}
+    own_files_only = {"cgavit detect eval", "cgavit detect predict"}
+    missing = [p.prog for p in readers if "--trust-checkpoint" not in p._option_string_actions and p.prog not in own_files_only]
+    assert not missing, missing

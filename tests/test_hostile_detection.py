@@ -676,3 +676,20 @@ def _good_state() -> dict:
     if not _STATE:
         _STATE.update(build_detector(CONFIG).state_dict())
     return _STATE
+
+
+class _CallsAFunction:
+    """Pickles as a call of a (harmless) function: what a malicious checkpoint holds."""
+
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_a_pickled_detection_checkpoint_is_refused_without_a_trust_hint(tmp_path):
+    """``detect eval/predict`` read only what ``detect train`` writes, never pickled objects: the refusal says so
+    and offers no opt-in the commands do not have."""
+    path = tmp_path / "model.pth"
+    torch.save({"format": CHECKPOINT_FORMAT, "model": _CallsAFunction()}, path)
+    with pytest.raises(CheckpointError, match="never writes") as err:
+        load_detector(path)
+    assert "--trust-checkpoint" not in str(err.value)

@@ -50,6 +50,7 @@ class AnalysisConfig:
     pretrained: bool = option(
         False, "use the published ImageNet-1k weights of --model (downloaded once to the torch hub cache)"
     )
+    trust_checkpoint: bool = option(False, "allow pickled objects in --checkpoint (runs code from it: only for files you trust)")
     data: str | None = option(None, "image folder: DIR/<class>/<img> (labelled) or DIR/<img>")
     images: tuple[str, ...] = option((), "image files (instead of --data)", flags=("images",), nargs="*")
     img_size: int | None = option(None, "input size (default: the checkpoint's, else 224)")
@@ -136,7 +137,8 @@ def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, int, float, tup
             raise ValueError("give --checkpoint FILE or --pretrained, not both")
         if cfg.num_classes is not None:
             raise ValueError("--num-classes is for randomly initialised models; a checkpoint sets its own class count")
-        model, info = load_model(cfg.checkpoint, cfg.model, cfg.dials or None, pretrained=cfg.pretrained)
+        model, info = load_model(cfg.checkpoint, cfg.model, cfg.dials or None, pretrained=cfg.pretrained,
+                                 trust=cfg.trust_checkpoint)
         return model, cfg.img_size or info.img_size, cfg.crop_pct or info.crop_pct, info.mean, info.std
     log.warning("no --checkpoint: analysing randomly initialised weights")
     size = cfg.img_size or 224

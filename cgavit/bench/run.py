@@ -50,6 +50,7 @@ class BenchConfig:
             with ``data`` (both needed).
         skip_table: skip the main throughput table.
         checkpoint: trained weights for the precision check (any file ``cgavit.load_model`` reads).
+        trust_checkpoint: allow pickled objects in ``checkpoint`` (runs code from it).
         data: image folder for the precision check with ``checkpoint``: ``data/val_split`` evaluated,
             ``data/train_split`` for the int8 calibration.
         calibration_images: training images int8 is calibrated on.
@@ -75,6 +76,7 @@ class BenchConfig:
     precision_check: bool = False
     skip_table: bool = False
     checkpoint: str | Path | None = None
+    trust_checkpoint: bool = False
     data: str | Path | None = None
     calibration_images: int = 256
     eval_images: int = 0
@@ -283,7 +285,7 @@ def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: Bench
     check = checkpoint_precision(
         cfg.checkpoint, cfg.data, protocol.batch, protocol.warmup, protocol.repeats, runtimes=protocol.runtimes,
         compile=cfg.compile, calibration_images=cfg.calibration_images, eval_images=cfg.eval_images,
-        train_split=cfg.train_split, val_split=cfg.val_split)
+        train_split=cfg.train_split, val_split=cfg.val_split, trust=cfg.trust_checkpoint)
     report.precision, report.auto, report.noise_floor = check.rows, check.auto, check.noise_floor
     report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
                                    calibration_images=check.calibration_images)

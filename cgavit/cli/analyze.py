@@ -10,7 +10,7 @@ from .options import add_options, option_values
 
 #: The AnalysisConfig fields both analyses take as flags, in the order ``--help`` lists them (then the dials).
 ANALYSIS_FIELDS: tuple[str, ...] = (
-    "model", "checkpoint", "pretrained", "data", "images", "output", "img_size", "crop_pct", "num_images",
+    "model", "checkpoint", "trust_checkpoint", "pretrained", "data", "images", "output", "img_size", "crop_pct", "num_images",
     "num_classes", "batch_size", "seed",
 )
 

@@ -41,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         precision_check=args.precision_check,
         skip_table=args.skip_table,
         checkpoint=args.checkpoint or None,
+        trust_checkpoint=args.trust_checkpoint,
         data=args.data or None,
         calibration_images=args.calibration_images,
         eval_images=args.eval_images,
@@ -117,6 +118,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-table", action="store_true", help="skip the main throughput table (e.g. with --precision-check)")
     p.add_argument("--checkpoint", default="", help="--precision-check: trained weights (best.pt, model.safetensors, "
                    "...); the image size and preprocessing are the checkpoint's")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="allow pickled objects in --checkpoint (runs code from it: only for files you trust)")
     p.add_argument("--data", default="", help="--precision-check with --checkpoint: image folder; DIR/val evaluated, "
                    "DIR/train for the int8 calibration")
     p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,

@@ -12,6 +12,7 @@ from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_an
 from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
 from ..factory import ModelInfo, create_model, load_model
+from ..loading import load_checkpoint
 from .common import add_dial_args, dials_from_args, image_size
 
 __all__ = ["EXPORT_TOLERANCE", "export_info", "register", "run"]
@@ -28,11 +29,13 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
     a checkpoint that records its architecture (trained here) with ``--checkpoint`` alone."""
     if args.model:
         size = image_size(args.img_size or [224])
-        model = create_model(args.model, checkpoint_path=args.checkpoint, img_size=size, **dials_from_args(args))
+        model = create_model(args.model, img_size=size, **dials_from_args(args))
+        if args.checkpoint:
+            load_checkpoint(model, args.checkpoint, trust=args.trust_checkpoint)
         return model, ModelInfo([], img_size=size[0]), size
     if not args.checkpoint:
         raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
-    model, info = load_model(args.checkpoint)
+    model, info = load_model(args.checkpoint, trust=args.trust_checkpoint)
     return model, info, image_size(args.img_size or [info.img_size])
 
 
@@ -44,7 +47,7 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
         return None, None
-    num_classes = len(info.class_names) if args.checkpoint and info.class_names else None
+    num_classes = len(info.class_names) if info.names_recorded else None  # a file without names: any labelled folder
     return calibration_and_evaluation(args.data, args.train_split, args.val_split, info, num_classes,
                                       args.calibration_images, args.eval_images)
 
@@ -100,6 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", help="variant name, e.g. efficientvit_m0 (optional for checkpoints written by cgavit train)")
     p.add_argument("--checkpoint", help="weights file (official, timm or cgavit format); default random weights")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="allow pickled objects in the checkpoint (runs code from it: only for files you trust)")
     p.add_argument("--format", default=None, choices=list(FORMATS),
                    help="export format (default: the one --output's suffix names, else onnx)")
     p.add_argument("--output", required=True, help="output file, e.g. m0.onnx, m0.xml (+ m0.bin), m0.pte, m0.tflite; a name "

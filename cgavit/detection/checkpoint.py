@@ -20,7 +20,7 @@ from torch import nn
 
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
-from ..io import CheckpointError, sniff_format
+from ..io import CheckpointError, UnsafeCheckpointError, sniff_format
 from ..schema import check_finite, check_name, check_state_dict, check_tensor, shown
 from ..variants import VARIANTS, DialError, EfficientViTConfig
 from ..weights import checked_path, read_weights_file
@@ -51,7 +51,10 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path} is {what}: expected model.pth or checkpoint.pth written by `cgavit detect train`")
     try:
         ckpt = read_weights_file(path).content
-    except CheckpointError as err:  # truncated files, pickles with code, other formats
+    except UnsafeCheckpointError:
+        raise CheckpointError(f"{path} holds pickled Python objects that could run code when loaded, which `cgavit "
+                              "detect train` never writes: refused; is it the right file?") from None
+    except CheckpointError as err:  # truncated files, other formats
         raise CheckpointError(f"cannot read {path} as a detection checkpoint (truncated or damaged?): {err}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
