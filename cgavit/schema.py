@@ -39,6 +39,9 @@ MAX_META_BYTES = 8 * 2**20
 MAX_JSON_DEPTH = 8
 #: Longest class name.
 MAX_NAME_LENGTH = 1024
+#: The normalisation a file may record: each channel's mean and std of ``[0, 1]`` pixels.
+MEAN_RANGE = (0.0, 1.0)
+STD_RANGE = (1e-3, 10.0)
 #: The largest bias table side: the largest window a config allows.
 MAX_BIAS_WINDOW = CONFIG_LIMITS["window_size"][1]
 
@@ -279,7 +282,7 @@ def parse_weights_meta(raw: Mapping[str, str], source: str) -> WeightsMeta:
 
 def _parse_meta(raw: Mapping[str, str]) -> WeightsMeta:
     model, config = _parse_config(raw)
-    names = _class_names(_json(raw, "class_names"))
+    names = check_class_names(_json(raw, "class_names"))
     num_classes = bounded_int(raw.get("num_classes") or (len(names) if names else 1000), "num_classes", 0, MAX_CLASSES)
     if names is not None and len(names) != num_classes:
         raise ValueError(f"{len(names)} class names for {num_classes} classes")
@@ -297,7 +300,13 @@ def _json(raw: Mapping[str, str], key: str, default=None):
     return default if key not in raw else bounded_json(raw[key], key)
 
 
-def _class_names(names: object) -> tuple[str, ...] | None:
+def check_class_names(names: object) -> tuple[str, ...] | None:
+    """A file's class names (None: none recorded): a list of at most :data:`MAX_CLASSES` names, each
+    :func:`check_name`'s printable text.
+
+    Raises:
+        ValueError: anything else, naming the first bad name.
+    """
     if names is None:
         return None
     if not isinstance(names, list) or len(names) > MAX_CLASSES:
@@ -317,7 +326,8 @@ def bounded_int(value: object, name: str, lo: int, hi: int) -> int:
     return v
 
 
-def _floats(value: object, name: str, n: int, lo: float, hi: float) -> tuple[float, ...]:
+def bounded_floats(value: object, name: str, n: int, lo: float, hi: float) -> tuple[float, ...]:
+    """``value`` as ``n`` finite numbers within ``[lo, hi]``; ValueError naming ``name`` otherwise."""
     if not isinstance(value, (list, tuple)) or len(value) != n or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise ValueError(f"{name} must be a list of {n} numbers, got {shown(value)}")
@@ -345,7 +355,8 @@ def _feeding(img_size: object, crop_pct: object, interpolation: object, mean: ob
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"{name('interpolation')} must be one of {INTERPOLATIONS}, got {shown(interpolation)}")
     return dict(img_size=size, crop_pct=pct, interpolation=interpolation,
-                mean=_floats(mean, name("mean"), 3, 0.0, 1.0), std=_floats(std, name("std"), 3, 1e-3, 10.0))
+                mean=bounded_floats(mean, name("mean"), 3, *MEAN_RANGE),
+                std=bounded_floats(std, name("std"), 3, *STD_RANGE))
 
 
 def _parse_config(raw: Mapping[str, str]) -> tuple[str | None, EfficientViTConfig]:
@@ -428,7 +439,7 @@ def check_training_checkpoint(ckpt: object, source: str) -> None:
     classes = ckpt.get("classes")
     if classes is not None:
         try:
-            _class_names(classes)
+            check_class_names(classes)
         except ValueError as err:
             raise CheckpointError(f"{source}: its 'classes': {err}; the file is damaged") from None
     for key in ("next_epoch", "next_step", "global_step"):
@@ -481,4 +492,4 @@ def _training_record(args: object, classes: object) -> WeightsMeta:
     if distillation not in ("none", "soft", "hard"):
         raise ValueError(f"--distillation-type must be none, soft or hard, got {shown(distillation)}")
     return WeightsMeta(model=model, config=VARIANTS[model].cfg.with_dials(**dials), num_classes=0,
-                       class_names=_class_names(classes) or None, distillation=distillation != "none", **feed)
+                       class_names=check_class_names(classes) or None, distillation=distillation != "none", **feed)

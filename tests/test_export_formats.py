@@ -2,8 +2,11 @@
 within the agreement target on the trained digits model. Each format is skipped, with the extra to
 install, when its runtime is missing."""
 
+import html
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -186,6 +189,121 @@ def test_eval_names_a_file_this_cpu_would_run_wrongly_once(trained_digits, tmp_p
     assert len(said) == 1 and said[0].name == "cgavit", caplog.text
     assert said[0].getMessage().startswith("d8.onnx: this int8 file has full 8-bit weights")
     assert "RuntimeWarning" not in capfd.readouterr().err
+
+
+EXPORTED = [pytest.param(".onnx", marks=need("onnx")), pytest.param(".xml", marks=need("openvino"))]
+
+
+@pytest.fixture(scope="module")
+def digits_exports(trained_digits, tmp_path_factory):
+    """The trained digits checkpoint exported once, as ``cgavit export`` writes it (its class names and
+    preprocessing in the file), in fp32 ONNX and OpenVINO IR where installed: ``{suffix: path}``."""
+    from cgavit import load_model
+    from cgavit.cli.export import export_info
+
+    model, info = load_model(trained_digits.checkpoint)
+    folder = tmp_path_factory.mktemp("digits_exports")
+    return {fmt.suffix: export_model(model, folder / f"digits{fmt.suffix}", name, (48, 48), info=export_info(info, (48, 48)))
+            for name, fmt in FORMATS.items() if name in ("onnx", "openvino") and fmt.available()}
+
+
+def with_metadata(path, folder, name: str, **values: str):
+    """A copy of the exported file ``path`` named ``name`` in ``folder``, its cgavit metadata keys given new JSON
+    text, as a hostile user would edit it: ONNX with the ``onnx`` package, OpenVINO in the ``.xml`` text."""
+    out = folder / f"{name}{path.suffix}"
+    if path.suffix == ".onnx":
+        import onnx
+
+        model = onnx.load(str(path))
+        for prop in model.metadata_props:
+            prop.value = values.get(prop.key.removeprefix("cgavit."), prop.value)
+        onnx.save(model, str(out))
+        return out
+    xml = path.read_text()
+    for key, value in values.items():
+        xml, n = re.subn(rf'<{key} value="[^"]*" />', lambda _: f'<{key} value="{html.escape(value)}" />', xml)
+        assert n == 1, key
+    out.write_text(xml)
+    shutil.copy(path.with_suffix(".bin"), out.with_suffix(".bin"))
+    return out
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+@pytest.mark.parametrize("values, words", [
+    ({"img_size": "[64, 64]"}, "its metadata says 64x64 images but the network takes 48x48"),
+    ({"class_names": json.dumps(list("abc"))}, "names 3 classes but the network returns 10 logits"),
+    ({"class_names": json.dumps([str(i) for i in range(12)])}, "names 12 classes but the network returns 10 logits"),
+    ({"mean": "[0.5, 0.5]", "std": "[0.5, 0.5]"}, "2 mean and std values but the network takes 3-channel images"),
+    ({"mean": "[NaN, 0.5, 0.5]"}, "its mean values must be in [0.0, 1.0], got [nan"),
+    ({"std": "[Infinity, 1, 1]"}, "its std values must be in"),
+    ({"std": "[0, 0.2, 0.2]"}, "its std values must be in"),
+    ({"crop_pct": "NaN"}, "its crop fraction must be within"),
+    ({"int8": "[1, 2]"}, "its int8 record must be an object, got [1, 2]"),
+    ({"int8": json.dumps({"float_layers": 5})}, "its int8 float layers must be a list of layer names"),
+    ({"int8": "[" * 100 + "]" * 100}, "nested deeper than"),
+    ({"class_names": json.dumps(["\x1b[31mRED\x1b[0m", "\n", *"23456789"])}, "control or formatting characters"),
+    ({"class_names": json.dumps(["x" * 100_000] * 10)}, "must be text of 1 to 1024 characters"),
+])
+def test_metadata_that_is_malformed_or_does_not_fit_its_network_is_refused_at_open(
+        suffix, values, words, digits_exports, tmp_path):
+    """The metadata is untrusted: each value is checked as a checkpoint's would be (class names printable and
+    bounded, numbers finite and in range), and against the network it came with, before anything runs."""
+    from cgavit.deploy import open_exported
+
+    path = with_metadata(digits_exports[suffix], tmp_path, "tampered", **values)
+    with pytest.raises(ValueError) as caught:
+        open_exported(path)
+    said = str(caught.value)
+    assert words in said and said.startswith(str(path)) and "export" in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_eval_and_predict_refuse_metadata_that_does_not_fit_in_one_line(suffix, digits_exports, trained_digits,
+                                                                      tmp_path, capsys):
+    """Three names for ten logits crashed predict (IndexError) and a NaN mean let eval report 10 % with exit 0:
+    both are one line and exit 2 now. No names (unnamed classes) and one mean/std for every channel still open."""
+    from cgavit.deploy import open_exported
+
+    path = digits_exports[suffix]
+    image = str(sorted((trained_digits.data / "val").glob("*/*"))[0])
+    three = with_metadata(path, tmp_path, "three", class_names=json.dumps(list("abc")))
+    assert main(["predict", "--checkpoint", str(three), image]) == 2
+    err = capsys.readouterr().err
+    assert "names 3 classes but the network returns 10 logits" in err and len(err.strip().splitlines()) == 1, err
+    nan = with_metadata(path, tmp_path, "nan", mean="[NaN, 0.5, 0.5]")
+    assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(nan), "--workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "its mean values must be in" in err and len(err.strip().splitlines()) == 1, err
+    plain = with_metadata(path, tmp_path, "plain", class_names="[]", mean="[0.5]", std="[0.25]")
+    module, info = open_exported(plain)
+    assert info.class_names == () and info.mean == (0.5,) and info.std == (0.25,)
+    assert module(trained_digits.images[:2]).shape == (2, 10)
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_a_damaged_exported_file_is_refused_in_one_line(suffix, digits_exports, trained_digits, tmp_path, capsys):
+    """A file cut short or not a model at all (OpenVINO: its .xml or its .bin) was the runtime's traceback: it is
+    one line naming the file and the runtime's reason, exit 2; optimize(quantized=...) raises ValueError."""
+    from cgavit.deploy import optimize
+
+    path = digits_exports[suffix]
+    data, weights = path.read_bytes(), path.with_suffix(".bin")
+    damaged = {"truncated": (data[: len(data) // 2], None), "garbage": (b"\x08\x07garbage" * 10, None)}
+    if suffix == ".xml":
+        damaged["short_bin"] = (data, weights.read_bytes()[:-4])
+    for name, (model, bin_data) in damaged.items():
+        out = tmp_path / f"{name}{suffix}"
+        out.write_bytes(model)
+        if suffix == ".xml":
+            out.with_suffix(".bin").write_bytes(weights.read_bytes() if bin_data is None else bin_data)
+        assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(out), "--workers", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot read {out} as" in err and "(truncated or corrupt?)" in err, err
+        assert "export it again" in err and len(err.strip().splitlines()) == 1, err
+    if suffix == ".onnx":
+        with pytest.raises(ValueError, match="as an ONNX model"):
+            optimize(trained_digits.model, trained_digits.images[:1], precision="auto",
+                     quantized=tmp_path / "truncated.onnx")
 
 
 # Two OpenVINO models dropped in the order they were made, then a signal with a Python handler (SIGCHLD from a

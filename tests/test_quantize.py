@@ -965,7 +965,7 @@ def test_layer_names_of_both_runtimes():
 
 
 def test_export_metadata_round_trip_and_its_checks(trained_digits, tmp_path):
-    info = ExportInfo(class_names=("cat", "dog"), img_size=(48, 48), mean=(0.5,) * 3, std=(0.25,) * 3,
+    info = ExportInfo(class_names=tuple("abcdefghij"), img_size=(48, 48), mean=(0.5,) * 3, std=(0.25,) * 3,
                       interpolation="bilinear", crop_pct=0.9)
     assert ExportInfo.from_props(info.to_props()) == info
     path = export_model(trained_digits.model, tmp_path / "m.onnx", "onnx", (48, 48), info=info)

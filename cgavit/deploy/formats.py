@@ -25,7 +25,7 @@ from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_pa
 from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
 from .fusion import example_batch, fuse, named_output
 from .cpu import architecture, cpu_features
-from .int8 import FLOAT_PARTS, Int8Options, architecture_warning, float_part_warning, weight_range_warning
+from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
 from .metadata import ExportInfo
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
@@ -252,8 +252,9 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
         ``(model, info)``.
 
     Raises:
-        ValueError: not an ``.onnx``/``.xml`` file, a missing ``.bin``, its runtime not installed, or
-            no (or malformed) cgavit metadata.
+        ValueError: not an ``.onnx``/``.xml`` file, a missing ``.bin``, its runtime not installed, a file its
+            runtime cannot read (truncated, corrupt), no (or malformed) cgavit metadata, or metadata that does not
+            fit the network (image size, channels, class count: :meth:`ExportInfo.check_network`).
         UnreadableFileError: the file is missing or unreadable.
     """
     path = check_readable_file(path, "exported model")
@@ -265,12 +266,10 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     require_format(format)
     module = OpenVinoModule(path, threads) if format == "openvino" else OnnxModule(path, threads)
     info = ExportInfo.from_props(module.metadata, str(path))
+    info.check_network(module.input_shape, module.output_shape, str(path))
     module.precision = info.precision
-    float_part = str(info.int8.get("float_part", "fp32"))
+    float_part = info.int8.get("float_part", "fp32")
     if format == "openvino" and info.precision != "fp32":
-        if float_part not in FLOAT_PARTS:
-            raise ValueError(f"{path.name}: cgavit metadata has an int8 float part {float_part!r} (not one of "
-                             f"{', '.join(FLOAT_PARTS)}); export the file again")
         module = OpenVinoModule(module.model, threads, info.precision, float_part)
     features = cpu_features() if format == "openvino" else cpu_features(environ={})  # MLAS ignores oneDNN's ISA cap
     for warning in (weight_range_warning(str(info.int8.get("weight_range", "")), features),

@@ -4,18 +4,24 @@ for int8, how it was quantised and what it kept.
 
 :class:`ExportInfo` is format-neutral: a flat ``{key: string}`` table (:meth:`ExportInfo.to_props`)
 that the ONNX and OpenVINO modules write and read with their own APIs. Values are JSON text, so a
-reader in any language parses them.
+reader in any language parses them. A file's metadata is untrusted: reading it checks every value
+(:meth:`ExportInfo.from_props`), and :func:`~cgavit.deploy.open_exported` checks it against the network
+it came with (:meth:`ExportInfo.check_network`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 
-from ..bounds import IMG_SIZE_RANGE, INTERPOLATIONS, MAX_CLASSES
-from .int8 import Int8Options, weight_range_label
+from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
+from ..io import printable
+from ..schema import MEAN_RANGE, STD_RANGE, bounded_floats, bounded_json, check_class_names, check_name, shown
+from .int8 import FLOAT_PARTS, Int8Options, weight_range_label
 
 #: The prefix of every key cgavit writes (ONNX: ``cgavit.class_names``; OpenVINO: ``rt_info["cgavit"]``).
 PREFIX = "cgavit"
@@ -65,20 +71,58 @@ class ExportInfo:
 
     @classmethod
     def from_props(cls, props: Mapping[str, str], source: str = "the file") -> ExportInfo:
-        """Read :meth:`to_props`'s table back (other keys are ignored), checking every value.
+        """Read :meth:`to_props`'s table back (other keys are ignored), checking every value: JSON bounded in
+        size and depth, class names as a checkpoint's (:func:`~cgavit.schema.check_class_names`), numbers
+        finite and within :mod:`cgavit.bounds` and the schema's normalisation ranges.
 
         Raises:
-            ValueError: no cgavit metadata, or a value that is malformed or out of range.
+            ValueError: no cgavit metadata, or a value that is malformed or out of range (the first one named).
         """
         mine = {k[len(PREFIX) + 1:]: v for k, v in props.items() if k.startswith(PREFIX + ".")}
         if "img_size" not in mine:
             raise ValueError(f"{source} carries no cgavit metadata (written by cgavit export or cgavit quantize "
                              "0.1.0 or later); export it again, or give the preprocessing yourself")
         try:
-            raw = {k: json.loads(v) for k, v in mine.items() if k in KEYS}
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: malformed cgavit metadata ({err})") from None
-        return _checked(raw, source)
+            return _checked({k: bounded_json(v, f"{PREFIX}.{k}") for k, v in mine.items() if k in KEYS})
+        except ValueError as err:
+            raise ValueError(f"{source}: bad cgavit metadata: {err}; export the file again") from None
+
+    def check_network(self, inputs: Sequence[int | None] | None, outputs: Sequence[int | None] | None,
+                      source: str = "the file") -> None:
+        """Refuse metadata that does not describe the network it came with. ``inputs`` and ``outputs`` are the
+        network's image input ``(B, C, H, W)`` and logits ``(B, classes)`` as its file declares them (None for a
+        dynamic dimension, or a shape not known): the image size must be the network's, mean and std one value
+        or one per input channel, and the class names, where there are any, one per logit.
+
+        Raises:
+            ValueError: the first disagreement, naming ``source``.
+        """
+        def fail(what: str) -> ValueError:
+            return ValueError(f"{source}: {what}; export it again")
+
+        if inputs is not None and len(inputs) != 4:
+            raise fail(f"its network takes a {len(inputs)}-dimensional input, not images (batch, channels, height, width)")
+        if outputs is not None and len(outputs) != 2:
+            raise fail(f"its network returns a {len(outputs)}-dimensional output, not logits (batch, classes)")
+        _, channels, height, width = inputs or (None,) * 4
+        h, w = self.img_size
+        if height not in (None, h) or width not in (None, w):
+            raise fail(f"its metadata says {h}x{w} images but the network takes {height or '?'}x{width or '?'}")
+        if channels is not None and len(self.mean) not in (1, channels):
+            raise fail(f"its metadata has {len(self.mean)} mean and std values but the network takes {channels}-channel "
+                       f"images (1 or {channels} fit)")
+        classes = outputs[1] if outputs is not None else None
+        if classes is not None and self.class_names and len(self.class_names) != classes:
+            raise fail(f"its metadata names {len(self.class_names)} classes but the network returns {classes} logits")
+
+
+def unreadable_file(source: str | os.PathLike, kind: str, err: BaseException) -> ValueError:
+    """The one line for an exported file that its runtime cannot read (cut short, or not such a file at all):
+    ``kind`` (``"an ONNX model"``, ...) and the runtime's reason, the last line of its message (OpenVINO's first
+    lines name the place in its source that raised it)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    reason = printable(lines[-1][:200]).rstrip(".")
+    return ValueError(f"cannot read {source} as {kind} (truncated or corrupt?): {reason}; export it again")
 
 
 def int8_info(info: ExportInfo, options: Int8Options, float_part: str = "fp32") -> ExportInfo:
@@ -89,34 +133,52 @@ def int8_info(info: ExportInfo, options: Int8Options, float_part: str = "fp32") 
     return replace(info, precision="int8", int8={**dict(info.int8), **made})
 
 
-def _checked(raw: dict, source: str) -> ExportInfo:
-    """The :class:`ExportInfo` of parsed metadata values, each checked."""
-    def fail(what: str) -> ValueError:
-        return ValueError(f"{source}: cgavit metadata has {what}; export the file again")
-
-    size, names = raw.get("img_size"), raw.get("class_names", [])
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) for s in size)
-            and all(IMG_SIZE_RANGE[0] <= s <= IMG_SIZE_RANGE[1] for s in size)):
-        raise fail(f"an image size {size!r} that is not two sides in {IMG_SIZE_RANGE}")
-    if not (isinstance(names, list) and len(names) <= MAX_CLASSES and all(isinstance(n, str) for n in names)):
-        raise fail("class names that are not a list of strings")
-    mean, std = _floats(raw.get("mean", [0.485, 0.456, 0.406])), _floats(raw.get("std", [0.229, 0.224, 0.225]))
-    if mean is None or std is None or len(mean) != len(std) or not all(s > 0 for s in std):
-        raise fail("a mean/std that is not two lists of numbers of one length (std > 0)")
-    interpolation, crop = raw.get("interpolation", "bicubic"), raw.get("crop_pct", 0.875)
+def _checked(raw: dict) -> ExportInfo:
+    """The :class:`ExportInfo` of parsed metadata values, each checked (ValueError: the first bad one)."""
+    size, (lo, hi) = raw.get("img_size"), IMG_SIZE_RANGE
+    if not (isinstance(size, list) and len(size) == 2 and all(type(s) is int and lo <= s <= hi for s in size)):
+        raise ValueError(f"its image size must be two sides of {lo} to {hi} pixels, got {shown(size)}")
+    names = check_class_names(raw.get("class_names", [])) or ()
+    mean = _per_channel(raw.get("mean", list(ExportInfo.mean)), "mean", MEAN_RANGE)
+    std = _per_channel(raw.get("std", list(ExportInfo.std)), "std", STD_RANGE)
+    if len(mean) != len(std):
+        raise ValueError(f"its mean and std must have one length, got {len(mean)} and {len(std)} values")
+    interpolation, crop, (lo, hi) = raw.get("interpolation", "bicubic"), raw.get("crop_pct", 0.875), CROP_PCT_RANGE
     if interpolation not in INTERPOLATIONS:
-        raise fail(f"interpolation {interpolation!r} (not one of {', '.join(INTERPOLATIONS)})")
-    if not isinstance(crop, (int, float)) or not 0 < crop <= 1:
-        raise fail(f"a crop fraction {crop!r} outside (0, 1]")
-    precision, int8 = raw.get("precision", "fp32"), raw.get("int8", {})
-    if precision not in ("fp32", "int8") or not isinstance(int8, dict):
-        raise fail(f"precision {precision!r}")
-    return ExportInfo(tuple(names), (size[0], size[1]), mean, std, interpolation, float(crop), precision, int8,
-                      str(raw.get("version", "")))
+        raise ValueError(f"its interpolation must be one of {', '.join(INTERPOLATIONS)}, got {shown(interpolation)}")
+    if type(crop) not in (int, float) or not lo <= crop <= hi:
+        raise ValueError(f"its crop fraction must be within {lo}..{hi}, got {shown(crop)}")
+    precision = raw.get("precision", "fp32")
+    if precision not in ("fp32", "int8"):
+        raise ValueError(f"its precision must be fp32 or int8, got {shown(precision)}")
+    return ExportInfo(names, (size[0], size[1]), mean, std, interpolation, float(crop), precision,
+                      _int8_record(raw.get("int8", {})), str(raw.get("version", "")))
 
 
-def _floats(values: object) -> tuple[float, ...] | None:
-    if isinstance(values, Sequence) and not isinstance(values, str) and values \
-            and all(isinstance(v, (int, float)) for v in values):
-        return tuple(float(v) for v in values)
-    return None
+def _per_channel(values: object, name: str, bounds: tuple[float, float]) -> tuple[float, ...]:
+    """A mean or std: a list of one number, or of one per input channel (:meth:`ExportInfo.check_network` counts
+    them against the network's), each within ``bounds``."""
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"its {name} must be a list of numbers, one or one per channel, got {shown(values)}")
+    return bounded_floats(values, f"its {name}", len(values), *bounds)
+
+
+def _int8_record(int8: object) -> dict:
+    """How an int8 file was made and judged: an object whose float part is one of
+    :data:`~cgavit.deploy.int8.FLOAT_PARTS`, whose float layers are a list of names, and whose other text is
+    printable and numbers finite."""
+    if not isinstance(int8, dict):
+        raise ValueError(f"its int8 record must be an object, got {shown(int8)}")
+    if int8.get("float_part", "fp32") not in FLOAT_PARTS:
+        raise ValueError(f"its int8 float part must be one of {', '.join(FLOAT_PARTS)}, got {shown(int8['float_part'])}")
+    layers = int8.get("float_layers", [])
+    if not isinstance(layers, list):
+        raise ValueError(f"its int8 float layers must be a list of layer names, got {shown(layers)}")
+    for layer in layers:
+        check_name(layer, "its int8 float layer")
+    for key, value in int8.items():
+        if isinstance(value, str) and value:
+            check_name(value, f"its int8 {key}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"its int8 {key} must be a finite number, got {value}")
+    return int8

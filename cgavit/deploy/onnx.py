@@ -24,7 +24,7 @@ from ..io import atomic_write
 from .cpu import CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import Int8Options, layer_of_onnx_node
-from .metadata import ExportInfo, int8_info
+from .metadata import PREFIX, ExportInfo, int8_info, unreadable_file
 from .runtime import RuntimeModule, quiet_quantiser
 
 
@@ -111,6 +111,12 @@ class OnnxModule(RuntimeModule):
 
     Attributes:
         metadata: the file's ``metadata_props`` (``{key: value}``; cgavit's keys: :mod:`cgavit.deploy.metadata`).
+        input_shape, output_shape: the shapes of its first input and output as the file declares them (None for
+            a dynamic dimension).
+
+    Raises:
+        ValueError: a file ONNX Runtime cannot load (truncated, corrupt, not ONNX), or a graph without an input
+            or an output.
     """
 
     def __init__(self, path: str | os.PathLike | bytes, threads: int | None = None, precision: str = "fp32") -> None:
@@ -121,8 +127,21 @@ class OnnxModule(RuntimeModule):
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         data = path if isinstance(path, bytes) else Path(path).read_bytes()
-        self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
-        self.input_name = self.session.get_inputs()[0].name
+        errors = ort.capi.onnxruntime_pybind11_state
+        try:
+            self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        except (errors.Fail, errors.InvalidArgument, errors.InvalidGraph, errors.InvalidProtobuf, errors.NoModel,
+                errors.NotImplemented, errors.RuntimeException) as err:
+            if isinstance(path, bytes):  # built here, not read from a file: a defect of ours
+                raise
+            raise unreadable_file(path, "an ONNX model", err) from None
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        if not inputs or not outputs:
+            raise ValueError(f"{'the ONNX model' if isinstance(path, bytes) else path}: its graph has no input or no "
+                             "output, so it is not a network of images; export it again")
+        self.input_name = inputs[0].name
+        self.input_shape, self.output_shape = (tuple(d if isinstance(d, int) else None for d in arg.shape)
+                                               for arg in (inputs[0], outputs[0]))
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -302,16 +321,28 @@ def quantize_onnx(
         calibration: image batches.
         options: how to quantise (default :class:`~cgavit.deploy.int8.Int8Options`).
         features: the CPU to quantise for (default: this machine's).
-        info: metadata to write into the file (precision and weight range are filled in).
+        info: metadata to write into the file (precision and weight range are filled in; default: what ``src``
+            carries, which :func:`export_onnx` writes: at least its image size).
 
     Raises:
         ValueError: no calibration batch, or an unknown float layer.
     """
     opts = (options or Int8Options()).for_cpu(features or cpu_features())
+    info = info or _source_info(src)
     with OnnxInt8Builder(src, calibration, opts) as builder:
         data = builder.build(opts.float_layers)
-    data = with_onnx_metadata(data, int8_info(info or ExportInfo(), opts))
+    data = with_onnx_metadata(data, int8_info(info, opts))
     return atomic_write(dst, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def _source_info(src: str | os.PathLike) -> ExportInfo:
+    """The metadata an fp32 file carries (:func:`export_onnx` writes at least its image size), else its input's size."""
+    proto = _onnx().load(str(src), load_external_data=False)
+    props = {p.key: p.value for p in proto.metadata_props}
+    if any(key.startswith(f"{PREFIX}.") for key in props):
+        return ExportInfo.from_props(props, str(src))
+    dims = [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    return ExportInfo(img_size=(dims[2], dims[3])) if len(dims) == 4 and dims[2] > 0 and dims[3] > 0 else ExportInfo()
 
 
 def with_onnx_metadata(data: bytes, info: ExportInfo) -> bytes:

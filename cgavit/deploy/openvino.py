@@ -33,7 +33,7 @@ from torch import nn
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
-from .metadata import KEYS, PREFIX, ExportInfo, int8_info
+from .metadata import KEYS, PREFIX, ExportInfo, int8_info, unreadable_file
 from .runtime import RuntimeModule, quiet_quantiser
 
 #: OpenVINO's name of each precision this module offers (its ``INFERENCE_PRECISION_HINT``).
@@ -473,6 +473,11 @@ class OpenVinoModule(RuntimeModule):
 
     Attributes:
         metadata: cgavit's keys of the model's ``rt_info`` (:mod:`cgavit.deploy.metadata`).
+        input_shape, output_shape: the shapes of its first input and output (None for a dynamic dimension, or
+            for a shape whose rank is dynamic).
+
+    Raises:
+        ValueError: an unknown precision or float part, or a file :func:`read_openvino` refuses.
     """
 
     def __init__(self, model, threads: int | None = None, precision: str = "fp32", float_part: str = "fp32") -> None:
@@ -481,7 +486,9 @@ class OpenVinoModule(RuntimeModule):
             raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
         if float_part not in FLOAT_PARTS:
             raise ValueError(f"an int8 float part is one of {', '.join(FLOAT_PARTS)}, got {float_part!r}")
-        self.model = _core().read_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
+        self.model = read_openvino(model) if isinstance(model, (str, os.PathLike)) else model
+        self.input_shape, self.output_shape = (_declared_shape(port)
+                                               for port in (self.model.input(0), self.model.output(0)))
         self.metadata = openvino_metadata(self.model)
         self.float_part = float_part if precision == "int8" else precision
         hint = PRECISION_HINT[compile_precision(float_part) if precision == "int8" else precision]
@@ -503,6 +510,29 @@ class OpenVinoModule(RuntimeModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.compiled_for(len(x))(x.detach().float().contiguous().numpy())[0]
         return torch.from_numpy(out.copy())
+
+
+def read_openvino(path: str | os.PathLike):
+    """The ``openvino.Model`` of an ``.xml`` file and the ``.bin`` beside it.
+
+    Raises:
+        ValueError: a file OpenVINO cannot read (truncated or corrupt XML, weights cut short), or a model
+            without an input or an output.
+    """
+    core = _core()
+    try:
+        model = core.read_model(str(path))
+    except RuntimeError as err:
+        raise unreadable_file(path, "OpenVINO IR with the .bin beside it", err) from None
+    if not model.inputs or not model.outputs:
+        raise ValueError(f"{path}: it has no input or no output, so it is not a network of images; export it again")
+    return model
+
+
+def _declared_shape(port) -> tuple[int | None, ...] | None:
+    """A model input's or output's shape (None for a dynamic dimension), or None when its rank is dynamic."""
+    shape = port.get_partial_shape()
+    return None if shape.rank.is_dynamic else tuple(d.get_length() if d.is_static else None for d in shape)
 
 
 def openvino_path(
