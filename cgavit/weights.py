@@ -81,11 +81,19 @@ def read_weights_file(path: str | os.PathLike, trust: bool = False) -> WeightsFi
         except Exception as err:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt?): {_first_line(err)}") from None
     if kind == "unknown":
+        if path.suffix.lower() in EXPORTED_SUFFIXES:
+            raise CheckpointError(f"{path} is an exported model, not weights: give the checkpoint it was exported "
+                                  "from (.safetensors or .pt)")
         raise CheckpointError(
             f"cannot read {path}: its first bytes are neither safetensors nor a PyTorch checkpoint "
             "(not a PyTorch checkpoint or safetensors file); is it the right file, or a truncated download?"
         )
     return WeightsFile(path, "torch", _torch_load(path, trust))
+
+
+#: The suffixes of exported models (ONNX, OpenVINO IR and its weights, ExecuTorch, LiteRT): files a weights reader is
+#: sometimes handed by mistake.
+EXPORTED_SUFFIXES = (".onnx", ".xml", ".bin", ".pte", ".tflite")
 
 
 def _torch_load(path: Path, trust: bool) -> object:

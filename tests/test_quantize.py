@@ -846,6 +846,7 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
              (["--output", str(tmp_path / "..")], "is a file name"), (["--output", str(tmp_path / "wrong")], "is a folder"),
              (["--output", str(tmp_path / "q.pt")], "another kind of file"),
              (["--output", str(tmp_path / "in" / "q")], "is a folder, and this run may write"),
+             (["--float-part", "fp32"], "--float-part is how OpenVINO runs"),
              (["--warmup", "-1"], "--warmup"), (["--qat", "--qat-batch", "0"], "--qat-batch"),
              (["--qat", "--qat-lr", "nan"], "finite --qat-lr"), (["--qat", "--qat-images", "-5"], "--qat-images")]
     (tmp_path / "in" / "q.quantize.md").mkdir(parents=True)  # a folder where the report would go

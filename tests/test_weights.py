@@ -219,3 +219,15 @@ def test_atomic_write_keeps_the_usual_file_mode(tmp_path):
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temporary file left behind
+
+
+def test_an_exported_model_given_as_weights_is_named_as_such(tmp_path):
+    """An .onnx or OpenVINO .xml handed to a weights reader (cgavit quantize --checkpoint q/int8.xml) is named as
+    an exported model, with what to give instead; other unknown bytes get the generic line."""
+    for name in ("int8.onnx", "int8.xml"):
+        (tmp_path / name).write_bytes(b"\x08\x07not weights")
+        with pytest.raises(CheckpointError, match="is an exported model, not weights: give the checkpoint"):
+            cgavit.load_model(tmp_path / name)
+    (tmp_path / "w.pth").write_bytes(b"\x08\x07not weights")
+    with pytest.raises(CheckpointError, match="neither safetensors nor a PyTorch checkpoint"):
+        cgavit.load_model(tmp_path / "w.pth")

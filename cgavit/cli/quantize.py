@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     checked_numbers(args)
     outputs, runtime = checked_outputs(args)
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
+    if runtime == "onnxruntime" and args.float_part != "auto":
+        raise ValueError("--float-part is how OpenVINO runs what int8 leaves float; drop it, or use --runtime openvino")
+    if runtime == "openvino" and args.weights != "int8":
+        raise ValueError("--weights is ONNX Runtime's weight type; drop it, or use --runtime onnxruntime")
     model, info = load_model(args.checkpoint, trust=args.trust_checkpoint)
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
