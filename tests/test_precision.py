@@ -299,3 +299,20 @@ def test_auto_skips_a_path_that_misses_the_target(trained_digits, monkeypatch):
     fast = optimize(model, trained_digits.images[:8], "auto", calibration=trained_digits.calibration(),
                     compile=False, features=features(EPYC_AVX2))
     assert fast.choice.precision == "fp32"
+
+
+def test_images_that_would_not_fit_in_memory_are_refused_before_loading(trained_digits, monkeypatch):
+    """A whole ImageNet split, preprocessed, is tens of GB: the process would be killed without a word. Images that
+    would take more than half the memory free are refused with what they need and how many would fit."""
+    from cgavit.bench import precision
+
+    info = cgavit.load_model(trained_digits.checkpoint)[1]
+    monkeypatch.setattr(precision, "free_memory", lambda: 2**20)  # 1 MiB free: 18 digits of 48 px fit in half
+    with pytest.raises(ValueError, match=r"360 images take 9\.5 MiB once preprocessed, more than 50% of the 1\.0 MiB free here; ask for at most about 18 "):
+        precision.load_labelled(trained_digits.data, "val", info)
+    assert len(precision.load_labelled(trained_digits.data, "val", info, 18).images) == 18
+    monkeypatch.setattr(precision, "free_memory", lambda: None)  # not known: no check
+    assert len(precision.load_labelled(trained_digits.data, "val", info).images) == 360
+    monkeypatch.undo()  # this machine's own figure
+    free = precision.free_memory()
+    assert free is None or free > 0

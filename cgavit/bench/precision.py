@@ -78,16 +78,55 @@ def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0,
     the checkpoint's evaluation transform (its size, crop, interpolation, mean and std).
 
     Raises:
-        ValueError: the split folder is missing or malformed (the message says the layout).
+        ValueError: the split folder is missing or malformed (the message says the layout), or its images would
+            not fit in memory (:data:`MEMORY_SHARE`).
     """
     classes, samples = list_split(root, split)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     chosen = [samples[i] for i in (order[:limit] if limit > 0 else order)]
+    _check_fits_in_memory(len(chosen), 4 * 3 * info.img_size ** 2, Path(root) / split)
     transform = build_transform(info.img_size, False, interpolation=info.interpolation, crop_pct=info.crop_pct,
                                 mean=info.mean, std=info.std)
     images = torch.stack([transform(load_image(path)) for path, _ in chosen])  # (N, C, H, W)
     labels = torch.tensor([label for _, label in chosen])
     return LabelledImages(images, labels, str(Path(root) / split), classes)
+
+
+#: The share of the memory free when images are loaded that they may take, preprocessed (the runtimes' copies and
+#: the model's activations need the rest).
+MEMORY_SHARE = 0.5
+
+
+def _check_fits_in_memory(count: int, image_bytes: int, source: Path) -> None:
+    """Refuse ``count`` preprocessed images of ``image_bytes`` each that would take more than :data:`MEMORY_SHARE`
+    of the memory free now (a whole ImageNet split is tens of GB: the process would be killed, with no message).
+
+    Raises:
+        ValueError: too many images, with how much they need and what to ask for instead.
+    """
+    free = free_memory()
+    need = count * image_bytes
+    if free is not None and need > MEMORY_SHARE * free:
+        fits = max(1, int(MEMORY_SHARE * free // image_bytes))
+        raise ValueError(f"{source}: {count} images take {_size(need)} once preprocessed, more than "
+                         f"{MEMORY_SHARE:.0%} of the {_size(free)} free here; ask for at most about {fits} "
+                         "(--eval-images, --calibration-images, --qat-images)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def free_memory() -> int | None:
+    """Bytes of memory free for a new allocation now (Linux: ``MemAvailable``), None where it is not known."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def load_calibration(root: str | Path, split: str, info: ModelInfo, limit: int = CALIBRATION_IMAGES) -> LabelledImages:
