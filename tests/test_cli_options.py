@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -214,3 +215,29 @@ def test_every_command_that_reads_a_checkpoint_offers_the_trust_opt_in():
     own_files_only = {"cgavit detect eval", "cgavit detect predict"}
     missing = [p.prog for p in readers if "--trust-checkpoint" not in p._option_string_actions and p.prog not in own_files_only]
     assert not missing, missing
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_ends_on_sigterm_without_the_commands_handler():
+    """Libraries fork helpers (OpenVINO's telemetry) that inherit the command's SIGTERM handler: such a child ends as
+    it would have without it, killed by the signal, instead of unwinding a Terminated of its own (a traceback)."""
+    import signal
+    import time
+    from functools import partial
+
+    from cgavit.cli import _raise_terminated
+
+    before = signal.signal(signal.SIGTERM, partial(_raise_terminated, os.getpid()))
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(30)
+            finally:  # an exception here must not carry on as a second test run
+                os._exit(0)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -35,7 +36,13 @@ class Terminated(KeyboardInterrupt):
     takes both signals itself, to save its checkpoint first."""
 
 
-def _raise_terminated(signum, frame) -> None:
+def _raise_terminated(command_pid: int, signum, frame) -> None:
+    """The SIGTERM handler of the process ``command_pid`` that runs a command. A child a library forked from it
+    (OpenVINO's telemetry) inherits the handler: it ends as it would have without it, with no traceback."""
+    if os.getpid() != command_pid:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise Terminated
 
 
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     main_thread = threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    old_term = signal.signal(signal.SIGTERM, partial(_raise_terminated, os.getpid())) if main_thread else None
     try:
         with warnings.catch_warnings():
             warnings.showwarning = partial(_show_own_warning, warnings.showwarning)
