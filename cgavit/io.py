@@ -105,7 +105,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     except OSError as err:
-        raise _write_error(path, err) from None
+        raise write_error(path, err) from None
     os.close(fd)
     try:
         write(tmp)
@@ -115,7 +115,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         _remove(tmp)
-        raise _write_error(path, err) from None
+        raise write_error(path, err) from None
     except BaseException:
         _remove(tmp)
         raise
@@ -208,8 +208,8 @@ def make_folder(path: str | os.PathLike, what: str = "folder") -> Path:
     return path
 
 
-def _write_error(path: Path, err: BaseException) -> WriteError:
-    """The :class:`WriteError` for a failed :func:`atomic_write` of ``path``."""
+def write_error(path: Path, err: BaseException) -> WriteError:
+    """The :class:`WriteError` for a failed write of ``path`` (:func:`atomic_write`, or a writer of several files)."""
     parent = next((p for p in path.parents if p.exists()), path.parent)
     if getattr(err, "errno", None) == errno.EEXIST and not parent.is_dir():  # mkdir(exist_ok) on a file
         return WriteError(errno.ENOTDIR, f"cannot write {path}: {parent} is a file, not a folder; give a path under a folder")

@@ -99,11 +99,16 @@ def named_output(path: str | os.PathLike, suffix: str, what: str) -> Path:
         what: the kind of file, for the message.
 
     Raises:
-        ValueError: the folder does not exist, or the name ends in another format's suffix.
+        ValueError: no file name, the folder does not exist, the name ends in another format's suffix, or the file
+            to write is a folder.
     """
+    if not str(path).strip() or Path(path).name in ("", ".", ".."):
+        raise ValueError(f"the output is a file name, e.g. m0 or m0{suffix}; got {str(path)!r}")
     path = output_path(path)
-    if path.suffix.lower() == suffix:
-        return path
-    if path.suffix.lower() in WRITTEN_SUFFIXES:
-        raise ValueError(f"{what} is written as NAME{suffix}: give NAME or NAME{suffix}, not {path.name}")
-    return path.with_name(path.name + suffix)
+    if path.suffix.lower() != suffix:
+        if path.suffix.lower() in WRITTEN_SUFFIXES:
+            raise ValueError(f"{what} is written as NAME{suffix}: give NAME or NAME{suffix}, not {path.name}")
+        path = path.with_name(path.name + suffix)
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a folder (nothing was written); give the path of a file")
+    return path

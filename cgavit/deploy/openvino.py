@@ -30,6 +30,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from ..io import write_error
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
@@ -398,9 +399,13 @@ def ir_path(path: str | os.PathLike) -> Path:
     """Where OpenVINO IR named ``path`` goes: ``NAME.xml`` as given, ``NAME`` -> ``NAME.xml``.
 
     Raises:
-        ValueError: the folder does not exist, or the name ends in another format's suffix.
+        ValueError: see :func:`~cgavit.deploy.fusion.named_output`; ``NAME.bin`` is a folder.
     """
-    return named_output(path, ".xml", "OpenVINO IR (NAME.xml + NAME.bin)")
+    path = named_output(path, ".xml", "OpenVINO IR (NAME.xml + NAME.bin)")
+    if path.with_suffix(".bin").is_dir():
+        raise ValueError(f"cannot write {path.with_suffix('.bin')}: it is a folder (nothing was written); give "
+                         "another name")
+    return path
 
 
 def save_openvino(ov_model, path: Path, info: ExportInfo) -> None:
@@ -408,15 +413,21 @@ def save_openvino(ov_model, path: Path, info: ExportInfo) -> None:
 
     Weights are kept in fp32 (OpenVINO's default would store them in fp16). The ``.bin`` is moved into
     place first and the ``.xml`` last, so a reader never finds an ``.xml`` without its weights.
+
+    Raises:
+        WriteError: the files could not be written (a full disk, permissions; the old pair is kept).
     """
     ov = _openvino()
     for key, value in info.to_props().items():
         ov_model.set_rt_info(value, key.split(".", 1))
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
-        xml = Path(tmp) / path.name
-        ov.save_model(ov_model, str(xml), compress_to_fp16=False)
-        os.replace(xml.with_suffix(".bin"), path.with_suffix(".bin"))
-        os.replace(xml, path)
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+            xml = Path(tmp) / path.name
+            ov.save_model(ov_model, str(xml), compress_to_fp16=False)
+            os.replace(xml.with_suffix(".bin"), path.with_suffix(".bin"))
+            os.replace(xml, path)
+    except (OSError, RuntimeError) as err:  # OpenVINO reports a full disk as a RuntimeError
+        raise write_error(path, err) from None
 
 
 def openvino_metadata(ov_model) -> dict[str, str]:

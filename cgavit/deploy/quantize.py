@@ -201,7 +201,7 @@ class QuantizeResult:
             out = ir_path(path)
             save_openvino(self.artifact, out, self.info)
             return out
-        out = named_output(path, ".onnx", "an ONNX Runtime file")
+        out = named_output(path, ".onnx", "a file for ONNX Runtime")
         data = with_onnx_metadata(self.artifact, self.info)
         return atomic_write(out, lambda tmp: Path(tmp).write_bytes(data))
 
