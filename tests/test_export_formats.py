@@ -104,6 +104,44 @@ def test_an_export_named_without_its_suffix_gets_it(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m0.onnx"]
 
 
+def test_export_exits_1_when_its_own_check_fails(trained_digits, tmp_path, capsys, monkeypatch):
+    """The check after writing is what makes a file shippable: a failed one (here logits that are not finite) is exit
+    status 1 and a line saying not to ship the file, not a 0 under a TOO LARGE."""
+    from cgavit.cli import export as export_cli
+    from cgavit.deploy.formats import ParityCheck
+
+    monkeypatch.setattr(export_cli, "check_parity", lambda *a, **k: ParityCheck("ONNX Runtime", "fp32", {1: float("nan")}))
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--output", str(tmp_path / "m")]) == 1
+    out = capsys.readouterr().out
+    assert "relative error nan NOT FINITE" in out and "does not pass its check (above): it was written, but do not ship" in out
+
+
+def test_export_takes_the_checkpoints_model_and_refuses_what_contradicts_it(trained_digits, tmp_path, capsys):
+    """--model names the variant of a file that records none and is no more than a check for one that does (the
+    digits model is a reduced M0: building M0 itself failed); dial flags that contradict a recorded architecture are
+    refused, where they were ignored."""
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--model", "efficientvit_m0",
+                 "--output", str(tmp_path / "m")]) == 0
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--cascade", "off",
+                 "--output", str(tmp_path / "n")]) == 2
+    assert "records its own architecture; drop the dial options (['cascade'])" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@need("openvino")
+def test_openvino_export_never_writes_through_a_folder_of_that_name(tmp_path, capsys):
+    """NAME.xml a folder: the export used to replace the user's NAME.bin first, then fail on the folder."""
+    (tmp_path / "m.xml").mkdir()
+    (tmp_path / "m.bin").write_text("the user's file")
+    small = ["--img-size", "64", "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"]
+    assert main(["export", "--model", "efficientvit_m0", "--format", "openvino", "--output", str(tmp_path / "m"), *small]) == 2
+    assert "it is a folder (nothing was written)" in capsys.readouterr().err
+    assert (tmp_path / "m.bin").read_text() == "the user's file"
+    assert main(["export", "--model", "efficientvit_m0", "--output", "", *small]) == 2
+    assert "the output is a file name" in capsys.readouterr().err
+
+
 @need("openvino")
 def test_openvino_export_takes_a_stem_and_carries_metadata(tmp_path, capsys):
     """The README's command: --output m0_ov writes m0_ov.xml + m0_ov.bin (OpenVINO IR is always NAME.xml)."""

@@ -12,7 +12,6 @@ from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_an
 from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
 from ..factory import ModelInfo, create_model, load_model
-from ..loading import load_checkpoint
 from .common import add_dial_args, dials_from_args, image_size
 
 __all__ = ["EXPORT_TOLERANCE", "export_info", "register", "run"]
@@ -25,18 +24,19 @@ def export_info(info: ModelInfo, size: tuple[int, int]) -> ExportInfo:
 
 
 def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tuple[int, int]]:
-    """The model, how to feed it, and the export size: ``--model`` (+ ``--checkpoint``) as before, or
-    a checkpoint that records its architecture (trained here) with ``--checkpoint`` alone."""
-    if args.model:
-        size = image_size(args.img_size or [224])
-        model = create_model(args.model, img_size=size, **dials_from_args(args))
-        if args.checkpoint:
-            load_checkpoint(model, args.checkpoint, trust=args.trust_checkpoint)
-        return model, ModelInfo([], img_size=size[0]), size
-    if not args.checkpoint:
+    """The model, how to feed it, and the export size: a checkpoint as :func:`~cgavit.load_model` rebuilds it (one
+    trained here records its architecture, and dial flags that contradict it are refused; an official or timm file
+    needs ``--model`` and takes the dials), or a randomly initialised ``--model``."""
+    if args.checkpoint:
+        size = image_size(args.img_size) if args.img_size else None
+        square = size[0] if size and size[0] == size[1] else None  # built for it; else at the recorded size
+        model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=square,
+                                 trust=args.trust_checkpoint)
+        return model, info, size or (info.img_size, info.img_size)
+    if not args.model:
         raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
-    model, info = load_model(args.checkpoint, trust=args.trust_checkpoint)
-    return model, info, image_size(args.img_size or [info.img_size])
+    size = image_size(args.img_size or [224])
+    return create_model(args.model, img_size=size, **dials_from_args(args)), ModelInfo([], img_size=size[0]), size
 
 
 def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[LabelledImages | None, LabelledImages | None]:
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
                           check.images if check else None, check.labels if check else None)
     for line in parity.lines():
         print(line)
+    if not parity.ok:
+        print(f"{out} does not pass its check (above): it was written, but do not ship it; exit status 1")
+        return 1
     return 0
 
 

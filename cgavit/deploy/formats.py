@@ -7,6 +7,7 @@ stays light; :func:`require_format` says which to install when one is missing.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import warnings
@@ -99,8 +100,8 @@ def export_model(
         path: the output file, ``NAME`` or ``NAME`` with the format's suffix (:attr:`ExportFormat.suffix`, added
             where it is missing; OpenVINO writes ``NAME.bin`` beside ``NAME.xml``).
         format: a key of :data:`FORMATS`.
-        img_size: ``(H, W)`` the file accepts (fixed in every format: the window attention
-            partitions each size differently).
+        img_size: ``(H, W)`` the file accepts, or one side for a square (fixed in every format: the window
+            attention partitions each size differently).
         precision: ``"fp32"`` or ``"int8"`` (where the format offers it).
         calibration: int8: image batches, a few hundred training images preprocessed like the input.
         batch: the batch size, for the formats whose batch is fixed at export (ExecuTorch, TFLite).
@@ -114,9 +115,15 @@ def export_model(
             ending in another format's suffix.
     """
     fmt = require_format(format, precision)
+    img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
     if precision == "int8" and calibration is None:
         raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
-    path = named_output(path, fmt.suffix, f"a {fmt.runtime} file")
+    if calibration is not None:
+        calibration = list(calibration)
+        if not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[2:]) == img_size for b in calibration):
+            raise ValueError(f"calibration must be image batches (B, C, {img_size[0]}, {img_size[1]}), preprocessed like "
+                             "the input the file takes")
+    path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
     info = info or ExportInfo(img_size=tuple(img_size))
     if format == "openvino":
         return export_openvino(model, path, img_size, precision, calibration, options, info)
@@ -198,7 +205,8 @@ class ParityCheck:
         out = []
         for batch, err in self.rel_err.items():
             if self.precision == "fp32":
-                verdict = " ok" if err <= EXPORT_TOLERANCE else " TOO LARGE"
+                verdict = " ok" if err <= EXPORT_TOLERANCE else " TOO LARGE" if math.isfinite(err) else \
+                    " NOT FINITE (the logits hold NaN or inf)"
             else:
                 verdict = f" ({self.precision}: judged by top-1 agreement on real images)"
             out.append(f"{self.runtime} vs PyTorch, batch {batch}: relative error {err:.1e}{verdict}")
