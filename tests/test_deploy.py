@@ -122,10 +122,19 @@ def test_bf16_within_tolerance():
 
 def test_optimize_rejects_bad_arguments():
     model = tiny()
-    with pytest.raises(ValueError, match="precision"):
+    with pytest.raises(ValueError, match="fp16 runs in the Triton kernel on a CUDA GPU only; on the CPU use fp32"):
         optimize(model, torch.randn(1, 3, 64, 64), "fp16")
     with pytest.raises(ValueError, match="example_input"):
         optimize(model, torch.randn(3, 64, 64))
+    with pytest.raises(ValueError, match=r"calibration must be image batches shaped like example_input, \(B, 3, 64, 64\)"):
+        optimize(model, torch.randn(1, 3, 64, 64), "int8", calibration=[torch.randn(4, 3, 32, 32)])
+    with pytest.raises(ValueError, match="calibration must be image batches"):
+        optimize(model, torch.randn(1, 3, 64, 64), "int8", calibration=[[1, 2]])
+    broken = tiny()
+    with torch.no_grad():
+        next(broken.parameters()).fill_(float("nan"))
+    with pytest.raises(ValueError, match="not finite"):  # a check that cannot fail is no check
+        optimize(broken, torch.randn(1, 3, 64, 64), backend="torch", compile=False)
     with pytest.raises(ValueError, match="backend"):
         optimize(model, torch.randn(1, 3, 64, 64), "bf16", backend="onnxruntime")
     with pytest.raises(ValueError, match="backend"):

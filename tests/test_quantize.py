@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cgavit
 from cgavit import save_weights
 from cgavit.cli import main
 from cgavit.cli import quantize as quantize_cli
@@ -203,6 +204,9 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
         assert "cgavit quantize" in fast.choice.reason and "meets" in fast.choice.reason
     with pytest.raises(ValueError, match="precision='auto'"):
         optimize(trained_digits.model, x, "int8", quantized=path)
+    other = cgavit.create_model("efficientvit_m0", num_classes=1000, img_size=48)  # not the file's model
+    with pytest.raises(ValueError, match="returns 10 logits and the model 1000: it is another model's file"):
+        optimize(other, x, "auto", quantized=path, compile=False, features=features(EPYC_AVX2))
 
 
 def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained_digits, monkeypatch):

@@ -4,6 +4,7 @@ in fp32, bf16 or int8, or picked for this CPU with ``precision="auto"``."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -92,6 +93,9 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto" and precision == "fp16":
+        if torch.device(device).type != "cuda":
+            raise ValueError("fp16 runs in the Triton kernel on a CUDA GPU only; on the CPU use fp32, bf16 or int8 "
+                             "(or precision='auto')")
         return "triton"  # the only backend offering fp16
     if backend == "auto":
         on_cpu = torch.device(device).type == "cpu"
@@ -177,9 +181,15 @@ def _checked_inputs(
     if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4 or len(example_input) == 0:
         raise ValueError("example_input must be an image batch tensor (B, C, H, W) of at least one image, e.g. "
                          "torch.randn(16, 3, 224, 224); the result then runs any batch size, 0 included")
-    batches = None if calibration is None else [b.float() for b in calibration]
+    batches = None if calibration is None else list(calibration)
     if batches is not None and not batches:
         raise ValueError("calibration is empty: give image batches (a few hundred training images), or None")
+    shape = tuple(example_input.shape[1:])
+    if batches is not None and not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[1:]) == shape
+                                       for b in batches):
+        raise ValueError(f"calibration must be image batches shaped like example_input, (B, {', '.join(map(str, shape))}), "
+                         "preprocessed the same way")
+    batches = None if batches is None else [b.float() for b in batches]
     return example_input.float(), batches, _checked_evaluation(evaluation, precision)
 
 
@@ -272,10 +282,14 @@ def _triton_path(
 
 
 def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tensor, precision: str) -> float:
-    """Relative error of ``result`` against the fused model's ``reference`` logits; raises above tolerance."""
+    """Relative error of ``result`` against the fused model's ``reference`` logits; raises above tolerance, and
+    where the error is not finite (a check that cannot fail is no check)."""
     with torch.no_grad():
         err = rel_err(result(example_input), reference)
     log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
+    if not math.isfinite(err):
+        raise ValueError("the model's logits on example_input are not finite (NaN or inf), so no path can be checked "
+                         "against them: check the weights and the example batch")
     if err > TOLERANCE[precision]:
         raise RuntimeError(
             f"the {precision} path differs from the plain model by {err:.2e} (relative), above its "
@@ -294,6 +308,11 @@ def _optimize_auto(
     if artifact is not None and tuple(example_input.shape[2:]) != tuple(artifact.img_size):
         raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
                          f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
+    outputs = getattr(artifact.module, "output_shape", None) if artifact is not None else None
+    classes = getattr(model, "num_classes", None)
+    if outputs and outputs[-1] is not None and isinstance(classes, int) and outputs[-1] != classes:
+        raise ValueError(f"the quantized artifact returns {outputs[-1]} logits and the model {classes}: it is another "
+                         "model's file; give the one cgavit quantize wrote for this model")
     if features is None:  # a GPU
         candidates = [PathChoice("fp32", "torch", "cuda", "on a GPU auto runs fp32 torch")]
     else:
