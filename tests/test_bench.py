@@ -180,3 +180,15 @@ def test_bench_out_on_a_read_only_file_system_is_one_line_before_measuring(mount
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and f"{out}: the file system is read-only" in err[0], captured.err
     assert "img/s" not in captured.out  # refused before anything was timed
+
+
+def test_the_precision_note_says_which_images_and_at_what_size():
+    """--eval-images N judges N images drawn at random: the note said "every image" whatever was asked, and named no
+    size where the protocol line above it gives the table's (224 px)."""
+    from cgavit.bench.report import precision_note
+
+    base = dict(evaluated="data/val", calibration="data/train", calibration_images=256, img_size=48)
+    some = precision_note({**base, "evaluated_images": 20, "every": False})
+    assert "Evaluated: 20 images, drawn at random (a fixed seed), of data/val at the checkpoint's 48x48 px." in some
+    assert "Evaluated: every image of data/val at the checkpoint's 48x48 px." in precision_note(
+        {**base, "evaluated_images": 360, "every": True})

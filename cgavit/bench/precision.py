@@ -274,6 +274,8 @@ class CheckpointPrecision:
     calibration_images: int
     auto: PathChoice | None
     noise_floor: NoiseFloor | None = None
+    evaluated_images: int = 0
+    img_size: int = 0
 
 
 def checkpoint_precision(
@@ -305,4 +307,5 @@ def checkpoint_precision(
     auto = optimize(model, x, "auto", calibration=batches, evaluation=list(evaluated.images.split(batch)), check=False,
                     compile=compile).choice  # judged on the table's images, not on the training ones it calibrates on
     floor = noise_floor(fused, evaluated.images, tuple(info.std), batch=batch)
-    return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto, floor)
+    return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto, floor,
+                               len(evaluated.images), info.img_size)

@@ -69,7 +69,10 @@ def format_precision_table(rows: list[PrecisionRow]) -> str:
 
 def precision_note(images: dict[str, str | int]) -> str:
     """The note under the precision table: the columns, the target, and which images were used."""
-    text = (f"Evaluated: every image of {images['evaluated']}. int8 calibrated on {images['calibration_images']} "
+    n, size = images.get("evaluated_images"), images.get("img_size")
+    which = "every image" if images.get("every", True) else f"{n} images, drawn at random (a fixed seed),"
+    at = f" at the checkpoint's {size}x{size} px" if size else ""
+    text = (f"Evaluated: {which} of {images['evaluated']}{at}. int8 calibrated on {images['calibration_images']} "
             f"training images of {images['calibration']} (never on the evaluated ones).")
     return PRECISION_NOTE.format(agree=100 * AGREEMENT_TARGET, acc=ACCURACY_TOLERANCE, images=text)
 

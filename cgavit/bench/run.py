@@ -122,7 +122,7 @@ class BenchReport:
     results: list[Result] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
     precision: list[PrecisionRow] | None = None
-    precision_images: dict[str, str | int] | None = None  # with a checkpoint: evaluated, calibration, count
+    precision_images: dict[str, str | int] | None = None  # with a checkpoint: evaluated, calibration, counts, size
     auto_order: list[PathChoice] = field(default_factory=list)  # what precision="auto" tries here, without calibration
     auto: PathChoice | None = None  # with a checkpoint: what optimize(precision="auto") chose, measured
     noise_floor: NoiseFloor | None = None  # with a checkpoint: fp32's own decisions under half a grey level of noise
@@ -288,7 +288,9 @@ def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: Bench
         train_split=cfg.train_split, val_split=cfg.val_split, trust=cfg.trust_checkpoint)
     report.precision, report.auto, report.noise_floor = check.rows, check.auto, check.noise_floor
     report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
-                                   calibration_images=check.calibration_images)
+                                   calibration_images=check.calibration_images, evaluated_images=check.evaluated_images,
+                                   every=not cfg.eval_images or cfg.eval_images >= check.evaluated_images,
+                                   img_size=check.img_size)
 
 
 def measure_table(protocol: BenchProtocol, x: torch.Tensor, compile: bool = True) -> list[Result]:
