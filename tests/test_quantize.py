@@ -794,10 +794,17 @@ def test_a_quantisers_chatter_goes_to_the_debug_log(capsys, caplog):
 
     nncf = logging.getLogger("nncf")
     before = nncf.level
-    with caplog.at_level(logging.INFO, logger="cgavit"), quiet_quantiser("a calibrator"):
+    with caplog.at_level(logging.INFO), quiet_quantiser("a calibrator"):
         print("Collecting tensor data and making histogram ...")
+        logging.info("Created a copy of bias input 'b'")  # ONNX Runtime's quantiser, on the root logger
+        logging.warning("a quantiser's warning")
+        logging.getLogger("cgavit.deploy.quantize").info("cgavit's own line")
         assert not nncf.isEnabledFor(logging.INFO) and nncf.isEnabledFor(logging.WARNING)
     assert "Collecting" not in capsys.readouterr().out and nncf.level == before
+    shown = [r.getMessage() for r in caplog.records]
+    assert shown == ["a quantiser's warning", "cgavit's own line"], shown
+    assert not logging.getLogger().filters
+    caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="cgavit"), quiet_quantiser("a calibrator"):
         print("Number of tensors : 126")
         assert nncf.level == before  # cgavit -v: NNCF's own lines too

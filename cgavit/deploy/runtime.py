@@ -83,21 +83,29 @@ class FixedBatchModule(RuntimeModule, ABC):
         return torch.cat(outs)
 
 
+def _warnings_and_above(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
 @contextlib.contextmanager
 def quiet_quantiser(name: str) -> Iterator[None]:
     """Run a runtime's quantiser with its chatter in cgavit's debug log rather than on stdout, where a command's
     results go: what it prints (ONNX Runtime's calibrator notes, NNCF's progress bars) is captured and logged at
-    DEBUG, and NNCF's INFO lines (which it writes to stdout itself) are dropped unless cgavit logs at DEBUG
-    (``cgavit -v``). Its warnings and errors still show."""
-    nncf = logging.getLogger("nncf")
-    level = nncf.level
-    if not log.isEnabledFor(logging.DEBUG):
+    DEBUG, and NNCF's INFO lines (which it writes to stdout itself) and ONNX Runtime's (which it logs on the root
+    logger: one "Created a copy of bias input" per shared bias) are dropped unless cgavit logs at DEBUG
+    (``cgavit -v``). Its warnings and errors still show; cgavit's own lines, which reach the root logger's
+    handlers from their own loggers, are untouched."""
+    nncf, root = logging.getLogger("nncf"), logging.getLogger()
+    level, quiet = nncf.level, not log.isEnabledFor(logging.DEBUG)
+    if quiet:
         nncf.setLevel(logging.WARNING)
+        root.addFilter(_warnings_and_above)  # a logger's filter sees only what is logged on it, not propagated lines
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
             yield
     finally:
         nncf.setLevel(level)
+        root.removeFilter(_warnings_and_above)
         if text.getvalue().strip():
             log.debug("%s printed:\n%s", name, text.getvalue().rstrip())
