@@ -109,6 +109,8 @@ def test_default_optimize_runs_onnxruntime_and_matches():
     y = torch.randn(5, 3, 64, 64)  # batch is dynamic
     with torch.no_grad():
         assert rel_err(fast(y), model(y)) <= 1e-5
+    with pytest.raises(ValueError, match=r"takes images \(B, 3, 64, 64\), got \(2, 3, 96, 96\): build it again"):
+        fast(torch.randn(2, 3, 96, 96))  # the size is fixed: one line, not the runtime's InvalidArgument
 
 
 def test_bf16_within_tolerance():

@@ -42,7 +42,11 @@ class RuntimeModule(nn.Module):
         precision: ``"fp32"``, ``"bf16"`` or ``"int8"``.
         rel_err: the relative error ``optimize(check=True)`` measured against the plain model, else None.
         choice: with ``precision="auto"``, the :class:`PathChoice` taken and its reason; else None.
+        input_shape: the input ``(B, C, H, W)`` a runtime's graph declares (None for a dynamic dimension; None
+            where unknown): a call with other images is refused before the runtime sees it.
     """
+
+    input_shape: tuple[int | None, ...] | None = None
 
     def __init__(self, precision: str = "fp32") -> None:
         super().__init__()
@@ -51,6 +55,12 @@ class RuntimeModule(nn.Module):
         self.choice: PathChoice | None = None
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        takes = self.input_shape
+        if isinstance(x, torch.Tensor) and takes is not None and len(takes) == 4 and (
+                x.ndim != 4 or any(t is not None and t != n for t, n in zip(takes[1:], x.shape[1:]))):
+            shown = ", ".join("B" if t is None else str(t) for t in (None, *takes[1:]))
+            raise ValueError(f"this {self.precision} {type(self).__name__} takes images ({shown}), got "
+                             f"{tuple(x.shape)}: build it again for that size (optimize, or cgavit export --img-size)")
         if isinstance(x, torch.Tensor) and x.ndim == 4 and x.shape[0] == 0:
             # an empty batch: the runtimes' reshapes cannot infer a batch of 0; one image's logits give the shape
             return super().__call__(x.new_zeros(1, *x.shape[1:]), *args, **kwargs)[:0]
