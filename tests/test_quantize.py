@@ -212,8 +212,9 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
 def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained_digits, monkeypatch):
     model, missed = scrambled_int8
     monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
-    fast = optimize(model, trained_digits.images[:8], "auto", quantized=missed, compile=False,
-                    features=features(EPYC_AVX2))
+    with pytest.warns(RuntimeWarning, match=r"the quantized artifact was not used \(its recorded verdict misses the target\)"):
+        fast = optimize(model, trained_digits.images[:8], "auto", quantized=missed, compile=False,
+                        features=features(EPYC_AVX2))
     assert fast.choice.precision == "fp32"
 
 

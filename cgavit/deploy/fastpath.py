@@ -322,10 +322,12 @@ def _optimize_auto(
     where = "the evaluation images" if evaluation else "the calibration images" if calibration else "the example input"
     images = torch.cat(judged_on)
     reference = batched_logits(fuse(model), images)
+    unused = "this CPU's rule-table row does not run it" if artifact is not None else None
     for cand in candidates:
         given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
         if given and not artifact.trusted:
-            log.info("optimize auto: %s skipped, its recorded verdict misses the target", artifact.describe())
+            unused = "its recorded verdict misses the target"
+            log.info("optimize auto: %s skipped, %s", artifact.describe(), unused)
             continue
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
         openvino_int8 = features is not None and (cand.precision, cand.backend) == ("int8", "openvino")
@@ -339,7 +341,12 @@ def _optimize_auto(
             result.choice = _with_measurement(cand, agreement, where)
             break
         log.info("optimize auto: %s %s skipped, %s", cand.precision, cand.backend, agreement.describe())
+        if given:
+            unused = f"on {where} {agreement.describe()}"
     log.info("optimize auto: chose %s", result.choice.describe())
+    if artifact is not None and result is not artifact.module:  # asked for by name: say why it was not taken
+        warnings.warn(f"optimize: the quantized artifact was not used ({unused}); chose {result.choice.precision} "
+                      f"{result.choice.backend}", RuntimeWarning, stacklevel=3)
     if check:
         with torch.no_grad():
             result.rel_err = rel_err(result(example_input), batched_logits(fuse(model), example_input))
