@@ -157,34 +157,40 @@ def calibration_and_evaluation(
     if train_split == val_split or (train_dir.is_dir() and val_dir.is_dir() and train_dir.samefile(val_dir)):
         raise ValueError(f"calibration and evaluation must be different images; --train-split {train_split!r} and "
                          f"--val-split {val_split!r} are the same folder")
+    folders = {split: list_split(root, split)[0] for split in (train_split, val_split)}  # refused before decoding
+    if num_classes is None:
+        if folders[train_split] != folders[val_split]:
+            raise ValueError(f"{train_dir} and {val_dir} must hold the same class folders: "
+                             f"{_difference(folders[val_split], folders[train_split])}")
+    else:
+        for split, classes in folders.items():
+            _check_classes(Path(root) / split, classes, info, num_classes)
     calib = load_calibration(root, train_split, info, calibration_images)
     evaluated = load_labelled(root, val_split, info, eval_images)
-    if num_classes is None:
-        if calib.classes != evaluated.classes:
-            raise ValueError(f"{calib.source} and {evaluated.source} must hold the same class folders: "
-                             f"{_difference(evaluated.classes, calib.classes)}")
-    else:
-        calib, evaluated = (_in_model_order(split, info, num_classes) for split in (calib, evaluated))
+    if num_classes is not None and info.names_recorded:
+        calib, evaluated = (_in_model_order(split, info) for split in (calib, evaluated))
     if all_calibration_images and len(calib.images) < calibration_images:
         raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
                          f"{calibration_images}; give more images or a smaller count")
     return calib, evaluated
 
 
-def _in_model_order(split: LabelledImages, info: ModelInfo, num_classes: int) -> LabelledImages:
-    """``split`` labelled with the model's class indices: by name where the checkpoint records its names, else
-    the folders' sorted order, which must then count ``num_classes``."""
-    named = list(info.class_names) if info.names_recorded else []
-    if len(named) != num_classes:
-        if len(split.classes) != num_classes:
-            raise ValueError(f"{split.source} has {len(split.classes)} class folders, but the checkpoint predicts "
-                             f"{num_classes} classes: give the folder the model was trained on")
-        return split
-    if sorted(split.classes) != sorted(named):
-        raise ValueError(f"{split.source}'s class folders are not the checkpoint's classes: "
-                         f"{_difference(split.classes, named)}; give the folder the model was trained on")
+def _check_classes(source: Path, classes: list[str], info: ModelInfo, num_classes: int) -> None:
+    """A split's class folders must be the checkpoint's classes: by name where it records them, else by count."""
+    if not info.names_recorded:
+        if len(classes) != num_classes:
+            raise ValueError(f"{source} has {len(classes)} class folders, but the checkpoint predicts {num_classes} "
+                             "classes: give the folder the model was trained on")
+    elif sorted(classes) != sorted(info.class_names):
+        raise ValueError(f"{source}'s class folders are not the checkpoint's classes: "
+                         f"{_difference(classes, list(info.class_names))}; give the folder the model was trained on")
+
+
+def _in_model_order(split: LabelledImages, info: ModelInfo) -> LabelledImages:
+    """``split`` (checked by :func:`_check_classes`) labelled with the checkpoint's indices of its class names."""
+    named = list(info.class_names)
     index = torch.tensor([named.index(name) for name in split.classes])
-    return LabelledImages(split.images, index[split.labels], split.source, list(named))
+    return LabelledImages(split.images, index[split.labels], split.source, named)
 
 
 def _difference(have: list[str], want: list[str]) -> str:
