@@ -151,7 +151,9 @@ def test_openvino_export_takes_a_stem_and_carries_metadata(tmp_path, capsys):
                  "--img-size", "64", "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"])
     assert code == 0, capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m0_ov.bin", "m0_ov.xml"]
-    assert "m0_ov.xml" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    size = sum(f.stat().st_size for f in tmp_path.iterdir()) / 1e6  # the .bin holds the weights
+    assert f"m0_ov.xml + {tmp_path / 'm0_ov.bin'} ({size:.1f} MB)" in out, out
     module, info = open_exported(tmp_path / "m0_ov.xml")
     assert info.img_size == (64, 64) and info.precision == "fp32" and info.version
     assert module(torch.randn(2, 3, 64, 64)).shape == (2, 1000)

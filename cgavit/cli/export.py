@@ -66,6 +66,13 @@ def output_format(args: argparse.Namespace) -> str:
     return args.format or named or "onnx"
 
 
+def written(out: Path) -> str:
+    """The file written and its size; an OpenVINO ``.xml`` with the ``.bin`` of weights beside it, which holds
+    nearly all of the size."""
+    files = [out] + ([out.with_suffix(".bin")] if out.suffix == ".xml" and out.with_suffix(".bin").is_file() else [])
+    return f"{' + '.join(str(f) for f in files)} ({sum(f.stat().st_size for f in files) / 1e6:.1f} MB)"
+
+
 def run(args: argparse.Namespace) -> int:
     args.format = output_format(args)
     if args.dynamic_size:
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     out = export_model(model, args.output, args.format, size, args.precision, batches, args.batch,
                        info=export_info(info, size))
     batch = f"batch {args.batch} fixed" if fmt.fixed_batch else "batch dynamic"
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB), {batch}, size {size[0]}x{size[1]} fixed"
+    print(f"wrote {written(out)}, {batch}, size {size[0]}x{size[1]} fixed"
           + (f", {args.precision} calibrated on {len(calib.images)} images of {calib.source}" if calib else ""))
     module = load_exported(out, args.format, args.precision)
     parity = check_parity(module, model, size, args.precision, fmt.runtime,
