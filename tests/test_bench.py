@@ -133,13 +133,17 @@ def test_bench_config_rejects_bad_values():
     assert resolve_protocol(BenchConfig(models=("m4", "efficientvit_m4"))).models == ("efficientvit_m4",)
 
 
-def test_precision_check_on_a_trained_checkpoint(trained_digits, capsys):
-    """--checkpoint/--data: every path on the held-out images, int8 calibrated on training images, auto's choice."""
+def test_precision_check_on_a_trained_checkpoint(trained_digits, capsys, tmp_path):
+    """--checkpoint/--data: every path on the held-out images, int8 calibrated on training images, auto's choice;
+    without the main table, --out gets bench.json alone (it was left empty, without a word)."""
     code = main(["bench", "--skip-table", "--precision-check", "--checkpoint", str(trained_digits.checkpoint),
                  "--data", str(trained_digits.data), "--no-compile", "--warmup", "0", "--repeats", "1",
-                 "--eval-images", "100", "--calibration-images", "64", "--out", ""])
+                 "--eval-images", "100", "--calibration-images", "64", "--out", str(tmp_path / "b")])
     text = capsys.readouterr().out
     assert code == 0
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["bench.json"] and f"wrote {tmp_path / 'b' / 'bench.json'}" in text
+    record = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert len(record["precision"]) == 4 and record["results"] == []
     paths = ["fp32 torch eager", "fp32 ONNX Runtime", "bf16 torch eager", "int8 ONNX Runtime (static)"]
     rows = [line for line in text.splitlines() if line.startswith("digits.safetensors"[:16])]
     assert [next(p for p in paths if p in row) for row in rows] == paths

@@ -166,8 +166,11 @@ def plot(results: list[Result], path: str | Path, title: str) -> Path:
 
 
 def write_report(out: str | Path, record: dict, results: list[Result], title: str) -> list[Path]:
-    """Write ``bench.json`` (``record``), ``bench.csv`` and the plot into folder ``out``; returns their paths."""
+    """Write ``bench.json`` (``record``), ``bench.csv`` and the plot into folder ``out``; returns their paths.
+    Without ``results`` (the main table skipped) ``bench.json`` alone, which holds the other sections."""
     out = make_folder(out, "bench output folder")
+    if not results:
+        return [write_json(out / "bench.json", record)]
     return [
         write_csv(results, out / "bench.csv"),
         write_json(out / "bench.json", record),

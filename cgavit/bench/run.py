@@ -239,7 +239,8 @@ SECTIONS = ("table", "precision", "training")
 
 
 def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] | None = None) -> BenchReport:
-    """Run the benchmark ``cfg`` describes; with ``cfg.out`` (and a main table) write its files.
+    """Run the benchmark ``cfg`` describes; with ``cfg.out`` write its files (without a main table, ``bench.json``
+    alone).
 
     Sets torch's intra-op threads to the protocol's (process-wide) and seeds torch with 0.
 
@@ -252,7 +253,7 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
         The measurements; ``report.record()`` is what bench.json holds.
     """
     protocol = resolve_protocol(cfg)
-    if cfg.out is not None and not cfg.skip_table:
+    if cfg.out is not None and (not cfg.skip_table or cfg.precision_check or cfg.train):
         make_folder(cfg.out, "bench output folder")  # checked before minutes of measuring
     torch.set_num_threads(protocol.threads)
     torch.manual_seed(0)
@@ -275,7 +276,7 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
         report.training = train_throughput(list(protocol.models), cfg.train_batch, protocol.img_size,
                                            max(1, protocol.warmup), protocol.repeats)
         done("training", report)
-    if cfg.out and report.results:
+    if cfg.out and (report.results or report.precision or report.training):
         report.files = write_report(cfg.out, report.record(), report.results, report.plot_title())
     return report
 
