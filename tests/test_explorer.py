@@ -242,8 +242,11 @@ def test_checkpoint_model(tmp_path):
 
     src = randomize_(create_model("m0", num_classes=10, cascade=False, img_size=96), 3)
     path = save_weights(src, tmp_path / "m0.safetensors")
-    model, about = build_model(path)
+    model, about, info = build_model(path)
     assert "m0.safetensors" in about and model.num_classes == 10 and model.cfg.cascade is False
+    assert about.endswith("loaded into an EfficientViT of its own (embed_dim 64,128,192, depth 1,2,3, "
+                          "num_heads 4,4,4, cascade False).")
+    assert info.img_size == 96 and info.mean == (0.485, 0.456, 0.406)
     assert tuple(model.img_size) == (96, 96)  # the size it was built for, not 224
     for key, value in src.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
@@ -255,6 +258,25 @@ def test_checkpoint_model(tmp_path):
     with pytest.raises(ValueError, match="records its own architecture"):
         build_model(path, cascade=True)
 
+
+
+def test_a_trained_checkpoint_sees_uploads_as_it_was_trained(trained_digits):
+    """The image panel feeds a checkpoint as `cgavit predict` does: its recorded mean, std and interpolation.
+    It used ImageNet's for every model, so the digits model (mean 0.3, std 0.4) was shown maps of an input it
+    never saw, and read a held-out 3 as a 1."""
+    from cgavit.images import load_image
+    from cgavit.train.data import build_transform
+
+    loaded = build_model(trained_digits.checkpoint)
+    images, info = ImageAttention(*loaded), loaded.info
+    assert info.mean != (0.485, 0.456, 0.406)  # the test means something only for a model fed otherwise
+    transform = build_transform(info.img_size, False, interpolation=info.interpolation, crop_pct=info.crop_pct,
+                                mean=info.mean, std=info.std)
+    files = sorted((trained_digits.data / "val").glob("*/*"))[::12]
+    assert len(files) >= 20
+    for path in files:
+        shown = images.image(images.add_image(path.read_bytes())["image_id"])
+        torch.testing.assert_close(shown, transform(load_image(path))[None], atol=1e-5, rtol=0)
 
 def test_random_model_says_so(server):
     status, info = get_json(server, "/api/model")

@@ -18,17 +18,15 @@ def run(args: argparse.Namespace) -> int:
     for name in args.allow_host:
         if split_host(name)[1] is not None:
             raise ValueError(f"--allow-host takes a host name without a port, got {name!r}")
-    model, about = build_model(
-        args.checkpoint, args.model, args.img_size, trust=args.trust_checkpoint, **dials_from_args(args)
-    )
+    loaded = build_model(args.checkpoint, args.model, args.img_size, trust=args.trust_checkpoint, **dials_from_args(args))
     try:
-        server = make_server(args.host, args.port, ImageAttention(model, about), allow_hosts=tuple(args.allow_host))
+        server = make_server(args.host, args.port, ImageAttention(*loaded), allow_hosts=tuple(args.allow_host))
     except OSError as err:
         raise ValueError(
             f"cannot listen on {args.host}:{args.port} ({err.strerror or err}); choose another --port (0 = any free)"
         ) from None
     print(f"CGA Explorer: {server.url}", flush=True)
-    print(f"image panel model: {about}", flush=True)
+    print(f"image panel model: {loaded.about}", flush=True)
     if args.host not in LOCAL_NAMES:
         print(f"warning: listening on {args.host}, reachable from other machines", flush=True)
     print("press Ctrl-C to stop", flush=True)

@@ -25,8 +25,9 @@ import torch
 from ..analysis.heads import map_similarity, mean_off_diagonal
 from ..attention import LocalWindowAttention
 from ..bounds import MAX_UPLOAD_PIXELS
+from ..factory import ModelInfo
+from ..imagenet import class_names
 from ..model import EfficientViT, stage_resolution
-from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from .grids import query_grid, received_grid, window_boxes
 from .limits import MAX_UPLOAD_BYTES, Budget, Limits
 from .uploads import model_view, open_upload
@@ -52,14 +53,20 @@ class ImageAttention:
     Args:
         model: an :class:`~cgavit.model.EfficientViT` (put in eval mode here).
         about: one sentence on where the weights came from, shown on the page.
+        info: how images are fed to it: the normalisation (``mean``, ``std``) and resize ``interpolation`` its
+            checkpoint records (:func:`~cgavit.load_model`). Default: ImageNet's, bicubic.
         cache_size: images kept. Default 8.
         limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``). Default
             :class:`~cgavit.explorer.limits.Limits`.
     """
 
-    def __init__(self, model: EfficientViT, about: str, cache_size: int = 8, limits: Limits | None = None) -> None:
+    def __init__(self, model: EfficientViT, about: str, info: ModelInfo | None = None, cache_size: int = 8,
+                 limits: Limits | None = None) -> None:
         self.model = model.eval()
         self.about = about
+        self.feed = info or ModelInfo(class_names(model.num_classes))
+        self._mean, self._std = (torch.tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1)
+                                 for v in (self.feed.mean, self.feed.std))
         self.img_size = tuple(model.img_size)
         self.limits = limits or Limits()
         self.pixels = Budget(self.limits.decoded_pixels, "pixels")
@@ -100,8 +107,8 @@ class ImageAttention:
     def add_image(self, data: bytes) -> dict[str, Any]:
         """Validate and preprocess an uploaded image; returns its id and the model's view of it.
 
-        The image is resized (bicubic, shorter side) and centre-cropped to the model's size, then
-        normalised with the ImageNet mean and standard deviation. Its decoded size is checked from
+        The image is resized (shorter side, with the checkpoint's interpolation) and centre-cropped to
+        the model's size, then normalised with the checkpoint's mean and standard deviation (``info``). Its decoded size is checked from
         the header before any pixel is decoded, and decoding waits for room in the shared pixel
         budget. A JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) that still covers the
         model's size.
@@ -114,13 +121,11 @@ class ImageAttention:
         H, W = self.img_size
         img, orig = open_upload(data, max(H, W))
         with img, self.pixels.reserve(img.width * img.height, self.limits.budget_wait):
-            view = self._decoder.submit(model_view, img, (W, H)).result()
-        arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)  # (3, H, W)
-        mean = torch.tensor(IMAGENET_DEFAULT_MEAN)[:, None, None]
-        std = torch.tensor(IMAGENET_DEFAULT_STD)[:, None, None]
+            view = self._decoder.submit(model_view, img, (W, H), self.feed.interpolation).result()
+        arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]  # (1, 3, H, W)
         image_id = hashlib.sha256(data).hexdigest()[:16]
         with self._lock:
-            self._images[image_id] = ((arr - mean) / std)[None]  # (1, 3, H, W)
+            self._images[image_id] = (arr - self._mean) / self._std
             self._images.move_to_end(image_id)
             while len(self._images) > self._cache_size:
                 self._images.popitem(last=False)

@@ -4,11 +4,24 @@ or a randomly initialised variant."""
 from __future__ import annotations
 
 import os
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ..factory import create_model, load_model
+from typing import NamedTuple
+
+from ..factory import ModelInfo, create_model, load_model
+from ..imagenet import class_names
 from ..model import EfficientViT
 from ..testing import randomize_
+from ..variants import VARIANTS
+
+
+class ExplorerModel(NamedTuple):
+    """What :func:`build_model` returns: ``ImageAttention(*build_model(...))`` builds the page's image panel."""
+
+    model: EfficientViT
+    about: str
+    info: ModelInfo  # how images are fed to it: the checkpoint's recorded normalisation and resize
 
 
 def build_model(
@@ -17,14 +30,17 @@ def build_model(
     img_size: int | None = None,
     trust: bool = False,
     **dials,
-) -> tuple[EfficientViT, str]:
-    """The model whose attention the page shows, and an honest sentence about where it came from.
+) -> ExplorerModel:
+    """The model whose attention the page shows, an honest sentence about where it came from, and how
+    images are fed to it.
 
     A checkpoint is rebuilt by :func:`cgavit.load_model`: a cgavit file from the architecture it
-    records, an official or timm file as ``model_name`` (with ``dials``). Without a checkpoint the
-    model is a randomly initialised ``model_name`` (default ``efficientvit_m0``), with BatchNorm
-    statistics and bias tables randomised (seed 0). ``img_size`` (default: the size a checkpoint records, else 224)
-    is the side images are resized to; a checkpoint built for another size gets its bias tables resized.
+    records, an official or timm file as ``model_name`` (with ``dials``); images are then normalised
+    and resized as the checkpoint records (its ``ModelInfo``). Without a checkpoint the model is a
+    randomly initialised ``model_name`` (default ``efficientvit_m0``), with BatchNorm statistics and
+    bias tables randomised (seed 0), fed as ImageNet models are. ``img_size`` (default: the size a
+    checkpoint records, else 224) is the side images are resized to; a checkpoint built for another
+    size gets its bias tables resized.
 
     Raises:
         ValueError: unknown model, impossible dials, or an unusable checkpoint (``CheckpointError``).
@@ -38,7 +54,24 @@ def build_model(
             "bias tables randomised with seed 0). Its maps show how the mechanism mixes tokens, "
             "not what a trained network looks at."
         )
-        return model.eval(), about
-    model, _ = load_model(checkpoint, model_name, dials or None, img_size=img_size, trust=trust)
-    arch = model.pretrained_cfg["architecture"] or "the architecture it records"
-    return model, f"checkpoint {Path(checkpoint).name} loaded into {arch}."
+        info = ModelInfo(class_names(model.num_classes), img_size=model.img_size[0], source=about)
+        return ExplorerModel(model.eval(), about, info)
+    model, info = load_model(checkpoint, model_name, dials or None, img_size=img_size, trust=trust)
+    return ExplorerModel(model, f"checkpoint {Path(checkpoint).name} loaded into {_architecture(model)}.", info)
+
+
+def _architecture(model: EfficientViT) -> str:
+    """The variant's name, and the design dials in which the network differs from it (a network that names
+    no variant: its widths, depths and heads, and the dials off their defaults)."""
+    c, name = model.cfg, model.pretrained_cfg.get("architecture") or ""
+    variant = VARIANTS.get(name)
+    if variant is not None:
+        changed = [f for f in fields(c) if getattr(c, f.name) != getattr(variant.cfg, f.name)]
+        return f"{name} with dials of its own ({_dials(c, changed)})" if changed else name
+    own = [f for f in fields(c) if f.default is MISSING or getattr(c, f.name) != f.default]
+    return f"an EfficientViT of its own ({_dials(c, own)})"
+
+
+def _dials(cfg: object, chosen: list) -> str:
+    shown = (getattr(cfg, f.name) for f in chosen)
+    return ", ".join(f"{f.name} {','.join(map(str, v)) if isinstance(v, tuple) else v}" for f, v in zip(chosen, shown))

@@ -41,12 +41,16 @@ def open_upload(data: bytes, cover: int) -> tuple[Image.Image, tuple[int, int]]:
         raise TooLarge(str(err)) from None
 
 
-def model_view(img: Image.Image, size: tuple[int, int]) -> Image.Image:
+#: PIL's filter for each interpolation a checkpoint may record (:data:`~cgavit.bounds.INTERPOLATIONS`).
+RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR, "nearest": Image.Resampling.NEAREST}
+
+
+def model_view(img: Image.Image, size: tuple[int, int], interpolation: str = "bicubic") -> Image.Image:
     """Decode ``img`` (EXIF orientation applied, RGB), resize its short side to cover ``size``
-    ``(W, H)`` (bicubic) and crop the centre.
+    ``(W, H)`` (with ``interpolation``, one of :data:`RESAMPLE`) and crop the centre.
 
     Raises:
         BadImageError: the file breaks while decoding (a truncated or corrupt body surfaces only now).
     """
     rgb = decode(img, UPLOAD_NAME, exif_transpose=True)
-    return ImageOps.fit(rgb, size, Image.BICUBIC)
+    return ImageOps.fit(rgb, size, RESAMPLE[interpolation])
