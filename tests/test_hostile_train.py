@@ -752,3 +752,28 @@ def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(fcntl, "flock", unsupported)  # what some network and FUSE file systems answer
     with pytest.raises(ValueError, match="does not support file locks .*give --output a folder on a local disk"):
         RunLock(tmp_path, DistEnv()).__enter__()
+
+
+def test_a_second_demo_on_a_folder_in_use_touches_nothing(tmp_path, capsys):
+    """A second `cgavit demo --output D` while one runs in D deleted the running demo's checkpoints, metrics and log,
+    then stopped at the run folder's lock; it now stops at the demo folder's lock, before anything."""
+    out = tmp_path / "demo"
+    (out / "run").mkdir(parents=True)
+    files = {out / "run" / "last.pt": b"running", out / "run" / "metrics.jsonl": b"{}\n", out / "report.json": b"{}"}
+    for path, data in files.items():
+        path.write_bytes(data)
+    with RunLock(out, DistEnv()):  # the running demo
+        assert main(["demo", "--output", str(out), "--epochs", "1"]) == 2
+    assert f"another run (pid {os.getpid()}) is writing to {out}; wait for it" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in files} == files and not (out / "data").exists()
+
+
+def test_a_stopped_demo_exits_as_a_stopped_train(monkeypatch, capsys):
+    """`cgavit demo` stopped by Ctrl-C or SIGTERM exited 0, where `cgavit train` exits 130 or 143."""
+    import cgavit.cli.train as cli_train
+
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        monkeypatch.setattr(cli_train, "run_demo", lambda *a, signum=signum, **k: {
+            "interrupted": True, "signal": int(signum), "last": "runs/demo/run/last.pt"})
+        assert main(["demo", "--epochs", "1"]) == code
+        assert "continue it with: cgavit train --resume runs/demo/run/last.pt" in capsys.readouterr().out

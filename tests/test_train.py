@@ -255,6 +255,19 @@ def test_corrupt_checkpoint_refused_and_left_alone(data, tmp_path):
     # a fresh run refuses to overwrite a folder that holds one
     with pytest.raises(ValueError, match="already holds a run"):
         train(tiny(data=str(data), epochs=1, output=str(run)))
+    # ... even one whose last.pt the user deleted (best.* were overwritten), and a resumed run refuses another
+    # run's folder (it replaced last.pt and appended to metrics.jsonl)
+    (run / "last.pt").write_bytes(good)
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("best.pt", "best.safetensors"):
+        (other / name).write_bytes((run / name).read_bytes())
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    with pytest.raises(ValueError, match=r"already holds a run \(best.pt, best.safetensors\); choose another"):
+        train(tiny(data=str(data), epochs=1, output=str(other)))
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(TrainConfig.resume_from(run / "last.pt", output=str(other)))
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
 
 
 def test_distillation_with_timm_teacher_and_finetune(data, tmp_path):

@@ -25,6 +25,7 @@ from PIL import Image
 from ..factory import load_model
 from ..io import make_folder, write_json, write_text
 from .config import TrainConfig, TrainResult
+from .distributed import DistEnv, RunLock
 from .engine import train
 from .inference import evaluate_checkpoint, export_weights
 
@@ -91,6 +92,11 @@ def demo_config(
     )
 
 
+#: What a demo's run folder holds, removed when a new demo starts there.
+DEMO_RUN_FILES = ("last.pt", "best.pt", "best.safetensors", "metrics.jsonl", "curves.png", "train.log",
+                  "model.safetensors")
+
+
 def run_demo(
     output: str | Path = "runs/demo",
     epochs: int | None = None,
@@ -123,8 +129,16 @@ def run_demo(
     run_dir = output / "run"
     cfg = demo_config(output / "data", run_dir, DEMO_EPOCHS if epochs is None else epochs, seed, progress)
     cfg.validate()
-    for name in ("last.pt", "best.pt", "best.safetensors", "metrics.jsonl", "curves.png", "train.log"):
-        (run_dir / name).unlink(missing_ok=True)  # the demo owns this folder: start afresh
+    with RunLock(make_folder(output, "demo folder"), DistEnv()):  # a second demo stops here, touching nothing
+        return _locked_demo(output, cfg, threads, seed, say)
+
+
+def _locked_demo(output: Path, cfg: TrainConfig, threads: int | None, seed: int, say: Callable[[str], object]) -> dict:
+    """:func:`run_demo` in its folder, which it holds: the earlier demo's files go first (the demo owns the
+    folder), so a stopped demo leaves no report of another."""
+    run_dir = Path(cfg.output)
+    for path in [run_dir / name for name in DEMO_RUN_FILES] + [output / "report.json", output / "report.md"]:
+        path.unlink(missing_ok=True)
     old_threads = torch.get_num_threads()
     threads = threads or max(1, min(4, (os.cpu_count() or 2) - 1))
     torch.set_num_threads(threads)

@@ -492,9 +492,15 @@ def _check_input_files(cfg: TrainConfig) -> None:
         checked_path(cfg.teacher, "--teacher checkpoint")
 
 
+#: The checkpoints a new run would replace: a folder holding any of them holds a run (records without
+#: them are set aside instead, :func:`_run_log`).
+RUN_FILES = ("last.pt", "best.pt", "best.safetensors")
+
+
 def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     """The run folder (``--output``, or a new ``runs/<model>-<time>``), made by rank 0; refused when it
-    is a file, or holds another run and this one does not resume it."""
+    is a file, or holds a run's files (:data:`RUN_FILES`: ``best.*`` without ``last.pt`` too) and this
+    run does not resume that one (``--resume`` of a checkpoint in the same folder)."""
     if cfg.output:
         out = Path(cfg.output)
     else:  # made now by rank 0, so two runs started in the same second get a folder each
@@ -502,11 +508,13 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     out = Path(broadcast_object(env, str(out)))
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
-    taken = not resuming and env.is_main and (out / "last.pt").exists()
+    held = [name for name in RUN_FILES if (out / name).exists()] if env.is_main else []
+    own = resuming and out.is_dir() and Path(cfg.resume).resolve().parent == out.resolve()
+    taken = bool(held) and not own
     if broadcast_object(env, taken):  # every rank raises, so none waits for the others
-        raise ValueError(
-            f"{out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, or choose another --output"
-        )
+        again = (f"continue it with --resume {out / 'last.pt'}, or " if "last.pt" in held and not resuming else "")
+        raise ValueError(f"{out} already holds a run ({', '.join(held)}); {again}choose another --output "
+                         "(nothing in it was changed)")
     if env.is_main:
         make_folder(out, "run folder")
     return out
