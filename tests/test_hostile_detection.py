@@ -454,12 +454,37 @@ def test_image_problems_are_named_and_the_other_images_still_predicted(files, tm
     capsys.readouterr()
     argv = ["detect", "predict", str(bomb), str(files["image"]), str(big), str(broken), "--checkpoint", str(files["checkpoint"]),
             "--device", "cpu", "--out", str(out)]
-    assert main(argv) == 2
+    assert main(argv) == 1  # some were drawn (2: none), as `cgavit predict`
     captured = capsys.readouterr()
     line = _one_error_line(captured.err)
     assert "3 of 4 images skipped" in line and "too large to decode" in line and "megapixel" in line and "broken.png" in line
     assert (out / "val_00000_pred.png").is_file() and "val_00000.png" in captured.out
 
+
+
+def test_drawings_never_replace_an_image_nor_each_other(files, tmp_path, capsys):
+    """`detect predict mine.jpg --out mine.jpg` replaced the user's photo (with PNG bytes under a .jpg name), and
+    two images of one name from two folders were drawn to one file, the first lost."""
+    from PIL import Image
+
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(Path(files["image"]).read_bytes())
+    kept = mine.read_bytes()
+    run = ["detect", "predict", "--checkpoint", str(files["checkpoint"]), "--device", "cpu"]
+    assert main([*run, str(mine), "--out", str(mine)]) == 2
+    assert "would replace the image" in _one_error_line(capsys.readouterr().err) and mine.read_bytes() == kept
+    assert main([*run, str(mine), "--out", str(tmp_path)]) == 0  # mine_pred.png beside it
+    assert main([*run, str(mine), "--out", str(tmp_path / "drawn.jpg")]) == 0
+    with Image.open(tmp_path / "drawn.jpg") as img:
+        assert img.format == "JPEG"
+    assert main([*run, str(mine), "--out", str(tmp_path / "drawn.tiffx")]) == 2
+    assert "not an image format that can be written" in _one_error_line(capsys.readouterr().err)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    for folder in "ab":
+        (tmp_path / folder / "img.png").write_bytes(kept)
+    assert main([*run, str(tmp_path / "a" / "img.png"), str(tmp_path / "b" / "img.png"), "--out", str(tmp_path / "o")]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["img-2_pred.png", "img_pred.png"]
+    assert mine.read_bytes() == kept
 
 def test_unreadable_training_images_stop_training_before_any_checkpoint(files, tmp_path, capsys):
     images = tmp_path / "images"

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
-from ..io import printable
+from ..io import DataError, printable
 from .common import add_dial_args, dials_from_args
 from .options import add_options, option_values
 
@@ -88,11 +89,21 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    threshold = args.score_threshold
-    for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
-        print(printable(f"{pred.image}: {len(pred.scores)} detections >= {threshold} -> {pred.drawn}"))  # names escaped
-        for name, score, box in zip(pred.names, pred.scores, pred.boxes):
-            print(f"  {printable(name):<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
+    """Draw and list each image's detections; exit 1 when some images could not be read, 2 when none could
+    (as ``cgavit predict``)."""
+    threshold, done = args.score_threshold, 0
+    try:
+        for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
+            print(printable(f"{pred.image}: {len(pred.scores)} detections >= {threshold} -> {pred.drawn}"))  # names escaped
+            for name, score, box in zip(pred.names, pred.scores, pred.boxes):
+                print(f"  {printable(name):<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
+            done += 1
+    except DataError as err:  # the images that could not be read, after the others
+        if not done:
+            raise
+        sys.stdout.flush()
+        print(f"cgavit detect: error: {printable(' '.join(str(err).split()))}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -151,7 +162,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         description="Run a trained detector on images and save them with boxes, labels, scores and masks drawn.")
     p.add_argument("images", nargs="+", help="image files")
     p.add_argument("--checkpoint", required=True, help="model.pth or checkpoint.pth written by `cgavit detect train`")
-    p.add_argument("--out", help="output PNG (one image) or folder (default: <image name>_pred.png in the current folder)")
+    p.add_argument("--out", help="output image, PNG or JPEG by its suffix (one image), or folder (default: <image name>_pred.png "
+                   "in the current folder; images of the same name get -2, -3, ...); never one of the images")
     p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.set_defaults(func=run_predict)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import nn
 from torchvision.transforms.v2 import functional as TF
 
@@ -25,7 +26,7 @@ class Prediction:
     """One image's detections scoring at least the threshold, and where the drawing was written.
 
     Attributes:
-        image: the input file. drawn: the PNG written.
+        image: the input file. drawn: the drawing written (PNG, or the format ``out``'s suffix names).
         names: category name of each detection. scores: its score.
         boxes: ``[x0, y0, x1, y1]`` in the image's pixels.
     """
@@ -70,25 +71,54 @@ def predict_images(
         if not os.path.lexists(p):
             raise FileNotFoundError(f"image {p} does not exist")
         check_readable_file(p, "image")
-    dst = Path(out) if out is not None else None
-    if dst is not None and len(paths) > 1 and dst.suffix:
-        raise ValueError(f"--out {dst} looks like a file but {len(paths)} images were given; pass a folder")
+    drawn = drawing_paths(paths, Path(out) if out is not None else None)
     env = setup_distributed(device)
     try:
         model, config = load_detector(checkpoint, env.device)
     except BaseException:
         teardown_distributed(env)
         raise
-    return _predictions(model, config, paths, dst, score_threshold, env)
+    return _predictions(model, config, paths, drawn, score_threshold, env)
+
+
+def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
+    """Where each image's drawing goes: ``out`` itself for one image when it names a file, else
+    ``<image name>_pred.png`` in folder ``out`` (default: the current folder), ``-2``, ``-3``, ... added to
+    the name for images of the same name from different folders.
+
+    Raises:
+        ValueError: ``out`` names a file for several images, or a format PIL does not write; or a drawing
+            would replace one of the images.
+    """
+    if out is not None and out.suffix:
+        if len(images) > 1:
+            raise ValueError(f"--out {out} looks like a file but {len(images)} images were given; pass a folder")
+        if Image.registered_extensions().get(out.suffix.lower()) not in Image.SAVE:
+            raise ValueError(f"--out {out}: {out.suffix} is not an image format that can be written; "
+                             "name it .png or .jpg, or give a folder")
+        drawn = [out]
+    else:
+        folder, drawn = out or Path("."), []
+        for image in images:
+            name, n = f"{image.stem}_pred.png", 1
+            while folder / name in drawn:
+                n += 1
+                name = f"{image.stem}-{n}_pred.png"
+            drawn.append(folder / name)
+    given = {os.path.realpath(image) for image in images}
+    for image, path in zip(images, drawn):
+        if os.path.realpath(path) in given:
+            raise ValueError(f"the drawing of {image} would replace the image {path}; give another --out")
+    return drawn
 
 
 def _predictions(
-    model: nn.Module, config: dict, paths: list[Path], out: Path | None, threshold: float, env: DistEnv
+    model: nn.Module, config: dict, paths: list[Path], drawn: list[Path], threshold: float, env: DistEnv
 ) -> Iterator[Prediction]:
     names = ["background"] + [n for _, n in config["categories"]]
     skipped = []
     try:
-        for p in paths:
+        for p, dst in zip(paths, drawn):
             try:
                 raw = TF.pil_to_tensor(load_image(p))  # (3, H, W) uint8
             except (DataError, UnreadableFileError) as err:
@@ -96,9 +126,9 @@ def _predictions(
                 continue
             with torch.no_grad():
                 output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
-            drawn = draw_detections(raw, output, names, threshold)
-            dst = out if out is not None and out.suffix else (out or Path(".")) / f"{p.stem}_pred.png"
-            atomic_write(dst, lambda tmp: TF.to_pil_image(drawn).save(tmp, format="PNG"))
+            picture = TF.to_pil_image(draw_detections(raw, output, names, threshold))
+            kind = Image.registered_extensions()[dst.suffix.lower()]
+            atomic_write(dst, lambda tmp: picture.save(tmp, format=kind))
             keep = output["scores"] >= threshold
             yield Prediction(
                 image=p, drawn=dst, names=[names[label] for label in output["labels"][keep].tolist()],
