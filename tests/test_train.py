@@ -192,6 +192,41 @@ def test_resume_equals_uninterrupted(data, tmp_path, one_thread):
     assert (out / "curves.png").stat().st_size > 1000
 
 
+
+# `cgavit train` with two loader workers, in a session of its own: after its second update, SIGTERM to its whole
+# process group, as `timeout`, a job scheduler or `kill -- -PGID` send it (the workers get it too)
+_GROUP_TERMINATED_CHILD = """
+import ast, os, signal, subprocess, sys, time
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from cgavit.cli import main
+
+updates = 0
+
+def after_step(optimizer, args, kwargs):
+    global updates
+    updates += 1
+    if updates == 2:
+        subprocess.run(["kill", "-TERM", "--", f"-{os.getpgrp()}"])  # from another process, as timeout's
+        time.sleep(2)  # the workers' fate is known before the run goes on (as while it waits for a batch)
+
+register_optimizer_step_post_hook(after_step)
+sys.exit(main(ast.literal_eval(sys.argv[1])))
+"""
+
+
+def test_a_process_group_terminated_mid_run_saves_it(data, tmp_path):
+    """The loader workers got the group's SIGTERM too, died of it (torch's worker handler ends a worker on a
+    SIGTERM its parent did not send), and torch raised "DataLoader worker ... killed by signal" in the run while it
+    saved: a traceback and exit 1 instead of last.pt, "stopped" and exit 143."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(data), *TINY_ARGV, "--epochs", "2", "--workers", "2", "--output", str(out)]
+    proc = subprocess.run([sys.executable, "-c", _GROUP_TERMINATED_CHILD, repr(argv)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "killed by signal" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("received SIGTERM") == 1, proc.stderr[-3000:]  # the run's, not once more per worker
+    assert ckpt_io.load(out / "last.pt")["next_step"] == 2
+
 def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
     root = make_folder(tmp_path / "ds")
     (root / "train" / "class_0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")

@@ -31,6 +31,7 @@ from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
 from ..fields import option
 from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
+from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
 from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
@@ -195,7 +196,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     shard = Guarded(torch.utils.data.Subset(dataset, range(env.rank, len(dataset), env.world)))
-    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, num_workers=workers, collate_fn=collate)
+    loader = StopSafeLoader(shard, batch_size=batch_size, num_workers=workers, collate_fn=collate,
+                            worker_init_fn=ignore_stop_signals)
     label_to_cat = [0] + [cid for cid, _ in dataset.categories]
     bbox, segm = [], []
     for images, targets in tqdm(batches(loader), total=len(loader), desc="eval", disable=not (progress and env.is_main), leave=False):
@@ -454,9 +456,9 @@ def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt
     model.to(env.device)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
     sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=cfg.seed)
-    loader = torch.utils.data.DataLoader(
+    loader = StopSafeLoader(
         Guarded(train_set), batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
-        persistent_workers=cfg.workers > 0,
+        persistent_workers=cfg.workers > 0, worker_init_fn=ignore_stop_signals,
     )
     milestones = [e * len(loader) for e in cfg.lr_steps]
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -8,6 +8,8 @@ header is read, never its pixels. Images are opened by :func:`cgavit.images.load
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,6 +105,42 @@ def collate(items: list) -> Batch:
 def _worker_init(worker_id: int) -> None:
     # torch seeds python's random and itself per worker from the loader's generator; numpy too:
     np.random.seed(torch.initial_seed() % 2**32)
+    ignore_stop_signals()
+
+
+#: The signals that stop a run: its process handles them; its loader workers ignore them.
+STOP_SIGNALS = tuple(sig for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if sig is not None)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A loader worker's ``worker_init_fn`` (with :class:`StopSafeLoader`): :data:`STOP_SIGNALS` ignored, so the
+    run's process alone stops the run.
+
+    ``timeout``, a job scheduler or Ctrl-C signal the whole process group. A worker left as torch sets it
+    dies of a SIGTERM that its parent did not send, and torch then raises in the main process ("DataLoader
+    worker ... killed by signal") while the run saves where it stopped; a worker that inherited the run's
+    handler logged the signal once more. The main process ends its workers itself when it stops (and a
+    worker whose parent is gone exits on its own). A signal that arrived while the worker started (held
+    back by :class:`StopSafeLoader`) is dropped here.
+    """
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class StopSafeLoader(DataLoader):
+    """A DataLoader that starts its worker processes with :data:`STOP_SIGNALS` held back, so that none reaches a
+    worker before its ``worker_init_fn`` (:func:`ignore_stop_signals`) ignores them; the run's process gets
+    a signal sent meanwhile as soon as the workers are started."""
+
+    def __iter__(self):
+        if self.num_workers == 0 or threading.current_thread() is not threading.main_thread():
+            return super().__iter__()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def make_loader(
@@ -116,7 +154,7 @@ def make_loader(
     generator: torch.Generator | None = None,
 ) -> DataLoader:
     """A DataLoader with :func:`collate` and per-worker numpy seeding."""
-    return DataLoader(
+    return StopSafeLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
