@@ -777,3 +777,47 @@ def test_a_stopped_demo_exits_as_a_stopped_train(monkeypatch, capsys):
             "interrupted": True, "signal": int(signum), "last": "runs/demo/run/last.pt"})
         assert main(["demo", "--epochs", "1"]) == code
         assert "continue it with: cgavit train --resume runs/demo/run/last.pt" in capsys.readouterr().out
+
+
+def test_a_diverged_model_is_no_result(world, tmp_path, capsys, monkeypatch):
+    """A run whose weights diverged (finite weights, NaN outputs: BatchNorm statistics blown up) was logged as
+    "val loss nan, top-1 33.33 %", marked best and saved as best.*, with bare NaN in metrics.jsonl; `eval` printed
+    that top-1 with exit 0 and `predict` printed nan% for arbitrary classes."""
+    ck = torch.load(world["best_pt"], weights_only=True)
+    for part in ("model", "model_ema"):
+        if ck.get(part):
+            key = next(k for k in ck[part] if k.endswith("running_var"))
+            ck[part][key] = -torch.ones_like(ck[part][key])  # finite, and every output NaN
+    diverged = tmp_path / "diverged.pt"
+    torch.save(ck, diverged)
+    assert main(["eval", "--data", str(world["data"]), "--checkpoint", str(diverged), "-j", "0"]) == 2
+    assert "not finite on" in capsys.readouterr().err
+    image = str(world["data"] / "val" / "class_0" / "0.png")
+    assert main(["predict", image, "--checkpoint", str(diverged)]) == 2
+    assert "outputs on" in capsys.readouterr().err
+    # in training: the epoch whose validation outputs are not finite stops the run, and nothing of it is kept
+    real = engine.evaluate
+    calls = []
+
+    def diverging(*args, **kwargs):
+        calls.append(1)
+        return {**real(*args, **kwargs), "nonfinite": 1} if len(calls) == 2 else real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "evaluate", diverging)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="after epoch 2 the model's outputs are not finite on 1 of"):
+        train(tiny(data=str(world["data"]), epochs=3, output=str(out), model_ema=False))
+    assert ckpt_io.load(out / "last.pt")["next_epoch"] == 1 and len(engine.records.read_metrics(out / "metrics.jsonl")) == 1
+
+
+def test_validation_on_the_training_split_is_refused(world, tmp_path, capsys):
+    """`--val-split train` (or ./train, or a link to it) trained and validated on the same images without a word,
+    and chose best.* on them."""
+    data = tmp_path / "data"
+    shutil.copytree(world["data"], data)
+    (data / "same").symlink_to(data / "train")
+    for split in ("train", "./train", "same"):
+        out = tmp_path / f"run-{split.strip('./')}"
+        assert main(["train", "--data", str(data), *TINY_ARGV, "--epochs", "1", "--val-split", split,
+                     "--output", str(out)]) == 2
+        assert "are the same folder" in capsys.readouterr().err and not out.exists()

@@ -27,6 +27,7 @@ from ..deploy.formats import runtime_path
 from ..factory import ModelInfo, load_model
 from ..timing import round_robin
 from ..train.data import build_transform, list_split, load_image
+from ..train.data.layout import same_split
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def calibration_and_evaluation(
             message names the difference) or each other's, or too few calibration images.
     """
     train_dir, val_dir = Path(root) / train_split, Path(root) / val_split
-    if train_split == val_split or (train_dir.is_dir() and val_dir.is_dir() and train_dir.samefile(val_dir)):
+    if same_split(root, train_split, val_split):
         raise ValueError(f"calibration and evaluation must be different images; --train-split {train_split!r} and "
                          f"--val-split {val_split!r} are the same folder")
     folders = {split: list_split(root, split)[0] for split in (train_split, val_split)}  # refused before decoding

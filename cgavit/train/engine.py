@@ -216,6 +216,11 @@ def _fit(run: Run, t_start: float) -> TrainResult:
                 f"none of the {len(run.loaders.val.dataset)} validation images could be read (e.g. {val['bad_paths'][0]}); "
                 "fix or remove them (see the warnings) and run again"
             )
+        if val["nonfinite"]:  # diverged: the epoch's weights are kept nowhere, last.pt and best.* stay as they were
+            raise ValueError(
+                f"after epoch {epoch + 1} the model's outputs are not finite on {val['nonfinite']} of {val['n']} "
+                f"validation images (its weights diverged); lower --lr or check the data; {output / 'last.pt'} and "
+                "best.* keep the epoch before, if any")
         row, is_best = _record(run, epoch, total_epochs, stats, val, len(skipped))
         if env.is_main:
             rows.append(row)

@@ -31,13 +31,14 @@ def evaluate(
         autocast: a context to run the forward in (e.g. ``torch.autocast``).
 
     Returns:
-        ``{"top1", "top5", "loss", "n", "skipped", "bad_paths"}``.
+        ``{"top1", "top5", "loss", "n", "skipped", "bad_paths", "nonfinite"}``: ``nonfinite`` counts the images
+        whose logits are not all finite (a diverged model); they count as misses, and make the loss NaN or inf.
     """
     env = env or DistEnv()
     was_training = model.training
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device  # an exported file's runtime has none: CPU
-    idx, losses, hit1, hit5, bad = [], [], [], [], []
+    idx, losses, hit1, hit5, bad, broken = [], [], [], [], [], []
     for batch in loader:
         bad.extend(batch.bad)
         if batch.images is None:
@@ -49,12 +50,15 @@ def evaluate(
         out = out.float()
         k = min(5, out.shape[1])
         top = out.topk(k, dim=1).indices  # (B, k)
+        finite = torch.isfinite(out).all(dim=1)  # (B,): a NaN's top-k is no decision
         idx.append(batch.indices)
         losses.append(F.cross_entropy(out, y, reduction="none").double().cpu())
-        hit1.append((top[:, 0] == y).cpu())
-        hit5.append((top == y[:, None]).any(dim=1).cpu())
+        hit1.append(((top[:, 0] == y) & finite).cpu())
+        hit5.append(((top == y[:, None]).any(dim=1) & finite).cpu())
+        broken.append((~finite).cpu())
     model.train(was_training)
-    mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad)
+    mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad,
+            _cat(broken, torch.bool))
     return _merge(gather_objects(env, mine))
 
 
@@ -63,8 +67,8 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _merge(parts: list[tuple]) -> dict:
-    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, bad paths)`` as one set of metrics,
-    each dataset index counted once."""
+    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, bad paths, non-finite outputs)`` as one set of
+    metrics, each dataset index counted once."""
     all_idx = torch.cat([p[0] for p in parts])
     order = torch.argsort(all_idx, stable=True)
     all_idx = all_idx[order]
@@ -75,6 +79,7 @@ def _merge(parts: list[tuple]) -> dict:
     h1 = torch.cat([p[2] for p in parts])[pick]
     h5 = torch.cat([p[3] for p in parts])[pick]
     bad_paths = sorted({b for p in parts for b in p[4]})
+    nonfinite = int(torch.cat([p[5] for p in parts])[pick].sum())
     n = int(pick.numel())
     return {
         "top1": 100.0 * float(h1.double().sum()) / max(n, 1),
@@ -83,4 +88,5 @@ def _merge(parts: list[tuple]) -> dict:
         "n": n,
         "skipped": len(bad_paths),
         "bad_paths": bad_paths,
+        "nonfinite": nonfinite,
     }

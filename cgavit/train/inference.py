@@ -100,6 +100,10 @@ def evaluate_checkpoint(
             log.warning("skipped unreadable image %s", p)
         if res["n"] == 0:
             raise DataError(f"none of the {len(samples)} images in {split_dir} could be read; no metrics to report")
+        broken = res.pop("nonfinite")
+        if broken:
+            raise ValueError(f"{checkpoint} gives outputs that are not finite on {broken} of {res['n']} images "
+                             "(a diverged model): its metrics would mean nothing; use a checkpoint from before it diverged")
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir), world_size=env.world)
         return res
     finally:
@@ -255,7 +259,12 @@ def predict(
         except BadImageError as err:
             out.append({"image": str(path), "error": str(err)})
             continue
-        prob = model(x).float().softmax(dim=1)[0]
+        logits = model(x).float()[0]
+        if not bool(torch.isfinite(logits).all()):
+            out.append({"image": str(path), "error": f"the model's outputs on {path} are not finite (a diverged model); "
+                                                      "use a checkpoint from before it diverged"})
+            continue
+        prob = logits.softmax(dim=0)
         p, i = prob.topk(min(topk, prob.numel()))
         top = []
         for pi, ii in zip(p.tolist(), i.tolist()):

@@ -83,15 +83,26 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
     return classes, samples
 
 
+def same_split(root: str | Path, a: str, b: str) -> bool:
+    """Whether splits ``a`` and ``b`` of ``root`` are one folder, however spelt (``train``, ``./train``, a link)."""
+    da, db = Path(root) / a, Path(root) / b
+    return a == b or (da.is_dir() and db.is_dir() and da.samefile(db))
+
+
 def check_layout(root: str | Path, train_split: str = "train", val_split: str = "val") -> dict:
-    """Check both splits before training starts and that they name the same classes.
+    """Check both splits before training starts: different folders that name the same classes.
 
     Returns:
         ``{"classes": [...], "train": samples, "val": samples}``.
 
     Raises:
-        DataError: a missing or empty split or class folder, or class sets that differ.
+        DataError: a missing or empty split or class folder, class sets that differ, or one folder for both
+            (validated on its training images, a run would choose its best checkpoint on them).
     """
+    if same_split(root, train_split, val_split):
+        raise DataError(f"--train-split {train_split!r} and --val-split {val_split!r} are the same folder of {root}: "
+                        "validation on the training images says nothing about others (and best.* would be chosen on "
+                        "them); give a held-out split")
     train_classes, train_samples = list_split(root, train_split)
     val_classes, val_samples = list_split(root, val_split)
     if train_classes != val_classes:
