@@ -821,3 +821,15 @@ def test_validation_on_the_training_split_is_refused(world, tmp_path, capsys):
         assert main(["train", "--data", str(data), *TINY_ARGV, "--epochs", "1", "--val-split", split,
                      "--output", str(out)]) == 2
         assert "are the same folder" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_its_own_batch_size(world, tmp_path, sigterm_after):
+    """Resumed mid-epoch with another --batch-size, a run skipped updates x the new batch images: some never
+    trained on, without a word (or, with a larger batch, "made no update")."""
+    out = tmp_path / "run"
+    with sigterm_after(2):
+        assert train(tiny(data=str(world["data"]), epochs=1, batch_size=4, output=str(out))).interrupted
+    assert ckpt_io.load(out / "last.pt")["next_step"] == 2
+    with pytest.raises(ValueError, match="after 2 updates of batch 4: resume it with --batch-size 4"):
+        train(TrainConfig.resume_from(out / "last.pt", batch_size=6))
+    assert train(TrainConfig.resume_from(out / "last.pt")).epochs == 1

@@ -90,6 +90,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
         if resumed is not None:  # the weights must go on as the network the record names, whatever cfg says
             check_same_network(TrainConfig.from_checkpoint(resumed, cfg.resume), cfg, cfg.resume)
+            _check_mid_epoch_batch(resumed, cfg)
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
@@ -453,6 +454,15 @@ def _save(run: Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> N
             "saved": datetime.now().isoformat(timespec="seconds"),
         },
     )
+
+
+def _check_mid_epoch_batch(ck: dict, cfg: TrainConfig) -> None:
+    """A run stopped mid-epoch goes on from the image its updates reached, counted in its own batches: another
+    ``--batch-size`` would skip the wrong images (or run out of them). An epoch's end may change it."""
+    step, saved = int(ck.get("next_step", 0)), TrainConfig.from_checkpoint(ck, cfg.resume).batch_size
+    if step > 0 and saved != cfg.batch_size:
+        raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of batch {saved}: resume it with "
+                         f"--batch-size {saved} (a new batch size can start at an epoch's end)")
 
 
 def _resume(run: Run, ck: dict) -> None:
