@@ -833,3 +833,17 @@ def test_a_run_stopped_mid_epoch_resumes_with_its_own_batch_size(world, tmp_path
     with pytest.raises(ValueError, match="after 2 updates of batch 4: resume it with --batch-size 4"):
         train(TrainConfig.resume_from(out / "last.pt", batch_size=6))
     assert train(TrainConfig.resume_from(out / "last.pt")).epochs == 1
+
+
+def test_train_offers_the_trust_opt_in_it_names(world, tmp_path, capsys):
+    """A pickled --finetune file was refused with a message naming --trust-checkpoint, which `cgavit train` lacked."""
+    weights = torch.load(world["best_pt"], weights_only=True)["model"]
+    pickled = tmp_path / "official.pth"  # weights beside a pickled object (here a harmless call), as old files hold
+    torch.save({"model": weights, "args": _Foreign()}, pickled)
+    run = ["train", "--data", str(world["data"]), *TINY_ARGV, "--epochs", "1", "--finetune", str(pickled)]
+    assert main([*run, "--output", str(tmp_path / "a")]) == 2
+    assert "--trust-checkpoint" in capsys.readouterr().err
+    assert main([*run, "--output", str(tmp_path / "b"), "--trust-checkpoint"]) == 0
+    assert ckpt_io.load(tmp_path / "b" / "last.pt")["args"]["trust_checkpoint"] is True
+    resumed = TrainConfig.resume_from(tmp_path / "b" / "last.pt")
+    assert resumed.trust_checkpoint is False  # one invocation's choice, never taken over

@@ -31,7 +31,7 @@ from . import checkpoint
 DIAL_NAMES: tuple[str, ...] = (*(f.name for f in fields(EfficientViTConfig)), "allocation")
 
 #: Options that only steer one invocation: never taken from a checkpoint on resume.
-NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress"})
+NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress", "trust_checkpoint"})
 
 CLIP_MODES = ("agc", "norm", "value")
 DISTILLATION_TYPES = ("none", "soft", "hard")
@@ -130,6 +130,9 @@ class TrainConfig:
         None, "teacher: a timm or cgavit model name (with --teacher-weights), or a checkpoint trained here"
     )
     teacher_weights: str | None = option(None, "local weights file for --teacher (never downloaded)", metavar="FILE")
+    trust_checkpoint: bool = option(
+        False, "allow pickled objects in --finetune, --teacher and --teacher-weights files (runs their code; only "
+        "for files you trust; never taken over by --resume)")
     # --- run
     output: str | None = option(
         None, "run folder for last.pt, best.pt, metrics.jsonl, curves.png (default runs/<model>-<time>)", metavar="DIR"

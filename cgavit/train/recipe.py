@@ -138,11 +138,11 @@ def build_teacher(cfg: TrainConfig, num_classes: int, device: torch.device) -> n
     """The frozen teacher: a cgavit checkpoint trained here, or a cgavit/timm model name with
     ``teacher_weights`` (read safely; nothing is downloaded)."""
     if Path(cfg.teacher).is_file():
-        teacher, _ = load_model(cfg.teacher)
+        teacher, _ = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
     elif not cfg.teacher_weights:
         raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
     else:
-        teacher = _named_teacher(cfg.teacher, cfg.teacher_weights, num_classes, cfg.img_size)
+        teacher = _named_teacher(cfg.teacher, cfg.teacher_weights, num_classes, cfg.img_size, cfg.trust_checkpoint)
         check_finite(teacher.state_dict(), cfg.teacher_weights)
     out_classes = getattr(teacher, "num_classes", num_classes)
     if out_classes != num_classes:
@@ -151,22 +151,23 @@ def build_teacher(cfg: TrainConfig, num_classes: int, device: torch.device) -> n
     return teacher.to(device)
 
 
-def _named_teacher(name: str, weights: str, num_classes: int, img_size: int) -> nn.Module:
-    """A cgavit variant or a timm model by name, with the weights in the local file ``weights``."""
+def _named_teacher(name: str, weights: str, num_classes: int, img_size: int, trust: bool = False) -> nn.Module:
+    """A cgavit variant or a timm model by name, with the weights in the local file ``weights`` (pickled objects
+    in it only with ``trust``)."""
     try:
         ours = resolve_name(name)
     except ValueError:
         ours = None
     if ours is not None:
         teacher = create_model(ours, num_classes=num_classes, img_size=img_size)
-        load_checkpoint(teacher, weights)
+        load_checkpoint(teacher, weights, trust=trust)
         return teacher
     try:
         teacher = timm.create_model(name, pretrained=False, num_classes=num_classes)
     except RuntimeError as err:
         raise ValueError(f"--teacher {name!r} is neither a cgavit nor a timm model ({err})") from None
     try:
-        teacher.load_state_dict(read_state_dict(weights))
+        teacher.load_state_dict(read_state_dict(weights, trust=trust))
     except RuntimeError as err:
         raise ValueError(f"--teacher-weights {weights} do not fit {name}: {str(err)[:300]}") from None
     return teacher
