@@ -35,7 +35,7 @@ from .schema import (
     training_meta,
 )
 from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS
-from .weights import WeightsFile, read_weights_file, unwrap_state_dict
+from .weights import EMA_KEYS, WeightsFile, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,9 @@ def load_model(
         model = create_model(model_name, pretrained=True, **(dials or {}))
         return model.eval().to(device), ModelInfo(class_names(model.num_classes), source=f"{model_name} (published)")
     wf = read_weights_file(path, trust)
+    if use_ema and not (isinstance(wf.content, dict) and any(wf.content.get(k) is not None for k in EMA_KEYS)):
+        log.warning("%s holds no EMA weights (only a training checkpoint that kept them does); --ema changes nothing: "
+                    "using its weights", wf.path)
     meta, sd, recorded = _what_it_holds(wf, model_name, dials, use_ema)
     if recorded and dials:
         raise ValueError(f"{wf.path} records its own architecture; drop the dial options ({sorted(dials)})")

@@ -26,7 +26,9 @@ from .schema import WeightsMeta, check_meta_against_shapes, check_state_dict, is
 
 log = logging.getLogger(__name__)
 
-_WRAPPER_KEYS = ("model_ema", "state_dict_ema", "model", "state_dict", "module")
+#: Where a checkpoint keeps EMA weights (cgavit's and timm's training checkpoints).
+EMA_KEYS = ("model_ema", "state_dict_ema")
+_WRAPPER_KEYS = (*EMA_KEYS, "model", "state_dict", "module")
 
 
 class _OptionsRecord(SimpleNamespace):

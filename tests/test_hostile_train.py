@@ -847,3 +847,15 @@ def test_train_offers_the_trust_opt_in_it_names(world, tmp_path, capsys):
     assert ckpt_io.load(tmp_path / "b" / "last.pt")["args"]["trust_checkpoint"] is True
     resumed = TrainConfig.resume_from(tmp_path / "b" / "last.pt")
     assert resumed.trust_checkpoint is False  # one invocation's choice, never taken over
+
+
+def test_ema_asked_of_a_file_without_it_says_so(world, caplog):
+    """`eval --ema` / `predict --ema` on a file without EMA weights used the plain ones without a word."""
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        load_model(world["best_st"], use_ema=True)
+    assert "holds no EMA weights" in caplog.text and "--ema changes nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        load_model(world["best_pt"], use_ema=True)  # a training checkpoint that kept them
+        load_model(world["best_st"])
+    assert "EMA" not in caplog.text
