@@ -354,6 +354,10 @@ def test_maskrcnn_train_eval_predict_commands(shapes, tmp_path, capsys):
             "--min-size", str(SIZE), "--max-size", str(SIZE), "--epochs", "1", "--workers", "0", "--output", str(out)]
     args += [f"--model-arg={k}={v}" for k, v in SMALL_RCNN.items()]
     assert main(args) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]  # what it wrote, and only that (it named a missing loss.png)
+    named = [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if name in said.split(" in ")[0]]
+    assert named == [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if (out / name).is_file()]
+    assert ("loss.png" in named) != ("no loss.png" in said), said
     (row,) = _epoch_rows(out)
     assert {"loss_mask", "loss_objectness", "bbox_AP", "segm_AP", "segm_AP50"} <= set(row)
     capsys.readouterr()

@@ -71,7 +71,9 @@ def run_train(args: argparse.Namespace) -> int:
     if metrics and _is_main():
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("bbox_", "segm_")) or k == "loss"}
         print(json.dumps(shown))
-        print(f"checkpoints, metrics.jsonl and loss.png in {cfg.output}")
+        written = [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if (Path(cfg.output) / name).is_file()]
+        note = "" if "loss.png" in written else " (no loss.png: no loss was logged; runs shorter than --log-every iterations log none)"
+        print(f"{', '.join(written)} in {cfg.output}{note}")
     return 0
 
 
