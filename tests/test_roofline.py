@@ -71,3 +71,16 @@ def test_roofline_cli(capsys):
                  "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert "ridge point" in out and "memory-bound" in out and "aten::convolution" in out
+
+
+def test_roofline_names_are_checked_before_the_peaks_are_measured(capsys, monkeypatch):
+    """A typo in --compare was found after the peaks were measured and the first model profiled (minutes at M4)."""
+    from cgavit.cli import main
+    import cgavit.cli.roofline as cli
+
+    def measured(**kwargs):
+        raise AssertionError("the peaks were measured before the names were checked")
+
+    monkeypatch.setattr(cli, "measure_peaks", measured)
+    assert main(["roofline", "--model", "m0", "--compare", "no_such_model", "--img-size", "64"]) == 2
+    assert "unknown model 'no_such_model'" in capsys.readouterr().err

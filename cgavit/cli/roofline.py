@@ -39,15 +39,15 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     torch.set_num_threads(args.threads)
-    peaks = measure_peaks(seconds=args.peak_seconds)
+    models = {name: build(name, args.img_size) for name in ([args.model, args.compare] if args.compare else [args.model])}
+    peaks = measure_peaks(seconds=args.peak_seconds)  # after the names are known good: it takes a while
     if args.peak_gflops or args.bandwidth_gbs:  # e.g. figures measured on a quiet machine
         peaks = given_peaks(peaks, args.peak_gflops, args.bandwidth_gbs)
         print("peaks given on the command line replace the measured ones where given")
     print(f"machine ({args.threads} thread(s)): fp32 matmul peak {peaks['flops'] / 1e9:.1f} GFLOP/s, copy bandwidth "
           f"{peaks['bandwidth'] / 1e9:.1f} GB/s (read+write), ridge point {peaks['ridge']:.1f} FLOP/byte")
     summaries = {}
-    for name in [args.model, args.compare] if args.compare else [args.model]:
-        model = build(name, args.img_size)
+    for name, model in models.items():
         x = torch.randn(args.batch, 3, args.img_size, args.img_size)
         rows = profile_model(model, x, peaks, repeats=args.repeats)
         summaries[name] = summarize(rows)
