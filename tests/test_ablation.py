@@ -142,6 +142,11 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch, sigterm_after):
     calls.clear()
     assert main([*common, "--no-throughput"]) == 0 and calls == []
     assert main([*common[:6], "2", *common[7:]]) == 2
+    # ... --heads-images too (the finished runs' head similarity was silently kept, measured on other images);
+    # and a study run again for fewer rungs keeps the others in its summary (it rewrote it with those alone)
+    assert main([*[a if a != "4" else "2" for a in common], "--no-throughput"]) == 2
+    assert main([*common, "--no-throughput", "--rungs", "standard"]) == 0 and calls == []
+    assert [r["rung"] for r in json.loads((out / "ablation.json").read_text())["rows"]] == list(RUNGS)
     # the analyses read a checkpoint of the study with its architecture and preprocessing
     assert main(["analyze", "heads", "--checkpoint", str(out / "runs/cascade/seed0/last.pt"), "--data", str(data / "test"), "--output", str(tmp_path / "h")]) == 0
     rep = json.loads((tmp_path / "h" / "heads.json").read_text())

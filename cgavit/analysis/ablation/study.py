@@ -47,16 +47,29 @@ class _Study:
     spec: dict
 
 
+def finished_runs(out: Path) -> list[tuple[str, int]]:
+    """The (rung, seed) runs of the study in ``out`` that finished (their ``result.json`` written)."""
+    done = []
+    for result in sorted((out / "runs").glob("*/seed*/result.json")):
+        rung, seed = result.parent.parent.name, result.parent.name.removeprefix("seed")
+        if rung in RUNGS and seed.isdigit():
+            done.append((rung, int(seed)))
+    return done
+
+
 def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
-    """Data, ladder and ``study.json``; refuses a folder that holds a study with other settings."""
+    """Data, ladder (the rungs asked for and those the study ran before) and ``study.json``; refuses a folder
+    that holds a study with other settings."""
     data_dir = prepare_data(cfg.data, out, cfg.train_subset, cfg.val_subset)
     classes, _ = list_split(data_dir, "train")
     overrides = {k: getattr(cfg, k) for k in ("embed_dim", "num_heads", "depth") if getattr(cfg, k) is not None}
-    variants, note = build_ladder(cfg.model, overrides, len(classes), cfg.img_size, rungs=[r for r in RUNGS if r in cfg.rungs])
+    rungs = {rung for rung, _ in finished_runs(out)} | set(cfg.rungs)  # the study's: those run before stay in it
+    variants, note = build_ladder(cfg.model, overrides, len(classes), cfg.img_size, rungs=[r for r in RUNGS if r in rungs])
     spec = json.loads(json.dumps(dict(
         model=cfg.model, arch=overrides and {k: list(v) for k, v in overrides.items()}, epochs=cfg.epochs,
         batch_size=cfg.batch_size, img_size=cfg.img_size, lr=cfg.lr, train_args=cfg.train_args,
         data=str(Path(cfg.data).resolve()), train_subset=cfg.train_subset, val_subset=cfg.val_subset,
+        heads_images=cfg.heads_images,
     )))
     spec_file = out / "study.json"
     if spec_file.exists():
@@ -72,7 +85,8 @@ def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
 
 
 def run_ablation(cfg: AblationConfig) -> StudySummary:
-    """Train and measure every (rung, seed) not done yet, then write the summary.
+    """Train and measure every (rung, seed) asked for and not done yet, then write the summary of the whole
+    study: those runs and the ones it finished before (another ``--rungs`` or ``--seeds`` adds to it).
 
     Seed-major: a study cut short still has every rung for the first seeds.
 
@@ -87,7 +101,10 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     study = _prepare_study(cfg, out)
     crop = TrainConfig(**cfg.train_args).crop_pct
     heads_batch, _, _ = load_images([study.data_dir / "val"], cfg.img_size, cfg.heads_images, crop_pct=crop, seed=0)
-    results = [run_variant(v, seed, cfg, study.data_dir, out, heads_batch) for seed in cfg.seeds for v in study.variants]
+    before = set(finished_runs(out))
+    seeds = list(dict.fromkeys([*cfg.seeds, *sorted(seed for _, seed in before)]))
+    results = [run_variant(v, seed, cfg, study.data_dir, out, heads_batch) for seed in seeds for v in study.variants
+               if (v.rung in cfg.rungs and seed in cfg.seeds) or (v.rung, seed) in before]
     throughput = None
     if not cfg.no_throughput:
         log.info("measuring CPU throughput of %d variants (interleaved)", len(study.variants))
@@ -102,7 +119,7 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     protocol = ("torch.set_num_threads(1), batch 16, fp32, BatchNorm fused, traced, random weights; "
                 f"{cfg.speed_rounds} interleaved rounds of ~{cfg.speed_seconds:g} s per variant, median")
     json_path = write_json(out / "ablation.json", dict(
-        spec=study.spec, matching=study.matching, seeds=list(cfg.seeds), rows=rows, throughput_protocol=protocol,
+        spec=study.spec, matching=study.matching, seeds=sorted({r["seed"] for r in results}), rows=rows, throughput_protocol=protocol,
         this_invocation_s=round(time.perf_counter() - t0, 1),
         train_epoch_s_total=round(sum(x["train_epoch_s"] for x in results), 1),
     ))
