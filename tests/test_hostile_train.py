@@ -828,8 +828,10 @@ def test_a_run_stopped_mid_epoch_resumes_with_its_own_batch_size(world, tmp_path
     trained on, without a word (or, with a larger batch, "made no update")."""
     out = tmp_path / "run"
     with sigterm_after(2):
-        assert train(tiny(data=str(world["data"]), epochs=1, batch_size=4, output=str(out))).interrupted
-    assert ckpt_io.load(out / "last.pt")["next_step"] == 2
+        stopped = train(tiny(data=str(world["data"]), epochs=1, batch_size=4, output=str(out)))
+    assert stopped.interrupted and ckpt_io.load(out / "last.pt")["next_step"] == 2
+    # its summary names the files it wrote, and no others (it named best.pt, best.safetensors and curves.png)
+    assert (stopped.last, stopped.checkpoint, stopped.weights, stopped.curves) == (str(out / "last.pt"), None, None, None)
     with pytest.raises(ValueError, match="after 2 updates of batch 4: resume it with --batch-size 4"):
         train(TrainConfig.resume_from(out / "last.pt", batch_size=6))
     assert train(TrainConfig.resume_from(out / "last.pt")).epochs == 1

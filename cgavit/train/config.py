@@ -412,7 +412,8 @@ class TrainResult:
         final_top1, final_top5, final_loss: the last finished epoch's metrics.
         epochs: epochs completed (on rank 0, which keeps the record; None elsewhere).
         output: the run folder; checkpoint (best.pt), last (last.pt), weights (best.safetensors)
-            and curves (curves.png) are the files in it.
+            and curves (curves.png) are the files in it, each None when the run did not write it (stopped
+            before its first epoch ended: no best.*, no curves).
         wall_s: seconds the call took.
         skipped_images: unreadable images skipped.
         interrupted: stopped before the last epoch (by SIGTERM or SIGINT).
@@ -429,10 +430,10 @@ class TrainResult:
     final_loss: float | None
     epochs: int | None
     output: str
-    checkpoint: str
-    last: str
-    weights: str
-    curves: str
+    checkpoint: str | None
+    last: str | None
+    weights: str | None
+    curves: str | None
     wall_s: float
     skipped_images: int
     interrupted: bool

@@ -409,10 +409,10 @@ def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupte
         final_loss=val.get("loss"),
         epochs=len(rows) if run.env.is_main else None,  # rank 0 keeps the record
         output=str(output),
-        checkpoint=str(output / "best.pt"),
-        last=str(output / "last.pt"),
-        weights=str(output / "best.safetensors"),
-        curves=str(output / "curves.png"),
+        checkpoint=_written(output / "best.pt", run.env),
+        last=_written(output / "last.pt", run.env),
+        weights=_written(output / "best.safetensors", run.env),
+        curves=_written(output / "curves.png", run.env),
         wall_s=round(time.perf_counter() - t_start, 2),
         skipped_images=len(skipped),
         interrupted=interrupted,
@@ -420,6 +420,11 @@ def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupte
         world_size=run.env.world,
         classes=run.classes,
     )
+
+
+def _written(path: Path, env: DistEnv) -> str | None:
+    """``path`` if the run wrote it (rank 0 writes; other ranks name it), else None."""
+    return str(path) if path.is_file() or not env.is_main else None
 
 
 # ---------------------------------------------------------------------------------- checkpoints
