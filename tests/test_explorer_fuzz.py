@@ -616,7 +616,8 @@ def test_bad_checkpoints_fail_at_startup_in_one_line(tmp_path, monkeypatch, caps
         (["--port", "70000"], "--port"),
         (["--allow-host", "box.lan:80"], "--allow-host"),
         (["--allow-host", "a b"], "malformed host"),
-        (["--host", "192.0.2.1"], "cannot listen"),  # a documentation address: not this machine's
+        (["--host", "192.0.2.1"], "give --host an address of this machine"),  # a documentation address
+        (["--host", "999.1.1.1"], "give --host an address of this machine"),  # it said: choose another --port
     ],
 )
 @pytest.mark.timeout(60)
@@ -677,3 +678,13 @@ def test_parallel_big_uploads_stay_within_the_pixel_budget():
 def test_upload_limit_constant_is_what_the_page_reports(server):
     status, _, info = get(server, "/api/model")
     assert info["max_upload_bytes"] == MAX_UPLOAD_BYTES and info["max_image_pixels"] == MAX_UPLOAD_PIXELS
+
+
+def test_a_port_in_use_says_to_choose_another(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli.main(["explore", "--port", str(taken.getsockname()[1])]) == 2
+    assert "choose another --port" in capsys.readouterr().err

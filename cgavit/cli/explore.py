@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 from pathlib import Path
 
 from ..explorer import ImageAttention, build_model, make_server
@@ -22,9 +23,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = make_server(args.host, args.port, ImageAttention(*loaded), allow_hosts=tuple(args.allow_host))
     except OSError as err:
-        raise ValueError(
-            f"cannot listen on {args.host}:{args.port} ({err.strerror or err}); choose another --port (0 = any free)"
-        ) from None
+        port_taken = err.errno in (errno.EADDRINUSE, errno.EACCES)
+        fix = ("choose another --port (0 = any free)" if port_taken else
+               "give --host an address of this machine (default 127.0.0.1; 0.0.0.0: every interface)")
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({err.strerror or err}); {fix}") from None
     print(f"CGA Explorer: {server.url}", flush=True)
     print(f"image panel model: {loaded.about}", flush=True)
     if args.host not in LOCAL_NAMES:
