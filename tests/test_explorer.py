@@ -176,6 +176,7 @@ def test_page_loads_nothing_from_elsewhere():
 def test_oversized_upload_413(server):
     status, d = get_json(server, "/api/image", "POST", b"\0" * (MAX_UPLOAD_BYTES + 1))
     assert status == 413 and "limit" in d["error"]
+    assert f"is {MAX_UPLOAD_BYTES + 1:,} bytes" in d["error"]  # one byte over read "5.0 MB; the limit is 5 MB"
 
 
 @pytest.mark.parametrize("body", [b"hello, not an image", png_bytes()[:60], b""])

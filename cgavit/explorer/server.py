@@ -451,7 +451,8 @@ class ExplorerHandler(BaseHTTPRequestHandler):
             self._drain(size)
             raise ApiError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"the upload is {size / 2**20:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 2**20:.0f} MB: use a smaller image",
+                f"the upload is {size:,} bytes; the limit is {MAX_UPLOAD_BYTES:,} ({MAX_UPLOAD_BYTES / 2**20:.0f} MB): "
+                "use a smaller image",
             )
         if size == 0:
             raise ApiError(HTTPStatus.BAD_REQUEST, "empty upload; choose an image file")
