@@ -861,3 +861,23 @@ def test_ema_asked_of_a_file_without_it_says_so(world, caplog):
         load_model(world["best_pt"], use_ema=True)  # a training checkpoint that kept them
         load_model(world["best_st"])
     assert "EMA" not in caplog.text
+
+
+def test_files_left_out_of_a_split_are_named(world, tmp_path, caplog):
+    """A .jfif or .avif photo, or an image saved without a suffix, was left out of training without a word."""
+    from cgavit.train.data import list_split
+
+    data = tmp_path / "data"
+    shutil.copytree(world["data"], data)
+    photo = (data / "train" / "class_0" / "0.png").read_bytes()
+    (data / "train" / "class_0" / "phone.jfif").write_bytes(photo)
+    (data / "train" / "class_1" / "scan").write_bytes(photo)
+    (data / "train" / "class_1" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's images
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        _, samples = list_split(data, "train")
+    assert "2 file(s) in" in caplog.text and "phone.jfif" in caplog.text and "scan" in caplog.text
+    assert ".DS_Store" not in caplog.text and not any("phone" in path for path, _ in samples)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        list_split(world["data"], "train")
+    assert "left out" not in caplog.text

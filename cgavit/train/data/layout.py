@@ -11,12 +11,15 @@ the standard 1000-class order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from ...images import BadImageError, load_image
 from ...io import DataError
 from ...schema import MAX_NAME_LENGTH, shown
+
+log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 
@@ -67,14 +70,18 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
             f"{', '.join(shown(c) for c in odd[:5])}: rename them"
         )
     samples: list[tuple[str, int]] = []
-    empty = []
+    empty, left_out = [], []
     for idx, name in enumerate(classes):
-        files = sorted(
-            p for p in (folder / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
-        )
+        found = [p for p in (folder / name).rglob("*") if not p.name.startswith(".") and p.is_file()]
+        files = sorted(p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS)
+        left_out += [p for p in found if p.suffix.lower() not in IMAGE_EXTENSIONS]
         if not files:
             empty.append(name)
         samples.extend((str(p), idx) for p in files)
+    if left_out:  # a .jfif or .avif photo, or a name without a suffix, would otherwise vanish without a word
+        log.warning("%d file(s) in %s are left out: their names do not end in an image suffix read here (%s), e.g. "
+                    "%s; rename the images among them (a .jfif is a .jpg)", len(left_out), folder,
+                    " ".join(IMAGE_EXTENSIONS), ", ".join(shown(p.name) for p in sorted(left_out)[:3]))
     if empty:
         raise DataError(
             f"{len(empty)} class folder(s) in {folder} hold no images ({_first_few(empty)}); remove them or add images "
