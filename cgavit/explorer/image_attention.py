@@ -33,6 +33,22 @@ from .limits import MAX_UPLOAD_BYTES, Budget, Limits
 from .uploads import model_view, open_upload
 
 
+#: The EXIF tag of a photo's orientation (5-8: stored turned by a quarter).
+ORIENTATION = 0x0112
+
+
+def _turned(img) -> bool:
+    """Whether a photo's EXIF orientation shows it turned by a quarter (a damaged EXIF block: no; the body is
+    checked when it is decoded). JPEG only (a camera's format), whose EXIF is in its header: a PNG's may follow
+    its pixels, and Pillow decodes them all to find it, outside the explorer's pixel budget."""
+    if img.format not in ("JPEG", "MPO"):
+        return False
+    try:
+        return img.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
+    except Exception:  # Pillow raises many types for damaged metadata
+        return False
+
+
 def _blocks(model: EfficientViT) -> list[tuple[int, int, LocalWindowAttention]]:
     return [
         (i, j, block.mixer.m)
@@ -120,6 +136,8 @@ class ImageAttention:
         """
         H, W = self.img_size
         img, orig = open_upload(data, max(H, W))
+        if _turned(img):  # shown turned a quarter: the size as the user sees it
+            orig = (orig[1], orig[0])
         with img, self.pixels.reserve(img.width * img.height, self.limits.budget_wait):
             view = self._decoder.submit(model_view, img, (W, H), self.feed.interpolation).result()
         arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]  # (1, 3, H, W)
@@ -210,7 +228,7 @@ class ImageAttention:
             grid = received_grid(maps, boxes, (H, W), win_hw)
         else:
             grid, qbox = query_grid(maps, boxes, (H, W), win_hw, query)
-            padding_share = [1.0 - sum(v for row in g for v in row if v is not None) for g in grid]
+            padding_share = [max(0.0, 1.0 - sum(v for row in g for v in row if v is not None)) for g in grid]
         sim = map_similarity(maps)
         return dict(
             block=block,
