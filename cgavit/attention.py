@@ -117,7 +117,7 @@ class CascadedHeads(nn.Module, ABC):
             feat = qkv(feat)  # (B, 2*kd + vd, H, W)
             q, k, v = feat.view(B, 2 * self.key_dim + self.value_dim, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
             q = self.dws[i](q)
-            if q.requires_grad:
+            if q.requires_grad and not torch.jit.is_tracing():  # a trace can hold no Python autograd function
                 q = _ContiguousGrad.apply(q)
             q, k, v = q.flatten(2), k.flatten(2), v.flatten(2)  # (B, kd|vd, N)
             attn = (q.transpose(-2, -1) @ k) * self.scale + bias[i]  # (B, N, N)

@@ -219,3 +219,18 @@ def test_parameter_reallocation_is_a_dial():
         _tiny(allocation="wide")
     with pytest.raises(ValueError, match="divisible"):
         paper.with_dials(num_heads=(3, 3, 3), group_split=False, cascade=False, allocation="uniform")
+
+
+def test_traces_as_timm_models_do(tmp_path):
+    """torch.jit.trace of the model in its default state (parameters requiring grad) failed its own check
+    ("Graphs differed across invocations"), and the trace could not be saved: a Python autograd function (the
+    attention's contiguous-gradient guard) was recorded in it."""
+    from cgavit.testing import randomize_
+
+    model = randomize_(cgavit.create_model("m0"), 4).eval()
+    x = torch.randn(2, 3, 96, 96)
+    traced = torch.jit.trace(model, x)
+    traced.save(str(tmp_path / "m0.pt"))
+    loaded = torch.jit.load(str(tmp_path / "m0.pt"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
