@@ -20,6 +20,9 @@ CROP_PCT_RANGE = (0.2, 1.0)
 #: Largest classifier a file may declare.
 MAX_CLASSES = 100_000
 
+#: The input channels a network may take (1: grey, 3: RGB, more: multispectral).
+IN_CHANS_RANGE = (1, 64)
+
 #: Largest image, in decoded pixels, that training, evaluation, prediction and detection open; a
 #: larger one is refused from its header, before any pixel is decoded (a decompression bomb).
 MAX_IMAGE_PIXELS = 50_000_000

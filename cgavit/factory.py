@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from .hub import download_release
 from .imagenet import class_names
@@ -101,8 +100,12 @@ def create_model(
     if pretrained:
         if dials:
             log.warning("loading published weights into a model with changed dials %s", sorted(dials))
-        checkpoint_path = download_release(info.url)
-    if checkpoint_path is not None:
+        cached = download_release(info.url)
+        try:
+            load_checkpoint(model, cached)
+        except CheckpointError as err:  # a cached file damaged since (or cached by an older version unchecked)
+            raise CheckpointError(f"{err}; delete {cached} to download it again") from None
+    elif checkpoint_path is not None:
         load_checkpoint(model, checkpoint_path)
     return model
 
@@ -166,8 +169,9 @@ def load_model(
     if path is None:
         if not (pretrained and model_name):
             raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
-        model = create_model(model_name, pretrained=True, **(dials or {}))
-        return model.eval().to(device), ModelInfo(class_names(model.num_classes), source=f"{model_name} (published)")
+        model = create_model(model_name, pretrained=True, **({"img_size": img_size} if img_size else {}), **(dials or {}))
+        return model.eval().to(device), ModelInfo(class_names(model.num_classes), img_size=model.img_size[0],
+                                                   source=f"{model_name} (published)")
     wf = read_weights_file(path, trust)
     if use_ema and not (isinstance(wf.content, dict) and any(wf.content.get(k) is not None for k in EMA_KEYS)):
         log.warning("%s holds no EMA weights (only a training checkpoint that kept them does); --ema changes nothing: "
@@ -177,7 +181,7 @@ def load_model(
         raise ValueError(f"{wf.path} records its own architecture; drop the dial options ({sorted(dials)})")
     if model_name and meta.model and resolve_name(model_name) != meta.model:
         log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, meta.model)
-    size = img_size or meta.img_size
+    size = img_size or meta.input_size or meta.img_size
     with torch.device("meta"):  # the architecture, allocating nothing, to check the tensors against
         shape = _build(meta, size)
     fitted, report = fit_state_dict(sd, shape.state_dict(), str(wf.path), meta.num_classes)
@@ -192,8 +196,8 @@ def load_model(
     return model.eval().to(device), info
 
 
-def _build(meta: WeightsMeta, img_size: int) -> EfficientViT:
-    return EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size,
+def _build(meta: WeightsMeta, img_size: int | tuple[int, int]) -> EfficientViT:
+    return EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, in_chans=meta.in_chans,
                         distillation=meta.distillation, name=meta.model or "")
 
 

@@ -22,7 +22,7 @@ from .attention import resize_bias_table
 from .io import CheckpointError
 from .model import convert_state_dict
 from .schema import check_finite, check_state_dict, check_tensor, shown
-from .weights import read_state_dict
+from .weights import read_state_dict, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ def load_checkpoint(
 
     Args:
         model: the network to load into.
-        path: a checkpoint file, or a state dict.
+        path: a checkpoint file, or what one holds (a state dict, or one wrapped as ``{"model": ...}``,
+            ``{"state_dict": ...}``, with DDP's ``module.`` prefix or not), as ``torch.load`` returns it.
         trust: allow pickled objects in the file (runs code from it; only for files you trust).
         prefer_ema: take the EMA weights when the file holds both.
 
@@ -115,7 +116,8 @@ def load_checkpoint(
             and both shapes).
     """
     source = "state dict" if isinstance(path, Mapping) else str(path)
-    raw = path if isinstance(path, Mapping) else read_state_dict(path, trust=trust, prefer_ema=prefer_ema)
+    raw = (unwrap_state_dict(path, source, prefer_ema) if isinstance(path, Mapping)  # as a file holding it
+           else read_state_dict(path, trust=trust, prefer_ema=prefer_ema))
     sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))
     check_finite(sd, source)
     model.load_state_dict(sd, strict=False)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .bounds import MIN_INPUT_SIZE
+from .bounds import IMG_SIZE_RANGE, IN_CHANS_RANGE, MAX_CLASSES, MIN_INPUT_SIZE
 from .layers import BNLinear, ConvBN, PatchMerging
 from .sandwich import SandwichBlock, dw_ffn_pair
 from .variants import EfficientViTConfig, pretrained_cfg
@@ -96,8 +96,8 @@ def stage_resolution(size: int, stage: int) -> int:
     return r
 
 
-def _count(value: object, name: str, low: int) -> int:
-    """``value`` as a whole number >= ``low`` (ints and numpy integers; not bools, floats or text)."""
+def _count(value: object, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as a whole number in ``low..high`` (ints and numpy integers; not bools, floats or text)."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a whole number, got {value!r}")
     try:
@@ -106,6 +106,8 @@ def _count(value: object, name: str, low: int) -> int:
         raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})") from None
     if number < low:
         raise ValueError(f"{name} must be >= {low}, got {number}")
+    if high is not None and number > high:  # what a saved file may record: a larger network could not be loaded
+        raise ValueError(f"{name} must be <= {high}, got {number}")
     return number
 
 
@@ -116,12 +118,12 @@ def _check_build_args(
     naming the argument otherwise (the config checks itself when it is made)."""
     if not isinstance(cfg, EfficientViTConfig):
         raise ValueError(f"cfg must be an EfficientViTConfig, got {type(cfg).__name__}")
-    num_classes = _count(num_classes, "num_classes", 0)
-    in_chans = _count(in_chans, "in_chans", 1)
+    num_classes = _count(num_classes, "num_classes", 0, MAX_CLASSES)
+    in_chans = _count(in_chans, "in_chans", *IN_CHANS_RANGE)
     sizes = [img_size, img_size] if not isinstance(img_size, (tuple, list)) else list(img_size)
     if len(sizes) != 2:
         raise ValueError(f"img_size must be an int or (H, W), got {img_size!r}")
-    img_hw = tuple(_count(s, "img_size", MIN_INPUT_SIZE) for s in sizes)
+    img_hw = tuple(_count(s, "img_size", *IMG_SIZE_RANGE) for s in sizes)
     if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or not 0.0 <= drop_path_rate < 1.0:
         raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
     return num_classes, in_chans, img_hw, float(drop_path_rate)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
-from .bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS, MAX_CLASSES
+from .bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, IN_CHANS_RANGE, INTERPOLATIONS, MAX_CLASSES
 from .io import CheckpointError
 from .variants import CONFIG_LIMITS, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, DialError, EfficientViTConfig
 
@@ -217,6 +217,9 @@ class WeightsMeta:
         class_names: one printable name per class, or None.
         distillation: the network has a distillation head.
         extra: further notes, e.g. ``{"epoch": "14", "val_top1": "97.8"}``.
+        in_chans: input channels of the network.
+        input_size: ``(H, W)`` the network was built for when it is not square (its attention-bias tables
+            follow it); None: ``img_size`` square.
     """
 
     model: str | None
@@ -230,6 +233,8 @@ class WeightsMeta:
     class_names: tuple[str, ...] | None = None
     distillation: bool = False
     extra: dict = field(default_factory=dict)
+    in_chans: int = 3
+    input_size: tuple[int, int] | None = None
 
     def to_strings(self) -> dict[str, str]:
         """The safetensors metadata (string to string) for this record."""
@@ -246,6 +251,10 @@ class WeightsMeta:
         }
         if self.model:
             out["model"] = self.model
+        if self.in_chans != 3:
+            out["in_chans"] = str(self.in_chans)
+        if self.input_size is not None:
+            out["input_size"] = json.dumps(list(self.input_size))
         if self.class_names is not None:
             out["class_names"] = json.dumps(list(self.class_names))
         out.update({str(k): str(v) for k, v in self.extra.items()})
@@ -257,7 +266,7 @@ class WeightsMeta:
 
 
 _KNOWN_KEYS = {"format", "config", "dials", "model", "num_classes", "img_size", "crop_pct", "interpolation",
-               "mean", "std", "class_names", "distillation"}
+               "mean", "std", "class_names", "distillation", "in_chans", "input_size"}
 
 
 def is_weights_meta(raw: Mapping[str, str]) -> bool:
@@ -292,8 +301,14 @@ def _parse_meta(raw: Mapping[str, str]) -> WeightsMeta:
     feed = _feeding(raw.get("img_size", "224"), raw.get("crop_pct", "0.875"), raw.get("interpolation", "bicubic"),
                     _json(raw, "mean", list(IMAGENET_DEFAULT_MEAN)), _json(raw, "std", list(IMAGENET_DEFAULT_STD)), "")
     extra = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
+    in_chans = bounded_int(raw.get("in_chans", "3"), "in_chans", *IN_CHANS_RANGE)
+    hw = _json(raw, "input_size")
+    if hw is not None:
+        if not isinstance(hw, list) or len(hw) != 2:
+            raise ValueError(f"input_size must be a list [H, W], got {shown(hw)}")
+        hw = tuple(bounded_int(v, "input_size", *IMG_SIZE_RANGE) for v in hw)
     return WeightsMeta(model=model, config=config, num_classes=num_classes, class_names=names,
-                       distillation=distillation == "True", extra=extra, **feed)
+                       distillation=distillation == "True", extra=extra, in_chans=in_chans, input_size=hw, **feed)
 
 
 def _json(raw: Mapping[str, str], key: str, default=None):

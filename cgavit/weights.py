@@ -196,25 +196,39 @@ def read_weights_meta(path: str | os.PathLike) -> WeightsMeta | None:
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMeta | Mapping[str, str] | None = None) -> Path:
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
-    The model's config, class count and (square) image size always go into the metadata; a
-    :class:`~cgavit.schema.WeightsMeta` adds the preprocessing and class names that
-    :func:`cgavit.load_model` gives back. A plain mapping of strings is stored as given, for notes of
-    your own.
+    The model's architecture always goes into the metadata (config, class count, input channels, image size,
+    non-square too, and distillation head), so :func:`cgavit.load_model` rebuilds the same network; a
+    :class:`~cgavit.schema.WeightsMeta` adds the preprocessing and class names that it gives back. A plain
+    mapping of strings is stored as given, for notes of your own.
 
     Returns:
         The path written.
+
+    Raises:
+        ValueError: a fused model (:func:`cgavit.deploy.fuse`), whose tensors no model built here takes: save the
+            model before fusing it.
     """
+    if hasattr(model, "cfg") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
+                         "before fusing it, and fuse after loading")
     meta = {"format": "cgavit"}
     cfg = getattr(model, "cfg", None)
+    arch = {}
     if cfg is not None:
         meta["config"] = json.dumps(asdict(cfg))
         meta["num_classes"] = str(getattr(model, "num_classes", ""))
         size = tuple(getattr(model, "img_size", ()))
-        if len(size) == 2 and size[0] == size[1]:  # the record holds one side; load_model builds for it
-            meta["img_size"] = str(size[0])
+        if len(size) == 2:  # the record's img_size holds one side: a non-square network's size goes beside it
+            meta["img_size"] = str(size[0] if size[0] == size[1] else max(size))
+            if size[0] != size[1]:
+                arch["input_size"] = json.dumps(list(size))
+        arch["distillation"] = str(bool(getattr(model, "distillation", False)))
+        if getattr(model, "in_chans", 3) != 3:
+            arch["in_chans"] = str(model.in_chans)
     if isinstance(metadata, WeightsMeta):
         meta.update(metadata.to_strings())
     else:
         meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+    meta.update(arch)  # what the tensors are, whatever a record passed in says
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return atomic_write(path, lambda tmp: _safetensors().torch.save_file(tensors, tmp, metadata=meta))

@@ -231,3 +231,64 @@ def test_an_exported_model_given_as_weights_is_named_as_such(tmp_path):
     (tmp_path / "w.pth").write_bytes(b"\x08\x07not weights")
     with pytest.raises(CheckpointError, match="neither safetensors nor a PyTorch checkpoint"):
         cgavit.load_model(tmp_path / "w.pth")
+
+
+@pytest.mark.parametrize("build", [dict(distillation=True, num_classes=5), dict(img_size=(160, 64)),
+                                   dict(in_chans=1, num_classes=4)], ids=["distilled", "non-square", "one-channel"])
+def test_saved_weights_load_back_as_the_same_network(tmp_path, build):
+    """save_weights left out the distillation head (reloaded without it, outputs changed entirely), a non-square
+    size (rebuilt square, bias tables resized: 1.4 % off) and the input channels (a 1-channel file was refused)."""
+    src = randomize_(cgavit.create_model("m0", **build), 2).eval()
+    model, info = cgavit.load_model(save_weights(src, tmp_path / "w.safetensors"))
+    assert (model.distillation, tuple(model.img_size), model.in_chans) == (src.distillation, tuple(src.img_size), src.in_chans)
+    x = torch.randn(2, src.in_chans, *src.img_size)
+    with torch.no_grad():
+        assert torch.equal(model(x), src(x))
+
+
+def test_what_cannot_be_loaded_back_is_not_saved(tmp_path):
+    """A fused model saved fine and was refused on load ("key 'head.bias' ... another architecture?"); a model
+    built for a size a file may not record was made."""
+    with pytest.raises(ValueError, match="fused model"):
+        save_weights(cgavit.fuse(cgavit.create_model("m0")), tmp_path / "f.safetensors")
+    assert not (tmp_path / "f.safetensors").exists()
+    with pytest.raises(ValueError, match="img_size must be <= 4096"):
+        cgavit.create_model("m0", img_size=4100)
+
+
+def test_load_checkpoint_takes_what_torch_load_returns():
+    """A file's {"model": ...} or DDP-prefixed dict loaded from disk, but the same dict in memory was refused."""
+    src = randomize_(cgavit.create_model("m0"), 3).eval()
+    sd = src.state_dict()
+    x = torch.randn(1, 3, 96, 96)
+    for held in ({"model": sd}, {"state_dict": {f"module.{k}": v for k, v in sd.items()}}, sd):
+        model = cgavit.create_model("m0").eval()
+        load_checkpoint(model, held)
+        with torch.no_grad():
+            assert torch.equal(model(x), src(x))
+
+
+def test_a_download_that_is_no_weights_file_is_not_cached(tmp_path, monkeypatch):
+    """A download cut short (or an error page) was cached, and every later call failed on it for good."""
+    served = tmp_path / "served"
+    served.mkdir()
+    good = tmp_path / "good.pth"
+    torch.save({"model": _official_state_dict(randomize_(timm.create_model("efficientvit_m0"), 5).state_dict())}, good)
+    (served / "efficientvit_m0.pth").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cache = tmp_path / "hub" / "hub" / "checkpoints"
+    try:
+        monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
+        monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"http://127.0.0.1:{server.server_address[1]}/")
+        with pytest.raises(CheckpointError, match="is not a weights file .*nothing was cached"):
+            cgavit.create_model("efficientvit_m0", pretrained=True)
+        assert not any(cache.iterdir())
+        (served / "efficientvit_m0.pth").write_bytes(good.read_bytes())  # the server works again
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    finally:
+        server.shutdown()
+    assert (cache / "efficientvit_m0.pth").read_bytes() == good.read_bytes()
+    (cache / "efficientvit_m0.pth").write_bytes(b"damaged since")  # a cache gone bad says how to mend it
+    with pytest.raises(CheckpointError, match="delete .*efficientvit_m0.pth to download it again"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
