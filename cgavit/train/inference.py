@@ -95,19 +95,25 @@ def evaluate_checkpoint(
         transform = build_transform(size, False, interpolation=interp, crop_pct=pct, mean=info.mean, std=info.std)
         ds = ImageFolderDataset(samples, classes, transform, strict=strict)
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers, pin_memory=env.device.type == "cuda")
-        res = evaluate(model, loader, env)
-        for p in res.pop("bad_paths"):
-            log.warning("skipped unreadable image %s", p)
-        if res["n"] == 0:
-            raise DataError(f"none of the {len(samples)} images in {split_dir} could be read; no metrics to report")
-        broken = res.pop("nonfinite")
-        if broken:
-            raise ValueError(f"{checkpoint} gives outputs that are not finite on {broken} of {res['n']} images "
-                             "(a diverged model): its metrics would mean nothing; use a checkpoint from before it diverged")
+        res = _checked_metrics(evaluate(model, loader, env), len(samples), split_dir, checkpoint)
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir), world_size=env.world)
         return res
     finally:
         teardown(env)
+
+
+def _checked_metrics(res: dict, images: int, split_dir: Path, checkpoint: object) -> dict:
+    """:func:`evaluate`'s metrics, once they mean something: unreadable images warned about; none read, or
+    outputs that are not finite (a diverged model), refused."""
+    for p in res.pop("bad_paths"):
+        log.warning("skipped unreadable image %s", p)
+    if res["n"] == 0:
+        raise DataError(f"none of the {images} images in {split_dir} could be read; no metrics to report")
+    broken = res.pop("nonfinite")
+    if broken:
+        raise ValueError(f"{checkpoint} gives outputs that are not finite on {broken} of {res['n']} images "
+                         "(a diverged model): its metrics would mean nothing; use a checkpoint from before it diverged")
+    return res
 
 
 def open_for_inference(
