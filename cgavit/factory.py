@@ -219,7 +219,7 @@ def _what_it_holds(
         return (*training_meta(wf.content, source, use_ema), True)
     sd = unwrap_state_dict(wf.content, source, prefer_ema=use_ema)
     if not model_name:
-        raise ValueError(f"{source} does not record its architecture; pass --model NAME (and the dials it was trained with)")
+        raise ValueError(f"{source} does not record its architecture; name its variant (--model NAME, or load_model(path, 'efficientvit_m4')) and the dials it was trained with")
     key = resolve_name(model_name)
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     head = sd.get("head.linear.weight", sd.get("head.l.weight"))

@@ -221,7 +221,7 @@ class EfficientViT(nn.Module):
 
     # ----------------------------------------------------------------------------- interface
     def check_input(self, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``x`` is an image batch ``(B, in_chans, H>=32, W>=32)``."""
+        """Raise ``ValueError`` unless ``x`` is a float image batch ``(B, in_chans, H>=32, W>=32)``."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor image batch, got {type(x).__name__}")
         if x.ndim != 4:
@@ -238,6 +238,9 @@ class EfficientViT(nn.Module):
                 f"images must be at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE} pixels, got "
                 f"{x.shape[2]}x{x.shape[3]}; resize them up first"
             )
+        if not x.is_floating_point():  # uint8 pixels straight from a decoder
+            raise ValueError(f"expected float images (normalised), got {x.dtype}; convert them, e.g. "
+                             "x.float() / 255, then subtract the mean and divide by the std")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Image batch ``(B, 3, H, W)`` to the last stage map ``(B, C3, ~H/64, ~W/64)``."""
@@ -263,7 +266,11 @@ class EfficientViT(nn.Module):
                 raise ValueError(f"indices as an int means 'the last n stages', 1..3; got {indices}")
             take = list(range(3 - indices, 3))
         else:
-            take = sorted({int(i) % 3 if -3 <= int(i) < 3 else -1 for i in indices})
+            given = list(indices) if isinstance(indices, (list, tuple)) else None
+            if not given or any(isinstance(i, bool) or not isinstance(i, int) for i in given):
+                raise ValueError(f"indices must be an int n (the last n stages) or a non-empty list of stage numbers "
+                                 f"-3..2, got {indices!r}")
+            take = sorted({i % 3 if -3 <= i < 3 else -1 for i in given})
             if -1 in take:
                 raise ValueError(f"stage indices must be in -3..2, got {indices}")
         x = self.patch_embed(x)

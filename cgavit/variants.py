@@ -67,7 +67,10 @@ def _entries(name: str, value, count: int | None, cast) -> tuple:
     if isinstance(value, (str, bytes)) or value is None or isinstance(value, Mapping):
         raise DialError(name, f"{name} must be a number or a list of numbers (one per stage), got {value!r}")
     if isinstance(value, (Sequence, Iterable)) and not isinstance(value, numbers.Number):
-        values = tuple(value)
+        try:
+            values = tuple(value)
+        except TypeError:  # iterable by type only, as a 0-d tensor or array: one value
+            return (cast(name, value),) * (count or 1)
         if count is not None and len(values) != count:
             raise DialError(name, f"{name} needs one value per stage ({count}), got {len(values)}: {list(values)}")
         if not values or len(values) > MAX_KERNELS:

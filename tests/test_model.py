@@ -150,6 +150,12 @@ def test_forward_intermediates_options():
         assert len(first) == 1 and first[0].shape[1] == 64
     with pytest.raises(ValueError):
         model.forward_intermediates(x, indices=[5])
+    # an empty list gave max()'s error; a float or a string of digits was taken as a stage number
+    for bad in ([], (1.7,), "12"):
+        with pytest.raises(ValueError, match="indices must be"):
+            model.forward_intermediates(x, indices=bad)
+    with pytest.raises(ValueError, match="expected float images"):  # uint8 pixels gave torch's dtype error
+        model(torch.randint(0, 256, (1, 3, 64, 64), dtype=torch.uint8))
 
 
 def test_head_and_classifier_reset():
@@ -234,3 +240,13 @@ def test_traces_as_timm_models_do(tmp_path):
     loaded = torch.jit.load(str(tmp_path / "m0.pt"))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_zero_dimensional_tensor_or_array_is_one_dial_value():
+    """key_dim=torch.tensor(8) raised "iteration over a 0-d tensor" (a TypeError from deep inside)."""
+    import numpy as np
+
+    for value in (torch.tensor(8), np.int64(8), np.array(8)):
+        assert cgavit.create_model("m0", key_dim=value).cfg.key_dim == (8, 8, 8)
+    with pytest.raises(ValueError, match="key_dim must be whole numbers"):
+        cgavit.create_model("m0", key_dim=torch.tensor(8.5))
