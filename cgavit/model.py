@@ -253,11 +253,17 @@ class EfficientViT(nn.Module):
         indices: int | list[int] | tuple[int, ...] | None = None,
         intermediates_only: bool = True,
         stop_early: bool = False,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
     ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage maps at strides 16/32/64 (``indices`` selects; an int n = the last n).
 
-        Returns the list of maps, or ``(final features, maps)`` when ``intermediates_only=False``.
+        Returns the list of maps, or ``(final features, maps)`` when ``intermediates_only=False``. ``norm`` and
+        ``output_fmt`` are timm's keywords, so its feature wrappers (``FeatureGetterNet``) take the model: the
+        network has no final norm to apply (``norm`` changes nothing, as in timm's port), and its maps are NCHW.
         """
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt must be 'NCHW' (the maps are convolutional), got {output_fmt!r}")
         self.check_input(x)
         if indices is None:
             take = [0, 1, 2]

@@ -158,3 +158,19 @@ def test_bias_table_resize_matches_timms_levit_resize_without_antialias():
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     table = torch.randn(4, 16)
     assert (resize_bias_table(table, 7) - resize_rel_pos_bias_table_levit(table.T, (49, 4)).T).abs().max() > 1e-2
+
+
+def test_timms_feature_wrapper_takes_the_model():
+    """timm's FeatureGetterNet calls forward_intermediates(x, indices=, norm=, output_fmt=, intermediates_only=True):
+    it raised TypeError on `norm`, so the models did not drop into timm's feature pipelines."""
+    from timm.models._features import FeatureGetterNet
+
+    model = randomize_(cgavit.create_model("m0"), 6).eval()
+    wrapped = FeatureGetterNet(model, out_indices=(0, 1, 2))
+    x = torch.randn(2, 3, 128, 96)
+    with torch.no_grad():
+        maps, ours = wrapped(x), model.forward_intermediates(x)
+    assert len(maps) == 3 and all(torch.equal(a, b) for a, b in zip(maps, ours))
+    assert wrapped.feature_info.channels() == [m.shape[1] for m in maps]
+    with pytest.raises(ValueError, match="output_fmt"):
+        model.forward_intermediates(x, output_fmt="NHWC")
