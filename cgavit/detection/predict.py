@@ -93,7 +93,7 @@ def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
     if out is not None and out.suffix:
         if len(images) > 1:
             raise ValueError(f"--out {out} looks like a file but {len(images)} images were given; pass a folder")
-        if Image.registered_extensions().get(out.suffix.lower()) not in Image.SAVE:
+        if _image_format(out) not in Image.SAVE:
             raise ValueError(f"--out {out}: {out.suffix} is not an image format that can be written; "
                              "name it .png or .jpg, or give a folder")
         drawn = [out]
@@ -112,6 +112,11 @@ def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
     return drawn
 
 
+def _image_format(path: Path) -> str | None:
+    """The Pillow format a file's suffix names (``.jpg``: JPEG), None for one it does not know."""
+    return Image.registered_extensions().get(path.suffix.lower())
+
+
 def _predictions(
     model: nn.Module, config: dict, paths: list[Path], drawn: list[Path], threshold: float, env: DistEnv
 ) -> Iterator[Prediction]:
@@ -127,8 +132,7 @@ def _predictions(
             with torch.no_grad():
                 output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
             picture = TF.to_pil_image(draw_detections(raw, output, names, threshold))
-            kind = Image.registered_extensions()[dst.suffix.lower()]
-            atomic_write(dst, lambda tmp: picture.save(tmp, format=kind))
+            atomic_write(dst, lambda tmp: picture.save(tmp, format=_image_format(dst)))
             keep = output["scores"] >= threshold
             yield Prediction(
                 image=p, drawn=dst, names=[names[label] for label in output["labels"][keep].tolist()],

@@ -124,9 +124,9 @@ class ImageAttention:
         """Validate and preprocess an uploaded image; returns its id and the model's view of it.
 
         The image is resized (shorter side, with the checkpoint's interpolation) and centre-cropped to
-        the model's size, then normalised with the checkpoint's mean and standard deviation (``info``). Its decoded size is checked from
-        the header before any pixel is decoded, and decoding waits for room in the shared pixel
-        budget. A JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) that still covers the
+        the model's size, then normalised with the checkpoint's mean and standard deviation (``info``).
+        Its decoded size is checked from the header before any pixel is decoded, and decoding waits for
+        room in the shared pixel budget. A JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) that still covers the
         model's size.
 
         Raises:

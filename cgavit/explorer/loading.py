@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from dataclasses import MISSING, fields
 from pathlib import Path
-
 from typing import NamedTuple
 
 from ..factory import ModelInfo, create_model, load_model
@@ -73,5 +72,8 @@ def _architecture(model: EfficientViT) -> str:
 
 
 def _dials(cfg: object, chosen: list) -> str:
-    shown = (getattr(cfg, f.name) for f in chosen)
-    return ", ".join(f"{f.name} {','.join(map(str, v)) if isinstance(v, tuple) else v}" for f, v in zip(chosen, shown))
+    """``name value`` for each of the ``chosen`` fields of ``cfg`` (a per-stage value as ``64,128,192``)."""
+    def shown(value: object) -> str:
+        return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+    return ", ".join(f"{f.name} {shown(getattr(cfg, f.name))}" for f in chosen)
