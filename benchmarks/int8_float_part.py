@@ -5,7 +5,8 @@ default is bf16 (BENCHMARKS.md, "int8 on AMX"). This compiles one ``.xml`` that 
 with ``INFERENCE_PRECISION_HINT`` ``f32`` and (where the CPU has native bf16) ``bf16``, and with its float
 layers made bf16 convolutions (the ``bf16-layers`` float part; from a file with an fp32 or bf16 one), and judges each
 against the checkpoint's fused fp32 model on DIR/VAL: top-1 agreement (decisions changed) and accuracy
-change, beside the float part the file records in its metadata. Nothing is timed.
+change, beside the float part the file records in its metadata; where OpenVINO offers FP16 on this CPU (e.g.
+``avx512_fp16``), with ``INFERENCE_PRECISION_HINT`` ``f16`` too. Nothing is timed.
 
 Usage::
 
@@ -23,7 +24,7 @@ from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.deploy import compare_logits, cpu_features, fuse, open_exported
 from cgavit.deploy.int8 import float_parts_for_cpu
-from cgavit.deploy.openvino import OpenVinoModule, bf16_convolutions, convolution_nodes
+from cgavit.deploy.openvino import OpenVinoModule, _core, bf16_convolutions, convolution_nodes
 from cgavit.deploy.sensitivity import padded_logits
 
 
@@ -56,6 +57,12 @@ def main() -> None:
         a = compare_logits(padded_logits(module, evaluation.images), reference, evaluation.labels)
         hint = module.config["INFERENCE_PRECISION_HINT"]
         print(f"| {part} (INFERENCE_PRECISION_HINT {hint}) | {100 * a.top1_agreement:.2f} % ({a.changed}) | "
+              f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f}) |")
+    if recorded_part != "bf16-layers" and "FP16" in _core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        module = OpenVinoModule(recorded.model, 1, "int8")
+        module.config["INFERENCE_PRECISION_HINT"] = "f16"  # OpenVinoModule offers f32 and bf16 only
+        a = compare_logits(padded_logits(module, evaluation.images), reference, evaluation.labels)
+        print(f"| f16 (INFERENCE_PRECISION_HINT f16) | {100 * a.top1_agreement:.2f} % ({a.changed}) | "
               f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f}) |")
 
 

@@ -7,7 +7,8 @@ timed round-robin by :func:`cgavit.timing.round_robin` in the same run (batch 16
 reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.md, "int8 on AVX2" and
 "int8 on AMX"). On a CPU with native bf16 the OpenVINO builds are timed with their float part in bf16 and with
 only the float layers in bf16 too (``openvino+bf16`` and ``openvino+bf16-layers`` curves of the reports), beside
-the whole model in bf16 (OpenVINO, and torch.compile).
+the whole model in bf16 (OpenVINO, and torch.compile). ``--f16`` also times the OpenVINO int8 builds compiled with
+``INFERENCE_PRECISION_HINT`` ``f16`` (their float part in f16, where OpenVINO offers FP16 on this CPU).
 
 Usage::
 
@@ -68,6 +69,21 @@ def speed_probe(name: str, img_size: int) -> tuple[torch.nn.Module, torch.Tensor
     return model, torch.randn(16, 3, *size), calibration, Int8Options().for_cpu(cpu_features())
 
 
+def f16_builds(ov: OpenVinoInt8Builder, split: list[str], weights: str) -> dict[str, OpenVinoModule]:
+    """OpenVINO's int8 builds (every layer int8, and ``split`` float) compiled with their float part in f16."""
+    from cgavit.deploy.openvino import _core
+
+    if "FP16" not in _core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        raise SystemExit(f"--f16: OpenVINO offers no FP16 on this CPU ({cpu_features().describe()})")
+    builds = {}
+    for layers in dict.fromkeys([(), tuple(split)]):
+        module = OpenVinoModule(ov.build(list(layers)), 1, "int8")
+        module.config["INFERENCE_PRECISION_HINT"] = "f16"  # OpenVinoModule offers f32 and bf16 only
+        label = f"{len(layers)} layers float" if layers else "every layer int8"
+        builds[f"int8 OpenVINO {weights}, {label}, f16 float part"] = module
+    return builds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--float-layers", nargs="*", default=[], metavar="REPORT",
@@ -81,6 +97,9 @@ def main() -> None:
                                                        "(cgavit quantize --qat; needs cgavit[qat])")
     p.add_argument("--qat-float", nargs="*", default=["patch_embed.conv1"], metavar="LAYER",
                    help="--qat: also time it with these layers float (default patch_embed.conv1)")
+    p.add_argument("--f16", action="store_true", help="also time the OpenVINO int8 builds with their float part in f16 "
+                                                       "(INFERENCE_PRECISION_HINT f16; needs FP16 in OpenVINO's CPU "
+                                                       "capabilities, e.g. avx512_fp16)")
     args = p.parse_args()
     model, x, calibration, opts = speed_probe(args.model, args.img_size)
     size = (args.img_size, args.img_size)
@@ -122,6 +141,8 @@ def main() -> None:
         if split:
             paths[f"int8 OpenVINO {weights}, {len(split)} layers float{label}"] = OpenVinoModule(
                 ov.build(split, part), 1, "int8", part)
+    if args.f16:
+        paths.update(f16_builds(ov, keep["openvino"], weights))
     if args.qat:  # the file quantisation-aware fine-tuning writes (ranges from its observers; no training needed for speed)
         from cgavit.deploy.openvino import openvino_from_onnx
         from cgavit.deploy.qat import QatConfig, qat_finetune, qat_onnx
