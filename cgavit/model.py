@@ -251,16 +251,18 @@ class EfficientViT(nn.Module):
         self,
         x: torch.Tensor,
         indices: int | list[int] | tuple[int, ...] | None = None,
-        intermediates_only: bool = True,
-        stop_early: bool = False,
         norm: bool = False,
+        stop_early: bool = False,
         output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
     ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
-        """The stage maps at strides 16/32/64 (``indices`` selects; an int n = the last n).
+        """The stage maps at strides 16/32/64 (``indices`` selects; an int n = the last n), with timm's signature.
 
-        Returns the list of maps, or ``(final features, maps)`` when ``intermediates_only=False``. ``norm`` and
-        ``output_fmt`` are timm's keywords, so its feature wrappers (``FeatureGetterNet``) take the model: the
-        network has no final norm to apply (``norm`` changes nothing, as in timm's port), and its maps are NCHW.
+        Returns ``(final features, maps)``, as timm's models do, or the list of maps alone with
+        ``intermediates_only=True``. ``stop_early`` stops after the last stage asked for (the final features are
+        then that stage's map). ``norm`` and ``output_fmt`` are timm's keywords, so its feature wrappers
+        (``FeatureGetterNet``) take the model: the network has no final norm to apply (``norm`` changes nothing,
+        as in timm's port), and its maps are NCHW.
         """
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW' (the maps are convolutional), got {output_fmt!r}")

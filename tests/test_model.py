@@ -131,7 +131,7 @@ def test_any_input_size_features_and_strides(build):
     assert [f["reduction"] for f in model.feature_info] == [16, 32, 64]
     with torch.no_grad():
         for h, w in SIZES:
-            maps = model.forward_intermediates(torch.randn(1, 3, h, w))
+            maps = model.forward_intermediates(torch.randn(1, 3, h, w), intermediates_only=True)
             for i, (m, info) in enumerate(zip(maps, model.feature_info)):
                 assert m.shape == (1, info["num_chs"], stage_resolution(h, i), stage_resolution(w, i))
                 assert torch.isfinite(m).all()
@@ -142,12 +142,15 @@ def test_forward_intermediates_options():
     model = _tiny().eval()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
-        final, maps = model.forward_intermediates(x, intermediates_only=False)
+        final, maps = model.forward_intermediates(x)  # timm's default: the final features too
         assert torch.equal(final, model.forward_features(x)) and len(maps) == 3
-        last_two = model.forward_intermediates(x, indices=2)
+        assert all(torch.equal(a, b) for a, b in zip(maps, model.forward_intermediates(x, intermediates_only=True)))
+        last_two = model.forward_intermediates(x, indices=2, intermediates_only=True)
         assert [m.shape[1] for m in last_two] == [128, 192]
-        first = model.forward_intermediates(x, indices=[0], stop_early=True)
-        assert len(first) == 1 and first[0].shape[1] == 64
+        final, first = model.forward_intermediates(x, indices=[0], stop_early=True)
+        assert len(first) == 1 and first[0].shape[1] == 64 and torch.equal(final, first[0])
+        # timm's positional order: (x, indices, norm, stop_early, output_fmt, intermediates_only)
+        assert len(model.forward_intermediates(x, [1], False, False, "NCHW", True)) == 1
     with pytest.raises(ValueError):
         model.forward_intermediates(x, indices=[5])
     # an empty list gave max()'s error; a float or a string of digits was taken as a stage number

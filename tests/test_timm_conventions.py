@@ -169,7 +169,7 @@ def test_timms_feature_wrapper_takes_the_model():
     wrapped = FeatureGetterNet(model, out_indices=(0, 1, 2))
     x = torch.randn(2, 3, 128, 96)
     with torch.no_grad():
-        maps, ours = wrapped(x), model.forward_intermediates(x)
+        maps, (_, ours) = wrapped(x), model.forward_intermediates(x)
     assert len(maps) == 3 and all(torch.equal(a, b) for a, b in zip(maps, ours))
     assert wrapped.feature_info.channels() == [m.shape[1] for m in maps]
     with pytest.raises(ValueError, match="output_fmt"):

@@ -161,6 +161,6 @@ class EfficientViTFPN(nn.Module):
         self.level_names = tuple(f"p{s.bit_length() - 1}" for s in self.strides)
 
     def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
-        maps = self.body.forward_intermediates(x)  # strides 16, 32, 64
+        maps = self.body.forward_intermediates(x, intermediates_only=True)  # strides 16, 32, 64
         out = self.fpn(OrderedDict(zip(("c4", "c5", "c6"), maps)))
         return OrderedDict(zip(self.level_names, out.values()))
