@@ -117,8 +117,47 @@ def test_run_bench_typed_config(tmp_path):
     best = max(r.median for r in report.results if r.kind == "ours")
     assert ceiling["share_of_ceiling"] == pytest.approx(best / ceiling["ceiling_img_s"])
     assert ceiling["timm_img_s"] == report.results[0].median
-    skipped = run_bench(BenchConfig(models=("m0",), peers=(), skip_table=True, out=tmp_path / "none"))
-    assert skipped.results == [] and skipped.files == [] and not (tmp_path / "none").exists()
+    with pytest.raises(ValueError, match="--skip-table leaves nothing to measure"):  # it ran, wrote nothing, exit 0
+        run_bench(BenchConfig(models=("m0",), peers=(), skip_table=True, out=tmp_path / "none"))
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_size_taller_than_wide_builds_timms_port_with_our_windows(tmp_path):
+    """Our windows follow the shorter side; timm's port was built from the height alone, so 96x64 (windows 6 and 4)
+    crashed loading the weights, with a traceback (and --train the same)."""
+    cfg = BenchConfig(models=("m0",), peers=(), img_size=(96, 64), batch=1, warmup=0, repeats=1, compile=False,
+                      onnx=False, out=tmp_path, train=True, train_batch=2)
+    report = run_bench(cfg)
+    assert all(r.rel_err_vs_timm < 1e-4 for r in report.results if r.kind == "ours")
+    assert report.training[0]["timm_ips"] > 0 and "96x64px" in report.plot_title()
+
+
+def test_options_the_run_would_ignore_are_refused():
+    """Precision-check options without --precision-check, --no-onnx beside --runtimes onnxruntime: accepted and
+    ignored (exit 0)."""
+    for given, flag in ((dict(eval_images=5), "--eval-images"), (dict(calibration_images=3), "--calibration-images"),
+                        (dict(train_split="nope"), "--train-split"), (dict(trust_checkpoint=True), "--trust-checkpoint")):
+        with pytest.raises(ValueError, match=f"{flag} is read by --precision-check alone"):
+            resolve_protocol(BenchConfig(**given))
+    with pytest.raises(ValueError, match="--no-onnx leaves ONNX Runtime out"):
+        resolve_protocol(BenchConfig(onnx=False, runtimes=("onnxruntime",)))
+
+
+def test_a_reader_that_leaves_early_loses_nothing(tmp_path, monkeypatch):
+    """`cgavit bench ... | head`: the table's print raised BrokenPipeError, so the command died with a traceback
+    (exit 1) and its measurements were never written."""
+    import io
+    import sys
+
+    class GoneReader(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", GoneReader())
+    assert main(["bench", "--models", "m0", "--peers", "none", "--img-size", "64", "--batch", "1", "--warmup", "0",
+                 "--repeats", "1", "--no-compile", "--no-onnx", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy_vs_throughput.png", "bench.csv", "bench.json"]
+    assert main(["info", "--model", "m0", "--json"]) == 0
 
 
 def test_bench_config_rejects_bad_values():
@@ -150,6 +189,9 @@ def test_precision_check_on_a_trained_checkpoint(trained_digits, capsys, tmp_pat
     assert all(" 100 " in row and ("meets" in row or "MISSES" in row) for row in rows)
     assert "int8 calibrated on 64 training images" in text and "never on the evaluated ones" in text
     assert "optimize(precision='auto') chose:" in text and "Why: CPU" in text
+    # 100 of the split's 360, drawn: the note and bench.json said "every image"
+    assert record["precision_images"]["every"] is False and "Evaluated: 100 images, drawn at random" in text
+    assert text.startswith("protocol:") and "the checkpoint's image size" in text.splitlines()[0]
     # for scale, fp32's own decisions under pixel noise, on the same 100 images, in the checkpoint's grey levels
     from cgavit import load_model
     from cgavit.bench import load_labelled

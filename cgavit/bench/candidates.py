@@ -77,7 +77,7 @@ class Candidate:
 def timm_port(model: nn.Module, name: str, img_size: tuple[int, int]) -> nn.Module:
     """timm's ``efficientvit_msra`` model with ``model``'s weights, BatchNorm fused by timm itself; ``name`` as
     :func:`cgavit.create_model` takes it (``m4`` too)."""
-    port = create_timm_model(resolve_name(name), img_size=img_size[0])
+    port = create_timm_model(resolve_name(name), img_size=min(img_size))  # our windows follow the shorter side
     port.load_state_dict(to_timm_state_dict(model.state_dict()))
     return reparameterize(port)
 

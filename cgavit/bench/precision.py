@@ -59,12 +59,14 @@ class PrecisionRow(TypedDict):
 
 @dataclass
 class LabelledImages:
-    """Preprocessed images ``(N, C, H, W)``, their class indices ``(N,)`` and where they came from."""
+    """Preprocessed images ``(N, C, H, W)``, their class indices ``(N,)``, where they came from, and how many
+    images that folder holds (``available``: more than N when a limit drew some of them)."""
 
     images: torch.Tensor
     labels: torch.Tensor
     source: str
     classes: list[str] = field(default_factory=list)
+    available: int = 0
 
 
 #: Training images int8 is calibrated on unless told otherwise (``--calibration-images``).
@@ -90,7 +92,7 @@ def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0,
                                 mean=info.mean, std=info.std)
     images = torch.stack([transform(load_image(path)) for path, _ in chosen])  # (N, C, H, W)
     labels = torch.tensor([label for _, label in chosen])
-    return LabelledImages(images, labels, str(Path(root) / split), classes)
+    return LabelledImages(images, labels, str(Path(root) / split), classes, len(samples))
 
 
 #: The share of the memory free when images are loaded that they may take, preprocessed (the runtimes' copies and
@@ -191,7 +193,7 @@ def _in_model_order(split: LabelledImages, info: ModelInfo) -> LabelledImages:
     """``split`` (checked by :func:`_check_classes`) labelled with the checkpoint's indices of its class names."""
     named = list(info.class_names)
     index = torch.tensor([named.index(name) for name in split.classes])
-    return LabelledImages(split.images, index[split.labels], split.source, named)
+    return LabelledImages(split.images, index[split.labels], split.source, named, split.available)
 
 
 def _difference(have: list[str], want: list[str]) -> str:
@@ -283,6 +285,7 @@ class CheckpointPrecision:
     noise_floor: NoiseFloor | None = None
     evaluated_images: int = 0
     img_size: int = 0
+    split_images: int = 0  # images in the evaluated folder (more than evaluated_images when some were drawn)
 
 
 def checkpoint_precision(
@@ -315,4 +318,4 @@ def checkpoint_precision(
                     compile=compile).choice  # judged on the table's images, not on the training ones it calibrates on
     floor = noise_floor(fused, evaluated.images, tuple(info.std), batch=batch)
     return CheckpointPrecision(rows, evaluated.source, calib.source, len(calib.images), auto, floor,
-                               len(evaluated.images), info.img_size)
+                               len(evaluated.images), info.img_size, evaluated.available)

@@ -106,11 +106,13 @@ class BenchProtocol:
         return dict(device=self.device.type, threads=self.threads, batch=self.batch, precision=self.precision,
                     img_size=list(self.img_size), warmup=self.warmup, repeats=self.repeats)
 
-    def describe(self) -> str:
-        """One line: device, threads, batch, precision, size, rounds."""
+    def describe(self, sized: bool = True) -> str:
+        """One line: device, threads, batch, precision, size (``sized=False``: the checkpoint's, for a precision
+        check alone), rounds."""
         h, w = self.img_size
+        size = f"{h}x{w}" if sized else "the checkpoint's image size"
         return (f"protocol: {self.device.type}, {self.threads} thread(s), batch {self.batch}, {self.precision}, "
-                f"{h}x{w}, {self.warmup} warm-up + {self.repeats} timed rounds (round-robin), BatchNorm fused, grad off")
+                f"{size}, {self.warmup} warm-up + {self.repeats} timed rounds (round-robin), BatchNorm fused, grad off")
 
 
 @dataclass
@@ -152,8 +154,10 @@ class BenchReport:
 
     def plot_title(self) -> str:
         p, env = self.protocol, self.environment
-        return (f"{env['cpu']} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision}, "
-                f"{p.img_size[0]}px | {env['date']}")
+        h, w = p.img_size
+        size = f"{h}px" if h == w else f"{h}x{w}px"
+        return (f"{env['cpu']} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision}, {size} | "
+                f"{env['date']}")
 
 
 def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
@@ -209,6 +213,8 @@ def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
     unknown = [r for r in cfg.runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {', '.join(RUNTIMES)}")
+    if not cfg.onnx and "onnxruntime" in cfg.runtimes:
+        raise ValueError("--no-onnx leaves ONNX Runtime out, and --runtimes asks for it; give one of them")
     names = (("onnxruntime",) if cfg.onnx else ()) + tuple(r for r in cfg.runtimes if cfg.onnx or r != "onnxruntime")
     names = tuple(dict.fromkeys(names))
     for name in names if cfg.device == "cpu" else ():
@@ -224,8 +230,18 @@ def check_precision_inputs(cfg: BenchConfig) -> None:
     Raises:
         ValueError: what is missing or conflicting, and what to give.
     """
-    if (cfg.checkpoint or cfg.data) and not cfg.precision_check:
-        raise ValueError("--checkpoint and --data are read by --precision-check; add it")
+    defaults = BenchConfig()
+    read_by_check = [flag for flag, value, default in (
+        ("--checkpoint", cfg.checkpoint, None), ("--data", cfg.data, None),
+        ("--trust-checkpoint", cfg.trust_checkpoint, False),
+        ("--calibration-images", cfg.calibration_images, defaults.calibration_images),
+        ("--eval-images", cfg.eval_images, defaults.eval_images), ("--train-split", cfg.train_split, defaults.train_split),
+        ("--val-split", cfg.val_split, defaults.val_split)) if value != default]
+    if read_by_check and not cfg.precision_check:
+        raise ValueError(f"{', '.join(read_by_check)} {'is' if len(read_by_check) == 1 else 'are'} read by "
+                         "--precision-check alone; add it, or leave them out")
+    if cfg.skip_table and not (cfg.precision_check or cfg.train):
+        raise ValueError("--skip-table leaves nothing to measure; add --precision-check or --train, or leave it out")
     if cfg.precision_check and not (cfg.checkpoint and cfg.data):
         raise ValueError("--precision-check needs a trained model: give --checkpoint FILE and --data DIR (DIR/val "
                          "evaluated, DIR/train for the int8 calibration); agreement on random weights measures noise")
@@ -290,7 +306,7 @@ def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: Bench
     report.precision, report.auto, report.noise_floor = check.rows, check.auto, check.noise_floor
     report.precision_images = dict(evaluated=check.evaluated, calibration=check.calibration,
                                    calibration_images=check.calibration_images, evaluated_images=check.evaluated_images,
-                                   every=not cfg.eval_images or cfg.eval_images >= check.evaluated_images,
+                                   every=check.evaluated_images >= check.split_images,
                                    img_size=check.img_size)
 
 

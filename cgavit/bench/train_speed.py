@@ -42,7 +42,7 @@ def train_throughput(
     target = torch.randint(0, 1000, (batch,))
     for name in models:
         ours = create_model(name, img_size=img_size).train()
-        theirs = create_timm_model(name, img_size=img_size[0]).train()
+        theirs = create_timm_model(name, img_size=min(img_size)).train()  # the same windows as ours
         theirs.load_state_dict(to_timm_state_dict(ours.state_dict()))
         calls = {"cgavit": partial(train_step, ours, x, target), "timm": partial(train_step, theirs, x, target)}
         timings = round_robin(calls, warmup, repeats)

@@ -46,6 +46,48 @@ def _raise_terminated(command_pid: int, signum, frame) -> None:
     raise Terminated
 
 
+class PipeSafeStdout:
+    """``sys.stdout`` for a command: once the reader has gone (``cgavit bench ... | head``), what is printed is
+    dropped, and the command goes on to write its files and exit as it would have, instead of dying on a
+    ``BrokenPipeError`` with its measurements unwritten.
+
+    Args:
+        stream: the stream it writes to (``sys.stdout``).
+    """
+
+    def __init__(self, stream) -> None:
+        self.stream, self.reader_gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.reader_gone:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._reader_left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
+        """Drop what is printed from now on; the stream's own descriptor goes to the null device, so Python's
+        last flush at exit finds nothing to complain about either."""
+        self.reader_gone = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # a stream without a descriptor (a test's capture)
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 class MissingExtra:
     """Stands in for a command module that could not be imported for want of an optional extra: it
     registers the module's commands, each of which fails with the ``pip install`` line that fixes it.
@@ -153,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     main_thread = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, partial(_raise_terminated, os.getpid())) if main_thread else None
+    stdout, sys.stdout = sys.stdout, PipeSafeStdout(sys.stdout)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = partial(_show_own_warning, warnings.showwarning)
@@ -169,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cgavit {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     finally:
+        sys.stdout = stdout
         if old_term is not None:  # None: not the main thread, or a handler not set from Python (left alone)
             signal.signal(signal.SIGTERM, old_term)
 
