@@ -326,7 +326,14 @@ def check_class_names(names: object) -> tuple[str, ...] | None:
         return None
     if not isinstance(names, list) or len(names) > MAX_CLASSES:
         raise ValueError(f"'class_names' must be a list of at most {MAX_CLASSES} names")
-    return tuple(check_name(n, f"class name {i}") for i, n in enumerate(names))
+    checked = tuple(check_name(n, f"class name {i}") for i, n in enumerate(names))
+    seen: dict[str, int] = {}
+    for i, name in enumerate(checked):
+        if name in seen:  # a folder of that name would be scored against one of the two outputs only
+            raise ValueError(f"'class_names' names {shown(name)} twice (classes {seen[name]} and {i}); every class "
+                             "needs its own name")
+        seen[name] = i
+    return checked
 
 
 def bounded_int(value: object, name: str, lo: int, hi: int) -> int:

@@ -1018,3 +1018,17 @@ def test_qat_file_keeps_the_learnt_ranges_and_decides_like_fp32(trained_digits, 
     bad = qat_onnx(qat_finetune(scrambled_model, calib, reduce_range=True, config=QatConfig(epochs=0)), calib[:2])
     miss = assess(trained_digits.model, bad, calib, trained_digits.images, labels=trained_digits.labels, **QUICK_ASSESS)
     assert not miss.meets_target
+
+
+def test_quantize_records_the_loaded_models_preprocessing_and_says_when_it_cannot(trained_digits):
+    """quantize() from Python, as the docs showed it (no info=), wrote ImageNet's mean, std and crop and no class
+    names into the file of a model trained with its own: open_exported then handed back the wrong preprocessing."""
+    from cgavit import load_model
+    from cgavit.deploy.quantize import _file_info
+
+    model, info = load_model(trained_digits.checkpoint)
+    made = _file_info(info, (48, 48), model)
+    assert made.mean == tuple(info.mean) and made.std == tuple(info.std) and made.class_names == tuple(info.class_names)
+    assert made.mean != (0.485, 0.456, 0.406)
+    with pytest.warns(RuntimeWarning, match="no info= given"):
+        assert _file_info(None, (48, 48), model).class_names == ()

@@ -9,18 +9,13 @@ from pathlib import Path
 from torch import nn
 
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation
-from ..deploy import EXPORT_TOLERANCE, FORMATS, ExportInfo, check_parity, export_model, load_exported
+from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
+from ..deploy.metadata import export_info
 from ..factory import ModelInfo, create_model, load_model
 from .common import add_dial_args, dials_from_args, image_size
 
-__all__ = ["EXPORT_TOLERANCE", "export_info", "register", "run"]
-
-
-def export_info(info: ModelInfo, size: tuple[int, int]) -> ExportInfo:
-    """What an exported file carries for a model loaded with ``info``, exported at ``size``."""
-    return ExportInfo(class_names=tuple(info.class_names), img_size=tuple(size), mean=tuple(info.mean),
-                      std=tuple(info.std), interpolation=info.interpolation, crop_pct=info.crop_pct)
+__all__ = ["EXPORT_TOLERANCE", "register", "run"]
 
 
 def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tuple[int, int]]:
@@ -86,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     calib, check = calibration_and_check(args, info)
     batches = list(calib.images.split(16)) if calib is not None else None
     out = export_model(model, args.output, args.format, size, args.precision, batches, args.batch,
-                       info=export_info(info, size))
+                       info=export_info(info, size, getattr(model, "in_chans", 3)))
     batch = f"batch {args.batch} fixed" if fmt.fixed_batch else "batch dynamic"
     print(f"wrote {written(out)}, {batch}, size {size[0]}x{size[1]} fixed"
           + (f", {args.precision} calibrated on {len(calib.images)} images of {calib.source}" if calib else ""))

@@ -24,9 +24,9 @@ from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.openvino import openvino_available
 from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons
+from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import write_json, write_text
-from .export import export_info
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
                       sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
                       profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
-                      holdout=args.holdout, info=export_info(info, size),
+                      holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
                       threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and not result.float_layers):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
@@ -185,7 +185,7 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
           + (f"float: {'; '.join(kinds)}" if kinds else "every layer int8"))
     qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
                          config=cfg, options=options, float_layers=keep,
-                         info=export_info(info, (info.img_size, info.img_size)), holdout=args.holdout, threads=args.threads,
+                         info=export_info(info, (info.img_size, info.img_size), getattr(model, "in_chans", 3)), holdout=args.holdout, threads=args.threads,
                          warmup=args.warmup, repeats=args.repeats)
     qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ranked, keep, slow)  # why they stayed float
     qat.no_faster = {"onnxruntime": slow}

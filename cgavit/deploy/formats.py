@@ -27,7 +27,7 @@ from .openvino import OpenVinoModule, export_openvino, openvino_available, openv
 from .fusion import example_batch, fuse, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
-from .metadata import ExportInfo
+from .metadata import ExportInfo, export_info
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
 
@@ -124,7 +124,7 @@ def export_model(
             raise ValueError(f"calibration must be image batches (B, C, {img_size[0]}, {img_size[1]}), preprocessed like "
                              "the input the file takes")
     path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
-    info = info or ExportInfo(img_size=tuple(img_size))
+    info = export_info(info, img_size, getattr(model, "in_chans", 3))  # checked before anything is written
     if format == "openvino":
         return export_openvino(model, path, img_size, precision, calibration, options, info)
     if format == "executorch":

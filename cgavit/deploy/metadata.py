@@ -21,6 +21,7 @@ from importlib import metadata
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..io import printable
 from ..schema import MEAN_RANGE, STD_RANGE, bounded_floats, bounded_json, check_class_names, check_name, shown
+from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from .int8 import FLOAT_PARTS, Int8Options, weight_range_label
 
 #: The prefix of every key cgavit writes (ONNX: ``cgavit.class_names``; OpenVINO: ``rt_info["cgavit"]``).
@@ -114,6 +115,30 @@ class ExportInfo:
         classes = outputs[1] if outputs is not None else None
         if classes is not None and self.class_names and len(self.class_names) != classes:
             raise fail(f"its metadata names {len(self.class_names)} classes but the network returns {classes} logits")
+
+
+def export_info(info: object | None, size: tuple[int, int], in_chans: int = 3) -> ExportInfo:
+    """What a file exported at ``size`` carries: an :class:`ExportInfo` as it is, or a loaded model's class names and
+    preprocessing (``info``: the :class:`~cgavit.factory.ModelInfo` that :func:`~cgavit.load_model` returns), or, for
+    None, ImageNet's mean, std and crop (what timm's models assume) and no class names. Three mean and std values
+    for a network of ``in_chans`` other than 3 become their averages, one value for every channel.
+
+    Raises:
+        ValueError: mean and std values that fit neither one value per channel nor one for all.
+    """
+    if isinstance(info, ExportInfo):
+        made = replace(info, img_size=tuple(size))
+    elif info is None:
+        made = ExportInfo(img_size=tuple(size), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
+    else:
+        made = ExportInfo(class_names=tuple(info.class_names), img_size=tuple(size), mean=tuple(info.mean),
+                          std=tuple(info.std), interpolation=info.interpolation, crop_pct=info.crop_pct)
+    if in_chans != 3 and len(made.mean) == 3 and len(made.std) == 3:
+        made = replace(made, mean=(sum(made.mean) / 3,), std=(sum(made.std) / 3,))
+    if len(made.mean) not in (1, in_chans) or len(made.std) != len(made.mean):
+        raise ValueError(f"{len(made.mean)} mean and {len(made.std)} std values for a {in_chans}-channel network: give "
+                         f"one value, or one per channel, of each")
+    return made
 
 
 def unreadable_file(source: str | os.PathLike, kind: str, err: BaseException) -> ValueError:

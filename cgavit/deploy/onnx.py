@@ -24,7 +24,7 @@ from ..io import atomic_write
 from .cpu import CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import Int8Options, layer_of_onnx_node
-from .metadata import PREFIX, ExportInfo, int8_info, unreadable_file
+from .metadata import PREFIX, ExportInfo, export_info, int8_info, unreadable_file
 from .runtime import RuntimeModule, quiet_quantiser
 
 
@@ -95,7 +95,7 @@ def export_onnx(
                 fused, (x,), tmp, dynamo=False, input_names=["images"], output_names=["logits"],
                 dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
             )
-        data = with_onnx_metadata(Path(tmp).read_bytes(), info or ExportInfo(img_size=tuple(img_size)))
+        data = with_onnx_metadata(Path(tmp).read_bytes(), export_info(info, img_size, getattr(model, "in_chans", 3)))
         Path(tmp).write_bytes(data)
 
     return atomic_write(path, write)

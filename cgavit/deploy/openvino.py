@@ -34,7 +34,7 @@ from ..io import write_error
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
-from .metadata import KEYS, PREFIX, ExportInfo, int8_info, unreadable_file
+from .metadata import KEYS, PREFIX, ExportInfo, export_info, int8_info, unreadable_file
 from .runtime import RuntimeModule, quiet_quantiser
 
 #: OpenVINO's name of each precision this module offers (its ``INFERENCE_PRECISION_HINT``).
@@ -382,7 +382,7 @@ def export_openvino(
     path = ir_path(path)
     if precision not in PRECISION_HINT:
         raise ValueError(f"OpenVINO precision must be one of {', '.join(PRECISION_HINT)}, got {precision!r}")
-    info = info or ExportInfo(img_size=tuple(img_size))
+    info = export_info(info, img_size, getattr(model, "in_chans", 3))
     if precision == "int8":
         if calibration is None:
             raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")

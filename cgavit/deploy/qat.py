@@ -46,7 +46,7 @@ from ..timing import progress_bar
 from .cpu import CpuFeatures, cpu_features
 from .fusion import export_form, fuse
 from .int8 import Int8Options
-from .metadata import ExportInfo
+from .metadata import ExportInfo, export_info
 from .onnx import with_onnx_metadata
 from .quantize import QuantizeResult, QuantizeTarget, assess
 
@@ -207,7 +207,7 @@ def qat_onnx(prepared: torch.fx.GraphModule, example: torch.Tensor, info: Export
             torch.onnx.export(program, (x,), str(out), dynamo=True, input_names=["images"], output_names=["logits"],
                               opset_version=18, external_data=False)
         data = out.read_bytes()
-    return with_onnx_metadata(data, info or ExportInfo(img_size=tuple(example.shape[2:])))
+    return with_onnx_metadata(data, export_info(info, tuple(example.shape[2:]), example.shape[1]))
 
 
 def _train(ao: SimpleNamespace, prepared: nn.Module, teacher: nn.Module, images: torch.Tensor, config: QatConfig) -> None:

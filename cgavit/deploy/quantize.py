@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
+from typing import TYPE_CHECKING
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -47,7 +49,7 @@ from .agreement import (
 from .cpu import CpuFeatures, architecture, cpu_features
 from .fusion import fuse, named_output
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
-from .metadata import ExportInfo, int8_info
+from .metadata import ExportInfo, export_info, int8_info
 from .onnx import (
     OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, onnxruntime_conv_times, with_onnx_metadata,
 )
@@ -60,6 +62,9 @@ from .sensitivity import (
     CurvePoint, LayerSensitivity, LayerSpeed, fewest_meeting, layer_sensitivity, lowest_times, no_faster_in_int8,
     padded_logits, prune_float_layers, search_float_layers,
 )
+
+if TYPE_CHECKING:
+    from ..factory import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +339,7 @@ def quantize(
     prune: bool = True,
     float_part: str = "auto",
     holdout: float = HOLDOUT,
-    info: ExportInfo | None = None,
+    info: ExportInfo | ModelInfo | None = None,
     reference: nn.Module | None = None,
     batch: int = 16,
     threads: int = 1,
@@ -358,7 +363,9 @@ def quantize(
             layer the search kept float to int8 where the target holds without it (both default).
         float_part: OpenVINO's, one of :data:`~cgavit.deploy.int8.FLOAT_PARTS` or ``"auto"``: :func:`~cgavit.deploy.int8.float_parts_for_cpu`.
         holdout: the share of ``evaluation`` held out of the search, in [0, 1) (module notes; 0: none).
-        info: the file's metadata (class names, preprocessing); reference: the fp32 model judged against and timed
+        info: the file's metadata (class names, preprocessing): the ``ModelInfo`` that :func:`~cgavit.load_model`
+            returned with the model, or an :class:`~cgavit.deploy.metadata.ExportInfo` (None: ImageNet's, with a
+            warning); reference: the fp32 model judged against and timed
             beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
 
     Raises:
@@ -377,7 +384,7 @@ def quantize(
         for name in runtimes:
             search.run(name, model, opts, sensitivity, max_float_layers, profile_layers, prune,
                        parts if name == "openvino" else ("fp32",))
-    return search.result(features, opts, info or ExportInfo(img_size=size))
+    return search.result(features, opts, _file_info(info, size, model))
 
 
 def assess(
@@ -391,7 +398,7 @@ def assess(
     labels: torch.Tensor | None = None,
     options: Int8Options = Int8Options(),
     features: CpuFeatures | None = None,
-    info: ExportInfo | None = None,
+    info: ExportInfo | ModelInfo | None = None,
     method: str = "post-training",
     holdout: float = HOLDOUT,
     batch: int = 16,
@@ -429,10 +436,20 @@ def assess(
         for name in runtimes:
             artifact = onnx_int8 if name == "onnxruntime" else openvino_from_onnx(path)
             search.curves[name] = [search.judge(name, _Made(artifact), tuple(opts.float_layers))]
-    result = search.result(features, opts, info or ExportInfo(img_size=size))
+    result = search.result(features, opts, _file_info(info, size, reference))
     result.method = method
     result.info = replace(result.info, int8={**result.info.int8, "method": method})
     return result
+
+
+def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> ExportInfo:
+    """The metadata the answer's file will carry (:func:`~cgavit.deploy.metadata.export_info`); without ``info`` it
+    can only be ImageNet's preprocessing and no class names, which is said."""
+    if info is None:
+        warnings.warn("quantize: no info= given, so the file will record ImageNet's mean, std and crop and no class "
+                      "names; pass the ModelInfo that load_model returned (or an ExportInfo) so that it records the "
+                      "model's own", RuntimeWarning, stacklevel=3)
+    return export_info(info, size, getattr(model, "in_chans", 3))
 
 
 def _runtimes(runtime: str | None) -> list[str]:
