@@ -4,7 +4,9 @@ Every file the package writes (weights, training checkpoints, records, plots, ex
 :func:`atomic_write`: the content is written to a temporary file in the destination folder and then
 renamed over the destination, so a crash, a full disk or ``kill -9`` leaves either the old file or
 the new one, never a torn one. A crash can leave the temporary file behind (``.NAME.*.tmp``);
-:func:`remove_stale_temporaries` clears those at the next start.
+:func:`remove_stale_temporaries` clears those at the next start. Files that only make sense together (an
+OpenVINO ``.xml`` and its ``.bin``; an int8 file and its report) are written as temporaries and moved into place
+by :func:`replace_together`, which a Ctrl-C cannot split.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import errno
 import json
 import os
 import shutil
+import signal
 import stat
 import tempfile
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -122,8 +127,70 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
     return path
 
 
+#: The signals that stop a command (Ctrl-C, ``kill``), held back while files are moved into place together.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Run the block to its end before a Ctrl-C or SIGTERM that arrives during it takes effect (the first one is
+    handed to the handler it would have reached, once the block is done). Only the main thread receives Python's
+    signals, so elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, object]] = []
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    held = [s for s, handler in old.items() if handler is not None]  # None: set outside Python, left alone
+    for s in held:
+        signal.signal(s, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for s in held:
+            signal.signal(s, old[s])
+        for signum, frame in caught[:1]:
+            handler = old[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+
+def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]]) -> None:
+    """Move each finished temporary file onto its destination (a destination with None for its temporary file is
+    removed: a file the new set no longer has), as one step for anyone reading them: a Ctrl-C or SIGTERM waits
+    until all are in place (:func:`stop_signals_deferred`), and when a move fails, the new files already moved are
+    removed and the old ones put back.
+
+    Raises:
+        WriteError: a move failed (every destination is as it was).
+    """
+    aside: list[tuple[Path, Path]] = []  # (destination, its old file, moved aside until the end)
+    placed: list[Path] = []
+    with stop_signals_deferred():
+        try:
+            for tmp, dest in moves:
+                dest = Path(dest)
+                if dest.exists() or dest.is_symlink():
+                    kept = dest.with_name(f".{dest.name}.{os.getpid()}.old{TMP_SUFFIX}")
+                    os.replace(dest, kept)
+                    aside.append((dest, kept))
+                if tmp is not None:
+                    os.replace(tmp, dest)
+                    placed.append(dest)
+        except OSError as err:
+            for dest in placed:
+                _remove(str(dest))
+            for dest, kept in aside:
+                os.replace(kept, dest)
+            raise write_error(Path(moves[0][1]), err) from None
+        for _, kept in aside:
+            _remove(str(kept))
+
+
 def _remove(tmp: str) -> None:
-    if os.path.exists(tmp):
+    if os.path.lexists(tmp):
         os.unlink(tmp)
 
 

@@ -772,7 +772,9 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert report["meets_target"] and report["calibration_images"] == 128 and report["evaluation_images"] == 360
     assert report["calibration"] == "minmax" and report["weight_range"] == "8-bit unsigned"
     assert "note: it keeps the decisions but runs at" in text and "the fp32 file (cgavit export) is as fast" in text
-    assert f"note: {tmp_path / 'digits_int8.xml'}, another runtime's int8 file from an earlier run, is still there" in text
+    # the other runtime's earlier answer under this name went with its report (the report described the new file)
+    assert f"note: {tmp_path / 'digits_int8.xml'}, another runtime's int8 file from an earlier run under this name, " \
+           "was removed with its report" in text and not (tmp_path / "digits_int8.xml").exists()
     assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
     plot = tmp_path / "digits_int8.quantize.png"  # the plot beside the report, nowhere else
     assert plot.read_bytes()[:4] == b"\x89PNG" and str(plot) in text
@@ -1032,3 +1034,53 @@ def test_quantize_records_the_loaded_models_preprocessing_and_says_when_it_canno
     assert made.mean != (0.485, 0.456, 0.406)
     with pytest.warns(RuntimeWarning, match="no info= given"):
         assert _file_info(None, (48, 48), model).class_names == ()
+
+
+def test_an_interrupted_write_leaves_the_earlier_file_and_its_report_together(digits_int8, tmp_path, monkeypatch):
+    """Ctrl-C while the report was written left the new int8 file beside the earlier run's report (or its plot),
+    and an interrupted plot left a hidden temporary file: now the file and its report move into place together."""
+    outputs = quantize_cli.Outputs(tmp_path / "d")
+    assert quantize_cli.write_outputs(digits_int8, outputs) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["d.onnx", "d.quantize.json", "d.quantize.md", "d.quantize.png"]
+    for where in ("plot_curves", "write_text"):
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        with monkeypatch.context() as m:
+            m.setattr(quantize_cli, where, interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                quantize_cli.write_outputs(replace(digits_int8, fp32_img_s=1.0), outputs)
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing else, nothing changed
+
+
+def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, monkeypatch):
+    """replace_together: a SIGINT during the moves takes effect once every file is in place; a move that fails puts
+    the old files back and removes the new ones."""
+    from cgavit import io as cio
+
+    old = {name: tmp_path / name for name in ("m.xml", "m.bin")}
+    for name, path in old.items():
+        path.write_text(f"old {name}")
+    new = {name: tmp_path / f".new.{name}" for name in old}
+    for name, path in new.items():
+        path.write_text(f"new {name}")
+    real = os.replace
+    def signalled(src, dst):  # the signal arrives between the moves
+        real(src, dst)
+        if str(dst).endswith("m.bin"):
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(cio.os, "replace", signalled)
+    with pytest.raises(KeyboardInterrupt):
+        cio.replace_together([(new["m.bin"], old["m.bin"]), (new["m.xml"], old["m.xml"])])
+    assert [old[n].read_text() for n in ("m.xml", "m.bin")] == ["new m.xml", "new m.bin"]
+    for name, path in new.items():
+        path.write_text(f"newer {name}")
+    def failing(src, dst):
+        if str(dst).endswith("m.xml") and ".new." in str(src):
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+    monkeypatch.setattr(cio.os, "replace", failing)
+    with pytest.raises(cio.WriteError):
+        cio.replace_together([(new["m.bin"], old["m.bin"]), (new["m.xml"], old["m.xml"])])
+    assert [old[n].read_text() for n in ("m.xml", "m.bin")] == ["new m.xml", "new m.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".new.m.xml", "m.bin", "m.xml"]

@@ -26,7 +26,7 @@ from ..deploy.openvino import openvino_available
 from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import write_json, write_text
+from ..io import atomic_write, replace_together, write_error, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +198,13 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
 
 
 def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
-    """The int8 file only when it meets the target, first; then the report (json, md, png). A run that meets no
-    target leaves an earlier run's int8 file and its report as they were (its own report is then
-    ``NAME.quantize-missed.*``). Exit status 0 or 1."""
+    """The int8 file only when it meets the target, with its report (json, md, png), moved into place together
+    (:func:`written_together`). A run that meets no target leaves an earlier run's int8 file and its report as they
+    were (its own report is then ``NAME.quantize-missed.*``). Exit status 0 or 1."""
     earlier = outputs.earlier_artifacts()
-    out = result.save(outputs.stem) if result.meets_target else None
+    out, written = written_together(result, outputs, bool(earlier))
     missed = out is None and bool(earlier)
-    written = [write_json(outputs.report(".json", missed), result.record()),
-               write_text(outputs.report(".md", missed), result.markdown())]
-    plot = plot_curves(result, outputs.report(".png", missed))
-    written += [plot] if plot else []
+    replaced = [p for p in earlier if out is not None and p != out]
     for layer, why in result.reasons.items():
         print(f"kept in float: {layer}: {why}")
     if result.noise_floor is not None:
@@ -222,10 +219,9 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
     print(f"wrote {out}: {result.describe_point()}\n{result.uncertainty()}."
           f"\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
           f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
-    stale = [p for p in earlier if p != out]
-    if stale:
-        print(f"note: {', '.join(str(p) for p in stale)}, another runtime's int8 file from an earlier run, is still "
-              f"there; the report describes {out} alone")
+    if replaced:
+        print(f"note: {', '.join(str(p) for p in replaced)}, another runtime's int8 file from an earlier run under this "
+              f"name, was removed with its report: {out} is this name's answer now")
     if result.runoff_disturbed:
         print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "
               "cores of it): the runtime chosen may not be the faster here; run cgavit quantize with nothing else running")
@@ -234,6 +230,37 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
               f"({len(result.float_layers)} layers had to stay in float): on this CPU the fp32 file "
               "(cgavit export) is as fast; timings at this model size are noisy, check with cgavit bench")
     return 0
+
+
+def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool) -> tuple[Path | None, list[Path]]:
+    """Write the int8 file (when it meets the target) and the report beside the destination as temporaries, then
+    move them into place together (:func:`~cgavit.io.replace_together`), so that an interrupted or failed run never
+    leaves the file beside another run's report. An int8 file of the other runtime under this name, and a plot this
+    run could not draw, are removed in the same step. ``earlier``: an earlier int8 file is there (a run that misses
+    its target then writes ``NAME.quantize-missed.*``). Returns the int8 file (None) and the report's files."""
+    out = None
+    missed = not result.meets_target and earlier
+    try:
+        scratch = tempfile.TemporaryDirectory(dir=outputs.stem.parent, prefix=f".{outputs.stem.name}.")
+    except OSError as err:
+        raise write_error(outputs.stem, err) from None
+    with scratch as tmp:
+        temporary = Outputs(Path(tmp) / outputs.stem.name)
+        moves: list[tuple[Path | None, Path]] = []
+        if result.meets_target:
+            made = result.save(temporary.stem)
+            out = outputs.stem.parent / made.name
+            mine = temporary.artifact(result.runtime)
+            moves += [(p, outputs.stem.parent / p.name) for p in mine]
+            moves += [(None, p) for rt in QUANT_RUNTIMES if rt != result.runtime for p in outputs.artifact(rt)
+                      if p.exists() or p.is_symlink()]
+        report = [write_json(temporary.report(".json", missed), result.record()),
+                  write_text(temporary.report(".md", missed), result.markdown()),
+                  plot_curves(result, temporary.report(".png", missed))]
+        moves += [(p, outputs.report(suffix, missed)) for p, suffix in zip(report, REPORT_SUFFIXES)
+                  if p is not None or outputs.report(suffix, missed).exists()]
+        replace_together(moves)
+    return out, [outputs.report(suffix, missed) for p, suffix in zip(report, REPORT_SUFFIXES) if p is not None]
 
 
 def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
@@ -263,12 +290,10 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
     ax.set_title(f"int8 builds, labelled by layers kept in float\n{result.cpu}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

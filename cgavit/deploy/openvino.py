@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ..io import write_error
+from ..io import replace_together, write_error
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
@@ -411,23 +411,37 @@ def ir_path(path: str | os.PathLike) -> Path:
 def save_openvino(ov_model, path: Path, info: ExportInfo) -> None:
     """Write ``ov_model`` with ``info`` in its ``rt_info`` to ``path`` (``.xml``) and its ``.bin``.
 
-    Weights are kept in fp32 (OpenVINO's default would store them in fp16). The ``.bin`` is moved into
-    place first and the ``.xml`` last, so a reader never finds an ``.xml`` without its weights.
+    Weights are kept in fp32 (OpenVINO's default would store them in fp16). Both files are written beside
+    the destination and moved into place together (:func:`~cgavit.io.replace_together`), so a reader never finds
+    an ``.xml`` with another file's weights, even after a Ctrl-C.
 
     Raises:
         WriteError: the files could not be written (a full disk, permissions; the old pair is kept).
+    """
+    try:
+        scratch = tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise write_error(path, err) from None
+    with scratch as tmp:
+        xml = write_openvino(ov_model, Path(tmp) / path.name, info)
+        replace_together([(xml.with_suffix(".bin"), path.with_suffix(".bin")), (xml, path)])
+
+
+def write_openvino(ov_model, path: Path, info: ExportInfo) -> Path:
+    """Write ``ov_model`` with ``info`` in its ``rt_info`` to ``path`` (``.xml``) and its ``.bin``, in place (a
+    temporary folder's: :func:`save_openvino` moves them); returns ``path``.
+
+    Raises:
+        WriteError: the files could not be written (a full disk, permissions).
     """
     ov = _openvino()
     for key, value in info.to_props().items():
         ov_model.set_rt_info(value, key.split(".", 1))
     try:
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
-            xml = Path(tmp) / path.name
-            ov.save_model(ov_model, str(xml), compress_to_fp16=False)
-            os.replace(xml.with_suffix(".bin"), path.with_suffix(".bin"))
-            os.replace(xml, path)
+        ov.save_model(ov_model, str(path), compress_to_fp16=False)
     except (OSError, RuntimeError) as err:  # OpenVINO reports a full disk as a RuntimeError
         raise write_error(path, err) from None
+    return path
 
 
 def openvino_metadata(ov_model) -> dict[str, str]:
