@@ -76,6 +76,15 @@ def test_export_cli_int8_with_data(trained_digits, tmp_path, capsys):
     assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--precision", "int8", "--data",
                  str(trained_digits.data), "--val-split", "train", "--output", str(tmp_path / "m.onnx")]) == 2
     assert "calibration and evaluation must be different images" in capsys.readouterr().err
+    # fewer calibration images than asked: int8 calibrated on what there was, exit 0 (quantize refuses it)
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--precision", "int8", "--data",
+                 str(trained_digits.data), "--calibration-images", "5000", "--output", str(tmp_path / "m.onnx")]) == 2
+    assert "5000" in capsys.readouterr().err
+    # options that change nothing for what is asked were accepted and ignored
+    for extra in (["--batch", "8"], ["--calibration-images", "64"], ["--eval-images", "10"]):
+        assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--output", str(tmp_path / "m.onnx"),
+                     *extra]) == 2
+        assert f"{extra[0]} would change nothing here" in capsys.readouterr().err
     assert not (tmp_path / "m.onnx").exists()
 
 
@@ -463,3 +472,12 @@ def test_export_info_records_the_models_own_preprocessing():
     assert export_info(made, (96, 96)).img_size == (96, 96) and export_info(made, (96, 96)).mean == made.mean
     with pytest.raises(ValueError, match="2 mean and 2 std values for a 3-channel network"):
         export_info(ExportInfo(mean=(0.5, 0.5), std=(0.2, 0.2)), (48, 48))
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_an_upper_case_suffix_names_the_file_its_format_writes(suffix, tmp_path, capsys):
+    """--output m.XML was taken for OpenVINO, then OpenVINO's serializer refused the name, and the message said to
+    check the disk."""
+    given = tmp_path / f"m{suffix.upper()}"
+    assert main(["export", "--model", "m0", "--img-size", "64", "--output", str(given)]) == 0, capsys.readouterr().err
+    assert (tmp_path / f"m{suffix}").is_file() and f"wrote {tmp_path / f'm{suffix}'}" in capsys.readouterr().out

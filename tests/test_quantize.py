@@ -862,7 +862,10 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
              (["--output", str(tmp_path / "in" / "q")], "is a folder, and this run may write"),
              (["--float-part", "fp32"], "--float-part is how OpenVINO runs"),
              (["--warmup", "-1"], "--warmup"), (["--qat", "--qat-batch", "0"], "--qat-batch"),
-             (["--qat", "--qat-lr", "nan"], "finite --qat-lr"), (["--qat", "--qat-images", "-5"], "--qat-images")]
+             (["--qat", "--qat-lr", "nan"], "finite --qat-lr"), (["--qat", "--qat-images", "-5"], "--qat-images"),
+             # accepted and ignored before
+             (["--bias-correction", "none"], "--bias-correction is OpenVINO's"),
+             (["--epochs", "5", "--qat-lr", "1e-4"], "--epochs, --qat-lr are read by --qat alone")]
     (tmp_path / "in" / "q.quantize.md").mkdir(parents=True)  # a folder where the report would go
     for extra, message in cases:
         assert main(base + extra) == 2, extra
@@ -1084,3 +1087,17 @@ def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, mo
         cio.replace_together([(new["m.bin"], old["m.bin"]), (new["m.xml"], old["m.xml"])])
     assert [old[n].read_text() for n in ("m.xml", "m.bin")] == ["new m.xml", "new m.bin"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".new.m.xml", "m.bin", "m.xml"]
+
+
+@pytest.mark.skipif(not qat_available(), reason="needs torchao (cgavit[qat])")
+def test_a_qat_file_records_the_weights_and_ranges_it_holds(trained_digits):
+    """--qat --weights uint8 recorded "8-bit unsigned" (and the post-training calibration) in a file whose weights
+    are signed: the saturation warning such weights need on CPUs without VNNI never came."""
+    from cgavit.deploy import quantize_aware
+
+    calib = torch.cat(trained_digits.calibration(64))
+    r = quantize_aware(trained_digits.model, calib, calib, trained_digits.images, labels=trained_digits.labels,
+                       config=QatConfig(epochs=0), options=Int8Options(weights="uint8", calibration="percentile"),
+                       **QUICK_ASSESS)
+    assert (r.options.weights, r.options.calibration) == ("int8", "minmax")
+    assert "unsigned" not in r.info.int8["weight_range"] and r.info.int8["calibration"] == "minmax"

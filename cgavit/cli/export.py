@@ -38,13 +38,23 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
     """With ``--data``: training images to calibrate int8 on and validation images to check against."""
     if args.calibration_images < 1 or args.eval_images < 0 or args.batch < 1:
         raise ValueError("--calibration-images and --batch must be at least 1, --eval-images at least 0")
+    ignored = [flag for flag, given in (
+        ("--batch", args.batch != 1 and not FORMATS[args.format].fixed_batch),
+        ("--calibration-images", args.calibration_images != CALIBRATION_IMAGES and args.precision != "int8"),
+        ("--eval-images", args.eval_images and not args.data), ("--train-split", args.train_split != "train" and not args.data),
+        ("--val-split", args.val_split != "val" and not args.data)) if given]
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)} would change nothing here (--batch is fixed in executorch and tflite files "
+                         "only; --calibration-images is read for --precision int8, the splits and --eval-images with "
+                         "--data): leave them out")
     if not args.data:
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
         return None, None
     num_classes = len(info.class_names) if info.names_recorded else None  # a file without names: any labelled folder
     return calibration_and_evaluation(args.data, args.train_split, args.val_split, info, num_classes,
-                                      args.calibration_images, args.eval_images)
+                                      args.calibration_images, args.eval_images,
+                                      all_calibration_images=args.precision == "int8")  # never fewer than asked
 
 
 def output_format(args: argparse.Namespace) -> str:

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 #: Below this speed-up over fp32 ONNX Runtime the command says that int8 gains nothing here.
 NO_GAIN = 1.1
 
+#: The options read by ``--qat`` alone, and their defaults (given without ``--qat``, they are refused).
+QAT_DEFAULTS = dict(epochs=2, qat_images=0, qat_lr=1e-5, qat_batch=64, qat_float_layers=1)
+
 #: The runtime each output suffix implies.
 SUFFIX_RUNTIMES = {".onnx": "onnxruntime", ".xml": "openvino"}
 
@@ -144,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--float-part is how OpenVINO runs what int8 leaves float; drop it, or use --runtime openvino")
     if runtime == "openvino" and args.weights != "int8":
         raise ValueError("--weights is ONNX Runtime's weight type; drop it, or use --runtime onnxruntime")
+    if runtime == "onnxruntime" and args.bias_correction != "full":
+        raise ValueError("--bias-correction is OpenVINO's (NNCF's); drop it, or use --runtime openvino")
+    qat_only = [f"--{key.replace('_', '-')}" for key, default in QAT_DEFAULTS.items() if getattr(args, key) != default]
+    if qat_only and not args.qat:
+        raise ValueError(f"{', '.join(qat_only)} {'is' if len(qat_only) == 1 else 'are'} read by --qat alone; add it, "
+                         "or leave them out")
     model, info = load_model(args.checkpoint, trust=args.trust_checkpoint)
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
@@ -348,11 +357,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-sensitivity", action="store_true",
                    help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
     p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (torch PT2E QAT, needs cgavit[qat]), distilled from fp32")
-    p.add_argument("--epochs", type=int, default=2, help="--qat: epochs of fine-tuning (default 2)")
-    p.add_argument("--qat-images", type=int, default=0, help="--qat: training images (default 0: all of DIR/train)")
-    p.add_argument("--qat-lr", type=float, default=1e-5, help="--qat: learning rate (default 1e-5)")
-    p.add_argument("--qat-batch", type=int, default=64, help="--qat: batch size (default 64)")
-    p.add_argument("--qat-float-layers", type=int, default=1, metavar="K",
+    p.add_argument("--epochs", type=int, default=QAT_DEFAULTS["epochs"], help="--qat: epochs of fine-tuning (default 2)")
+    p.add_argument("--qat-images", type=int, default=QAT_DEFAULTS["qat_images"],
+                   help="--qat: training images (default 0: all of DIR/train)")
+    p.add_argument("--qat-lr", type=float, default=QAT_DEFAULTS["qat_lr"], help="--qat: learning rate (default 1e-5)")
+    p.add_argument("--qat-batch", type=int, default=QAT_DEFAULTS["qat_batch"], help="--qat: batch size (default 64)")
+    p.add_argument("--qat-float-layers", type=int, default=QAT_DEFAULTS["qat_float_layers"], metavar="K",
                    help="--qat: keep the K most sensitive layers of the post-training search in float (default 1; "
                         "0: every layer int8); the layers int8 makes no faster stay float as well")
     p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")

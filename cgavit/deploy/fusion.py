@@ -109,6 +109,8 @@ def named_output(path: str | os.PathLike, suffix: str, what: str) -> Path:
         if path.suffix.lower() in WRITTEN_SUFFIXES:
             raise ValueError(f"{what} is written as NAME{suffix}: give NAME or NAME{suffix}, not {path.name}")
         path = path.with_name(path.name + suffix)
+    elif path.suffix != suffix:  # NAME.XML: OpenVINO writes only .xml (and reads its .bin by that name)
+        path = path.with_suffix(suffix)
     if path.is_dir():
         raise ValueError(f"cannot write {path}: it is a folder (nothing was written); give the path of a file")
     return path

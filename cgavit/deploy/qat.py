@@ -34,7 +34,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -277,7 +277,9 @@ def quantize_aware(
     if not isinstance(train_images, torch.Tensor) or train_images.ndim != 4 or not len(train_images):
         raise ValueError("QAT needs training images (N, C, H, W)")
     features = features or cpu_features()
-    opts = options.for_cpu(features).with_float(float_layers)
+    # what the file holds, whatever the post-training recipe asked: signed weights (7-bit where the CPU needs it)
+    # and ranges that start from moving-average min/max observers (conv_quantizer); the file records these
+    opts = replace(options.for_cpu(features), weights="int8", calibration="minmax").with_float(float_layers)
     cal = calibration if isinstance(calibration, torch.Tensor) else torch.cat([b.float() for b in calibration])
     tuned = qat_finetune(model, train_images.float(), bool(opts.reduce_range), config, calibration=cal,
                          float_layers=opts.float_layers)
