@@ -218,6 +218,18 @@ def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained
     assert fast.choice.precision == "fp32"
 
 
+def test_auto_says_which_path_came_before_the_artifact(digits_int8, trained_digits, monkeypatch):
+    """A path earlier in the row met the target first, and the warning said the row did not run the artifact."""
+    from cgavit.deploy.auto import PathChoice
+
+    row = [PathChoice("fp32", "torch", "avx2", "first in this row"), PathChoice("int8", "onnxruntime", "avx2", "")]
+    monkeypatch.setattr(fastpath, "auto_candidates", lambda *args, **kwargs: row)
+    with pytest.warns(RuntimeWarning, match=r"not used \(fp32 torch comes before it in this CPU's rule-table row and "
+                                            r"met the target\)"):
+        optimize(trained_digits.model, trained_digits.images[:8], "auto", quantized=digits_int8, compile=False,
+                 features=features(EPYC_AVX2))
+
+
 def test_search_finds_the_fewest_float_layers_in_few_builds():
     """A judge whose agreement reaches the target from 11 of 40 layers kept in float."""
     order = [f"layer{i}" for i in range(40)]

@@ -23,7 +23,7 @@ from ..deploy.fusion import WRITTEN_SUFFIXES, output_path
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.openvino import openvino_available
-from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons
+from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import atomic_write, replace_together, write_error, write_json, write_text
@@ -105,6 +105,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
     runtime = args.runtime or implied
     if runtime == "openvino" and not openvino_available():
         raise ValueError("--runtime openvino is not installed: pip install 'cgavit[openvino]'")
+    quant_runtimes(runtime)  # ONNX Runtime missing: said before any image is read
     outputs = Outputs(out.with_suffix("") if implied else out)
     folders = [p for p in outputs.all() if p.is_dir()]
     if folders:

@@ -55,8 +55,9 @@ class QuantizedArtifact:
         v = self.verdict
         agreement = v.get("agreement")
         shown = f"{100 * agreement:.1f}%" if isinstance(agreement, (int, float)) else "not recorded"
+        which = "images held out of its search" if v.get("held_out_of_search") else "images its search was judged on"
         return (f"the int8 artifact {self.source} (cgavit quantize: top-1 agreement {shown} on "
-                f"{v.get('evaluation_images', '?')} held-out images, {len(v.get('float_layers', []))} layer(s) in "
+                f"{v.get('evaluation_images', '?')} {which}, {len(v.get('float_layers', []))} layer(s) in "
                 f"float, measured on {v.get('measured_on', 'an unrecorded CPU')})")
 
 

@@ -140,7 +140,8 @@ def optimize(
         precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
-        check: compare with the plain model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises).
+        check: compare with the plain model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises;
+            with ``"auto"`` it is recorded only, since each reduced path is judged by its agreement instead).
         calibration: int8: image batches for the activation ranges (real training images).
         features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
         quantized: ``precision="auto"`` only: this model's int8 artifact from :func:`~cgavit.deploy.quantize`
@@ -190,20 +191,25 @@ def _checked_inputs(
         raise ValueError(f"calibration must be image batches shaped like example_input, (B, {', '.join(map(str, shape))}), "
                          "preprocessed the same way")
     batches = None if batches is None else [b.float() for b in batches]
-    return example_input.float(), batches, _checked_evaluation(evaluation, precision)
+    return example_input.float(), batches, _checked_evaluation(evaluation, precision, shape)
 
 
-def _checked_evaluation(evaluation: Iterable[torch.Tensor] | None, precision: str) -> list[torch.Tensor] | None:
-    """``evaluation``'s batches as float32, checked: for ``precision="auto"`` only, not empty."""
+def _checked_evaluation(evaluation: Iterable[torch.Tensor] | None, precision: str,
+                        shape: tuple[int, ...]) -> list[torch.Tensor] | None:
+    """``evaluation``'s batches as float32, checked: for ``precision="auto"`` only, not empty, each batch shaped like
+    the example input (``shape``: ``(C, H, W)``)."""
     if evaluation is None:
         return None
     if precision != "auto":
         raise ValueError("evaluation= is for precision='auto' (the images its reduced paths are judged on); to "
                          "judge a fixed precision, compare its logits with fp32 (cgavit.deploy.compare_logits)")
-    batches = [b.float() for b in evaluation]
+    batches = list(evaluation)
     if not batches:
         raise ValueError("evaluation is empty: give image batches the model was not trained on, or None")
-    return batches
+    if not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[1:]) == shape for b in batches):
+        raise ValueError(f"evaluation must be image batches shaped like example_input, (B, {', '.join(map(str, shape))}), "
+                         "preprocessed the same way (a list of batches, or [images] for one)")
+    return [b.float() for b in batches]
 
 
 def _warn_if_slow(precision: str, features: CpuFeatures, calibration: list[torch.Tensor] | None) -> None:
@@ -322,7 +328,8 @@ def _optimize_auto(
     where = "the evaluation images" if evaluation else "the calibration images" if calibration else "the example input"
     images = torch.cat(judged_on)
     reference = batched_logits(fuse(model), images)
-    unused = "this CPU's rule-table row does not run it" if artifact is not None else None
+    in_row = artifact is not None and ("int8", artifact.runtime) in [(c.precision, c.backend) for c in candidates]
+    unused = "this CPU's rule-table row does not run it" if artifact is not None and not in_row else None
     for cand in candidates:
         given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
         if given and not artifact.trusted:
@@ -344,6 +351,9 @@ def _optimize_auto(
         if given:
             unused = f"on {where} {agreement.describe()}"
     log.info("optimize auto: chose %s", result.choice.describe())
+    if artifact is not None and result is not artifact.module and unused is None:  # a path before it was taken
+        unused = (f"{result.choice.precision} {result.choice.backend} comes before it in this CPU's rule-table row "
+                  "and met the target")
     if artifact is not None and result is not artifact.module:  # asked for by name: say why it was not taken
         warnings.warn(f"optimize: the quantized artifact was not used ({unused}); chose {result.choice.precision} "
                       f"{result.choice.backend}", RuntimeWarning, stacklevel=3)

@@ -75,9 +75,9 @@ def require_format(name: str, precision: str = "fp32") -> ExportFormat:
         raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
     fmt = FORMATS[name]
     if precision not in fmt.precisions:
-        raise ValueError(f"--format {name} offers {', '.join(fmt.precisions)}, not {precision}")
-    if not fmt.available():
-        raise ValueError(f"--format {name} needs {fmt.runtime}: pip install 'cgavit[{fmt.extra}]'")
+        raise ValueError(f"the {name} format offers {', '.join(fmt.precisions)}, not {precision}")
+    if not fmt.available():  # named as a format, not a flag: eval and predict reach here from a file's suffix
+        raise ValueError(f"{name} files need {fmt.runtime}: pip install 'cgavit[{fmt.extra}]'")
     return fmt
 
 

@@ -239,9 +239,11 @@ class QuantizeResult:
         verdict = "meets the target" if self.meets_target else "**no int8 build met the target**; the best found"
         held = (f" The search judged its builds on {self.evaluation_images - self.held_out_images} of them; the "
                 f"answer was judged on the other {self.held_out_images}, which no search step judged on (the figure reported)."
-                if self.held_out_images else "")
+                if self.held_out_images else " None was held out of the search (holdout 0): the answer was judged on the "
+                "images the search chose it by, a flattering figure.")
         lines = [f"# cgavit quantize: {verdict}", "", f"Target: {self.target.describe()}, on "
-                 f"{self.evaluation_images} held-out images (int8 calibrated on {self.calibration_images} others).{held}",
+                 f"{self.evaluation_images} evaluation images, none of them calibration images (int8 calibrated on "
+                 f"{self.calibration_images} others).{held}",
                  f"CPU: {self.cpu}; weights {weight_range_label(bool(self.options.reduce_range), self.options.weights)}, "
                  f"calibration {self.options.calibration}; {self.method}.", "", f"Chosen: {self.describe_point()}.", "",
                  f"{self.uncertainty()}.", "",
@@ -371,7 +373,7 @@ def quantize(
     Raises:
         ValueError: bad images, labels, runtime, target, holdout, or a bf16 float part without native bf16.
     """
-    runtimes, (cal, ev) = _runtimes(runtime), _checked_images(calibration, evaluation, labels, _classes(model))
+    runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, _classes(model))
     _check_settings(target, options, (batch, threads, warmup, repeats))
     if max_float_layers is not None and (isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int)
                                          or max_float_layers < 0):
@@ -422,7 +424,7 @@ def assess(
     Raises:
         ValueError: as :func:`quantize`.
     """
-    runtimes = _runtimes(runtime)
+    runtimes = quant_runtimes(runtime)
     cal, ev = _checked_images(calibration, evaluation, labels, _classes(reference))
     _check_settings(target, options, (batch, threads, warmup, repeats))
     features = features or cpu_features()
@@ -452,7 +454,13 @@ def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> 
     return export_info(info, size, getattr(model, "in_chans", 3))
 
 
-def _runtimes(runtime: str | None) -> list[str]:
+def quant_runtimes(runtime: str | None) -> list[str]:
+    """The runtimes a search builds int8 for: ``runtime``, or (None) every one installed.
+
+    Raises:
+        ValueError: an unknown runtime, ONNX Runtime missing (every build is timed beside it), or the runtime asked
+            for not installed (each message says what to install).
+    """
     if runtime is not None and runtime not in QUANT_RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(QUANT_RUNTIMES)} (or None: every one installed), got {runtime!r}")
     if not onnxruntime_available():
