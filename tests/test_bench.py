@@ -143,6 +143,13 @@ def test_options_the_run_would_ignore_are_refused():
         resolve_protocol(BenchConfig(onnx=False, runtimes=("onnxruntime",)))
 
 
+def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):
+    """--train --device cuda built its models and batch on the CPU, so its line was a CPU figure labelled GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--train times training steps on the CPU only"):
+        resolve_protocol(BenchConfig(device="cuda", train=True))
+
+
 def test_a_reader_that_leaves_early_loses_nothing(tmp_path, monkeypatch):
     """`cgavit bench ... | head`: the table's print raised BrokenPipeError, so the command died with a traceback
     (exit 1) and its measurements were never written."""

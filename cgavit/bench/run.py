@@ -178,6 +178,8 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {precision!r}")
     if precision == "amp" and not gpu:
         raise ValueError("--precision amp is the GPU protocol; on CPU use fp32 or bf16")
+    if cfg.train and gpu:  # its models and batch are built on the CPU: the line would be a CPU figure
+        raise ValueError("--train times training steps on the CPU only; run it with --device cpu")
     models = tuple(dict.fromkeys(resolve_name(m) for m in cfg.models))  # "unknown model ..." for a bad name
     unknown = [p for p in cfg.peers if p not in PEERS_TOP1]
     if unknown:

@@ -107,7 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compile", action="store_true", help="optimize() without torch.compile (quick runs)")
     p.add_argument("--no-onnx", dest="onnx", action="store_false",
                    help="skip optimize()'s ONNX Runtime backend (its default on CPU for fp32)")
-    p.add_argument("--train", action="store_true", help="also time training steps (forward+backward) vs timm's port")
+    p.add_argument("--train", action="store_true", help="also time training steps (forward+backward) vs timm's port, on the CPU")
     p.add_argument("--runtimes", nargs="+", default=[], choices=RUNTIMES, metavar="NAME",
                    help=f"more runtimes to time beside torch: {', '.join(RUNTIMES)} (main table: fp32 rows; "
                    "--precision-check: fp32, int8 and OpenVINO bf16); onnxruntime is on unless --no-onnx; "
