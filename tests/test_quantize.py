@@ -1113,3 +1113,16 @@ def test_a_qat_file_records_the_weights_and_ranges_it_holds(trained_digits):
                        **QUICK_ASSESS)
     assert (r.options.weights, r.options.calibration) == ("int8", "minmax")
     assert "unsigned" not in r.info.int8["weight_range"] and r.info.int8["calibration"] == "minmax"
+
+
+def test_a_fraction_given_for_the_agreement_percentage_is_pointed_out(caplog):
+    """--agreement 0.995 (a fraction where a percentage goes) was taken silently as a 0.995 % target."""
+    import argparse
+
+    with caplog.at_level("WARNING"):
+        target = quantize_cli.checked_target(argparse.Namespace(agreement=0.995, accuracy_tolerance=0.3))
+    assert target.agreement == pytest.approx(0.00995) and "for 99.5 % give 99.5" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        quantize_cli.checked_target(argparse.Namespace(agreement=99.5, accuracy_tolerance=0.3))
+    assert not caplog.text

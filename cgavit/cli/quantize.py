@@ -48,6 +48,9 @@ def checked_target(args: argparse.Namespace) -> QuantizeTarget:
     """
     if not 0 < args.agreement <= 100:
         raise ValueError(f"--agreement is a percentage in (0, 100], e.g. 99.5; got {args.agreement:g}")
+    if args.agreement <= 1:  # a fraction typed for a percentage: a target that anything meets
+        log.warning("--agreement is a percentage: %g keeps %g %% of fp32's decisions; for 99.5 %% give 99.5",
+                    args.agreement, args.agreement)
     if not 0 <= args.accuracy_tolerance <= 100:
         raise ValueError(f"--accuracy-tolerance is in points, in [0, 100], e.g. 0.3; got {args.accuracy_tolerance:g}")
     return QuantizeTarget(args.agreement / 100.0, args.accuracy_tolerance)
