@@ -1,17 +1,22 @@
 """Head similarity and Taylor importance: exact cases, every dial combination, and the commands."""
 
+import copy
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from cgavit import create_model
+from cgavit import create_model, fuse
 from cgavit.analysis import cosine_similarity_matrix, head_similarity, map_similarity, mean_off_diagonal, taylor_importance
+from cgavit.analysis import heads as heads_module
+from cgavit.analysis import reports
 from cgavit.analysis.heads import BlockSimilarity, mean_similarity
-from cgavit.analysis.reports import AnalysisConfig, run_heads, run_taylor
-from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fraction, pruning_order
+from cgavit.analysis.reports import AnalysisConfig, load_sample, run_heads, run_taylor
+from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fraction, plot_importance, pruning_order
 from cgavit.attention import CascadedGroupAttention, LocalWindowAttention
 from cgavit.cli import main
 from cgavit.testing import randomize_
@@ -205,26 +210,28 @@ def _image_folder(root, classes=2, per_class=3, size=40):
     return root
 
 
-def test_analyze_commands(tmp_path, capsys):
+def test_analyze_commands(tmp_path, capsys, trained_digits):
     data = _image_folder(tmp_path / "data")
     dials = ["--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2", "--img-size", "64"]
     assert main(["analyze", "heads", "--data", str(data), "--output", str(tmp_path / "h"), "--num-images", "4", *dials]) == 0
     rep = json.loads((tmp_path / "h" / "heads.json").read_text())
     assert rep["num_images"] == 4 and len(rep["blocks"]) == 3
     assert (tmp_path / "h" / "heads_matrices.png").stat().st_size > 0 and (tmp_path / "h" / "heads_mean.png").exists()
-    files = [str(p) for p in sorted((data / "class0").iterdir())]
-    assert main(["analyze", "taylor", *files, "--output", str(tmp_path / "t"), "--prune-ratio", "0.5", *dials]) == 0
+    ckpt = ["--checkpoint", str(trained_digits.checkpoint)]
+    files = [str(p) for p in sorted((trained_digits.data / "val" / "3").iterdir())[:3]]
+    assert main(["analyze", "taylor", *files, "--output", str(tmp_path / "t"), "--prune-ratio", "0.5", *ckpt]) == 0
     rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
     assert rep["loss_targets"] == "predictions" and rep["num_images"] == 3
     assert rep["pruned_count"] > 0 and set(rep["kept_fraction"]) == {"1", "2", "3"}
     assert (tmp_path / "t" / "taylor_spread.png").exists() and (tmp_path / "t" / "taylor_pruning.png").exists()
-    # a labelled folder with as many classes as the model: labels are used
-    assert main(["analyze", "taylor", "--data", str(data), "--num-classes", "2", "--output", str(tmp_path / "t2"), *dials]) == 0
+    # a labelled folder of the checkpoint's classes: labels are used
+    val = str(trained_digits.data / "val")
+    assert main(["analyze", "taylor", "--data", val, "--num-images", "20", "--output", str(tmp_path / "t2"), *ckpt]) == 0
     assert json.loads((tmp_path / "t2" / "taylor.json").read_text())["loss_targets"] == "labels"
     assert "folder labels" in capsys.readouterr().out
 
 
-def test_analysis_runs_typed(tmp_path):
+def test_analysis_runs_typed(tmp_path, trained_digits):
     data = _image_folder(tmp_path / "data")
     dials = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
     cfg = AnalysisConfig(output=str(tmp_path / "h"), data=str(data), img_size=64, num_images=4, batch_size=3, dials=dials)
@@ -233,7 +240,8 @@ def test_analysis_runs_typed(tmp_path):
     assert json.loads(heads.json_path.read_text()) == json.loads(json.dumps(heads.report))
     assert heads.report["num_images"] == 4 and heads.report["dials"]["embed_dim"] == [16, 24, 32]
     assert [b.windows for b in heads.blocks] == [4, 4, 4]  # two batches of two, one window each at 64 px
-    cfg = AnalysisConfig(output=str(tmp_path / "t"), data=str(data), img_size=64, num_images=4, num_classes=2, dials=dials)
+    cfg = AnalysisConfig(output=str(tmp_path / "t"), checkpoint=str(trained_digits.checkpoint),
+                         data=str(trained_digits.data / "val"), num_images=10, batch_size=4)
     taylor = run_taylor(cfg, prune_ratio=0.5, list_pruned=3)
     assert taylor.targets == "labels" and len(taylor.report["pruned_first"]) == 3
     assert run_taylor(cfg, targets="predictions").targets == "predictions"
@@ -249,3 +257,181 @@ def test_analyze_bad_input(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["analyze", "heads", "--data", str(tmp_path / "empty"), "--output", str(tmp_path)]) == 2
     assert "no images" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- review fixes
+def _digits_folder(root, trained_digits, names: dict[str, str], per_class=3):
+    """A class folder per entry of ``names`` (folder name -> digit), holding that digit's held-out images."""
+    for name, digit in names.items():
+        (root / name).mkdir(parents=True)
+        for src in sorted((trained_digits.data / "val" / digit).iterdir())[:per_class]:
+            shutil.copy(src, root / name / src.name)
+    return root
+
+
+def test_taylor_labels_are_matched_to_the_checkpoint_by_name(tmp_path, trained_digits):
+    # the folder's classes 3 and 7 are its labels 0 and 1: the loss must see the model's classes 3 and 7
+    data = _digits_folder(tmp_path / "data", trained_digits, {"3": "3", "7": "7"})
+    cfg = AnalysisConfig(output=str(tmp_path / "t"), checkpoint=str(trained_digits.checkpoint), data=str(data), num_images=0)
+    sample = load_sample(cfg)
+    want = taylor_importance(sample.model, [(x, torch.tensor([3, 7])[y]) for x, y in sample.batches])
+    for targets in ("labels", "auto"):
+        run = run_taylor(cfg, targets=targets)
+        assert run.targets == "labels"
+        for got, ref in zip(run.blocks, want):
+            assert torch.allclose(got.channels()["ffn"], ref.channels()["ffn"], rtol=1e-4, atol=1e-12)
+        assert "matched" in run.report["loss_targets_reason"]
+
+
+def test_taylor_refuses_or_skips_classes_the_checkpoint_lacks(tmp_path, trained_digits):
+    # ten class folders, as many as the model has, but none of its names
+    data = _digits_folder(tmp_path / "data", trained_digits, {f"d{i}": str(i) for i in range(10)}, per_class=1)
+    cfg = AnalysisConfig(output=str(tmp_path / "t"), checkpoint=str(trained_digits.checkpoint), data=str(data), num_images=0)
+    run = run_taylor(cfg)  # auto: the names do not match, so the model's own predictions
+    assert run.targets == "predictions" and "not the checkpoint's" in run.report["loss_targets_reason"]
+    with pytest.raises(ValueError, match="'d0', 'd1'.* not among them"):
+        run_taylor(cfg, targets="labels")
+
+
+def test_taylor_refuses_all_zero_importance(tmp_path):
+    # fresh weights: every residual branch ends in a zero-initialised BatchNorm, so no gradient reaches any channel
+    model = create_model("m0", num_classes=3, img_size=64, **TINY)
+    with pytest.raises(ValueError, match="gradients are all zero.*trained --checkpoint"):
+        taylor_importance(model, [(torch.randn(2, 3, 64, 64), None)])
+    data = _image_folder(tmp_path / "data")
+    cfg = AnalysisConfig(output=str(tmp_path / "t"), data=str(data), img_size=64, num_images=4, dials=TINY)
+    with pytest.raises(ValueError, match="gradients are all zero"):
+        run_taylor(cfg)
+    assert not (tmp_path / "t").exists()
+
+
+def test_taylor_no_gradient_kinds_are_marked_and_not_pruned(tmp_path, capsys, trained_digits):
+    # at 48 px stage 3 attends over one token: its softmax is 1, so Q and K get no gradient at all
+    blocks = taylor_importance(trained_digits.model, [(trained_digits.images[:16], trained_digits.labels[:16])])
+    assert [b.no_gradient for b in blocks] == [(), (), ("q", "k")]
+    assert not [r for r in pruning_order(blocks) if r["stage"] == 2 and r["kind"] in ("q", "k")]
+    kept = kept_fraction(blocks, 0.3)["kept"]
+    assert kept[2]["q"] is None and kept[2]["k"] is None and kept[2]["v"] is not None
+    val = str(trained_digits.data / "val")
+    assert main(["analyze", "taylor", "--checkpoint", str(trained_digits.checkpoint), "--data", val, "--num-images", "20",
+                 "--output", str(tmp_path / "t")]) == 0
+    rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
+    assert rep["kept_fraction"]["3"]["q"] is None and rep["no_gradient"] == {"stages.2.blocks.0": ["q", "k"]}
+    assert rep["blocks"][2]["no_gradient"] == ["q", "k"]
+    assert "stage 3: Q no gradient  K no gradient  V " in capsys.readouterr().out
+
+
+def test_kept_fraction_lists_kinds_in_a_fixed_order():
+    blk = BlockImportance("stages.0.blocks.0", 0, 0)
+    blk.q = [torch.tensor([9.0, 8.0], dtype=torch.float64)]
+    blk.k = [torch.tensor([7.0, 6.0], dtype=torch.float64)]
+    blk.v = [torch.tensor([5.0, 4.0], dtype=torch.float64)]
+    blk.ffn = [torch.tensor([1.0, 2.0], dtype=torch.float64)]  # least important: ranked first
+    assert list(kept_fraction([blk], 0.25)["kept"][0]) == ["q", "k", "v", "ffn"]
+
+
+def test_head_similarity_accepts_a_fused_model(trained_digits):
+    x = trained_digits.images[:8]
+    plain = head_similarity(trained_digits.model, x)
+    fused = head_similarity(fuse(trained_digits.model), x)
+    assert [b.name for b in fused] == [b.name for b in plain]
+    for a, b in zip(fused, plain):
+        assert torch.allclose(a.matrix, b.matrix, atol=1e-4)
+
+
+def test_taylor_refuses_fused_or_frozen_models(trained_digits):
+    batch = [(trained_digits.images[:4], None)]
+    with pytest.raises(ValueError, match="unfused, trainable model.*FusedCascadedGroupAttention"):
+        taylor_importance(fuse(trained_digits.model), batch)
+    frozen = copy.deepcopy(trained_digits.model).requires_grad_(False)
+    with pytest.raises(ValueError, match="do not require"):
+        taylor_importance(frozen, batch)
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_heads_report_is_strict_json_without_a_mean(tmp_path, capsys):
+    data = _image_folder(tmp_path / "data")
+    dials = ["--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "1,1,1", "--img-size", "64"]
+    assert main(["analyze", "heads", "--data", str(data), "--output", str(tmp_path / "h"), "--num-images", "4", *dials]) == 0
+    assert _strict((tmp_path / "h" / "heads.json").read_text())["mean_similarity"] is None
+    assert "mean over blocks (more than one token): n/a" in capsys.readouterr().out
+
+
+def test_report_names_the_analysed_model(tmp_path, trained_digits):
+    val = str(trained_digits.data / "val")
+    for typed in ("efficientvit_m4", None):  # the checkpoint's recorded variant wins over --model
+        cfg = AnalysisConfig(output=str(tmp_path / "h"), checkpoint=str(trained_digits.checkpoint), model=typed, data=val,
+                             num_images=4)
+        assert run_heads(cfg).report["model"] == "efficientvit_m0"
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the analyses draw, by file name (matplotlib figures, kept after they are saved)."""
+    from cgavit.analysis import plots
+
+    figures, save = {}, plots._save
+
+    def keep(fig, path):
+        figures[Path(path).name] = fig
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def _texts(fig) -> list[str]:
+    return [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
+def test_heads_plot_marks_one_token_blocks(tmp_path, trained_digits, drawn):
+    cfg = AnalysisConfig(output=str(tmp_path / "h"), checkpoint=str(trained_digits.checkpoint),
+                         data=str(trained_digits.data / "val"), num_images=4)
+    assert [b.tokens for b in run_heads(cfg).blocks] == [9, 4, 1]
+    ax = drawn["heads_mean.png"].axes[0]
+    assert [bar.get_hatch() for bar in ax.patches] == [None, None, "//"]
+    assert any("1-token" in t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_taylor_plots_mark_zero_importance_all_pruned_and_missing(tmp_path, trained_digits, drawn):
+    blocks = taylor_importance(trained_digits.model, [(trained_digits.images[:16], None)])
+    plot_importance(blocks, 0.3, tmp_path)
+    spread = drawn["taylor_spread.png"]
+    # stage 3's Q and K (boxes 1 and 2) are all 0, which the log axis cannot draw
+    notes = [(t.get_position()[0], t.get_text()) for t in spread.axes[2].texts]
+    assert notes[:2] == [(1, "all 0"), (2, "all 0")] and _texts(spread).count("all 0") == 2
+    blk = BlockImportance("stages.0.blocks.0", 0, 0)  # no FFN; the two Q channels are pruned first
+    blk.q = [torch.tensor([0.1, 0.2], dtype=torch.float64)]
+    blk.k = [torch.tensor([5.0, 6.0], dtype=torch.float64)]
+    blk.v = [torch.tensor([5.0, 6.0], dtype=torch.float64)]
+    plot_importance([blk], 0.3, tmp_path)
+    assert sorted(_texts(drawn["taylor_pruning.png"])) == ["0: all pruned", "n/a"]
+
+
+def test_interrupted_analysis_keeps_the_previous_set(tmp_path, monkeypatch):
+    data = _image_folder(tmp_path / "data")
+    out = tmp_path / "h"
+    cfg = AnalysisConfig(output=str(out), data=str(data), img_size=64, num_images=4, dials=TINY)
+    run_heads(cfg)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["heads.json", "heads_matrices.png", "heads_mean.png"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heads_module, "bar_chart", interrupted)  # stopped while drawing the second figure
+    with pytest.raises(KeyboardInterrupt):
+        run_heads(AnalysisConfig(output=str(out), data=str(data), img_size=64, num_images=4, dials={**TINY, "num_heads": (4, 4, 4)}))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous set, whole; no temporaries
+    monkeypatch.undo()
+    # a run that draws fewer figures removes the previous run's others
+    draw = reports.plot_similarity
+    monkeypatch.setattr(reports, "plot_similarity", lambda *a, **k: draw(*a, **k)[:1])
+    run = run_heads(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["heads.json", "heads_matrices.png"] and run.plots == [out / "heads_matrices.png"]

@@ -3,9 +3,9 @@
 For every attention block, each head's softmax map ``(N, N)`` of a window is flattened and compared
 with every other head's by cosine similarity; the ``h x h`` matrices are averaged over all images and
 windows. Values near 1 mean heads that attend alike (redundant), lower values diverse heads. The maps
-come from :meth:`~cgavit.attention.CascadedGroupAttention.head_attention_maps`, the same arithmetic as
-the forward pass, captured by a forward hook on each attention module, so windows, padding and every
-dial combination are exactly what the model computes.
+come from :meth:`~cgavit.attention.CascadedHeads.head_attention_maps`, the same arithmetic as the
+forward pass, captured by a forward hook on each attention module (trainable or fused), so windows,
+padding and every dial combination are exactly what the model computes.
 
 This module holds the package's one head-similarity definition (the explorer uses it too):
 
@@ -14,6 +14,8 @@ This module holds the package's one head-similarity definition (the explorer use
   same quantity over every window of every image it runs.
 * :func:`mean_off_diagonal` -- the mean over head pairs. A single head has no pairs: the value is
   None (never NaN, so it survives strict JSON), and its matrix is ``[[1.0]]``.
+* :func:`mean_similarity` -- the mean over the blocks whose value says something: two heads or more,
+  windows of more than one token (one token gives every head the map ``[[1.0]]``, so a trivial 1).
 
 Only torch is imported here; the figures (:func:`plot_similarity`) go through :mod:`.plots`, which
 imports matplotlib when a figure is drawn.
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..attention import CascadedGroupAttention
+from ..attention import CascadedHeads
 from .plots import bar_chart, heatmap_grid
 
 log = logging.getLogger(__name__)
@@ -126,11 +128,11 @@ def _stage_block(name: str) -> tuple[int, int]:
     return -1, -1
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, CascadedGroupAttention]]:
-    """``(name, module)`` of every cascaded group attention in ``model``, in forward order."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, CascadedGroupAttention)]
+def attention_modules(model: nn.Module) -> list[tuple[str, CascadedHeads]]:
+    """``(name, module)`` of every cascaded group attention in ``model`` (trainable or fused), in forward order."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, CascadedHeads)]
     if not found:
-        raise ValueError("the model has no CascadedGroupAttention modules to analyse")
+        raise ValueError("the model has no cascaded group attention (CascadedHeads) modules to analyse")
     return found
 
 
@@ -140,7 +142,8 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
 
     Args:
         model: an EfficientViT (any dials; fused or not) or any module containing
-            :class:`~cgavit.attention.CascadedGroupAttention`. Evaluated in eval mode (restored after).
+            :class:`~cgavit.attention.CascadedHeads` (:class:`~cgavit.attention.CascadedGroupAttention` or its
+            fused form). Evaluated in eval mode (restored after).
         images: an image batch ``(B, 3, H, W)`` or an iterable of batches, already normalised.
 
     Returns:
@@ -153,7 +156,7 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
     tokens: dict[str, int] = {}
 
     def hook(name: str) -> Callable[..., None]:
-        def fn(module: CascadedGroupAttention, inputs, output) -> None:
+        def fn(module: CascadedHeads, inputs, output) -> None:
             maps = torch.stack(module.head_attention_maps(inputs[0]))  # (h, B*windows, N, N)
             sim = cosine_similarity_matrix(maps)  # (B*windows, h, h)
             sums[name] = sums.get(name, 0) + sim.sum(0)
@@ -190,7 +193,8 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
 
 
 def mean_similarity(blocks: list[BlockSimilarity]) -> float:
-    """Mean off-diagonal similarity over all blocks with at least two heads and two tokens.
+    """Mean off-diagonal similarity over all blocks with at least two heads and two tokens; NaN when no
+    block qualifies (the ablation averages it over seeds; the ``analyze heads`` report writes null).
 
     Blocks whose window holds one token are left out: every head's map is then ``[[1.0]]``.
     """
@@ -201,11 +205,16 @@ def mean_similarity(blocks: list[BlockSimilarity]) -> float:
 def plot_similarity(blocks: list[BlockSimilarity], out_dir: str | os.PathLike, title: str = "") -> list[Path]:
     """Write ``heads_matrices.png`` (one heatmap panel per block) and ``heads_mean.png``.
 
+    In the bar chart a block whose window holds one token is drawn grey and hatched, noted as left out
+    of the mean (its similarity is 1 whatever the heads learnt), and a one-head block has no bar and
+    the note "n/a" (no pairs).
+
     Returns:
         Paths written.
     """
     out_dir = Path(out_dir)
     labels = [f"s{b.stage + 1}.b{b.block + 1}" if b.stage >= 0 else b.name for b in blocks]
+    means = [_or_nan(b.mean_off_diagonal) for b in blocks]
     paths = [
         heatmap_grid(
             [b.matrix.numpy() for b in blocks],
@@ -214,12 +223,15 @@ def plot_similarity(blocks: list[BlockSimilarity], out_dir: str | os.PathLike, t
             title=f"head attention-map cosine similarity {title}".strip(),
         ),
         bar_chart(
-            {"mean off-diagonal": [_or_nan(b.mean_off_diagonal) for b in blocks]},
+            {"mean off-diagonal": means},
             labels,
             out_dir / "heads_mean.png",
             ylabel="mean cosine similarity between heads",
             title=f"head similarity per block {title}".strip(),
-            ylim=(0, 1),
+            ylim=(0, 1.1),
+            notes={"mean off-diagonal": ["n/a" if b.num_heads < 2 else "" for b in blocks]},
+            marked=[b.tokens < 2 and b.num_heads > 1 for b in blocks],
+            marked_label="1-token window: trivially 1, not in the mean",
         ),
     ]
     return paths

@@ -16,12 +16,13 @@ from ..io import atomic_write
 
 
 def matplotlib_api() -> ModuleType:
-    """``matplotlib`` on the Agg backend (no display needed), with ``pyplot`` and ``font_manager``
-    loaded: the package's one matplotlib import."""
+    """``matplotlib`` on the Agg backend (no display needed), with ``pyplot``, ``patches`` and
+    ``font_manager`` loaded: the package's one matplotlib import."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.font_manager
+    import matplotlib.patches
     import matplotlib.pyplot
 
     return matplotlib
@@ -85,8 +86,18 @@ def bar_chart(
     title: str = "",
     ylim: tuple[float, float] | None = None,
     errors: Mapping[str, Sequence[float]] | None = None,
+    notes: Mapping[str, Sequence[str]] | None = None,
+    marked: Sequence[bool] | None = None,
+    marked_label: str = "",
 ) -> Path:
-    """Grouped bars: one group per label, one bar per series (optional error bars)."""
+    """Grouped bars: one group per label, one bar per series (optional error bars).
+
+    Args:
+        notes: per series, a short text for each group ("" for none), written upright at the foot of
+            the bar's slot, so that a value drawn as no bar (NaN, 0) still says what it is.
+        marked: per group, whether its bars are drawn grey and hatched, as values that are not what
+            the others are (``marked_label`` names them in the legend).
+    """
     plt = pyplot()
     k = max(len(series), 1)
     width = 0.8 / k
@@ -94,40 +105,75 @@ def bar_chart(
     for i, (name, vals) in enumerate(series.items()):
         xs = [j + (i - (k - 1) / 2) * width for j in range(len(labels))]
         err = errors.get(name) if errors else None
-        ax.bar(xs, vals, width, label=name, yerr=err, capsize=3 if err else 0)
+        bars = ax.bar(xs, vals, width, label=name, yerr=err, capsize=3 if err else 0)
+        for bar, mark in zip(bars, marked or ()):
+            if mark:
+                bar.set(facecolor="0.85", edgecolor="0.45", hatch="//")
+        for x, note in zip(xs, (notes or {}).get(name, ())):
+            if note:
+                ax.text(x, 0.01, note, transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom",
+                        fontsize=7)
+    wide = max(map(len, labels), default=0) > 6
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=30 if max(map(len, labels), default=0) > 6 else 0, ha="right" if max(map(len, labels), default=0) > 6 else "center", fontsize=8)
+    ax.set_xticklabels(labels, rotation=30 if wide else 0, ha="right" if wide else "center", fontsize=8)
     ax.set_ylabel(ylabel)
     if ylim:
         ax.set_ylim(*ylim)
     if title:
         ax.set_title(title, fontsize=10)
-    if len(series) > 1:
-        ax.legend(fontsize=8)
+    _legend(ax, len(series) > 1, marked_label if any(marked or ()) else "")
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)
+
+
+def _legend(ax, series: bool, marked_label: str) -> None:
+    """The legend of :func:`bar_chart`: the series when there are several, and the marked bars' meaning."""
+    handles, names = ax.get_legend_handles_labels() if series else ([], [])
+    if marked_label:
+        patches = matplotlib_api().patches
+        handles.append(patches.Patch(facecolor="0.85", edgecolor="0.45", hatch="//"))
+        names.append(marked_label)
+    if handles:
+        ax.legend(handles, names, fontsize=8)
 
 
 def box_panels(
     panels: Sequence[Mapping[str, Sequence[float]]], titles: Sequence[str], path: Path, ylabel: str = "", title: str = "", log_y: bool = True
 ) -> Path:
-    """One panel per entry, each a box plot of several named value sets."""
+    """One panel per entry, each a box plot of several named value sets.
+
+    On the log axis (``log_y``, when some value is positive) values of 0 or below cannot be drawn: a set
+    that holds any is noted under its box ("all 0", or how many of its values are 0), so that a box that
+    is not there reads as zero importance, not as no data.
+    """
     plt = pyplot()
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(3.4 * n, 3.4), squeeze=False, sharey=True)
+    log = log_y and any(v > 0 for data in panels for vals in data.values() for v in vals)
     for ax, data, t in zip(axes.flat, panels, titles):
         names = [k for k, v in data.items() if len(v)]
         ax.boxplot([list(data[k]) for k in names], showfliers=False)
         ax.set_xticks(range(1, len(names) + 1))
         ax.set_xticklabels(names, fontsize=8)
         ax.set_title(t, fontsize=9)
-        if log_y and any(v > 0 for k in names for v in data[k]):
+        if log:
             ax.set_yscale("log")
+            _note_zeros(ax, [list(data[k]) for k in names])
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].set_ylabel(ylabel)
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+def _note_zeros(ax, sets: Sequence[Sequence[float]]) -> None:
+    """Under each box of a log axis, how many of its values (0 or below) the axis cannot show."""
+    for pos, vals in enumerate(sets, 1):
+        zeros = sum(1 for v in vals if v <= 0)
+        if zeros:
+            note = "all 0" if zeros == len(vals) else f"{zeros} of {len(vals)} at 0"
+            ax.text(pos, 0.02, note, transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom",
+                    fontsize=7, color="0.3")
 
 
 def scatter(

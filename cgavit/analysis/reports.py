@@ -8,7 +8,10 @@ analysis, write its JSON report and figures.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,11 @@ import torch
 from torch import nn
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
-from ..factory import create_model, load_model
+from ..factory import ModelInfo, create_model, load_model
 from ..fields import option
-from ..io import write_json
+from ..imagenet import class_names
+from ..io import replace_together, write_error, write_json
+from ..classes import check_classes, class_difference, model_indices
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
 from .taylor import BlockImportance, kept_fraction, plot_importance, taylor_importance
@@ -82,8 +87,9 @@ class AnalysisSample:
         model: the network.
         img_size: input side in pixels.
         batches: ``(images (b, 3, S, S), labels (b,) or None)`` in near-equal batches.
-        labels: all labels ``(B,)``, or None for unlabelled images.
+        labels: all labels ``(B,)`` (the folder's: its classes in sorted order), or None for unlabelled images.
         classes: class names of a labelled folder, or None.
+        info: the model's preprocessing and class names (:func:`load_analysis_model`).
     """
 
     model: nn.Module
@@ -91,6 +97,7 @@ class AnalysisSample:
     batches: list[tuple[torch.Tensor, torch.Tensor | None]]
     labels: torch.Tensor | None
     classes: list[str] | None
+    info: ModelInfo
 
     @property
     def num_images(self) -> int:
@@ -113,7 +120,8 @@ class TaylorRun:
 
     Attributes:
         blocks: per-block importances. kept: :func:`~cgavit.analysis.taylor.kept_fraction`'s result.
-        targets: ``"labels"`` (folder labels) or ``"predictions"`` (the model's own arg-max).
+        targets: ``"labels"`` (folder labels) or ``"predictions"`` (the model's own arg-max); why is in the
+            report's ``loss_targets_reason``.
         report: the content of ``json_path``. plots: figures written.
     """
 
@@ -125,12 +133,13 @@ class TaylorRun:
     plots: list[Path]
 
 
-def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, int, float, tuple | None, tuple | None]:
-    """The model to analyse and how to feed it: ``(model, img_size, crop_pct, mean, std)``.
+def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, ModelInfo]:
+    """The model to analyse and how to feed it and read its classes, with ``cfg``'s image size and crop.
 
     With ``checkpoint`` / ``pretrained`` the model is rebuilt as :func:`cgavit.load_model`
-    does (files trained here record their architecture, image size and preprocessing); otherwise a
-    randomly initialised ``model`` with the given dials is built (mean/std None: ImageNet's).
+    does (files trained here record their architecture, image size, preprocessing and class names);
+    otherwise a randomly initialised ``model`` with the given dials is built (ImageNet's mean and std,
+    no class names).
     """
     if cfg.checkpoint or cfg.pretrained:
         if cfg.checkpoint and cfg.pretrained:
@@ -139,11 +148,12 @@ def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, int, float, tup
             raise ValueError("--num-classes is for randomly initialised models; a checkpoint sets its own class count")
         model, info = load_model(cfg.checkpoint, cfg.model, cfg.dials or None, pretrained=cfg.pretrained,
                                  trust=cfg.trust_checkpoint)
-        return model, cfg.img_size or info.img_size, cfg.crop_pct or info.crop_pct, info.mean, info.std
+        return model, replace(info, img_size=cfg.img_size or info.img_size, crop_pct=cfg.crop_pct or info.crop_pct)
     log.warning("no --checkpoint: analysing randomly initialised weights")
     size = cfg.img_size or 224
     model = create_model(cfg.model or "efficientvit_m0", num_classes=cfg.num_classes or 1000, img_size=size, **cfg.dials)
-    return model, size, cfg.crop_pct or 0.875, None, None
+    return model, ModelInfo(class_names(model.num_classes), img_size=size, crop_pct=cfg.crop_pct or 0.875,
+                            source="random weights")
 
 
 def _sources(cfg: AnalysisConfig) -> list[str]:
@@ -163,7 +173,8 @@ def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
     """
     cfg.validate()
     torch.manual_seed(cfg.seed)
-    model, img_size, crop_pct, mean, std = load_analysis_model(cfg)
+    model, info = load_analysis_model(cfg)
+    img_size = info.img_size
     available = len(list_images(_sources(cfg))[0])
     count = min(cfg.num_images, available) if cfg.num_images else available
     if count * img_size**2 > MAX_SAMPLE_PIXELS:
@@ -172,10 +183,10 @@ def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
     if min(count, cfg.batch_size) * img_size**2 > MAX_BATCH_PIXELS:
         raise ValueError(f"--batch-size {cfg.batch_size} at {img_size} px is too large a forward pass; give "
                          f"--batch-size {MAX_BATCH_PIXELS // img_size**2} or fewer")
-    x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, crop_pct, cfg.seed, mean, std)
+    x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, info.crop_pct, cfg.seed, info.mean, info.std)
     n = max(1, -(-x.shape[0] // max(cfg.batch_size, 1)))  # near-equal batches (no trailing batch of one)
     batches = list(zip(x.tensor_split(n), y.tensor_split(n) if y is not None else [None] * n))
-    return AnalysisSample(model, img_size, batches, y, classes)
+    return AnalysisSample(model, img_size, batches, y, classes, info)
 
 
 def plot_title(cfg: AnalysisConfig) -> str:
@@ -186,9 +197,13 @@ def plot_title(cfg: AnalysisConfig) -> str:
 
 
 def report_header(cfg: AnalysisConfig, sample: AnalysisSample) -> dict[str, Any]:
-    """The fields every report starts with: model, architecture, weights, image size and count, dials, seed."""
+    """The fields every report starts with: model, architecture, weights, image size and count, dials, seed.
+
+    ``model`` is the variant analysed (the name a checkpoint records, which wins over ``--model``), None
+    for a file that records none and was given none.
+    """
     return dict(
-        model=cfg.model,
+        model=getattr(sample.model, "pretrained_cfg", {}).get("architecture") or None,
         config=asdict(sample.model.cfg),
         checkpoint=cfg.checkpoint or ("published" if cfg.pretrained else None),
         img_size=sample.img_size,
@@ -198,16 +213,98 @@ def report_header(cfg: AnalysisConfig, sample: AnalysisSample) -> dict[str, Any]
     )
 
 
+#: The figures each analysis draws (a previous run's that a run did not draw again are removed).
+FIGURES = {"heads": ("heads_matrices.png", "heads_mean.png"), "taylor": ("taylor_spread.png", "taylor_pruning.png")}
+
+
+def write_outputs(
+    out: Path, name: str, report: dict[str, Any], draw: Callable[[Path], list[Path]]
+) -> tuple[Path, list[Path]]:
+    """Write one analysis's figures and its report ``NAME.json`` into ``out`` as one set; returns their paths.
+
+    ``draw(folder)`` draws the figures into a temporary folder inside ``out``, the report is written beside
+    them, and all are moved into place together (:func:`~cgavit.io.replace_together`), a previous run's
+    figures that this run did not draw (:data:`FIGURES`) removed in the same step: an error or an
+    interruption leaves the previous run's set as it was, and a report always describes the figures
+    beside it.
+
+    Raises:
+        WriteError: ``out`` or a file in it could not be written.
+    """
+    report_path = out / f"{name}.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(dir=out, prefix=f".{name}.")
+    except OSError as err:
+        raise write_error(report_path, err) from None
+    with staging as tmp:
+        drawn = draw(Path(tmp))
+        plots = [out / p.name for p in drawn]
+        stale = [out / f for f in FIGURES[name] if out / f not in plots and (out / f).exists()]
+        written = write_json(Path(tmp) / report_path.name, json_ready(report))
+        replace_together([*zip(drawn, plots), (written, report_path), *((None, p) for p in stale)])
+    return report_path, plots
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with every NaN float replaced by None, so the report is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
 def run_heads(cfg: AnalysisConfig) -> HeadsRun:
-    """Head similarity of every block; writes ``heads.json``, ``heads_matrices.png`` and ``heads_mean.png``."""
+    """Head similarity of every block; writes ``heads.json``, ``heads_matrices.png`` and ``heads_mean.png``.
+
+    The report's ``mean_similarity`` (over blocks of two heads or more and windows of more than one token)
+    is None when no block qualifies.
+    """
     sample = load_sample(cfg)
     blocks = head_similarity(sample.model, [x for x, _ in sample.batches])
-    out = Path(cfg.output)
     report = report_header(cfg, sample)
     report.update(mean_similarity=mean_similarity(blocks), blocks=[b.to_dict() for b in blocks])
-    json_path = write_json(out / "heads.json", report)
-    plots = plot_similarity(blocks, out, title=plot_title(cfg))
+    report = json_ready(report)
+    json_path, plots = write_outputs(Path(cfg.output), "heads", report,
+                                     lambda folder: plot_similarity(blocks, folder, title=plot_title(cfg)))
     return HeadsRun(blocks, report, json_path, plots)
+
+
+def loss_targets(cfg: AnalysisConfig, sample: AnalysisSample, targets: str) -> tuple[torch.Tensor | None, str]:
+    """The loss target of each image in the model's class indices (None: its own predictions), and why.
+
+    Folder labels are used (``labels``, or ``auto`` when they fit) in the model's order: by name where
+    the weights record class names (every class folder must be one of them: :func:`check_classes` with
+    ``subset``; each is mapped to the checkpoint's index of that name), else by index (``auto``: the folder
+    must have as many classes as the model). ``auto`` falls back to the predictions, and says why.
+
+    Raises:
+        ValueError: ``labels`` for unlabelled images or a folder whose classes the model does not have.
+    """
+    y, classes, info, n = sample.labels, sample.classes, sample.info, sample.model.num_classes
+    if targets == "predictions":
+        return None, "--targets predictions"
+    if y is None:
+        if targets == "labels":
+            raise ValueError("--targets labels needs --data DIR with one sub-folder per class")
+        return None, "the images have no labels"
+    if info.names_recorded:
+        try:
+            check_classes(cfg.data, classes, info, n, subset=True)
+        except ValueError:
+            if targets == "labels":
+                raise
+            named = [c for c in info.class_names if c in classes]
+            return None, f"the folder's classes are not the checkpoint's ({class_difference(classes, named)})"
+        return model_indices(classes, info)[y], "the folder's class names matched to the checkpoint's"
+    if targets == "labels" and len(classes) > n:
+        raise ValueError(f"the data has {len(classes)} classes but the model {n}; use --targets predictions or --num-classes")
+    if targets == "auto" and len(classes) != n:
+        return None, f"the folder has {len(classes)} classes, the model {n}"
+    return y, "by index: the weights record no class names"
 
 
 def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 0.3, list_pruned: int = 50) -> TaylorRun:
@@ -217,9 +314,13 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
     Args:
         cfg: model and images.
         targets: loss targets: ``labels`` (the folder's), ``predictions`` (the model's own), or
-            ``auto``: labels when the folder has as many classes as the model.
+            ``auto``: labels when they are the model's classes (:func:`loss_targets`).
         prune_ratio: pruning budget, the fraction of Q/K/V/FFN channels removed (least important first).
         list_pruned: how many first-pruned channels the JSON lists.
+
+    Raises:
+        ValueError: bad options, labels the model has no classes for, or importances that are all zero
+            (random weights: :func:`~cgavit.analysis.taylor.taylor_importance`).
     """
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
@@ -228,26 +329,22 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
     if list_pruned < 0:
         raise ValueError(f"--list-pruned must be >= 0, got {list_pruned}")
     sample = load_sample(cfg)
-    model, y, classes = sample.model, sample.labels, sample.classes
-    use_labels = targets == "labels" or (
-        targets == "auto" and y is not None and classes is not None and len(classes) == model.num_classes
-    )
-    if use_labels and y is None:
-        raise ValueError("--targets labels needs --data DIR with one sub-folder per class")
-    if use_labels and int(y.max()) >= model.num_classes:
-        raise ValueError(f"the data has {len(classes)} classes but the model {model.num_classes}; use --targets predictions or --num-classes")
-    blocks = taylor_importance(model, [(x, yy if use_labels else None) for x, yy in sample.batches])
+    y, why = loss_targets(cfg, sample, targets)
+    parts = y.tensor_split(len(sample.batches)) if y is not None else [None] * len(sample.batches)
+    blocks = taylor_importance(sample.model, [(x, t) for (x, _), t in zip(sample.batches, parts)])
     kept = kept_fraction(blocks, prune_ratio)
-    out = Path(cfg.output)
     report = report_header(cfg, sample)
     report.update(
-        loss_targets="labels" if use_labels else "predictions",
+        loss_targets="labels" if y is not None else "predictions",
+        loss_targets_reason=why,
         prune_ratio=prune_ratio,
         kept_fraction={str(s + 1): v for s, v in kept["kept"].items()},
+        no_gradient={b.name: list(b.no_gradient) for b in blocks if b.no_gradient},
         pruned_first=kept["pruned"][:list_pruned],
         pruned_count=len(kept["pruned"]),
         blocks=[b.to_dict() for b in blocks],
     )
-    json_path = write_json(out / "taylor.json", report)
-    plots = plot_importance(blocks, prune_ratio, out, title=plot_title(cfg))
+    report = json_ready(report)
+    json_path, plots = write_outputs(Path(cfg.output), "taylor", report,
+                                     lambda folder: plot_importance(blocks, prune_ratio, folder, title=plot_title(cfg)))
     return TaylorRun(blocks, kept, report["loss_targets"], report, json_path, plots)

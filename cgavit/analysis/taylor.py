@@ -10,11 +10,19 @@ Per attention block it reports, for every head, the Q, K and V channels (the hea
 output split ``[key_dim, key_dim, value_dim]``) and the output projection channels; per block the
 hidden channels of every FFN (its first 1x1 convolution). :func:`pruning_order` ranks channels
 across the network for a pruning budget.
+
+An importance of exactly 0 means no gradient reached the weights: a model whose every importance is 0
+(random weights: the residual branches end in zero-initialised BatchNorm) is refused, and a kind of
+channel that is all 0 in a block (Q and K in a window of one token, whose softmax is 1 whatever they
+are) is reported as having no gradient (:attr:`BlockImportance.no_gradient`) and kept out of the
+pruning ranking, where it would otherwise be pruned first in arbitrary order.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import CascadedGroupAttention
+from ..attention import CascadedGroupAttention, CascadedHeads
 from ..layers import FFN
 from .plots import bar_chart, box_panels
 
 KINDS = ("q", "k", "v", "proj", "ffn")
+#: The kinds a pruning budget removes, in the order every report lists them.
+PRUNED_KINDS = ("q", "k", "v", "ffn")
 
 
 def _weight(m: nn.Module) -> torch.Tensor:
@@ -77,7 +87,14 @@ class BlockImportance:
             ffn=cat(self.ffn),
         )
 
+    @property
+    def no_gradient(self) -> tuple[str, ...]:
+        """The kinds (in :data:`KINDS` order) that have channels here, every one of importance exactly 0:
+        no gradient reached them (e.g. Q and K in a window of one token)."""
+        return tuple(k for k, t in self.channels().items() if t.numel() and not t.any())
+
     def to_dict(self) -> dict:
+        """JSON-ready values: per-kind means, ``no_gradient`` (see the property), every channel's importance."""
         r = lambda t: [float(f"{float(v):.6g}") for v in t]  # noqa: E731
         means = {k: float(t.mean()) if t.numel() else None for k, t in self.channels().items()}
         return dict(
@@ -85,6 +102,7 @@ class BlockImportance:
             stage=self.stage,
             block=self.block,
             mean=means,
+            no_gradient=list(self.no_gradient),
             q=[r(t) for t in self.q],
             k=[r(t) for t in self.k],
             v=[r(t) for t in self.v],
@@ -108,15 +126,22 @@ def taylor_importance(
     """First-order Taylor importance of the Q/K/V, projection and FFN channels of every block.
 
     Args:
-        model: an EfficientViT (any dials). Run in eval mode (restored after); its gradients are
-            cleared before and after.
+        model: an EfficientViT (any dials) in its trainable form: not fused (:func:`cgavit.fuse` folds
+            Q, K and V away), with weights that require gradients. Run in eval mode (restored after);
+            its gradients are cleared before and after.
         batches: ``(images, targets)`` pairs; ``targets`` are class indices, or None to use the
             model's own arg-max predictions as targets. The loss is the mean cross-entropy over all
             images given (each batch weighted by its size).
 
     Returns:
         One :class:`BlockImportance` per sandwich block, in forward order.
+
+    Raises:
+        ValueError: a fused model or one with frozen weights, no images, or gradients that are all zero
+            (randomly initialised weights), which would rank every channel alike.
     """
+    blocks = _blocks(model)
+    _check_trainable(model)
     was_training = model.training
     model.eval()
     model.zero_grad(set_to_none=True)
@@ -131,11 +156,29 @@ def taylor_importance(
             # sum of per-image losses / all images = the mean over the whole sample
             loss = F.cross_entropy(logits, target, reduction="sum") / n_all
             loss.backward()
-        out = [_block_importance(stage, index, blk) for stage, index, blk in _blocks(model)]
+        out = [_block_importance(stage, index, blk) for stage, index, blk in blocks]
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+    if not any(t.any() for b in out for t in b.channels().values()):
+        raise ValueError("every Taylor importance is zero because the loss gradients are all zero (randomly "
+                         "initialised weights end each residual branch in a zero BatchNorm); "
+                         "give a trained --checkpoint")
     return out
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """Refuse a model whose channel gradients cannot be read: fused attention (Q, K and V folded into
+    other weights) or weights that do not require gradients (as :func:`cgavit.fuse` leaves them)."""
+    for name, m in model.named_modules():
+        if isinstance(m, CascadedHeads) and not isinstance(m, CascadedGroupAttention):
+            raise ValueError(f"taylor_importance needs the unfused, trainable model, but {name} is a "
+                             f"{type(m).__name__}; analyse the model as loaded, before fuse() or optimize()")
+    frozen = [n for n, w in model.stages.named_parameters() if not w.requires_grad]
+    if frozen:
+        raise ValueError(f"taylor_importance needs gradients, but {len(frozen)} weights of the model do not require "
+                         f"them (stages.{frozen[0]}, ...); call model.requires_grad_(True) first, "
+                         "or analyse it before fuse()")
 
 
 def _block_importance(stage: int, index: int, blk: nn.Module) -> BlockImportance:
@@ -154,11 +197,26 @@ def _block_importance(stage: int, index: int, blk: nn.Module) -> BlockImportance
     return rec
 
 
-def pruning_order(blocks: list[BlockImportance], kinds: tuple[str, ...] = ("q", "k", "v", "ffn")) -> list[dict]:
+def _ranked(b: BlockImportance, kinds: tuple[str, ...]) -> list[tuple[str, int, int, float]]:
+    """``(kind, head, index, importance)`` of the block's channels of ``kinds``, leaving out the kinds
+    with no gradient (:attr:`BlockImportance.no_gradient`); ``head`` is -1 for FFN and projection."""
+    skip, channels = b.no_gradient, b.channels()
+    items = []
+    for kind in (k for k in kinds if k not in skip):
+        if kind in ("q", "k", "v"):
+            items += [(kind, h, i, float(s)) for h, t in enumerate(getattr(b, kind)) for i, s in enumerate(t)]
+        else:
+            items += [(kind, -1, i, float(s)) for i, s in enumerate(channels[kind])]
+    return items
+
+
+def pruning_order(blocks: list[BlockImportance], kinds: tuple[str, ...] = PRUNED_KINDS) -> list[dict]:
     """All channels of ``kinds`` ranked least important first, for a global pruning budget.
 
     Importances are divided by the mean importance of all ranked channels of their block, so blocks
     with larger gradients do not dominate; within a block Q, K, V and FFN channels compete directly.
+    A kind with no gradient in a block (every importance 0) is not ranked: its zeros say nothing of
+    which of its channels matter, and would fill the budget first.
 
     Returns:
         Dicts ``{block, stage, kind, head, index, score}`` (``head`` -1 for FFN, where ``index``
@@ -166,87 +224,91 @@ def pruning_order(blocks: list[BlockImportance], kinds: tuple[str, ...] = ("q", 
     """
     rows = []
     for b in blocks:
-        items = []
-        for kind in kinds:
-            if kind == "ffn":
-                flat = torch.cat(b.ffn) if b.ffn else torch.zeros(0, dtype=torch.float64)
-                items += [("ffn", -1, i, float(s)) for i, s in enumerate(flat)]
-            elif kind == "proj":
-                if b.proj is not None:
-                    items += [("proj", -1, i, float(s)) for i, s in enumerate(b.proj)]
-            else:
-                for h, t in enumerate(getattr(b, kind)):
-                    items += [(kind, h, i, float(s)) for i, s in enumerate(t)]
+        items = _ranked(b, kinds)
         if not items:
             continue
         mean = sum(s for *_, s in items) / len(items)
-        for kind, h, i, s in items:
-            rows.append(dict(block=b.name, stage=b.stage, kind=kind, head=h, index=i, score=s / mean if mean > 0 else 0.0))
+        rows += [dict(block=b.name, stage=b.stage, kind=kind, head=h, index=i, score=s / mean if mean > 0 else 0.0)
+                 for kind, h, i, s in items]
     rows.sort(key=lambda r: r["score"])
     return rows
 
 
-def kept_fraction(blocks: list[BlockImportance], ratio: float, kinds: tuple[str, ...] = ("q", "k", "v", "ffn")) -> dict:
-    """Per stage and kind, the fraction of channels kept when the lowest ``ratio`` of all are pruned.
+def kept_fraction(blocks: list[BlockImportance], ratio: float, kinds: tuple[str, ...] = PRUNED_KINDS) -> dict:
+    """Per stage and kind, the fraction of channels kept when the lowest ``ratio`` of all ranked channels
+    (:func:`pruning_order`) are pruned.
 
     Returns:
-        ``{stage: {kind: fraction}}`` (stage as int) and the pruned rows under key ``"pruned"``.
+        ``{"kept": {stage: {kind: fraction}}, "pruned": rows}``: stages (int) ascending, kinds in the
+        order of ``kinds``. A kind the stage has no channels of is left out; one with no gradient in
+        every block of the stage (never ranked) is None; where only some blocks had none, the fraction
+        is of the ranked channels.
     """
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"prune ratio must be in [0, 1), got {ratio}")
     order = pruning_order(blocks, kinds)
-    cut = int(round(ratio * len(order)))
-    pruned = order[:cut]
-    totals: dict[int, dict[str, int]] = {}
-    for r in order:
-        totals.setdefault(r["stage"], {}).setdefault(r["kind"], 0)
-        totals[r["stage"]][r["kind"]] += 1
-    removed: dict[int, dict[str, int]] = {}
-    for r in pruned:
-        removed.setdefault(r["stage"], {}).setdefault(r["kind"], 0)
-        removed[r["stage"]][r["kind"]] += 1
+    pruned = order[: int(round(ratio * len(order)))]
+    totals = Counter((r["stage"], r["kind"]) for r in order)
+    removed = Counter((r["stage"], r["kind"]) for r in pruned)
+    present = {(b.stage, k) for b in blocks for k, t in b.channels().items() if t.numel()}
     frac = {
-        s: {k: 1.0 - removed.get(s, {}).get(k, 0) / n for k, n in kinds_n.items()} for s, kinds_n in sorted(totals.items())
+        s: {k: 1.0 - removed[s, k] / totals[s, k] if totals[s, k] else None for k in kinds if (s, k) in present}
+        for s in sorted({b.stage for b in blocks})
     }
-    return {"kept": frac, "pruned": pruned}
+    return {"kept": {s: fr for s, fr in frac.items() if fr}, "pruned": pruned}
 
 
 def plot_importance(blocks: list[BlockImportance], ratio: float, out_dir: str | os.PathLike, title: str = "") -> list[Path]:
     """``taylor_spread.png`` (per stage: box plot of block-normalised Q, K, V, FFN importance) and
     ``taylor_pruning.png`` (per stage: fraction of Q/K/V/FFN channels kept at the pruning budget).
 
+    In the pruning chart a kind drawn as no bar is noted: "0: all pruned", "no gradient" (not ranked,
+    see :func:`pruning_order`) or "n/a" (the stage has no such channels).
+
     Returns:
         Paths written.
     """
     out_dir = Path(out_dir)
     stages = sorted({b.stage for b in blocks})
-    panels = []
-    for s in stages:
-        data: dict[str, list[float]] = {k: [] for k in ("q", "k", "v", "ffn")}
-        for b in blocks:
-            if b.stage != s:
-                continue
-            ch = b.channels()
-            allv = torch.cat([ch[k] for k in data])
-            mean = float(allv.mean()) if allv.numel() else 1.0
-            for k in data:
-                data[k] += [float(v) / mean if mean > 0 else 0.0 for v in ch[k]]
-        panels.append({k.upper(): v for k, v in data.items()})
+    names = [f"stage {s + 1}" for s in stages]
     spread = box_panels(
-        panels,
-        [f"stage {s + 1}" for s in stages],
+        [_normalised(blocks, s) for s in stages],
+        names,
         out_dir / "taylor_spread.png",
         ylabel="channel importance / block mean",
         title=f"Taylor importance of Q, K, V and FFN channels {title}".strip(),
     )
     kept = kept_fraction(blocks, ratio)["kept"]
-    series = {k.upper(): [kept.get(s, {}).get(k, float("nan")) for s in stages] for k in ("q", "k", "v", "ffn")}
+    fractions = {k: [kept.get(s, {}).get(k, float("nan")) for s in stages] for k in PRUNED_KINDS}
     prune = bar_chart(
-        series,
-        [f"stage {s + 1}" for s in stages],
+        {k.upper(): [float("nan") if v is None else v for v in vals] for k, vals in fractions.items()},
+        names,
         out_dir / "taylor_pruning.png",
         ylabel="fraction of channels kept",
         title=f"kept after pruning the least important {ratio:.0%} {title}".strip(),
         ylim=(0, 1.05),
+        notes={k.upper(): [_kept_note(v) for v in vals] for k, vals in fractions.items()},
     )
     return [spread, prune]
+
+
+def _normalised(blocks: list[BlockImportance], stage: int) -> dict[str, list[float]]:
+    """Per kind (Q, K, V, FFN), a stage's channel importances divided by their block's mean, the scores
+    :func:`pruning_order` ranks (a kind with no gradient keeps its zeros)."""
+    data: dict[str, list[float]] = {k.upper(): [] for k in PRUNED_KINDS}
+    for b in (b for b in blocks if b.stage == stage):
+        ranked = [s for *_, s in _ranked(b, PRUNED_KINDS)]
+        mean = sum(ranked) / len(ranked) if ranked else 0.0
+        channels = b.channels()
+        for k in PRUNED_KINDS:
+            data[k.upper()] += [float(v) / mean if mean > 0 else 0.0 for v in channels[k]]
+    return data
+
+
+def _kept_note(fraction: float | None) -> str:
+    """What a kept fraction drawn as no bar means (NaN: the stage has no such channels)."""
+    if fraction is None:
+        return "no gradient"
+    if math.isnan(fraction):
+        return "n/a"
+    return "0: all pruned" if fraction == 0 else ""

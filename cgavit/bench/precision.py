@@ -21,6 +21,7 @@ from typing import TypedDict
 import torch
 from torch import nn
 
+from ..classes import check_classes, class_difference, model_indices
 from ..deploy import Agreement, PathChoice, RuntimeModule, compare_logits, cpu_features, fuse, optimize
 from ..deploy.agreement import NoiseFloor, batched_logits, noise_floor
 from ..deploy.formats import runtime_path
@@ -164,10 +165,10 @@ def calibration_and_evaluation(
     if num_classes is None:
         if folders[train_split] != folders[val_split]:
             raise ValueError(f"{train_dir} and {val_dir} must hold the same class folders: "
-                             f"{_difference(folders[val_split], folders[train_split])}")
+                             f"{class_difference(folders[val_split], folders[train_split])}")
     else:
         for split, classes in folders.items():
-            _check_classes(Path(root) / split, classes, info, num_classes)
+            check_classes(Path(root) / split, classes, info, num_classes)
     calib = load_calibration(root, train_split, info, calibration_images)
     evaluated = load_labelled(root, val_split, info, eval_images)
     if num_classes is not None and info.names_recorded:
@@ -178,33 +179,11 @@ def calibration_and_evaluation(
     return calib, evaluated
 
 
-def _check_classes(source: Path, classes: list[str], info: ModelInfo, num_classes: int) -> None:
-    """A split's class folders must be the checkpoint's classes: by name where it records them, else by count."""
-    if not info.names_recorded:
-        if len(classes) != num_classes:
-            raise ValueError(f"{source} has {len(classes)} class folders, but the checkpoint predicts {num_classes} "
-                             "classes: give the folder the model was trained on")
-    elif sorted(classes) != sorted(info.class_names):
-        raise ValueError(f"{source}'s class folders are not the checkpoint's classes: "
-                         f"{_difference(classes, list(info.class_names))}; give the folder the model was trained on")
-
-
 def _in_model_order(split: LabelledImages, info: ModelInfo) -> LabelledImages:
-    """``split`` (checked by :func:`_check_classes`) labelled with the checkpoint's indices of its class names."""
-    named = list(info.class_names)
-    index = torch.tensor([named.index(name) for name in split.classes])
-    return LabelledImages(split.images, index[split.labels], split.source, named, split.available)
-
-
-def _difference(have: list[str], want: list[str]) -> str:
-    """What ``have`` has that ``want`` lacks and the other way round, e.g. ``"'nine' is not among them; '9' is missing"``."""
-    def few(names: list[str]) -> str:
-        return ", ".join(map(repr, names[:5])) + (" ..." if len(names) > 5 else "")
-
-    extra, missing = [n for n in have if n not in want], [n for n in want if n not in have]
-    parts = ([f"{few(extra)} {'is' if len(extra) == 1 else 'are'} not among them"] if extra else []) \
-        + ([f"{few(missing)} {'is' if len(missing) == 1 else 'are'} missing"] if missing else [])
-    return "; ".join(parts) or "the same names"
+    """``split`` (checked by :func:`~cgavit.classes.check_classes`) labelled with the checkpoint's indices
+    of its class names."""
+    index = model_indices(split.classes, info)
+    return LabelledImages(split.images, index[split.labels], split.source, list(info.class_names), split.available)
 
 
 def path_label(precision: str, runtime: str, compile: bool = True) -> str:

@@ -23,7 +23,7 @@ def analysis_config(args: argparse.Namespace) -> AnalysisConfig:
 
 
 def _similarity(value: float | None) -> str:
-    return "nan" if value is None else f"{value:.3f}"  # one head: no pairs
+    return "n/a" if value is None else f"{value:.3f}"  # one head (no pairs), or no block with pairs and tokens
 
 
 def run_heads_command(args: argparse.Namespace) -> int:
@@ -31,22 +31,28 @@ def run_heads_command(args: argparse.Namespace) -> int:
     print(f"{'block':<30}{'heads':>6}{'tokens':>7}{'windows':>8}  mean off-diagonal similarity")
     for b in run.blocks:
         print(f"{b.name:<30}{b.num_heads:>6}{b.tokens:>7}{b.windows:>8}  {_similarity(b.mean_off_diagonal)}")
-    print(f"mean over blocks (more than one token): {run.report['mean_similarity']:.3f}")
+    print(f"mean over blocks (more than one token): {_similarity(run.report['mean_similarity'])}")
     print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))
     return 0
 
 
+def _kept(value: float | None) -> str:
+    return "no gradient" if value is None else f"{value:.2f}"
+
+
 def run_taylor_command(args: argparse.Namespace) -> int:
     run = run_taylor(analysis_config(args), args.targets, args.prune_ratio, args.list_pruned)
-    use_labels = run.targets == "labels"
-    print(f"loss: cross-entropy against the {'folder labels' if use_labels else 'model' + chr(39) + 's own predictions'}")
+    against = "folder labels" if run.targets == "labels" else "model's own predictions"
+    print(f"loss: cross-entropy against the {against} ({run.report['loss_targets_reason']})")
     print(f"{'block':<22}{'Q':>10}{'K':>10}{'V':>10}{'FFN':>10}{'proj':>10}   mean |w*dL/dw| per channel")
     for b in run.blocks:
         m = b.to_dict()["mean"]
         print(f"{b.name:<22}" + "".join(f"{m[k]:>10.3g}" if m[k] is not None else f"{'-':>10}" for k in ("q", "k", "v", "ffn", "proj")))
+    for name, kinds in run.report["no_gradient"].items():
+        print(f"no gradient in {name} {' '.join(k.upper() for k in kinds)}: importance exactly 0, left out of the pruning budget")
     print(f"fraction kept after pruning the least important {args.prune_ratio:.0%} of Q/K/V/FFN channels:")
     for s, fr in run.kept["kept"].items():
-        print(f"  stage {s + 1}: " + "  ".join(f"{k.upper()} {v:.2f}" for k, v in fr.items()))
+        print(f"  stage {s + 1}: " + "  ".join(f"{k.upper()} {_kept(v)}" for k, v in fr.items()))
     print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))
     return 0
 
@@ -81,7 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _common(t)
     t.add_argument("--targets", choices=TARGETS, default="auto",
-                   help="loss targets: folder labels, or the model's own predictions; auto = labels when the folder has as many classes as the model (default)")
+                   help="loss targets: folder labels, or the model's own predictions; auto = labels when the folder's classes are the "
+                   "model's (by name where the checkpoint records them, else by count), else predictions (default)")
     t.add_argument("--prune-ratio", type=float, default=0.3, help="pruning budget: fraction of Q/K/V/FFN channels removed, least important first (default 0.3)")
     t.add_argument("--list-pruned", type=int, default=50, help="how many first-pruned channels to list in the JSON (default 50)")
     t.set_defaults(func=run_taylor_command)

@@ -140,8 +140,7 @@ def optimize(
         precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
-        check: compare with the plain model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises;
-            with ``"auto"`` it is recorded only, since each reduced path is judged by its agreement instead).
+        check: compare with the plain model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises, but for ``"auto"``).
         calibration: int8: image batches for the activation ranges (real training images).
         features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
         quantized: ``precision="auto"`` only: this model's int8 artifact from :func:`~cgavit.deploy.quantize`

@@ -365,9 +365,7 @@ def quantize(
             layer the search kept float to int8 where the target holds without it (both default).
         float_part: OpenVINO's, one of :data:`~cgavit.deploy.int8.FLOAT_PARTS` or ``"auto"``: :func:`~cgavit.deploy.int8.float_parts_for_cpu`.
         holdout: the share of ``evaluation`` held out of the search, in [0, 1) (module notes; 0: none).
-        info: the file's metadata (class names, preprocessing): the ``ModelInfo`` that :func:`~cgavit.load_model`
-            returned with the model, or an :class:`~cgavit.deploy.metadata.ExportInfo` (None: ImageNet's, with a
-            warning); reference: the fp32 model judged against and timed
+        info: the file's metadata: the ``ModelInfo`` from :func:`~cgavit.load_model`, or an ``ExportInfo`` (None: ImageNet's, warned); reference: the fp32 model judged against and timed
             beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
 
     Raises:
