@@ -1126,3 +1126,18 @@ def test_a_fraction_given_for_the_agreement_percentage_is_pointed_out(caplog):
     with caplog.at_level("WARNING"):
         quantize_cli.checked_target(argparse.Namespace(agreement=99.5, accuracy_tolerance=0.3))
     assert not caplog.text
+
+
+def test_evaluation_images_that_are_calibration_images_by_another_name_are_refused(trained_digits, tmp_path, capsys):
+    """Class folders of DIR/val linked to DIR/train's passed the split-name check: int8 was judged on its own
+    calibration images and the report called them held out."""
+    data = tmp_path / "same"
+    (data / "val").mkdir(parents=True)
+    (data / "train").symlink_to(trained_digits.data / "train")
+    for folder in (trained_digits.data / "train").iterdir():
+        (data / "val" / folder.name).symlink_to(folder)
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(data), "--runtime",
+                 "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "of the evaluation images are calibration images too, under another name" in err, err
+    assert not list(tmp_path.glob("q*"))

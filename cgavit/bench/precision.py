@@ -13,6 +13,8 @@ With a trained checkpoint (``--checkpoint F --data DIR``) the images are ``DIR/v
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -68,6 +70,7 @@ class LabelledImages:
     source: str
     classes: list[str] = field(default_factory=list)
     available: int = 0
+    files: tuple[str, ...] = ()  # the image files, in the order of ``images``
 
 
 #: Training images int8 is calibrated on unless told otherwise (``--calibration-images``).
@@ -93,7 +96,7 @@ def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0,
                                 mean=info.mean, std=info.std)
     images = torch.stack([transform(load_image(path)) for path, _ in chosen])  # (N, C, H, W)
     labels = torch.tensor([label for _, label in chosen])
-    return LabelledImages(images, labels, str(Path(root) / split), classes, len(samples))
+    return LabelledImages(images, labels, str(Path(root) / split), classes, len(samples), tuple(p for p, _ in chosen))
 
 
 #: The share of the memory free when images are loaded that they may take, preprocessed (the runtimes' copies and
@@ -171,6 +174,11 @@ def calibration_and_evaluation(
             check_classes(Path(root) / split, classes, info, num_classes)
     calib = load_calibration(root, train_split, info, calibration_images)
     evaluated = load_labelled(root, val_split, info, eval_images)
+    shared = same_files(calib.files, evaluated.files)
+    if shared:
+        raise ValueError(f"{len(shared)} of the evaluation images are calibration images too, under another name (e.g. "
+                         f"{shared[0]}: a link to, or a hard link of, a file of {train_dir}); int8 judged on its own "
+                         "calibration images says nothing about other images: give --val-split a folder of other images")
     if num_classes is not None and info.names_recorded:
         calib, evaluated = (_in_model_order(split, info) for split in (calib, evaluated))
     if all_calibration_images and len(calib.images) < calibration_images:
@@ -179,11 +187,26 @@ def calibration_and_evaluation(
     return calib, evaluated
 
 
+def same_files(these: Sequence[str], those: Sequence[str]) -> list[str]:
+    """The files of ``those`` that are one of ``these`` under any name (a link to it, or a hard link: the same
+    device and inode)."""
+    def identity(path: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    ids = {identity(p) for p in these} - {None}
+    return [p for p in those if identity(p) in ids]
+
+
 def _in_model_order(split: LabelledImages, info: ModelInfo) -> LabelledImages:
     """``split`` (checked by :func:`~cgavit.classes.check_classes`) labelled with the checkpoint's indices
     of its class names."""
     index = model_indices(split.classes, info)
-    return LabelledImages(split.images, index[split.labels], split.source, list(info.class_names), split.available)
+    return LabelledImages(split.images, index[split.labels], split.source, list(info.class_names), split.available,
+                          split.files)
 
 
 def path_label(precision: str, runtime: str, compile: bool = True) -> str:
