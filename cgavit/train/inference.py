@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE
+from ..classes import check_classes, model_indices
 from ..deploy import ExportInfo, open_exported
 from ..factory import ModelInfo, load_model
 from ..imagenet import class_names, imagenet_classes
@@ -189,22 +190,17 @@ def split_for_model(split_dir: Path, info: ModelInfo, num_classes: int) -> tuple
             count that differs from the model's.
     """
     classes, samples = list_split(split_dir)
+    try:
+        check_classes(split_dir, classes, info, num_classes, subset=True)
+    except ValueError as err:
+        raise DataError(str(err)) from None
     if not info.names_recorded:
-        if len(classes) != num_classes:
-            raise DataError(f"{split_dir} has {len(classes)} class folders but the model predicts {num_classes} classes")
         return classes, samples
-    index = {name: i for i, name in enumerate(info.class_names)}
-    unknown = [c for c in classes if c not in index]
-    if unknown:
-        raise DataError(
-            f"{split_dir} has class folders the checkpoint was not trained on: {', '.join(map(repr, unknown[:5]))}"
-            f"{' ...' if len(unknown) > 5 else ''}; its classes are {', '.join(map(repr, info.class_names[:10]))}"
-            f"{' ...' if len(info.class_names) > 10 else ''}. Evaluate on a folder of those classes"
-        )
     if classes != list(info.class_names):
         log.warning("evaluating %d of the checkpoint's %d classes (%s), matched by name", len(classes),
                     len(info.class_names), ", ".join(classes[:5]) + (" ..." if len(classes) > 5 else ""))
-    return list(info.class_names), [(path, index[classes[label]]) for path, label in samples]
+    index = model_indices(classes, info).tolist()
+    return list(info.class_names), [(path, index[label]) for path, label in samples]
 
 
 def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size: int = 1, workers: int = 0) -> None:
