@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -303,6 +307,53 @@ def test_command_serves_on_localhost():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+SLOW_ATTENTION = """
+import sys, torch
+from cgavit.explorer import image_attention
+plain = image_attention.ImageAttention.attention
+def slow(self, *args, **kwargs):  # a second inside torch's own code, with the GIL let go in each product
+    print("computing", flush=True)
+    x = torch.randn(384, 384)
+    for _ in range(400):
+        x = torch.tanh(x @ x)
+    return plain(self, *args, **kwargs)
+image_attention.ImageAttention.attention = slow
+from cgavit.cli import main
+sys.exit(main(["explore", "--port", "0"]))
+"""
+
+
+def test_ctrl_c_while_a_request_computes_exits_cleanly():
+    """Ctrl-C while a handler thread is inside torch: the server waits for it, and the process ends with
+    status 0. (It used to exit with the thread still there and abort: "terminate called without an active
+    exception", SIGABRT.)"""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_ATTENTION], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    try:
+        while not (match := re.search(r"http://127\.0\.0\.1:(\d+)/", line := proc.stdout.readline())):
+            assert line, "".join(lines)
+            lines.append(line)
+        srv = SimpleNamespace(server_address=("127.0.0.1", int(match.group(1))))
+        status, reply = get_json(srv, "/api/image", "POST", png_bytes())
+        assert status == 200, reply
+        def ask():  # its reply never comes: the server is stopped while it computes
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                request(srv, "GET", f"/api/attention?image={reply['image_id']}&block=0")
+
+        threading.Thread(target=ask, daemon=True).start()
+        while (line := proc.stdout.readline()) != "computing\n":
+            assert line, "".join(lines)
+            lines.append(line)
+        time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "terminate called" not in rest
 
 
 def test_command_rejects_bad_options(capsys):

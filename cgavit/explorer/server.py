@@ -169,6 +169,7 @@ class ExplorerServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self._saturated = False  # the last slot wait ran out and no slot has been taken since
         self._held: set[socket.socket] = set()  # connections holding a slot
+        self._workers: set[threading.Thread] = set()  # the threads serving them
         self._held_lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}
         self._deadlines_lock = threading.Lock()
@@ -198,10 +199,34 @@ class ExplorerServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
+        with self._held_lock:
+            self._workers.add(threading.current_thread())
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._give_back(request)
+            with self._held_lock:
+                self._workers.discard(threading.current_thread())
+
+    def server_close(self) -> None:
+        """Stop listening, cut the open connections, and wait (up to ``request_timeout``) for their threads.
+
+        Handler threads are daemons, and one still inside torch when the interpreter exits is stopped
+        there: the process aborts ("terminate called without an active exception", SIGABRT) where a
+        Ctrl-C should end it with status 0. Cut off, a waiting handler's read ends at once; one that is
+        computing finishes its computation, and its reply fails.
+        """
+        super().server_close()
+        with self._held_lock:
+            held, workers = list(self._held), list(self._workers)
+        for conn in held:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        end = time.monotonic() + self.limits.request_timeout
+        for worker in workers:
+            worker.join(max(0.0, end - time.monotonic()))
 
     def _give_back(self, request: socket.socket) -> None:
         """Release ``request``'s connection slot, if it still holds one."""
