@@ -122,6 +122,21 @@ def test_bf16_within_tolerance():
     assert 0 < err <= TOLERANCE["bf16"]  # reduced precision really ran, within its stated tolerance
 
 
+def test_torch_path_follows_to_and_copies():
+    """``.double()`` / ``.to(dtype)`` on the torch path's module: the input is cast to what its weights are now
+    (it was cast to the dtype of build time, and the call failed: "Input type (float) and bias type (double)")."""
+    import copy
+
+    model = tiny()
+    x = torch.randn(2, 3, 64, 64)
+    fast = optimize(model, x, backend="torch", compile=False)
+    with torch.no_grad():
+        reference = model(x)
+        assert rel_err(copy.deepcopy(fast)(x), reference) <= 1e-5
+        assert rel_err(fast.double()(x), reference) <= 1e-5 and fast(x).dtype == torch.float32
+        assert rel_err(fast.to(torch.bfloat16)(x), reference) <= TOLERANCE["bf16"]
+
+
 def test_optimize_rejects_bad_arguments():
     model = tiny()
     with pytest.raises(ValueError, match="fp16 runs in the Triton kernel on a CUDA GPU only; on the CPU use fp32"):

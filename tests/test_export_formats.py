@@ -481,3 +481,49 @@ def test_an_upper_case_suffix_names_the_file_its_format_writes(suffix, tmp_path,
     given = tmp_path / f"m{suffix.upper()}"
     assert main(["export", "--model", "m0", "--img-size", "64", "--output", str(given)]) == 0, capsys.readouterr().err
     assert (tmp_path / f"m{suffix}").is_file() and f"wrote {tmp_path / f'm{suffix}'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", [".onnx", ".xml"])
+def test_an_opened_file_is_its_own_copy_and_serves_threads(suffix, digits_exports, trained_digits, tmp_path):
+    """An opened OpenVINO file was memory-mapped: its .bin rewritten in place changed the logits without a word (cut
+    short, SIGBUS). Threads sharing one OpenVINO module got "Infer Request is busy" or another call's logits. Each
+    runtime's module now holds its model in memory and serves one call at a time; neither can be copied, and says so."""
+    import copy
+    import threading
+
+    from cgavit.deploy import open_exported
+
+    if suffix not in digits_exports:
+        pytest.skip("runtime missing")
+    path = tmp_path / f"m{suffix}"
+    shutil.copy(digits_exports[suffix], path)
+    if suffix == ".xml":
+        shutil.copy(digits_exports[suffix].with_suffix(".bin"), path.with_suffix(".bin"))
+    module, _ = open_exported(path)
+    images = trained_digits.images[:48]
+    batches = list(images.split(6))
+    expected = [module(b) for b in batches]
+    for written in [path, path.with_suffix(".bin")] if suffix == ".xml" else [path]:
+        written.write_bytes(bytes(written.stat().st_size))  # the same size, all zeros
+    results, errors = {}, []
+
+    def serve(worker: int) -> None:
+        try:
+            for _ in range(5):
+                for i in range(worker, len(batches), 4):
+                    results.setdefault(i, []).append(module(batches[i]))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=serve, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, outs in results.items():
+        for out in outs:
+            torch.testing.assert_close(out, expected[i], rtol=0, atol=0)
+    torch.testing.assert_close(module(images[:5]), torch.cat(expected)[:5], rtol=1e-5, atol=1e-5)  # a new batch size
+    with pytest.raises(TypeError, match="cannot be copied or pickled: keep the file"):
+        copy.deepcopy(module)

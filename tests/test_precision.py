@@ -5,6 +5,8 @@ bf16 and int8 must keep fp32's decisions (top-1 agreement >= 99.5 %, accuracy wi
 The check must be able to fail: the same model with scrambled weights misses it.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -303,6 +305,33 @@ def test_auto_skips_a_path_that_misses_the_target(trained_digits, monkeypatch):
     fast = optimize(model, trained_digits.images[:8], "auto", calibration=trained_digits.calibration(),
                     compile=False, features=features(EPYC_AVX2))
     assert fast.choice.precision == "fp32"
+    # its reason names what it passed over, and why (it said only why fp32 qualifies)
+    passed = fast.choice.reason.split("; passed over: ")[1]
+    assert "int8 openvino (not tried: openvino is not installed)" in passed
+    assert re.search(r"int8 onnxruntime \(top-1 agreement [\d.]+% on 256 images, .*MISSES the target\)", passed)
+
+
+def test_auto_says_which_paths_it_did_not_try(trained_digits):
+    """Without calibration images the AMX row's int8 paths are not tried, and the reason says so."""
+    fast = optimize(trained_digits.model, trained_digits.images[:8], "auto", compile=False, features=features(XEON_AMX))
+    assert "int8 openvino (not tried: int8 needs calibration= images or a quantized= file)" in fast.choice.reason
+
+
+def test_auto_refuses_images_whose_logits_are_not_finite(trained_digits):
+    """One all-NaN image: fixed fp32 refused it, and auto took bf16 saying "relative logit error nan: meets the
+    target"."""
+    x = trained_digits.images[:4].clone()
+    x[1] = float("nan")
+    with pytest.raises(ValueError, match="the model's logits on the example input are not finite"):
+        optimize(trained_digits.model, x, "auto", compile=False, features=features(XEON_AMX))
+
+
+def test_calibration_is_refused_where_nothing_uses_it(trained_digits):
+    x = trained_digits.images[:8]
+    for precision in ("fp32", "bf16"):
+        with pytest.raises(ValueError, match=f"calibration= is for int8 .*precision='{precision}' does not use them"):
+            optimize(trained_digits.model, x, precision, backend="torch", compile=False,
+                     calibration=trained_digits.calibration(16))
 
 
 def test_images_that_would_not_fit_in_memory_are_refused_before_loading(trained_digits, monkeypatch):

@@ -64,18 +64,40 @@ def auto_candidates(
     """
     cls = features.cpu_class
     out = []
-    for precision, backend in _with_artifact(AUTO_RULES[cls], quantized_runtime):
-        artifact = precision == "int8" and backend == quantized_runtime
-        if precision == "int8" and not calibration_given and not artifact:
-            continue
-        if not available(backend):
+    for precision, backend, why_not in _row(features, calibration_given, available, quantized_runtime):
+        if why_not:
             continue
         reason = f"CPU {features.describe()}; {RULE_EVIDENCE[cls]}"
-        if artifact:
+        if precision == "int8" and backend == quantized_runtime:
             reason += "; the quantized artifact given, kept if its recorded verdict meets the target"
         if precision != "fp32":
             reason += f"; kept only with top-1 agreement >= {100 * AGREEMENT_TARGET:.1f}% against fp32"
         out.append(PathChoice(precision, backend, cls, reason))
+    return out
+
+
+def untried_paths(
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool],
+    quantized_runtime: str | None = None,
+) -> list[str]:
+    """The paths of this CPU's row that :func:`auto_candidates` leaves out, each with why (same arguments)."""
+    return [f"{precision} {backend} ({why_not})"
+            for precision, backend, why_not in _row(features, calibration_given, available, quantized_runtime) if why_not]
+
+
+def _row(
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool], quantized_runtime: str | None,
+) -> list[tuple[str, str, str | None]]:
+    """The CPU's row as ``(precision, backend, why it is not tried or None)``."""
+    out = []
+    for precision, backend in _with_artifact(AUTO_RULES[features.cpu_class], quantized_runtime):
+        artifact = precision == "int8" and backend == quantized_runtime
+        why_not = None
+        if precision == "int8" and not calibration_given and not artifact:
+            why_not = "not tried: int8 needs calibration= images or a quantized= file"
+        elif not available(backend):
+            why_not = f"not tried: {backend} is not installed"
+        out.append((precision, backend, why_not))
     return out
 
 

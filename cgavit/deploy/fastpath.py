@@ -19,7 +19,7 @@ from ..kernels import load as load_kernels
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
 from .artifact import QuantizedArtifact, quantized_artifact
-from .auto import auto_candidates, precision_warning
+from .auto import auto_candidates, precision_warning, untried_paths
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse
 from .int8 import fastest_float_part
@@ -71,6 +71,13 @@ class OptimizedModel(RuntimeModule):
         with torch.no_grad():
             out = self.inner(x.to(dtype=self.dtype, memory_format=fmt))
         return out.float()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)``, ``.double()``, ``.half()``: the input is cast to what the weights are now."""
+        super()._apply(fn, recurse)
+        weight = next((t for t in self.inner.parameters() if t.is_floating_point()), None)
+        self.dtype = self.dtype if weight is None else weight.dtype
+        return self
 
 
 def backend_available(backend: str) -> bool:
@@ -181,6 +188,9 @@ def _checked_inputs(
     if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4 or len(example_input) == 0:
         raise ValueError("example_input must be an image batch tensor (B, C, H, W) of at least one image, e.g. "
                          "torch.randn(16, 3, 224, 224); the result then runs any batch size, 0 included")
+    if calibration is not None and precision not in ("int8", "auto"):
+        raise ValueError(f"calibration= is for int8 (and precision='auto'): the images int8's activation ranges are "
+                         f"set on; precision={precision!r} does not use them, so leave it out")
     batches = None if calibration is None else list(calibration)
     if batches is not None and not batches:
         raise ValueError("calibration is empty: give image batches (a few hundred training images), or None")
@@ -293,8 +303,7 @@ def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tens
         err = rel_err(result(example_input), reference)
     log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
     if not math.isfinite(err):
-        raise ValueError("the model's logits on example_input are not finite (NaN or inf), so no path can be checked "
-                         "against them: check the weights and the example batch")
+        raise _not_finite("example_input")
     if err > TOLERANCE[precision]:
         raise RuntimeError(
             f"the {precision} path differs from the plain model by {err:.2e} (relative), above its "
@@ -309,31 +318,25 @@ def _optimize_auto(
     evaluation: list[torch.Tensor] | None = None,
 ) -> RuntimeModule:
     """``precision="auto"``: the first path of the CPU's rule-table row that meets the agreement target on the
-    ``evaluation`` images (else the calibration images, else the example)."""
-    if artifact is not None and tuple(example_input.shape[2:]) != tuple(artifact.img_size):
-        raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
-                         f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
-    outputs = getattr(artifact.module, "output_shape", None) if artifact is not None else None
-    classes = getattr(model, "num_classes", None)
-    if outputs and outputs[-1] is not None and isinstance(classes, int) and outputs[-1] != classes:
-        raise ValueError(f"the quantized artifact returns {outputs[-1]} logits and the model {classes}: it is another "
-                         "model's file; give the one cgavit quantize wrote for this model")
+    ``evaluation`` images (else the calibration images, else the example); its reason names the paths passed over."""
+    _check_artifact_fits(model, example_input, artifact)
     if features is None:  # a GPU
-        candidates = [PathChoice("fp32", "torch", "cuda", "on a GPU auto runs fp32 torch")]
+        candidates, passed = [PathChoice("fp32", "torch", "cuda", "on a GPU auto runs fp32 torch")], []
     else:
-        candidates = auto_candidates(features, calibration is not None, backend_available,
-                                     artifact.runtime if artifact else None)
-    judged_on = evaluation or calibration or [example_input]
+        row = (features, calibration is not None, backend_available, artifact.runtime if artifact else None)
+        candidates, passed = auto_candidates(*row), untried_paths(*row)
     where = "the evaluation images" if evaluation else "the calibration images" if calibration else "the example input"
-    images = torch.cat(judged_on)
+    images = torch.cat(evaluation or calibration or [example_input])
     reference = batched_logits(fuse(model), images)
+    if not torch.isfinite(reference).all():
+        raise _not_finite(where)
     in_row = artifact is not None and ("int8", artifact.runtime) in [(c.precision, c.backend) for c in candidates]
     unused = "this CPU's rule-table row does not run it" if artifact is not None and not in_row else None
     for cand in candidates:
         given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
         if given and not artifact.trusted:
             unused = "its recorded verdict misses the target"
-            log.info("optimize auto: %s skipped, %s", artifact.describe(), unused)
+            passed.append(f"{artifact.describe()} ({unused})")
             continue
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
         openvino_int8 = features is not None and (cand.precision, cand.backend) == ("int8", "openvino")
@@ -344,26 +347,53 @@ def _optimize_auto(
         if agreement is None or agreement.meets_target:
             cand = PathChoice(cand.precision, cand.backend, cand.cpu_class, f"{cand.reason}; {artifact.describe()}") \
                 if given else cand
-            result.choice = _with_measurement(cand, agreement, where)
+            result.choice = _with_measurement(cand, agreement, where, passed)
             break
         log.info("optimize auto: %s %s skipped, %s", cand.precision, cand.backend, agreement.describe())
+        passed.append(f"{cand.precision} {cand.backend} ({agreement.describe()})")
         if given:
             unused = f"on {where} {agreement.describe()}"
     log.info("optimize auto: chose %s", result.choice.describe())
-    if artifact is not None and result is not artifact.module and unused is None:  # a path before it was taken
-        unused = (f"{result.choice.precision} {result.choice.backend} comes before it in this CPU's rule-table row "
-                  "and met the target")
-    if artifact is not None and result is not artifact.module:  # asked for by name: say why it was not taken
-        warnings.warn(f"optimize: the quantized artifact was not used ({unused}); chose {result.choice.precision} "
-                      f"{result.choice.backend}", RuntimeWarning, stacklevel=3)
+    _warn_if_artifact_unused(artifact, result, unused)
     if check:
         with torch.no_grad():
             result.rel_err = rel_err(result(example_input), batched_logits(fuse(model), example_input))
     return result
 
 
-def _with_measurement(choice: PathChoice, agreement: Agreement | None, where: str) -> PathChoice:
-    if agreement is None:
-        return choice
-    reason = f"{choice.reason}; measured on {where}: {agreement.describe()}"
+def _check_artifact_fits(model: nn.Module, example_input: torch.Tensor, artifact: QuantizedArtifact | None) -> None:
+    """Refuse an artifact made for another image size or another model (its number of logits)."""
+    if artifact is None:
+        return
+    if tuple(example_input.shape[2:]) != tuple(artifact.img_size):
+        raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
+                         f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
+    outputs = getattr(artifact.module, "output_shape", None)
+    classes = getattr(model, "num_classes", None)
+    if outputs and outputs[-1] is not None and isinstance(classes, int) and outputs[-1] != classes:
+        raise ValueError(f"the quantized artifact returns {outputs[-1]} logits and the model {classes}: it is another "
+                         "model's file; give the one cgavit quantize wrote for this model")
+
+
+def _warn_if_artifact_unused(artifact: QuantizedArtifact | None, result: RuntimeModule, unused: str | None) -> None:
+    """The artifact was asked for by name: when ``auto`` took another path, say why."""
+    if artifact is None or result is artifact.module:
+        return
+    if unused is None:  # a path before it was taken
+        unused = (f"{result.choice.precision} {result.choice.backend} comes before it in this CPU's rule-table row "
+                  "and met the target")
+    warnings.warn(f"optimize: the quantized artifact was not used ({unused}); chose {result.choice.precision} "
+                  f"{result.choice.backend}", RuntimeWarning, stacklevel=4)
+
+
+def _not_finite(where: str) -> ValueError:
+    return ValueError(f"the model's logits on {where} are not finite (NaN or inf), so no path can be checked against "
+                      "them: check the weights and the images")
+
+
+def _with_measurement(choice: PathChoice, agreement: Agreement | None, where: str, passed: list[str]) -> PathChoice:
+    """``choice`` with its measurement on ``where`` and the paths passed over before it added to its reason."""
+    reason = choice.reason if agreement is None else f"{choice.reason}; measured on {where}: {agreement.describe()}"
+    if passed:
+        reason += f"; passed over: {'; '.join(passed)}"
     return PathChoice(choice.precision, choice.backend, choice.cpu_class, reason)

@@ -119,6 +119,8 @@ class OnnxModule(RuntimeModule):
             or an output.
     """
 
+    copyable = False
+
     def __init__(self, path: str | os.PathLike | bytes, threads: int | None = None, precision: str = "fp32") -> None:
         super().__init__(precision)
         ort = _onnxruntime()

@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -108,9 +109,15 @@ def kept_signal_stack():
 @functools.cache
 def _core():
     """The process's one ``openvino.Core``: its CPU plugin is made once and lives as long as the process
-    (each Core makes its own, with an alternate signal stack; see :func:`kept_signal_stack`)."""
+    (each Core makes its own, with an alternate signal stack; see :func:`kept_signal_stack`).
+
+    It reads a ``.bin`` into memory rather than mapping it: a mapped file rewritten after it was opened
+    (``cp other.bin m.bin``) changed a model's logits without a word, and cut short, killed the process
+    with SIGBUS at its next call."""
     with kept_signal_stack():
-        return _openvino().Core()
+        core = _openvino().Core()
+    core.set_property({"ENABLE_MMAP": False})
+    return core
 
 
 def compile_cpu(model, config: dict):
@@ -505,6 +512,8 @@ class OpenVinoModule(RuntimeModule):
         ValueError: an unknown precision or float part, or a file :func:`read_openvino` refuses.
     """
 
+    copyable = False
+
     def __init__(self, model, threads: int | None = None, precision: str = "fp32", float_part: str = "fp32") -> None:
         super().__init__(precision)
         if precision not in PRECISION_HINT:
@@ -522,6 +531,7 @@ class OpenVinoModule(RuntimeModule):
         self.config = {"INFERENCE_NUM_THREADS": threads or torch.get_num_threads(), "NUM_STREAMS": 1,
                        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": hint}
         self.compiled: dict[int, object] = {}  # batch size -> compiled model
+        self._lock = threading.Lock()
 
     def compiled_for(self, batch: int):
         """The model compiled for inputs of ``batch`` images (compiled on first use)."""
@@ -533,8 +543,11 @@ class OpenVinoModule(RuntimeModule):
         return self.compiled[batch]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.compiled_for(len(x))(x.detach().float().contiguous().numpy())[0]
-        return torch.from_numpy(out.copy())
+        # one call at a time: a compiled model's own call uses one infer request, and threads sharing it got
+        # "Infer Request is busy" or, silently, another call's logits
+        with self._lock:
+            out = self.compiled_for(len(x))(x.detach().float().contiguous().numpy())[0]
+            return torch.from_numpy(out.copy())
 
 
 def read_openvino(path: str | os.PathLike):

@@ -47,12 +47,22 @@ class RuntimeModule(nn.Module):
     """
 
     input_shape: tuple[int | None, ...] | None = None
+    #: Whether it can be copied and pickled (``copy.deepcopy``, ``torch.save``): a torch module can; a runtime's
+    #: compiled session cannot, and says so in one line instead of the runtime's TypeError.
+    copyable: bool = True
 
     def __init__(self, precision: str = "fp32") -> None:
         super().__init__()
         self.precision = precision
         self.rel_err: float | None = None
         self.choice: PathChoice | None = None
+
+    def __reduce_ex__(self, protocol):
+        if not self.copyable:
+            raise TypeError(f"this {type(self).__name__} holds a runtime's compiled model, which cannot be copied or "
+                            "pickled: keep the file (cgavit export or quantize) and open it again with "
+                            "cgavit.deploy.open_exported, or call optimize again")
+        return super().__reduce_ex__(protocol)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         takes = self.input_shape
@@ -80,6 +90,7 @@ class FixedBatchModule(RuntimeModule, ABC):
     outputs dropped. Subclasses set ``self.batch`` and implement :meth:`run_batch`."""
 
     batch: int = 1
+    copyable = False
 
     @abstractmethod
     def run_batch(self, x: torch.Tensor) -> torch.Tensor:
