@@ -34,7 +34,7 @@ from .schema import (
     training_meta,
 )
 from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS
-from .weights import EMA_KEYS, WeightsFile, read_weights_file, unwrap_state_dict
+from .weights import EMA_KEYS, WeightsFile, read_state_dict, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,11 @@ def create_model(
 
     Args:
         name: ``efficientvit_m0`` ... ``efficientvit_m5`` (``m4`` and timm tags accepted).
-        pretrained: fetch the official ImageNet-1k release file into the torch hub cache and load it.
+        pretrained: fetch the official ImageNet-1k release file into the torch hub cache and load it
+            (:func:`load_pretrained`; ``in_chans`` must be 3).
         checkpoint_path: load weights from this file (official, timm or cgavit format).
-        num_classes: classifier outputs; a loaded checkpoint with another count keeps its body and
-            drops its classifier (logged), as fine-tuning needs.
+        num_classes: classifier outputs, 0 for none (pooled features, as in timm); a loaded checkpoint
+            with another count keeps its body and drops its classifier (logged), as fine-tuning needs.
         in_chans: input channels.
         img_size: size the model is built for (sets the attention windows); any size >= 32 runs.
         distillation: add the distillation head.
@@ -89,6 +90,7 @@ def create_model(
 
     Raises:
         ValueError: unknown name, an argument of the wrong type, or a dial combination that cannot work.
+        CheckpointError: weights that cannot be loaded (see :func:`load_pretrained`, :func:`load_checkpoint`).
     """
     key = resolve_name(name)
     info = VARIANTS[key]
@@ -98,16 +100,48 @@ def create_model(
     model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key)
     if pretrained:
-        if dials:
-            log.warning("loading published weights into a model with changed dials %s", sorted(dials))
-        cached = download_release(info.url)
-        try:
-            load_checkpoint(model, cached)
-        except CheckpointError as err:  # a cached file damaged since (or cached by an older version unchecked)
-            raise CheckpointError(f"{err}; delete {cached} to download it again") from None
+        load_pretrained(model, key)
     elif checkpoint_path is not None:
         load_checkpoint(model, checkpoint_path)
     return model
+
+
+def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
+    """Load the published ImageNet-1k weights of variant ``name`` into ``model``, downloading the release
+    file once into the torch hub cache (:func:`cgavit.hub.download_release`). As :func:`load_checkpoint`:
+    a classifier for another class count (or the whole classifier, for ``num_classes=0``) is dropped and
+    attention-bias tables of other windows are resized.
+
+    Returns:
+        ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
+
+    Raises:
+        CheckpointError: ``model`` cannot take them (``in_chans`` other than 3, or changed dials: the message
+            names them); the download failed; or the cached file is damaged (the message says which file to
+            delete).
+        WriteError: the cache folder cannot be written.
+    """
+    key = resolve_name(name)
+    published = f"the published {key} weights"
+    if model.in_chans != 3:  # refused, not adapted: summing or repeating the RGB filters is a guess, not these weights
+        raise CheckpointError(f"{published} are for in_chans=3; in_chans={model.in_chans} cannot load them: build "
+                              "the model with in_chans=3 (and feed RGB images), or without pretrained=True")
+    changed = [f"{k}={getattr(model.cfg, k)!r}" for k in model.cfg.__dataclass_fields__
+               if getattr(model.cfg, k) != getattr(VARIANTS[key].cfg, k)]
+    if changed:
+        log.warning("loading published weights into a model with changed dials %s", ", ".join(changed))
+    cached = download_release(VARIANTS[key].url)
+    try:
+        sd = read_state_dict(cached)
+    except CheckpointError as err:  # the file itself: damaged since, or cached unchecked by an older version
+        raise CheckpointError(f"{err}; it is the download cache: delete {cached} to download it again") from None
+    try:
+        return load_checkpoint(model, sd, source=str(cached))
+    except CheckpointError as err:
+        if changed:  # the caller's dials, not the file
+            raise CheckpointError(f"{published} are for the paper's design; {', '.join(changed)} cannot load them: "
+                                  f"{err}. Drop those options to use them, or train with them without pretrained=True") from None
+        raise CheckpointError(f"{err}; it is not {published}: delete {cached} to download it again") from None
 
 
 @dataclass

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from .io import CheckpointError
+from .io import CheckpointError, WriteError, make_folder, write_reason
+
+try:
+    from tqdm import tqdm  # the progress bar torch.hub shows; optional (the deploy extra has no tqdm)
+except ImportError:
+    tqdm = None
 
 log = logging.getLogger(__name__)
 
 #: Set to a folder URL to fetch the release file names from a mirror instead.
 MIRROR_ENV = "CGAVIT_WEIGHTS_MIRROR"
+#: Seconds a download waits for the server to answer, or for its next bytes, before it gives up.
+STALL_TIMEOUT = 60.0
+_CHUNK = 128 * 1024  # bytes read at a time (torch.hub's size)
+_MOVE_CACHE = "set TORCH_HOME=DIR (or call torch.hub.set_dir(DIR)) to keep the weights cache in a folder you can write"
 
 
 def release_url(url: str) -> str:
@@ -22,35 +38,142 @@ def release_url(url: str) -> str:
     return f"{mirror.rstrip('/')}/{url.rsplit('/', 1)[-1]}" if mirror else url
 
 
-def download_release(url: str, progress: bool = True) -> Path:
+def download_release(url: str, progress: bool = True, timeout: float | None = None) -> Path:
     """Fetch a release file into ``<torch hub dir>/checkpoints`` (once) and return its path.
 
-    The file is downloaded beside its place and moved there only once it reads as a weights file (a safe
-    ``torch.load``): a download cut short, or an error page a proxy served, is never cached.
+    The file is streamed into a temporary file of its own beside its place (so threads and processes
+    downloading the same file at once do not meet) and moved there only once it reads as a weights file
+    (a safe ``torch.load``): a download cut short, or an error page a proxy served, is never cached.
+    Temporary files of earlier downloads whose process has ended are removed first.
+
+    Args:
+        url: the release file's URL (its folder replaced by ``$CGAVIT_WEIGHTS_MIRROR`` when set; ``file://``
+            works too).
+        progress: show a progress bar on stderr (when tqdm is installed).
+        timeout: seconds to wait for the server to answer, or for the next bytes, before giving up;
+            default :data:`STALL_TIMEOUT`.
 
     Raises:
-        CheckpointError: the download failed or is not a weights file (the message says how to get the file
-            by hand).
+        CheckpointError: the download failed, stalled or is not a weights file (the message says how to get
+            the file by hand).
+        WriteError: the cache folder cannot be made or written (the message names it and how to move it).
     """
     url = release_url(url)
-    dst = Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    dst = folder / url.rsplit("/", 1)[-1]
     if dst.is_file() and dst.stat().st_size > 0:
         return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    log.info("downloading %s to %s", url, dst)
-    by_hand = f"Download it by hand and pass checkpoint_path=, or set {MIRROR_ENV} to a folder URL that serves it"
-    part = dst.with_name(f".{dst.name}.{os.getpid()}.part")
     try:
+        make_folder(folder, "torch hub cache folder")
+    except WriteError as err:
+        raise WriteError(err.errno, f"{err}; or {_MOVE_CACHE}") from None
+    timeout = STALL_TIMEOUT if timeout is None else timeout
+    _remove_dead_downloads(folder, dst.name, timeout)
+    log.info("downloading %s to %s", url, dst)
+    part = dst.with_name(f".{dst.name}.{os.getpid()}.{uuid.uuid4().hex}.part")  # one per call: threads too
+    try:
+        _fetch(url, part, timeout, progress)
+        _check_weights(part, url)
         try:
-            torch.hub.download_url_to_file(url, str(part), progress=progress)
-        except Exception as err:
-            raise CheckpointError(f"could not download {url} ({err}). {by_hand}") from None
-        try:
-            torch.load(part, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointError(f"the download of {url} is not a weights file (cut short, or an error page: "
-                                  f"{' '.join(str(err).split())[:200]}); nothing was cached. {by_hand}") from None
-        os.replace(part, dst)
+            os.replace(part, dst)
+        except OSError as err:
+            if not (dst.is_file() and dst.stat().st_size > 0):  # else another download put it there first
+                raise _cache_error(folder, err) from None
     finally:
         part.unlink(missing_ok=True)
     return dst
+
+
+def _by_hand() -> str:
+    return f"Download it by hand and pass checkpoint_path=, or set {MIRROR_ENV} to a folder URL that serves it"
+
+
+def _cache_error(folder: Path, err: OSError) -> WriteError:
+    code, reason, advice = write_reason(err, folder)
+    return WriteError(code, f"cannot write into the torch hub cache folder {folder}: {reason}; {advice}, or {_MOVE_CACHE}")
+
+
+def _fetch(url: str, part: Path, timeout: float, progress: bool) -> None:
+    """Stream ``url`` into the new file ``part``, giving up when no byte comes for ``timeout`` seconds."""
+    try:
+        out = open(part, "xb")
+    except OSError as err:
+        raise _cache_error(part.parent, err) from None
+    try:
+        with out, urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "cgavit"}),
+                                         timeout=timeout) as response:
+            size = int(response.headers.get("Content-Length") or 0) or None
+            got = _copy(response, out, size, progress)
+    except WriteError:
+        raise
+    except (OSError, ValueError, http.client.HTTPException) as err:  # URLError and socket timeouts are OSErrors
+        if isinstance(err, urllib.error.HTTPError):
+            err.close()  # it holds the error page's connection
+        if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+            raise CheckpointError(f"could not download {url}: no data for {timeout:g} s (the server or mirror does "
+                                  f"not answer); nothing was cached. {_by_hand()}") from None
+        raise CheckpointError(f"could not download {url} ({err}). {_by_hand()}") from None
+    if size is not None and got < size:
+        raise CheckpointError(f"could not download {url}: the connection closed after {got} of {size} bytes; "
+                              f"nothing was cached. Try again. {_by_hand()}")
+
+
+def _copy(response: BinaryIO, out: BinaryIO, size: int | None, progress: bool) -> int:
+    """Copy ``response`` into ``out`` (a progress bar on stderr when asked and tqdm is installed); bytes copied."""
+    bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress) if tqdm else None
+    got = 0
+    try:
+        while chunk := response.read(_CHUNK):
+            try:
+                out.write(chunk)
+            except OSError as err:  # a full disk: the cache's problem, not the server's
+                raise _cache_error(Path(out.name).parent, err) from None
+            got += len(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+    return got
+
+
+def _check_weights(part: Path, url: str) -> None:
+    """Raise unless the downloaded ``part`` reads as a weights file (safely: no code runs)."""
+    try:
+        torch.load(part, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"the download of {url} is not a weights file (cut short, or an error page: "
+                              f"{' '.join(str(err).split())[:200]}); nothing was cached. {_by_hand()}") from None
+
+
+def _remove_dead_downloads(folder: Path, name: str, timeout: float) -> None:
+    """Remove the temporary files of earlier downloads of ``name`` that a killed process left in ``folder``.
+
+    A temporary's name holds its process id (``.NAME.PID.*.part``, and ``.NAME.PID.part.*.partial`` of
+    earlier versions); one is stale when that process has ended and the file has not changed for ``timeout``
+    seconds. (:func:`cgavit.io.remove_stale_temporaries` clears every temporary of a folder nobody else writes
+    to; other processes may be downloading into this one.)
+    """
+    if os.name != "posix":  # os.kill(pid, 0) tests a process only there
+        return
+    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.(?:.+\.)?part(?:ial)?")
+    for path in folder.glob(f".{name}.*"):
+        match = pattern.fullmatch(path.name)
+        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        try:
+            if time.time() - path.stat().st_mtime > timeout:
+                path.unlink()
+                log.info("removed %s, left by a download that was stopped", path)
+        except OSError:
+            pass  # gone already, or not ours to remove: it only costs space
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no process id at all
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return True

@@ -33,9 +33,10 @@ def fit_state_dict(
     """``sd`` (official, timm or cgavit names) made to fit ``target`` (a model's state dict, on any
     device, meta included), after checking every tensor.
 
-    A classifier for another class count is dropped (left as initialised, as fine-tuning needs); a
-    distillation head absent on one side is skipped; attention-bias tables for another window are
-    resized bicubically; anything else that differs raises before anything is copied.
+    A classifier for another class count is dropped (left as initialised, as fine-tuning needs; all of it,
+    BatchNorm included, for a model without one, ``num_classes=0``); a distillation head absent on one side
+    is skipped; attention-bias tables for another window are resized bicubically; anything else that
+    differs raises before anything is copied.
 
     Returns:
         ``(fitted state dict, {"skipped": [...], "resized": [...], "missing": [...]})``.
@@ -64,14 +65,16 @@ def fit_state_dict(
 
 
 def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: object) -> None:
-    """Skip a distillation head the model lacks, and a classifier for another class count."""
+    """Skip a distillation head the model lacks, and a classifier for another class count: its linear
+    layer, or the whole classifier (its BatchNorm too) when the model has none (``num_classes=0``)."""
     for key in [k for k in sd if k.startswith("head_dist.") and k not in target]:
         report["skipped"].append(key)
         del sd[key]
     head_w = sd.get("head.linear.weight")
     want_w = target.get("head.linear.weight")
     if head_w is not None and (want_w is None or head_w.shape != want_w.shape):
-        for key in [k for k in sd if re.match(r"head(_dist)?\.linear\.", k)]:
+        headless = not any(k.startswith("head.") for k in target)
+        for key in [k for k in sd if re.match(r"head(_dist)?\." if headless else r"head(_dist)?\.linear\.", k)]:
             report["skipped"].append(key)
             del sd[key]
         log.info("checkpoint classifier has %d classes, the model %s: classifier left as initialised",
@@ -97,6 +100,8 @@ def load_checkpoint(
     path: str | os.PathLike | Mapping[str, torch.Tensor],
     trust: bool = False,
     prefer_ema: bool = False,
+    *,
+    source: str | None = None,
 ) -> dict[str, list[str]]:
     """Load official, timm or cgavit weights into ``model`` after checking every tensor
     (:func:`fit_state_dict`); weights holding NaN or inf are refused.
@@ -107,6 +112,7 @@ def load_checkpoint(
             ``{"state_dict": ...}``, with DDP's ``module.`` prefix or not), as ``torch.load`` returns it.
         trust: allow pickled objects in the file (runs code from it; only for files you trust).
         prefer_ema: take the EMA weights when the file holds both.
+        source: what messages call ``path`` (default: the path, or ``"state dict"`` for a mapping).
 
     Returns:
         ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
@@ -115,7 +121,7 @@ def load_checkpoint(
         CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
             and both shapes).
     """
-    source = "state dict" if isinstance(path, Mapping) else str(path)
+    source = source or ("state dict" if isinstance(path, Mapping) else str(path))
     raw = (unwrap_state_dict(path, source, prefer_ema) if isinstance(path, Mapping)  # as a file holding it
            else read_state_dict(path, trust=trust, prefer_ema=prefer_ema))
     sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))

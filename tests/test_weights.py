@@ -292,3 +292,72 @@ def test_a_download_that_is_no_weights_file_is_not_cached(tmp_path, monkeypatch)
     (cache / "efficientvit_m0.pth").write_bytes(b"damaged since")  # a cache gone bad says how to mend it
     with pytest.raises(CheckpointError, match="delete .*efficientvit_m0.pth to download it again"):
         cgavit.create_model("efficientvit_m0", pretrained=True)
+
+
+@pytest.fixture
+def published(tmp_path, monkeypatch):
+    """A release file of efficientvit_m0 (official names, a distillation head too) behind a file:// mirror,
+    and an empty torch hub cache; returns the model the file was made from."""
+    ref = randomize_(cgavit.create_model("efficientvit_m0", distillation=True), 4).eval()
+    (tmp_path / "mirror").mkdir()
+    torch.save({"model": ref.state_dict()}, tmp_path / "mirror" / "efficientvit_m0.pth")
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", (tmp_path / "mirror").as_uri())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
+    return ref
+
+
+def test_a_model_without_classifier_takes_pretrained_weights(published, tmp_path, caplog):
+    """D5: num_classes=0 (timm's feature extractor) kept the classifier's BatchNorm and failed, saying to delete a
+    good file."""
+    x = torch.randn(1, 3, 96, 96)
+    with caplog.at_level(logging.INFO, logger="cgavit.loading"):
+        model = cgavit.create_model("efficientvit_m0", pretrained=True, num_classes=0).eval()
+    assert "classifier has 1000 classes, the model 0" in caplog.text
+    file = tmp_path / "mirror" / "efficientvit_m0.pth"
+    headless = cgavit.create_model("efficientvit_m0", num_classes=0).eval()
+    report = load_checkpoint(headless, file)
+    assert {"head.bn.weight", "head.linear.weight", "head_dist.bn.weight"} <= set(report["skipped"])
+    with torch.no_grad():
+        want = published.forward_head(published.forward_features(x), pre_logits=True)
+        assert torch.equal(model(x), want) and torch.equal(headless(x), want)
+
+
+@pytest.mark.parametrize("kw, says", [(dict(in_chans=1), "are for in_chans=3; in_chans=1 cannot load them"),
+                                      (dict(cascade=False, group_split=False), "cascade=False, group_split=False cannot")],
+                         ids=["in_chans", "dials"])
+def test_arguments_that_refuse_pretrained_weights_are_named(published, kw, says):
+    """D6: a mismatch the caller's arguments caused said to delete the (good) cached file."""
+    with pytest.raises(CheckpointError, match=says) as info:
+        cgavit.create_model("efficientvit_m0", pretrained=True, **kw)
+    assert "delete" not in str(info.value)
+
+
+def test_detection_body_takes_what_torch_load_returns_and_names_the_file(tmp_path):
+    """D11: {"model": sd} passed as a mapping was refused at 'head.bn.weight'; a mismatch said 'state dict'."""
+    pytest.importorskip("torchvision")
+    from cgavit.detection.backbone import detection_body
+
+    sd = randomize_(cgavit.create_model("efficientvit_m0"), 2).state_dict()
+    torch.save({"model": sd}, tmp_path / "w.pth")
+    x = torch.randn(1, 3, 64, 64)
+    bodies = [detection_body("efficientvit_m0", held) for held in
+              ({"model": sd}, {"state_dict": {f"module.{k}": v for k, v in sd.items()}}, tmp_path / "w.pth")]
+    with torch.no_grad():
+        assert torch.equal(bodies[0].forward_features(x), bodies[2].forward_features(x))
+        assert torch.equal(bodies[1].forward_features(x), bodies[2].forward_features(x))
+    with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "w.pth")) + ": shape mismatch"):
+        detection_body("efficientvit_m0", tmp_path / "w.pth", key_dim=8)
+
+
+def test_a_damaged_cached_backbone_says_which_file_to_delete(published, tmp_path):
+    """D16: --pretrained-backbone imagenet read a damaged cached file without saying it is the cache to delete."""
+    pytest.importorskip("torchvision")
+    from cgavit.detection.backbone import detection_body
+
+    cache = tmp_path / "hub" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    (cache / "efficientvit_m0.pth").write_bytes((tmp_path / "mirror" / "efficientvit_m0.pth").read_bytes()[:300_000])
+    with pytest.raises(CheckpointError, match=re.escape(f"delete {cache / 'efficientvit_m0.pth'} to download it again")):
+        detection_body("efficientvit_m0", "imagenet")
+    (cache / "efficientvit_m0.pth").unlink()
+    detection_body("efficientvit_m0", "imagenet")

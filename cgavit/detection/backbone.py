@@ -22,12 +22,10 @@ from timm.layers import freeze_batch_norm_2d
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock
 
-from ..factory import create_model, resolve_name
-from ..hub import download_release
+from ..factory import create_model, load_pretrained, resolve_name
 from ..loading import load_checkpoint
-from ..model import EfficientViT, convert_state_dict
+from ..model import EfficientViT
 from ..variants import VARIANTS
-from ..weights import read_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +49,9 @@ def detection_body(
     Args:
         name: variant, ``efficientvit_m0`` ... ``efficientvit_m5``.
         pretrained: ImageNet weights: a checkpoint path in any supported format (official, timm,
-            cgavit), a state dict, or ``"imagenet"`` to download the official release file. The
+            cgavit), what ``torch.load`` returns from one (a state dict, wrapped or not, as
+            :func:`~cgavit.loading.load_checkpoint` takes it), or ``"imagenet"`` for the official release
+            file (:func:`cgavit.factory.load_pretrained`: downloaded once, a damaged cached copy named). The
             classifier is dropped and attention-bias tables of other windows (the 224-px models
             use 4x4 in the last stage) are resized bicubically. ``None``: random initialisation.
         trust: allow pickled objects in ``pretrained`` (only for files you trust).
@@ -69,13 +69,12 @@ def detection_body(
     cfg = cfg.with_dials(**dials) if dials else cfg
     build_size = max(512, 64 * max(cfg.window_size))  # stage 3 is at stride 64: res >= window
     body = create_model(name, num_classes=0, img_size=build_size, **dials)
-    if pretrained is not None:
+    if pretrained is not None:  # the classifier is dropped by the loader: the body has none
         if isinstance(pretrained, str) and pretrained == "imagenet":
-            pretrained = download_release(VARIANTS[resolve_name(name)].url)
-        raw = dict(pretrained) if isinstance(pretrained, Mapping) else read_state_dict(pretrained, trust=trust)
-        sd = {k: v for k, v in convert_state_dict(raw).items() if not k.startswith(("head.", "head_dist."))}
-        report = load_checkpoint(body, sd)
-        source = "state dict" if isinstance(pretrained, Mapping) else str(pretrained)
+            report, source = load_pretrained(body, name), f"the published {resolve_name(name)} weights"
+        else:
+            report = load_checkpoint(body, pretrained, trust=trust)
+            source = "state dict" if isinstance(pretrained, Mapping) else str(pretrained)
         log.info(
             "backbone weights from %s (classifier dropped; %d attention-bias tables resized to %dx%d windows)",
             source, len(report["resized"]), DETECTION_WINDOW, DETECTION_WINDOW,

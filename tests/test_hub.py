@@ -1,0 +1,182 @@
+"""The pretrained download (cgavit/hub.py) against a local HTTP server this file starts: servers that never
+answer or stall midway, downloads racing in threads, a cache folder that cannot be made, files left by killed
+downloads. No test reaches the network beyond 127.0.0.1."""
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import cgavit
+from cgavit import hub
+from cgavit.cli import main
+from cgavit.io import CheckpointError, WriteError
+
+NAME = "efficientvit_m0.pth"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """``/ok/NAME`` serves the file, ``/slow/NAME`` in pieces, ``/hang/NAME`` never answers, ``/hangmid/NAME``
+    sends the headers and 1000 bytes then stalls, ``/redir/NAME`` redirects to ``/ok/NAME``."""
+
+    protocol_version = "HTTP/1.1"
+    data = b""
+    release = threading.Event()  # set when the test ends: stalled handlers return
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        mode = self.path.split("/")[1]
+        if mode == "hang":
+            self.release.wait(30)
+            return
+        if mode == "redir":
+            self._send(302, b"", Location=f"/ok/{NAME}")
+            return
+        self._send(200, None, **{"Content-Length": str(len(self.data))})
+        if mode == "hangmid":
+            self.wfile.write(self.data[:1000])
+            self.wfile.flush()
+            self.release.wait(30)
+        elif mode == "slow":
+            for i in range(0, len(self.data), len(self.data) // 8 + 1):
+                self.wfile.write(self.data[i:i + len(self.data) // 8 + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        else:
+            self.wfile.write(self.data)
+
+    def _send(self, code, body, **headers):
+        self.send_response(code)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        if body is not None:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def release_bytes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("release") / NAME
+    torch.save({"model": cgavit.create_model("efficientvit_m0").state_dict()}, path)
+    return path.read_bytes()
+
+
+@pytest.fixture
+def server(release_bytes, tmp_path, monkeypatch):
+    """A local server (the address, ``http://127.0.0.1:PORT``), the mirror and an empty torch hub cache."""
+    handler = type("Handler", (_Handler,), {"data": release_bytes, "release": threading.Event()})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.setattr(hub, "STALL_TIMEOUT", 0.5, raising=False)
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    handler.release.set()
+    srv.shutdown()
+    srv.server_close()
+
+
+def _cache():
+    return os.path.join(torch.hub.get_dir(), "checkpoints")
+
+
+def _in_thread(call, seconds=20):
+    """Run ``call`` in a thread; its exception (or None), failing the test when it is still running after ``seconds``."""
+    out = []
+
+    def run():
+        try:
+            call()
+            out.append(None)
+        except Exception as err:
+            out.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: the download hangs"
+    return out[0]
+
+
+@pytest.mark.parametrize("mode", ["hang", "hangmid"])
+def test_a_server_that_stalls_ends_the_download_with_a_message(server, monkeypatch, mode):
+    """D4: a mirror that never answered, or stopped sending midway, hung pretrained=True forever."""
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/{mode}")
+    err = _in_thread(lambda: cgavit.create_model("efficientvit_m0", pretrained=True))
+    assert isinstance(err, CheckpointError), err
+    assert "no data for 0.5 s" in str(err) and "by hand" in str(err)
+    assert os.listdir(_cache()) == []  # nothing cached, no temporary left
+
+
+def test_files_left_by_killed_downloads_are_removed(server, monkeypatch):
+    """D4: a killed download left its temporary in the cache, and nothing ever removed it."""
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/ok")
+    os.makedirs(_cache())
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(ended.stdout)
+    left = [f".{NAME}.{dead}.part.0123abcd.partial", f".{NAME}.{dead}.0123abcd.part"]  # earlier and current names
+    kept = [f".{NAME}.{os.getppid()}.0123abcd.part", "other.pth"]  # a live process's download; another file
+    for name in left + kept:
+        path = os.path.join(_cache(), name)
+        open(path, "wb").close()
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert sorted(os.listdir(_cache())) == sorted([*kept, NAME])
+
+
+def test_downloads_of_one_file_in_threads_all_succeed(server, monkeypatch):
+    """D7: threads of one process shared the temporary file's name; all but one died on a FileNotFoundError."""
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/slow")
+    results = [None] * 3
+    start = threading.Barrier(3)
+
+    def load(i):
+        start.wait()
+        try:
+            cgavit.create_model("efficientvit_m0", pretrained=True)
+            results[i] = "ok"
+        except Exception as err:
+            results[i] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == ["ok"] * 3
+    assert os.listdir(_cache()) == [NAME]
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_clear_error(server, monkeypatch, tmp_path, capsys):
+    """D8: a TORCH_HOME under a file gave a NotADirectoryError traceback (exit 1)."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_HOME", str(blocker))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/ok")
+    with pytest.raises(WriteError, match=rf"cache folder {blocker}.*TORCH_HOME.*torch\.hub\.set_dir"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert main(["predict", str(tmp_path / "x.png"), "--model", "efficientvit_m0", "--pretrained", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "TORCH_HOME" in err and "Traceback" not in err
+
+
+def test_redirects_and_file_mirrors_still_work(server, monkeypatch, tmp_path, release_bytes):
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/redir")
+    cgavit.create_model("efficientvit_m0", pretrained=True)
+    with open(os.path.join(_cache(), NAME), "rb") as f:
+        assert f.read() == release_bytes
+    (tmp_path / "mirror").mkdir()
+    (tmp_path / "mirror" / NAME).write_bytes(release_bytes)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th2"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", (tmp_path / "mirror").as_uri())
+    cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert os.listdir(_cache()) == [NAME]
