@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -33,8 +34,8 @@ from cgavit import create_model  # noqa: E402
 from cgavit.cli import main  # noqa: E402
 from cgavit.detection import CocoDetection, check_coco, load_detector, write_shapes_dataset  # noqa: E402
 from cgavit.detection.checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_config  # noqa: E402
-from cgavit.detection.coco import decode_masks, encode_masks, segmentation_rle  # noqa: E402
-from cgavit.detection.engine import plot_losses  # noqa: E402
+from cgavit.detection.coco import coco_metrics, decode_masks, encode_masks, segmentation_rle  # noqa: E402
+from cgavit.detection.engine import param_groups, plot_losses, read_checkpoint  # noqa: E402
 from cgavit.detection.models import build_detector  # noqa: E402
 from cgavit.detection.schema import compressed_counts, segmentation_problem  # noqa: E402
 from cgavit.io import DataError, save_torch  # noqa: E402
@@ -718,3 +719,182 @@ def test_a_pickled_detection_checkpoint_is_refused_without_a_trust_hint(tmp_path
     with pytest.raises(CheckpointError, match="never writes") as err:
         load_detector(path)
     assert "--trust-checkpoint" not in str(err.value)
+
+
+# ------------------------------------------------------------------- review 4: the detection part
+def _train_argv(json_path, images, out, *extra) -> list[str]:
+    """``detect train`` of a RetinaNet m0 with trained BatchNorm at SIZE px, one epoch, on the CPU."""
+    return ["detect", "train", "--train-json", str(json_path), "--train-images", str(images), "--backbone", "m0",
+            "--train-bn", "--device", "cpu", "--workers", "0", "--epochs", "1", "--warmup-iters", "1", "--min-size",
+            str(SIZE), "--max-size", str(SIZE), "--output", str(out), *extra]
+
+
+def _resumable_checkpoint(folder: Path) -> Path:
+    """A checkpoint.pth after epoch 1 of the run :func:`_train_argv` makes on the ``files`` data."""
+    model = build_detector(CONFIG)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.05), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: 1.0)
+    folder.mkdir()
+    return save_torch(folder / "checkpoint.pth", dict(format=CHECKPOINT_FORMAT, config=CONFIG, model=model.state_dict(),
+                                                     optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                                                     epoch=1, iteration=1))
+
+
+def test_a_resumed_run_does_not_overwrite_another_runs_folder(files, tmp_path, capsys):
+    """D1: `--resume A/checkpoint.pth --output B` replaced the checkpoint.pth and model.pth of run B, an
+    unrelated run, and appended A's epochs to B's metrics.jsonl."""
+    first = tmp_path / "a"
+    resume = ["--epochs", "2", "--resume", str(_resumable_checkpoint(first))]
+    other = tmp_path / "b"
+    other.mkdir()
+    for name in ("checkpoint.pth", "model.pth", "metrics.jsonl"):
+        (other / name).write_bytes(b"run B's " + name.encode())
+    capsys.readouterr()
+    assert main([*_train_argv(files["train_json"], files["train_images"], other), *resume]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{other} already holds a run (checkpoint.pth, model.pth); continue the run of {first / 'checkpoint.pth'} " \
+           f"in its own folder (--output {first})" in line and "nothing in it was changed" in line, line
+    assert sorted(p.name for p in other.iterdir()) == ["checkpoint.pth", "metrics.jsonl", "model.pth"]
+    assert all((other / n).read_bytes() == b"run B's " + n.encode() for n in ("checkpoint.pth", "model.pth", "metrics.jsonl"))
+    assert main([*_train_argv(files["train_json"], files["train_images"], first), *resume]) == 0  # its own folder
+    assert read_checkpoint(first / "checkpoint.pth")["epoch"] == 2 and (first / "model.pth").is_file()
+
+
+MIRRORED_AWAY = [1e-7, 10, 1e-7, 5]  # 32-bit [1e-7, 2e-7]: mirrored, 64 - 2e-7 and 64 - 1e-7 are both 64
+RESIZED_AWAY = [41.00019836425781, 10, 3.814697265625e-06, 5]  # one float32 step: none left at 100/64 the size
+
+
+@pytest.mark.parametrize("bbox", [[SIZE - 1e-7, 10, 5, 5], [50, 10, 1e-6, 5], [-10, -10, 10.0000001, 15], [10, 10, 5, 1e-7],
+                                  MIRRORED_AWAY])
+def test_boxes_are_judged_as_the_detector_takes_them(files, tmp_path, bbox):
+    """D2: boxes of positive width and height whose 32-bit [x0, y0, x1, y1] clipped to the image (or mirrored,
+    as the training augmentation does) is empty passed the check, even with --strict, and stopped training
+    with torchvision's assertion at their batch."""
+    for sized in (True, False):  # an image entry without width/height is judged by its file's header
+        def edit(d):
+            d["annotations"][0]["bbox"] = bbox
+            if not sized:
+                del d["images"][0]["width"], d["images"][0]["height"]
+        path = _write(tmp_path, _edited(files, edit))
+        check = check_coco(path, files["train_images"])
+        assert len(check.skipped) == 1 and check.skipped[0].startswith("annotation 1 (image 1 train_00000.png): bbox")
+        assert "or too thin to keep" in check.skipped[0], check.skipped
+        with pytest.raises(DataError, match="refused with --strict"):
+            check_coco(path, files["train_images"], strict=True)
+        for i in range(2):
+            boxes = CocoDetection(check, files["train_images"])[i][1]["boxes"]
+            assert bool((boxes[:, 2:] > boxes[:, :2]).all()), boxes
+
+
+def test_boxes_are_judged_after_the_resize_and_such_runs_train(files, tmp_path, capsys):
+    """D2: a box with an area at the image's size may have none once the detector resizes it; the runs with
+    such boxes (here without --strict) train instead of dying mid-epoch in a traceback."""
+    def edit(d):
+        d["annotations"][0]["bbox"] = MIRRORED_AWAY
+        d["annotations"][1]["bbox"] = RESIZED_AWAY
+    path = _write(tmp_path, _edited(files, edit))
+    assert [s.split(":")[0] for s in check_coco(path, files["train_images"]).skipped] == ["annotation 1 (image 1 train_00000.png)"]
+    skipped = check_coco(path, files["train_images"], resize=(100, 100)).skipped
+    assert len(skipped) == 2 and skipped[1].startswith("annotation 2 ") and "resized" in skipped[1], skipped
+    argv = _train_argv(path, files["train_images"], tmp_path / "o", "--hflip", "1", "--min-size", "100", "--max-size", "100")
+    assert main(argv) == 0
+    assert "Traceback" not in capsys.readouterr().err and (tmp_path / "o" / "model.pth").is_file()
+
+
+def test_images_too_thin_for_the_resize_are_named_and_skipped(files, tmp_path, capsys):
+    """D9: an image whose resize gives a side of 0 (3x400 px at --max-size 64) stopped `detect predict` in a
+    traceback before the other images were drawn, and `detect train` and `detect eval` the same way."""
+    thin = tmp_path / "thin.png"
+    Image.new("RGB", (400, 3), (200, 30, 30)).save(thin)
+    out = tmp_path / "drawn"
+    run = ["detect", "predict", "--checkpoint", str(files["checkpoint"]), "--device", "cpu", "--out", str(out)]
+    capsys.readouterr()
+    assert main([*run, str(thin), str(files["image"])]) == 1
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert f"1 of 2 images skipped: image {thin}: too thin: 400x3 px becomes 64x0 px" in line and "side ratio under 64:1" in line
+    assert (out / "val_00000_pred.png").is_file() and not (out / "thin_pred.png").exists()
+    assert main([*run, str(thin)]) == 2 and "too thin" in _one_error_line(capsys.readouterr().err)
+
+    images = tmp_path / "images"
+    shutil.copytree(files["train_images"], images)
+    shutil.copy(thin, images / "thin.png")
+
+    def add(d):  # no width/height: the check reads them from the file's header
+        d["images"].append({"id": 99, "file_name": "thin.png"})
+        d["annotations"].append({"id": 999, "image_id": 99, "category_id": 1, "bbox": [10, 0, 20, 2], "iscrowd": 0})
+    path = _write(tmp_path, _edited(files, add))
+    check = check_coco(path, images, resize=(SIZE, SIZE))
+    assert check.skipped == [f"image 99 thin.png: too thin: 400x3 px becomes 64x0 px at the detector's resize (shorter side "
+                             f"to 64, longer side at most 64); crop it to a side ratio under 64:1 (its annotations are left out with it)"]
+    assert 99 not in check.coco().imgs and all(a["image_id"] != 99 for a in check.dataset["annotations"])
+    assert len(check_coco(path, images).dataset["images"]) == 3  # no resize given: no image's shape judged
+    with pytest.raises(DataError, match="(?s)refused with --strict.*image 99 thin.png: too thin"):
+        check_coco(path, images, strict=True, resize=(SIZE, SIZE))
+    assert main(_train_argv(path, images, tmp_path / "o")) == 0
+    assert main(["detect", "eval", "--checkpoint", str(tmp_path / "o" / "model.pth"), "--val-json", str(path),
+                 "--val-images", str(images), "--device", "cpu", "--workers", "0", "--json"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("crowd", [0, 1])
+@pytest.mark.parametrize("seg", [
+    [[100, 100, 110, 100, 110, 110]],  # wholly outside the 64-px image (within the allowed reach)
+    [[10, 10, 20, 20, 30, 30]],  # three points on a line
+    {"size": [SIZE, SIZE], "counts": [SIZE * SIZE]},  # uncompressed, all zero
+    "compressed",  # all zero
+])
+def test_masks_that_cover_no_pixel_are_skipped_or_refused(files, tmp_path, seg, crowd):
+    """D10: masks that cover no pixel passed the check and trained as all-zero targets without a word,
+    while `"segmentation": []` was skipped with a warning."""
+    if seg == "compressed":
+        seg = encode_masks(torch.zeros(1, SIZE, SIZE, dtype=torch.uint8).numpy())[0]
+    path = _write(tmp_path, _edited(files, lambda d: d["annotations"][0].update(segmentation=seg, iscrowd=crowd)))
+    check = check_coco(path, files["train_images"], require_masks=True)
+    assert check.skipped == ["annotation 1 (image 1 train_00000.png): empty segmentation (it covers no pixel of the 64x64 image)"]
+    assert all(a["id"] != 1 for a in check.dataset["annotations"])
+    with pytest.raises(DataError, match="(?s)refused with --strict.*annotation 1 .*covers no pixel"):
+        check_coco(path, files["train_images"], require_masks=True, strict=True)
+    assert check_coco(path, files["train_images"]).skipped == []  # RetinaNet never reads masks
+
+
+def test_train_bn_runs_never_meet_a_one_image_batch(files, tmp_path, capsys):
+    """D12: with --train-bn at 64 px, an odd image count died at the last batch (one image, a 1x1 stride-64 map,
+    so one value per channel for BatchNorm) with nothing saved; --batch-size 1 died at its first batch."""
+    images, ann = write_shapes_dataset(tmp_path, 3, SIZE, seed=0, split="train")
+    assert main(_train_argv(ann, images, tmp_path / "odd", "--log-every", "1")) == 0  # the last batch of one is dropped
+    rows = [json.loads(line) for line in (tmp_path / "odd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["type"] for r in rows] == ["step", "epoch"] and rows[-1]["iter"] == 1
+    capsys.readouterr()
+    assert main(_train_argv(ann, images, tmp_path / "one", "--batch-size", "1")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--train-bn with batches of one image cannot train on image 1 (train_00000.png): resized to 64x64 px" in line
+    assert "its stride-64 map is 1x1" in line and "use --batch-size 2 or more" in line, line
+    assert not (tmp_path / "one").exists()
+    assert main(_train_argv(files["train_json"], files["train_images"], tmp_path / "big", "--batch-size", "1",
+                            "--min-size", "96", "--max-size", "96")) == 0  # a 2x2 map: two values per channel
+
+
+def test_size_bands_without_objects_score_minus_one_with_or_without_detections(files):
+    """D13: no detections scored 0.0 for the size bands without any ground-truth object, where COCOeval (and
+    any run that detected something) gives -1."""
+    gt = CocoDetection(check_coco(files["val_json"], files["val_images"]), files["val_images"]).coco
+    areas = [a["area"] for a in gt.dataset["annotations"]]
+    bands = {"s": (0, 32**2), "m": (32**2, 96**2), "l": (96**2, 1e10)}
+    found = {b: any(lo <= a < hi for a in areas) for b, (lo, hi) in bands.items()}
+    assert not found["l"]  # a 64-px image holds no large object
+    exact = [dict(image_id=a["image_id"], category_id=a["category_id"], bbox=a["bbox"], score=1.0) for a in gt.dataset["annotations"]]
+    for results in ([], exact):
+        metrics, _ = coco_metrics(gt, results, "bbox")
+        for band, present in found.items():
+            for kind in ("AP", "AR"):
+                assert (metrics[f"{kind}{band}"] == -1) != present, (band, kind, metrics, len(results))
+
+
+def test_an_existing_folder_is_a_folder_whatever_its_name(files, tmp_path, capsys):
+    """D14: `detect predict --out out.v1` refused the existing folder out.v1 as an unknown image format."""
+    folder = tmp_path / "out.v1"
+    folder.mkdir()
+    assert main(["detect", "predict", str(files["image"]), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
+                 "--out", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["val_00000_pred.png"]

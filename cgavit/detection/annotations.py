@@ -4,7 +4,8 @@ A COCO-format dataset is an image folder plus an instances JSON (``images``, ``a
 ``categories``). :func:`check_coco` reads the JSON and reports every entry that cannot be used, all
 at once and each by its id and field: a value of the wrong type or out of bounds (see
 :mod:`.schema`), an annotation that points at a missing image (id or file) or an unknown category,
-a box or mask that cannot be used. Degenerate boxes and masks are skipped with a warning.
+a box or mask that cannot be used. Degenerate boxes and masks, and images the detectors' resize
+cannot take, are skipped with a warning.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from ..images import open_image
 from ..io import DataError, UnreadableFileError, check_readable_file
-from .coco import coco_index
+from .coco import coco_index, rle_box_area, segmentation_rle, xyxy_boxes
 from ..schema import MAX_NAME_LENGTH, shown
+from .models import boxes_keep_area, resize_problem
 from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem
 
 if TYPE_CHECKING:
@@ -33,6 +38,7 @@ MALFORMED_IMAGES = "image entries with a missing or malformed field"
 MALFORMED_CATEGORIES = "category entries with a missing or malformed field"
 MALFORMED_ANNOTATIONS = "annotation entries with a missing or malformed field"
 BAD_MASKS = "annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)"
+UNREADABLE_IMAGES = "image files that cannot be read"
 
 
 def _listing(entries: list[str]) -> str:
@@ -46,10 +52,11 @@ class CocoCheck:
     """The outcome of :func:`check_coco`: a cleaned dataset dict and what was dropped.
 
     Attributes:
-        dataset: the instances dict with unusable annotations removed and every annotation's
-            ``area`` present (feed it to pycocotools).
+        dataset: the instances dict with unusable annotations and images removed, every image's
+            ``width`` and ``height`` and every annotation's ``area`` present (feed it to pycocotools).
         categories: ``[(category_id, name), ...]`` in the order of the contiguous labels 1..K.
-        skipped: ``"annotation <id> (image <id> <file>): <why>"`` for every dropped annotation.
+        skipped: ``"annotation <id> (image <id> <file>): <why>"`` for every dropped annotation and
+            ``"image <id> <file>: <why>"`` for every dropped image.
     """
 
     dataset: dict[str, Any]
@@ -67,6 +74,7 @@ def check_coco(
     *,
     strict: bool = False,
     require_masks: bool = False,
+    resize: tuple[int, int] | None = None,
 ) -> CocoCheck:
     """Read and check a COCO instances file against its image folder.
 
@@ -80,19 +88,25 @@ def check_coco(
     whose ``category_id`` is not a category, whose ``bbox`` is not four finite numbers, whose
     ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; and with ``require_masks``, images without
     ``width``/``height`` and annotations without a usable ``segmentation`` (polygons inside the
-    image's reach, run-length masks of exactly the image's size).
+    image's reach, run-length masks of exactly the image's size). An image entry without
+    ``width``/``height`` gets those its file's header declares.
 
-    Degenerate boxes (width or height <= 0, or nothing left after clipping to the image) and, with
-    ``require_masks``, empty segmentations and polygons of fewer than three points (crowd regions
-    included) are dropped with one warning listing them all; a file left without annotations is
-    trained on with a warning. With ``strict=True`` both are errors. A polygon of an odd count of
-    numbers is an error. Without ``require_masks`` (RetinaNet) ``segmentation`` is never read or checked.
+    Degenerate boxes (width or height <= 0, or none left as the detectors take them,
+    :func:`~.coco.xyxy_boxes`), with ``require_masks`` segmentations that cover no pixel of the image
+    (crowd regions included), and with ``resize`` images the detectors' resize leaves a side of 0
+    (with their annotations) are dropped with one warning listing them all; a file left without
+    annotations is trained on with a warning. With ``strict=True`` both are errors. A polygon of an
+    odd count of numbers is an error. Without ``require_masks`` (RetinaNet) ``segmentation`` is never
+    read or checked.
 
     Args:
         ann_file: instances JSON.
         image_dir: folder the images' ``file_name`` entries are relative to.
-        strict: refuse degenerate boxes and files without annotations instead of warning.
+        strict: refuse what would be dropped (degenerate boxes, masks, images) and files without
+            annotations instead of warning.
         require_masks: every annotation needs a segmentation (Mask R-CNN).
+        resize: the detector's ``(min_size, max_size)``, to drop images it cannot take
+            (:func:`~.models.resize_problem`); None checks no image's shape.
 
     Raises:
         DataError: with the list of problems and what to do about them.
@@ -107,20 +121,29 @@ def check_coco(
         problems["no categories"].append(f"{ann_file} lists no categories")
     if len(categories) > MAX_CATEGORIES:
         problems["too many categories"].append(f"{ann_file} lists {len(categories)}; at most {MAX_CATEGORIES} are supported")
-    found = _Found(images, unusable, categories, require_masks)
+    thin = _unresizable_images(images, unusable, resize)
+    found = _Found(images, unusable, categories, require_masks, set(thin), resize)
     kept, skipped = _check_annotations(data["annotations"], found, problems)
+    skipped = list(thin.values()) + skipped
+    _verdict(ann_file, problems, strict, bool(kept), skipped)
+    kept_images = [img for i, img in images.items() if i not in thin]
+    return CocoCheck({**data, "images": kept_images, "annotations": kept}, sorted(categories.items()), skipped)
+
+
+def _verdict(ann_file: Path, problems: Problems, strict: bool, any_kept: bool, skipped: list[str]) -> None:
+    """Raise the file's problems (with ``strict``, what is skipped and a file without annotations are
+    problems too), else warn about what is skipped and about a file without annotations."""
     if strict and skipped:
-        problems["degenerate boxes or masks (refused with --strict; drop --strict to skip them with a warning)"] = skipped
-    if strict and not kept and not problems:
+        problems["degenerate images, boxes or masks (refused with --strict; drop --strict to skip them with a warning)"] = skipped
+    if strict and not any_kept and not problems:
         problems["no annotations (refused with --strict)"].append(f"{ann_file} has no usable annotation")
     if problems:
         raise _problems_error(ann_file, problems)
     if skipped:
-        log.warning("%s: skipping %d degenerate annotations:%s", ann_file, len(skipped), _listing(skipped))
-    if not kept:
+        log.warning("%s: skipping %d degenerate entries:%s", ann_file, len(skipped), _listing(skipped))
+    if not any_kept:
         log.warning("%s has no usable annotation: a detector trained on it learns background only, and its "
                     "COCO scores are -1 (--strict refuses such a file)", ann_file)
-    return CocoCheck({**data, "annotations": kept}, sorted(categories.items()), skipped)
 
 
 def _problems_error(ann_file: Path, problems: Problems) -> DataError:
@@ -139,6 +162,8 @@ class _Found:
     unusable: set[int]  # ids of images whose entry is malformed or whose file is missing or unreadable
     categories: dict[int, str]  # category id -> name
     require_masks: bool
+    dropped: set[int]  # ids of images skipped whole, their annotations with them
+    resize: tuple[int, int] | None  # the detector's (min_size, max_size), if known
 
     def where(self, ann: dict) -> str:
         img = self.images.get(ann.get("image_id")) if is_int(ann.get("image_id")) else None
@@ -202,19 +227,44 @@ def _check_images(entries: list, image_dir: Path, require_sizes: bool, problems:
         images[img["id"]] = img
         if why:
             unusable.add(img["id"])
-    for i, img in images.items():
+    _check_files(images, unusable, image_dir, problems)
+    return images, unusable
+
+
+def _check_files(images: dict[int, dict], unusable: set[int], image_dir: Path, problems: Problems) -> None:
+    """Note each usable image whose file is missing or cannot be read (adding it to ``unusable``), and
+    give each usable entry without ``width``/``height`` the size its file's header declares (no pixel
+    is decoded): boxes are clipped to it and the detectors' resize judged by it before training."""
+    for i, img in list(images.items()):
         if i in unusable:
             continue
         path = image_dir / img["file_name"]
         try:
             check_readable_file(path, "image file")
+            if "width" not in img:
+                opened, (width, height) = open_image(path)
+                opened.close()
+                images[i] = {**img, "width": width, "height": height}
         except UnreadableFileError as err:
             unusable.add(i)
             if os.path.lexists(path):
-                problems["image files that cannot be read"].append(f"image {i}: {err}")
+                problems[UNREADABLE_IMAGES].append(f"image {i}: {err}")
             else:
                 problems[f"image files missing from {image_dir}"].append(f"image {i}: {img['file_name']}")
-    return images, unusable
+        except DataError as err:  # not an image, a damaged header, too large
+            unusable.add(i)
+            problems[UNREADABLE_IMAGES].append(f"image {i}: {err}")
+
+
+def _unresizable_images(images: dict[int, dict], unusable: set[int], resize: tuple[int, int] | None) -> dict[int, str]:
+    """``image id -> "image <id> <file>: <why>"`` for each usable image the detectors' resize
+    ``(min_size, max_size)`` cannot take (:func:`~.models.resize_problem`)."""
+    thin = {}
+    for i, img in images.items():
+        why = None if resize is None or i in unusable else resize_problem(img["width"], img["height"], *resize)
+        if why:
+            thin[i] = f"image {i} {img['file_name']}: {why} (its annotations are left out with it)"
+    return thin
 
 
 def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
@@ -240,7 +290,7 @@ def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
 
 def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[list[dict], list[str]]:
     """``(usable annotations, "<where>: <why>" of each degenerate one)``; errors go to ``problems``."""
-    kept, skipped = [], []
+    checked = []  # (annotation, why it is degenerate or None) of those without errors, in reading order
     ann_ids = Counter(a["id"] for a in anns if isinstance(a, dict) and is_int(a.get("id")))
     for i, ann in enumerate(anns):
         if not isinstance(ann, dict) or not is_int(ann.get("id")):
@@ -253,16 +303,20 @@ def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[l
         error, why = _annotation_problem(ann, found)
         if error:
             problems[error].append(why)
-        elif why:
-            skipped.append(f"{found.where(ann)}: {why}")
+        elif ann["image_id"] not in found.dropped:  # those of a dropped image are listed with it
+            checked.append((ann, why))
+    kept, skipped = [], []
+    for (ann, why), box_why in zip(checked, _box_problems([ann for ann, _ in checked], found)):
+        if why or box_why:
+            skipped.append(f"{found.where(ann)}: {why or box_why}")
         else:
             kept.append(ann if "area" in ann else {**ann, "area": float(ann["bbox"][2] * ann["bbox"][3])})
     return kept, skipped
 
 
 def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | None]:
-    """``(kind of error, entry)`` for an unusable annotation, ``(None, why)`` for a degenerate one,
-    ``(None, None)`` for a good one."""
+    """``(kind of error, entry)`` for an unusable annotation, ``(None, why)`` for one whose mask is
+    degenerate, ``(None, None)`` for a good one (its box is judged by :func:`_box_problems`)."""
     where = found.where(ann)
     if not is_int(ann.get("image_id")):
         return MALFORMED_ANNOTATIONS, f"{where}: 'image_id' must be an integer"
@@ -288,27 +342,43 @@ def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | Non
         problem = segmentation_problem(ann["segmentation"], img["height"], img["width"])
         if problem:
             return BAD_MASKS, f"{where}: {problem}"
-        why = _degenerate_polygons(ann["segmentation"])  # crowd regions too: COCOeval rasterises them
-    return None, why or _box_problem(box, img)
+        why = _degenerate_mask(ann["segmentation"], img["height"], img["width"])  # crowd regions too: COCOeval rasterises them
+    return None, why
 
 
-def _degenerate_polygons(seg: Any) -> str | None:
-    """Why a (well-formed) segmentation is degenerate: no polygon, or one of fewer than three points."""
+def _degenerate_mask(seg: Any, height: int, width: int) -> str | None:
+    """Why a (well-formed) segmentation is degenerate: no polygon, one of fewer than three points, or
+    a mask that covers no pixel of the ``height x width`` image as it is rasterised for training
+    (polygons outside the image or of no area, an all-zero run-length mask)."""
     if isinstance(seg, list):
         if not seg:
             return "empty segmentation (no polygon)"
         for i, poly in enumerate(seg):
             if len(poly) < 6:
                 return f"polygon {i + 1} has {len(poly) // 2} points (a polygon needs 3 or more)"
+    if rle_box_area(segmentation_rle(seg, height, width))[1] == 0:
+        return f"empty segmentation (it covers no pixel of the {width}x{height} image)"
     return None
 
 
-def _box_problem(box: list[float], img: dict) -> str | None:
-    """Why an ``[x, y, w, h]`` box is degenerate (no area, or none inside the image), else None."""
-    x, y, w, h = box
-    if w <= 0 or h <= 0:
-        return f"bbox {box}: width or height <= 0"
-    if "width" in img and "height" in img:
-        if min(x + w, img["width"]) - max(x, 0) <= 0 or min(y + h, img["height"]) - max(y, 0) <= 0:
-            return f"bbox {box}: outside the {img['width']}x{img['height']} image"
-    return None
+def _box_problems(anns: list[dict], found: _Found) -> list[str | None]:
+    """Why each annotation's ``[x, y, w, h]`` box is degenerate, else None: no area, or none left as
+    the detectors are trained on it: 32-bit ``[x0, y0, x1, y1]`` clipped to the image
+    (:func:`~.coco.xyxy_boxes`), mirrored or not, and resized (:func:`~.models.boxes_keep_area`)."""
+    if not anns:
+        return []
+    sizes = np.array([(found.images[a["image_id"]]["width"], found.images[a["image_id"]]["height"]) for a in anns])
+    xyxy = xyxy_boxes([a["bbox"] for a in anns], sizes[:, 0], sizes[:, 1])
+    keep = boxes_keep_area(xyxy, sizes[:, 0], sizes[:, 1], found.resize)
+    whys = []
+    for ann, (width, height), xyxy_box, kept in zip(anns, sizes.tolist(), xyxy.tolist(), keep.tolist()):
+        box = ann["bbox"]
+        if box[2] <= 0 or box[3] <= 0:
+            whys.append(f"bbox {box}: width or height <= 0")
+        elif not kept:
+            shown_box = ", ".join(f"{v:.9g}" for v in xyxy_box)  # float32 in full
+            whys.append(f"bbox {box}: outside the {width}x{height} image, or too thin to keep as the detector takes it "
+                        f"(32-bit [x0, y0, x1, y1] clipped to the image: [{shown_box}]; nothing left there, or once mirrored or resized)")
+        else:
+            whys.append(None)
+    return whys

@@ -1,4 +1,5 @@
-"""Everything that touches pycocotools: COCO indexes, RLE masks, COCOeval.
+"""COCO's formats as the detectors take them, and everything that touches pycocotools: boxes,
+COCO indexes, RLE masks, COCOeval.
 
 pycocotools is imported in one place, :func:`pycocotools_api`, on first use: building, drawing and
 running the detectors does not need it, reading COCO data and scoring does. It comes with the
@@ -15,6 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..io import DataError
 from .schema import segmentation_problem
@@ -49,6 +51,21 @@ def coco_index(dataset: dict[str, Any]) -> COCO:
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
     return coco
+
+
+def xyxy_boxes(bboxes: Sequence[Sequence[float]], width: ArrayLike, height: ArrayLike) -> np.ndarray:
+    """COCO ``[x, y, width, height]`` boxes as the detectors are trained on them: ``(N, 4)`` float32
+    ``[x0, y0, x1, y1]`` pixels, clipped to the ``width x height`` image (one size, or one per box).
+
+    The one conversion :class:`~.data.CocoDetection` builds its targets with and the annotation check
+    judges boxes by (:func:`~.models.boxes_keep_area`): a box a few float32 steps wide at its position,
+    or overlapping the image by less, has ``x1 <= x0`` here.
+    """
+    boxes = np.asarray(bboxes, dtype=np.float32).reshape(-1, 4)
+    boxes[:, 2:] += boxes[:, :2]
+    for axis, side in ((0, width), (1, height)):
+        np.clip(boxes[:, axis::2], 0, np.asarray(side, dtype=np.float32).reshape(-1, 1), out=boxes[:, axis::2])
+    return boxes
 
 
 def segmentation_rle(seg: Any, h: int, w: int) -> dict[str, Any]:
@@ -98,13 +115,12 @@ def coco_metrics(
 
     Returns:
         ``({"AP": .., "AP50": .., ..., "ARl": ..}, summary table text)``; values in [0, 1], -1 where
-        the ground truth has no object of that size (COCOeval's convention). No detections give 0.
+        the ground truth has no object of that size (COCOeval's convention), with or without
+        detections: no detections score 0 where there are objects.
     """
-    if not results:
-        return {k: 0.0 for k in STAT_NAMES}, f"{iou_type}: no detections"
     _, _, COCOeval = pycocotools_api()
     with contextlib.redirect_stdout(io.StringIO()) as text:
-        coco_dt = coco_gt.loadRes(results)
+        coco_dt = coco_gt.loadRes(results) if results else _no_detections(coco_gt)
         ev = COCOeval(coco_gt, coco_dt, iou_type)
         if image_ids is not None:
             ev.params.imgIds = sorted(image_ids)
@@ -113,4 +129,11 @@ def coco_metrics(
         ev.summarize()
     summary = text.getvalue()
     summary = summary[summary.find(" Average Precision"):] if " Average Precision" in summary else summary
-    return {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}, f"{iou_type}:\n{summary}"
+    title = iou_type if results else f"{iou_type} (no detections)"
+    return {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}, f"{title}:\n{summary}"
+
+
+def _no_detections(coco_gt: COCO) -> COCO:
+    """An empty result set over ``coco_gt``'s images (``loadRes`` cannot make one from an empty list)."""
+    gt = coco_gt.dataset
+    return coco_index({"images": list(gt.get("images", [])), "categories": list(gt.get("categories", [])), "annotations": []})

@@ -26,7 +26,7 @@ from torchvision.transforms import v2
 from ..images import decode, open_image
 from ..io import DataError, UnreadableFileError
 from .annotations import CocoCheck
-from .coco import decode_masks, segmentation_rle
+from .coco import decode_masks, segmentation_rle, xyxy_boxes
 
 
 def train_transform(hflip: float = 0.5) -> v2.Transform | None:
@@ -95,10 +95,7 @@ class CocoDetection(torch.utils.data.Dataset):
         img = self.load_image(image_id)
         w, h = img.size
         anns = [a for a in self.coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
-        boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
-        boxes[:, 2:] += boxes[:, :2]  # xywh -> xyxy
-        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w)
-        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h)
+        boxes = torch.from_numpy(xyxy_boxes([a["bbox"] for a in anns], w, h))  # (N, 4), as the check judged them
         target: dict[str, Any] = {
             "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(h, w)),
             "labels": torch.tensor([self.cat_to_label[a["category_id"]] for a in anns], dtype=torch.int64),

@@ -39,7 +39,7 @@ from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
 from .data import CocoDetection, Guarded, batches, collate, train_transform
-from .models import KINDS, build_detector
+from .models import KINDS, build_detector, coarsest_map_size, detector_resize, resized_size
 from .schema import is_int, is_number
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,8 @@ class DetectionTrainConfig:
         None, "continue from a checkpoint.pth; 'auto' = --output's checkpoint.pth if present", metavar="CKPT"
     )
     strict: bool = option(
-        False, "refuse degenerate boxes (width or height <= 0, or outside the image) and masks (polygons under 3 "
-        "points) instead of skipping them with a warning",
+        False, "refuse degenerate boxes (width or height <= 0, or outside the image), masks (covering no pixel, "
+        "polygons under 3 points) and images too thin for the resize instead of skipping them with a warning",
     )
     device: str = option("auto", "auto (GPU of this process if any), cpu or cuda")
     log_every: int = option(20, "iterations between metrics.jsonl lines")
@@ -237,7 +237,8 @@ def evaluate_checkpoint(
         val_json: instances JSON; its categories must be the ones the model was trained on.
         val_images: image folder.
         batch_size: images per process and step. workers: data-loading processes per process.
-        strict: refuse degenerate boxes and masks instead of skipping them.
+        strict: refuse degenerate boxes and masks, and images too thin for the detector's resize,
+            instead of skipping them.
         device: ``auto``, ``cpu`` or ``cuda``.
 
     Returns:
@@ -251,7 +252,7 @@ def evaluate_checkpoint(
     try:
         model, config = load_detector(checkpoint, env.device)
         masks = config["kind"] == "maskrcnn"
-        check = check_coco(val_json, val_images, strict=strict, require_masks=masks)
+        check = check_coco(val_json, val_images, strict=strict, require_masks=masks, resize=detector_resize(config))
         if [c for c, _ in check.categories] != [c for c, _ in config["categories"]]:
             raise ValueError(
                 f"{val_json} lists categories {[c for c, _ in check.categories]} but the model was trained on "
@@ -311,7 +312,9 @@ def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
     and ``loss.png``.
 
     Raises:
-        ValueError: bad options (:meth:`DetectionTrainConfig.validate`), diverged loss.
+        ValueError: bad options (:meth:`DetectionTrainConfig.validate`), an output folder holding another
+            run, a ``--train-bn`` run that would meet a batch of one image too small for BatchNorm,
+            diverged loss.
         DataError: bad data (every offending annotation named), an image that cannot be read.
         CheckpointError: a ``resume`` or ``pretrained_backbone`` file that cannot be used.
     """
@@ -348,6 +351,7 @@ class _Run:
 
 def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
     train_check, train_set, val_set = _datasets(cfg)
+    _check_one_image_batches(cfg, train_set, env.world)
     config = model_config(cfg, train_check.categories)
     resume, ckpt = _resume_checkpoint(cfg, config)
     if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
@@ -406,11 +410,11 @@ def _epochs(run: _Run, val_set: CocoDetection | None, start_epoch: int) -> dict[
 
 def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
     """``(training check, training set, validation set or None)``, every file checked first."""
-    masks = cfg.model == "maskrcnn"
-    train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks)
+    masks, resize = cfg.model == "maskrcnn", (cfg.min_size, cfg.max_size)
+    train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks, resize=resize)
     val_set = None
     if cfg.val_json:
-        val_check = check_coco(cfg.val_json, cfg.val_images, strict=cfg.strict, require_masks=masks)
+        val_check = check_coco(cfg.val_json, cfg.val_images, strict=cfg.strict, require_masks=masks, resize=resize)
         if [c for c, _ in val_check.categories] != [c for c, _ in train_check.categories]:
             raise ValueError(
                 f"the validation categories {val_check.categories} differ from the training ones "
@@ -419,22 +423,45 @@ def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, Coco
         val_set = CocoDetection(val_check, cfg.val_images, masks=masks)
     train_set = CocoDetection(train_check, cfg.train_images, masks=masks, transforms=train_transform(cfg.hflip))
     if len(train_set) == 0:
-        raise ValueError(f"{cfg.train_json} lists no images")
+        raise ValueError(f"{cfg.train_json} lists no images the detector can take")
     return train_check, train_set, val_set
+
+
+def _drop_last(cfg: DetectionTrainConfig, num_images: int, world: int) -> bool:
+    """Whether the training loader drops an incomplete last batch: with BatchNorm trained, when each
+    process has a whole batch (``DistributedSampler`` gives each ``ceil(num_images / world)``). Every
+    batch then holds ``--batch-size`` images, never a last one too small for BatchNorm
+    (:func:`_check_one_image_batches`)."""
+    return not cfg.freeze_bn and math.ceil(num_images / world) >= cfg.batch_size
+
+
+def _check_one_image_batches(cfg: DetectionTrainConfig, train_set: CocoDetection, world: int) -> None:
+    """Refuse, before anything is built, a run whose trained BatchNorm (``--train-bn``) would meet a batch
+    of one image whose stride-64 map is 1x1: one value per channel, which BatchNorm cannot train on."""
+    if cfg.freeze_bn or min(cfg.batch_size, math.ceil(len(train_set) / world)) > 1:
+        return  # with --train-bn every batch holds this many images (_drop_last)
+    for image_id in train_set.ids:
+        info = train_set.coco.imgs[image_id]
+        if coarsest_map_size(info["width"], info["height"], cfg.min_size, cfg.max_size) == (1, 1):
+            w, h = resized_size(info["width"], info["height"], cfg.min_size, cfg.max_size)
+            raise ValueError(
+                f"--train-bn with batches of one image cannot train on image {image_id} ({info['file_name']}): resized to "
+                f"{w}x{h} px (--min-size {cfg.min_size}, --max-size {cfg.max_size}), its stride-64 map is 1x1, one value per "
+                "channel for BatchNorm; use --batch-size 2 or more (with at least 2 images per process), --min-size and "
+                "--max-size over 64, or frozen BatchNorm (no --train-bn, with --pretrained-backbone)"
+            )
 
 
 def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(path, checkpoint)`` to continue from (``"auto"``: the output's checkpoint.pth if present),
-    checked to describe the same detector and data; ``(None, None)`` for a fresh run, which may not
-    start in a folder holding another run's checkpoint.pth or model.pth (it would overwrite them)."""
+    checked to describe the same detector and data; ``(None, None)`` for a fresh run. The output
+    folder must be free (:func:`_check_output_free`)."""
     resume = cfg.resume
     if resume == "auto":
         path = Path(cfg.output) / "checkpoint.pth"
         resume = str(path) if os.path.lexists(path) else None
+    _check_output_free(Path(cfg.output), resume)
     if not resume:
-        held = [n for n in ("checkpoint.pth", "model.pth") if os.path.lexists(Path(cfg.output) / n)]
-        if held:  # a new run would overwrite them
-            raise ValueError(f"{cfg.output} already holds a run ({held[0]}); continue it with --resume auto, or choose another --output")
         return None, None
     ckpt = read_checkpoint(resume)
     old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
@@ -449,6 +476,19 @@ def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> 
     return resume, ckpt
 
 
+def _check_output_free(out: Path, resume: str | None) -> None:
+    """Refuse an output folder holding another run's checkpoint.pth or model.pth, which this run would
+    overwrite: any folder that holds them, unless this run resumes the checkpoint in it (``--resume``
+    of a file in that folder), as ``cgavit train`` does."""
+    held = [name for name in ("checkpoint.pth", "model.pth") if os.path.lexists(out / name)]
+    own = bool(resume) and out.is_dir() and Path(resume).resolve().parent == out.resolve()
+    if held and not own:
+        again = (f"continue the run of {resume} in its own folder (--output {Path(resume).parent}), or " if resume
+                 else "continue it with --resume auto, or ")
+        raise ValueError(f"{out} already holds a run ({', '.join(held)}); {again}choose another --output "
+                         "(nothing in it was changed)")
+
+
 def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | None, train_set: CocoDetection) -> _Run:
     """Model, optimizer, schedule and loader of a run, restored from ``ckpt`` when resuming."""
     torch.manual_seed(cfg.seed)
@@ -459,6 +499,7 @@ def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt
     loader = StopSafeLoader(
         Guarded(train_set), batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
         persistent_workers=cfg.workers > 0, worker_init_fn=ignore_stop_signals,
+        drop_last=_drop_last(cfg, len(train_set), env.world),
     )
     milestones = [e * len(loader) for e in cfg.lr_steps]
     scheduler = torch.optim.lr_scheduler.LambdaLR(

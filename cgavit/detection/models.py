@@ -7,20 +7,82 @@ follows torchvision: it counts the background class 0, so a dataset with K categ
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from torch import nn
 from torchvision.models.detection import MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.ops import MultiScaleRoIAlign
 
-from .backbone import EfficientViTFPN, detection_body
+from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
 
 KINDS = ("retinanet", "maskrcnn")
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
+#: torchvision pads the images of a batch to a multiple of this (GeneralizedRCNNTransform's size_divisible).
+SIZE_DIVISIBLE = 32
+
+
+def detector_resize(config: Mapping[str, Any]) -> tuple[int, int]:
+    """``(min_size, max_size)`` of a detector config (defaults 800 and 1333, torchvision's)."""
+    return int(config.get("min_size", 800)), int(config.get("max_size", 1333))
+
+
+def resized_size(width: int, height: int, min_size: int, max_size: int) -> tuple[int, int]:
+    """``(width, height)`` of an image after the detectors' resize: the shorter side to ``min_size``
+    unless the longer would exceed ``max_size``, each side rounded down (torchvision's
+    GeneralizedRCNNTransform)."""
+    scale = min(min_size / min(width, height), max_size / max(width, height))
+    return math.floor(width * scale), math.floor(height * scale)
+
+
+def resize_problem(width: int, height: int, min_size: int, max_size: int) -> str | None:
+    """Why the detectors cannot run a ``width x height`` image (``"too thin: ..."``: its resize leaves a
+    side of 0 pixels), else None."""
+    w, h = resized_size(width, height, min_size, max_size)
+    if min(w, h) >= 1:
+        return None
+    return (f"too thin: {width}x{height} px becomes {w}x{h} px at the detector's resize (shorter side to {min_size}, "
+            f"longer side at most {max_size}); crop it to a side ratio under {max_size}:1")
+
+
+def boxes_keep_area(xyxy: np.ndarray, widths: ArrayLike, heights: ArrayLike, resize: tuple[int, int] | None = None) -> np.ndarray:
+    """Which training boxes keep an area up to torchvision's check of them (it refuses a box with
+    ``x1 <= x0`` or ``y1 <= y0`` mid-training): mirrored or not (the training augmentation) and, with
+    the detector's ``resize`` ``(min_size, max_size)``, resized as GeneralizedRCNNTransform resizes
+    them, every step in float32 as torchvision computes it.
+
+    Args:
+        xyxy: ``(N, 4)`` float32 boxes (:func:`~.coco.xyxy_boxes`).
+        widths, heights: ``(N,)`` sizes of their images in pixels.
+        resize: ``(min_size, max_size)``, or None to judge them at the images' own size.
+
+    Returns:
+        ``(N,)`` bool.
+    """
+    widths, heights = np.asarray(widths).reshape(-1), np.asarray(heights).reshape(-1)
+    mirrored = xyxy.copy()
+    mirrored[:, [2, 0]] = -(xyxy[:, [0, 2]] - widths.astype(np.float32)[:, None])  # torchvision's horizontal flip
+    boxes = [xyxy, mirrored]
+    if resize is not None:
+        new = np.array([resized_size(w, h, *resize) for w, h in zip(widths.tolist(), heights.tolist())], dtype=np.float32)
+        ratio = new.reshape(-1, 2) / np.stack([widths, heights], 1).astype(np.float32)  # (N, 2): x and y ratios
+        boxes = [b * np.tile(ratio, 2) for b in boxes]  # torchvision's resize_boxes
+    return np.logical_and.reduce([(b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1]) for b in boxes])
+
+
+def coarsest_map_size(width: int, height: int, min_size: int, max_size: int) -> tuple[int, int]:
+    """``(width, height)`` of the backbone's stride-64 map of an image alone in its batch: resized,
+    padded to a multiple of :data:`SIZE_DIVISIBLE`, each stride-2 step rounding up. BatchNorm that
+    is trained cannot take a batch of one image whose map is 1x1 (one value per channel)."""
+    stride = BACKBONE_STRIDES[-1]
+    return tuple(math.ceil(math.ceil(s / SIZE_DIVISIBLE) * SIZE_DIVISIBLE / stride)
+                 for s in resized_size(width, height, min_size, max_size))
 
 
 class PyramidAnchorGenerator(AnchorGenerator):
@@ -152,6 +214,7 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
         raise ValueError(f"unknown detector kind {kind!r}; choose one of {', '.join(KINDS)}")
     build = retinanet if kind == "retinanet" else maskrcnn
     extra = dict(config.get("model_kwargs") or {})
+    min_size, max_size = detector_resize(config)
     try:
         return build(
             config.get("backbone", "efficientvit_m4"),
@@ -160,8 +223,8 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
             trust=trust,
             freeze_bn=bool(config.get("freeze_bn", True)),
             dials=config.get("dials") or {},
-            min_size=int(config.get("min_size", 800)),
-            max_size=int(config.get("max_size", 1333)),
+            min_size=min_size,
+            max_size=max_size,
             **extra,
         )
     except TypeError as err:

@@ -19,6 +19,7 @@ from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
 from .checkpoint import load_detector
 from .draw import draw_detections
+from .models import detector_resize, resize_problem
 
 
 @dataclass
@@ -48,13 +49,15 @@ def predict_images(
     """Run a checkpoint written by ``cgavit detect train`` on ``images`` and draw its detections.
 
     The paths are checked before anything runs; the predictions then come one image at a time. An
-    image that cannot be decoded (not an image, damaged, too large) does not stop the others: after
-    the last one, a :class:`~cgavit.io.DataError` names every image that was skipped.
+    image that cannot be decoded (not an image, damaged, too large) or run (too thin for the detector's
+    resize, :func:`~.models.resize_problem`) does not stop the others: after the last one, a
+    :class:`~cgavit.io.DataError` names every image that was skipped and why.
 
     Args:
         checkpoint: ``model.pth`` or ``checkpoint.pth``.
         images: image files.
-        out: output PNG (one image) or folder; default ``<image name>_pred.png`` in the current folder.
+        out: output image (one image; PNG, or the format its suffix names) or folder (an existing folder
+            is one whatever its name); default ``<image name>_pred.png`` in the current folder.
         score_threshold: draw and list detections scoring at least this.
         device: ``auto`` (this process's GPU if any), ``cpu`` or ``cuda``.
 
@@ -62,7 +65,7 @@ def predict_images(
         FileNotFoundError: an image does not exist. UnreadableFileError: an image path is a folder,
         a pipe, empty or not permitted. ValueError: ``out`` names a file for several images, or a
         ``score_threshold`` outside [0, 1]. CheckpointError: not a usable detection checkpoint.
-        DataError: after the readable images, naming those that could not be decoded.
+        DataError: after the other images, naming those that could not be decoded or run.
     """
     if not 0.0 <= score_threshold <= 1.0:
         raise ValueError(f"--score-threshold must be in [0, 1], got {score_threshold}")
@@ -82,15 +85,15 @@ def predict_images(
 
 
 def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
-    """Where each image's drawing goes: ``out`` itself for one image when it names a file, else
-    ``<image name>_pred.png`` in folder ``out`` (default: the current folder), ``-2``, ``-3``, ... added to
-    the name for images of the same name from different folders.
+    """Where each image's drawing goes: ``out`` itself for one image when it names a file (a name with a
+    suffix that is not an existing folder), else ``<image name>_pred.png`` in folder ``out`` (default: the
+    current folder), ``-2``, ``-3``, ... added to the name for images of the same name from different folders.
 
     Raises:
         ValueError: ``out`` names a file for several images, or a format PIL does not write; or a drawing
             would replace one of the images.
     """
-    if out is not None and out.suffix:
+    if out is not None and out.suffix and not out.is_dir():
         if len(images) > 1:
             raise ValueError(f"--out {out} looks like a file but {len(images)} images were given; pass a folder")
         if _image_format(out) not in Image.SAVE:
@@ -128,6 +131,10 @@ def _predictions(
                 raw = TF.pil_to_tensor(load_image(p))  # (3, H, W) uint8
             except (DataError, UnreadableFileError) as err:
                 skipped.append(str(err))
+                continue
+            problem = resize_problem(raw.shape[2], raw.shape[1], *detector_resize(config))
+            if problem:
+                skipped.append(f"image {p}: {problem}")
                 continue
             with torch.no_grad():
                 output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
