@@ -10,7 +10,10 @@ Training, evaluation, prediction, the analyses, detection and the explorer read 
   :data:`~cgavit.bounds.MAX_UPLOAD_PIXELS` for explorer uploads;
 - only the formats a caller allows are tried, and never EPS, which Pillow hands to Ghostscript;
 - a JPEG may be decoded at a reduced DCT scale (1/2, 1/4, 1/8) that still covers the size needed;
-- any mode becomes 8-bit RGB (:func:`to_rgb`).
+- any mode becomes 8-bit RGB (:func:`to_rgb`);
+- a picture is read upright: turned as its EXIF orientation says, as every viewer shows it (a phone's photo
+  stored sideways), by :func:`load_image` for files and by the explorer for uploads (``decode(...,
+  exif_transpose=True)``), so training, evaluation, prediction and the explorer see the same picture.
 
 Whatever is wrong (missing, a pipe, empty, not an image, an unaccepted format, truncated, corrupt,
 too large) is one error type, :class:`BadImageError` (:class:`ImageTooLarge` for the size bound),
@@ -131,7 +134,8 @@ def decode(img: Image.Image, name: str = "the image", *, exif_transpose: bool = 
 def load_image(
     source: Source, *, name: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS, formats: Sequence[str] | None = None
 ) -> Image.Image:
-    """Open, check, fully decode and convert to RGB: :func:`open_image` then :func:`decode`.
+    """Open, check, fully decode upright (EXIF orientation applied) and convert to RGB: :func:`open_image` then
+    :func:`decode` with ``exif_transpose``.
 
     Args:
         source: a file path or the bytes of an image.
@@ -145,7 +149,7 @@ def load_image(
     name = _name(source, name)
     img, _ = open_image(source, name=name, max_pixels=max_pixels, formats=formats)
     with img:
-        return decode(img, name)
+        return decode(img, name, exif_transpose=True)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

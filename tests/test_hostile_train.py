@@ -881,3 +881,201 @@ def test_files_left_out_of_a_split_are_named(world, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="cgavit"):
         list_split(world["data"], "train")
     assert "left out" not in caplog.text
+
+
+# ------------------------------------------------------------------------------ review 4, the training side
+def _cgavit(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``cgavit ARGV`` in a process of its own (one thread), under ``timeout``: a hang fails, never stalls the suite."""
+    return subprocess.run([sys.executable, "-m", "cgavit", *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_strict_with_loader_workers_stops_with_one_line(tmp_path):
+    """`--strict` with loader workers printed the error (torch's worker traceback flattened into one line), then
+    hung for ever: the workers ignore SIGTERM, and Python's exit joined them."""
+    data = make_folder(tmp_path / "ds", classes=2, train=4, val=2)
+    broken = data / "val" / "class_0" / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\nxxxx")
+    train(tiny(data=str(data), epochs=1, output=str(tmp_path / "run"), mixup=0, cutmix=0))  # skips it
+    says = f"cannot read image {broken}: cannot identify an image format in it (run without --strict to skip unreadable images)"
+    runs = {
+        "eval": ["eval", "--data", str(data), "--checkpoint", str(tmp_path / "run" / "best.pt"), "--strict", "-j", "1"],
+        "train": ["train", "--data", str(data), *TINY_ARGV, "--epochs", "1", "--strict", "--workers", "1",
+                  "--output", str(tmp_path / "strict")],
+    }
+    for command, argv in runs.items():
+        proc = _cgavit(*argv, timeout=90)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert [line for line in proc.stderr.splitlines() if "error" in line] == [f"cgavit {command}: error: {says}"]
+
+
+_RAISING_WORKER_CHILD = """
+from torch.utils.data import Dataset
+from cgavit.train.data import make_loader
+
+class Broken(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise RuntimeError("a bug in the dataset")
+
+try:
+    for batch in make_loader(Broken(), 2, range(4), 1):
+        pass
+except RuntimeError as err:
+    print("raised", "a bug in the dataset" in str(err))
+"""
+
+
+def test_an_exception_in_a_loader_worker_leaves_no_worker_behind():
+    """Any exception from a worker kept the loader's iterator, and so its workers (which ignore SIGTERM), alive
+    until Python's exit, which then waited on them for ever."""
+    proc = subprocess.run([sys.executable, "-c", _RAISING_WORKER_CHILD], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.split() == ["raised", "True"], proc.stderr[-3000:]
+
+
+def _lrs(run: Path) -> list[float]:
+    return [row["lr"] for row in engine.records.read_metrics(run / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("per_update", [False, True])
+def test_a_resume_trains_the_schedule_it_asks_for(tmp_path, per_update):
+    """`--resume last.pt --epochs 4 --lr 0.05 --min-lr 0.001` logged and recorded the new options, but the checkpoint's
+    scheduler replaced the one they built: the cosine kept its old length and values, and every epoch past the old
+    end trained at the old --min-lr. Per update, the schedule was counted in the batches of the run before."""
+    data = make_folder(tmp_path / "ds", classes=2, train=8, val=1)
+    common = dict(data=str(data), warmup_epochs=1, model_ema=False, sched_on_updates=per_update)
+    train(tiny(**common, epochs=2, lr=0.01, output=str(tmp_path / "short")))
+    new = dict(epochs=4, lr=0.05, min_lr=1e-3, batch_size=8 if per_update else 4)
+    train(TrainConfig.resume_from(tmp_path / "short" / "last.pt", **new, workers=0))
+    train(tiny(**common, **new, output=str(tmp_path / "long")))
+    resumed, fresh = _lrs(tmp_path / "short"), _lrs(tmp_path / "long")
+    assert len(resumed) == 4 and resumed[2:] == pytest.approx(fresh[2:], rel=1e-9), (resumed, fresh)
+    assert resumed[3] > 1e-3  # on the new cosine, not at its end
+
+
+def test_a_demo_with_another_seed_replaces_the_split(tmp_path):
+    """A second demo into the same folder with another --seed wrote its split over the first one's images without
+    removing them: it trained on 1729 images and reported 652 "held-out" ones, 584 of which it had trained on."""
+    from cgavit.train.demo import write_digits
+
+    root = tmp_path / "data"
+    write_digits(root, seed=0)
+    (root / "train" / "3" / "mine.png").write_bytes(b"not the demo's")  # not a name the demo writes: kept
+    split = write_digits(root, seed=1)
+    files = {s: {p.relative_to(root / s) for p in (root / s).rglob("[0-9]*.png")} for s in ("train", "val")}
+    assert (len(files["train"]), len(files["val"])) == (split["train"], split["val"]) == (1437, 360)
+    assert not files["train"] & files["val"]
+    assert json.loads((root / "SPLIT.json").read_text())["seed"] == 1 and (root / "train" / "3" / "mine.png").exists()
+
+
+def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):
+    """With the default 5 warm-up epochs, a run of 5 epochs or fewer never reached its peak lr (an --epochs 1 run
+    trained entirely at --warmup-lr 1e-6), while the log said "lr 1.00e-02"; nothing said so."""
+    data = make_folder(tmp_path / "ds", classes=2, train=4, val=1)
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        train(tiny(data=str(data), epochs=2, warmup_epochs=2, lr=0.01, output=str(tmp_path / "a"), model_ema=False))
+    assert "--warmup-epochs 2 is not shorter than --epochs 2" in caplog.text and "never reaches its peak 1.00e-02" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        train(tiny(data=str(data), epochs=2, warmup_epochs=1, lr=0.01, output=str(tmp_path / "b"), model_ema=False))
+    assert "warm-up" not in caplog.text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--aa", "randaugment"], "--aa 'randaugment' is no timm auto-augment policy"),
+    (["--aa", "rand-q9"], "--aa 'rand-q9' is no timm auto-augment policy (Unknown RandAugment config section)"),
+    (["--smoothing", "1"], "--smoothing must be within 0.0..1.0 (below 1.0), got 1.0"),
+    (["--smoothing", "1", "--mixup", "0", "--cutmix", "0"], "--smoothing must be within"),
+    (["--drop-path", "1.0"], "--drop-path must be within 0.0..1.0 (below 1.0), got 1.0"),
+])
+def test_options_timm_would_assert_on_are_one_line_before_anything_is_written(tmp_path, capsys, argv, says):
+    """An unknown --aa policy and --smoothing 1 passed the option checks, made the run folder, then ended in timm's
+    AssertionError traceback (exit 1); with mixup on, --smoothing 1 trained towards uniform targets without a word.
+    --drop-path 1.0 was refused by the model under another name than the flag."""
+    data = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), *TINY_ARGV, "--epochs", "1", "--output", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"cgavit train: error: {says}"), err
+    assert not out.exists()
+
+
+def test_a_dataset_of_one_class_is_refused(tmp_path, capsys):
+    """With a single class folder a run reported "train loss 0.0000, top-1 100.00%" and saved best.* as a model."""
+    data = make_folder(tmp_path / "ds", classes=1, train=4, val=1)
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), *TINY_ARGV, "--epochs", "1", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cgavit train: error: {data / 'train'} has one class folder (class_0): a classifier of one class has "
+                   "nothing to learn and scores 100 %; add a folder of images for each other class (DIR/train/<class>/)"]
+    assert not out.exists()
+
+
+def test_a_run_started_with_relative_paths_resumes_from_any_folder(tmp_path, monkeypatch):
+    """`--data small` was recorded as typed, so `--resume` from another working directory said "data folder small
+    does not exist" (the run folder is found from the checkpoint's place, the data was not)."""
+    make_folder(tmp_path / "ds", classes=2, train=4, val=1)
+    teacher = tmp_path / "teacher.safetensors"
+    monkeypatch.chdir(tmp_path)
+    assert TrainConfig(data="ds", teacher="teacher.safetensors").to_record()["teacher"] == "teacher.safetensors"  # a name
+    teacher.write_bytes(b"")
+    assert TrainConfig(data="ds", teacher="teacher.safetensors").to_record()["teacher"] == str(teacher)  # a file
+    train(tiny(data="ds", epochs=1, output="run", model_ema=False))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert train(TrainConfig.resume_from(tmp_path / "run" / "last.pt", epochs=2, workers=0)).epochs == 2
+    assert ckpt_io.load(tmp_path / "run" / "last.pt")["args"]["data"] == str(tmp_path / "ds")
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_its_own_number_of_processes(tmp_path, sigterm_after):
+    """A run stopped mid-epoch under 2 processes resumed in 1 (or the other way) without a word: the updates
+    already made were skipped from another sampler order, and the processes' random states were dropped."""
+    data = make_folder(tmp_path / "ds", classes=2, train=8, val=1)
+    out = tmp_path / "run"
+    with sigterm_after(2):
+        assert train(tiny(data=str(data), epochs=1, output=str(out))).interrupted
+    ck = ckpt_io.load(out / "last.pt")
+    ckpt_io.save(out / "last.pt", {**ck, "world_size": 2})  # as a run of two processes leaves it
+    with pytest.raises(ValueError, match=r"after 2 updates of 2 process\(es\): resume it with 2 process\(es\)"):
+        train(TrainConfig.resume_from(out / "last.pt", workers=0))
+    ckpt_io.save(out / "last.pt", ck)
+    assert train(TrainConfig.resume_from(out / "last.pt", workers=0)).epochs == 1
+
+
+def test_a_teacher_of_other_classes_is_refused(tmp_path):
+    """A teacher trained here on other classes (the same count) was distilled from index by index without a word."""
+    data = make_folder(tmp_path / "ds", classes=2, train=4, val=1)
+    other = make_folder(tmp_path / "other", classes=2, train=4, val=1)
+    for split in ("train", "val"):
+        (other / split / "class_1").rename(other / split / "cat")
+    train(tiny(data=str(other), epochs=1, output=str(tmp_path / "teacher"), model_ema=False))
+    teacher = tmp_path / "teacher" / "best.safetensors"
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"was trained on other classes than .*'cat' is not among them; 'class_1' is missing"):
+        train(tiny(data=str(data), epochs=1, output=str(out), distillation_type="hard", teacher=str(teacher)))
+
+
+def test_commands_the_demo_prints_can_be_pasted_into_a_shell(tmp_path, monkeypatch, capsys):
+    """With `--output "demo dir"` the demo printed `cgavit predict demo dir/data/val/7/0017.png --checkpoint demo
+    dir/run/model.safetensors` (and `--resume demo dir/...` when stopped): pasted, the shell splits the paths."""
+    import shlex
+
+    import cgavit.cli.train as cli_train
+    from cgavit.train.demo import summary_lines
+
+    out = tmp_path / "demo dir"
+    (out / "data" / "val" / "7").mkdir(parents=True)
+    (out / "data" / "val" / "7" / "0017.png").write_bytes(b"")
+    weights = str(out / "run" / "model.safetensors")
+    report = {"held_out_top1": 90.0, "held_out_images": 360, "held_out_top5": 99.0, "epochs": 1, "train_wall_s": 1.0,
+              "total_cpu_s": 1.0, "curves": "c", "checkpoint": "k", "weights": weights}
+    line = next(line for line in summary_lines(report, out) if line.startswith("try:"))
+    assert shlex.split(line[len("try:"):]) == ["cgavit", "predict", str(out / "data/val/7/0017.png"), "--checkpoint", weights]
+    last = str(out / "run" / "last.pt")
+    monkeypatch.setattr(cli_train, "run_demo", lambda *a, **k: {"interrupted": True, "signal": 15, "last": last})
+    assert main(["demo", "--epochs", "1"]) == 143
+    said = capsys.readouterr().out.strip().split("continue it with: ")[1]
+    assert shlex.split(said) == ["cgavit", "train", "--resume", last]

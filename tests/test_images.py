@@ -114,3 +114,24 @@ def test_whatever_is_wrong_is_one_error_type_naming_the_file(tmp_path):
     assert str(pytest.raises(BadImageError, load_image, tmp_path / "truncated.png").value) == (
         f"cannot read image {tmp_path / 'truncated.png'}: image file is truncated"
     )
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_a_file_is_read_upright_as_the_explorer_reads_an_upload(tmp_path, fmt):
+    """A photo stored sideways with EXIF orientation 6 (what every viewer shows upright) was read sideways by
+    predict, eval and training, and upright by the explorer: the same picture got another class."""
+    from PIL import ImageOps
+
+    from cgavit.explorer.uploads import model_view, open_upload
+
+    upright = Image.fromarray(np.kron(np.arange(12, dtype=np.uint8).reshape(3, 4) * 20, np.ones((8, 8), np.uint8)))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored turned: shown after a quarter turn clockwise
+    path = tmp_path / f"photo.{fmt.lower()}"
+    upright.convert("RGB").transpose(Image.Transpose.ROTATE_90).save(path, format=fmt, exif=exif.tobytes(), quality=100)
+    read = load_image(path)
+    assert read.size == upright.size  # 32 x 24, as shown, not 24 x 32 as stored
+    if fmt == "PNG":  # lossless: the very picture
+        assert np.array_equal(np.asarray(read), np.asarray(upright.convert("RGB")))
+    seen = model_view(open_upload(path.read_bytes(), 32)[0], (16, 16))
+    assert np.array_equal(np.asarray(seen), np.asarray(ImageOps.fit(read, (16, 16), Image.Resampling.BICUBIC)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def test_resume_takes_the_stored_options_and_the_given_ones_win(tmp_path):
     (tmp_path / "run").mkdir()
     ck = _fake_checkpoint(tmp_path / "run" / "last.pt", stored.to_record())
     c = TrainConfig.resume_from(ck, epochs=9, dials={"num_heads": (4, 4, 4)})  # M0's own heads, spelled out
-    assert (c.data, c.epochs, c.seed, c.lr) == ("d", 9, 3, 0.5)  # stored, except what was given
+    assert (c.data, c.epochs, c.seed, c.lr) == (os.path.abspath("d"), 9, 3, 0.5)  # stored, except what was given
     assert c.dials == {"cascade": False, "depth": (1, 1, 1), "num_heads": (4, 4, 4)}  # a dial given adds only itself
     with pytest.raises(ValueError, match=r"--depth 2,2,2 \(the run has 1,1,1\)"):  # another network: refused (issue 19)
         TrainConfig.resume_from(ck, dials={"depth": (2, 2, 2)})
@@ -110,7 +111,7 @@ def test_record_round_trip_and_layout():
     record = c.to_record()
     assert record["mean"] == [0.1, 0.2, 0.3] and record["cascade"] is False and record["key_dim"] is None
     assert "dials" not in record and set(DIAL_NAMES) <= set(record)
-    assert TrainConfig.from_record(record) == c
+    assert TrainConfig.from_record(record) == replace(c, data=os.path.abspath("d"))  # the files read: absolute
 
 
 def test_cli_defaults_are_the_dataclass_defaults():

@@ -91,3 +91,46 @@ def test_sigterm_saves_a_valid_checkpoint(tmp_path):
     assert info.class_names == ["class_0", "class_1"]
     with torch.no_grad():
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 2)
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """``{rank: pid}`` of torchrun's worker processes (children of ``parent``), from their environment."""
+    out = {}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[rank] = pid
+    return out
+
+
+def test_a_signal_to_one_rank_stops_every_rank_as_a_signal(tmp_path):
+    """A SIGTERM to rank 1 alone stopped both ranks, but rank 0 printed "signal": null and exited 0; and every stop
+    was logged once per rank, though only rank 0 logs."""
+    data = make_folder(tmp_path / "ds", classes=2, train=8, val=2)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "cgavit", "train", *TINY_ARGV, "--data", str(data),
+           "--epochs", "500", "--output", str(out), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not (out / "metrics.jsonl").exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "training did not start"
+            time.sleep(0.2)
+        os.kill(_rank_pids(proc.pid)[1], signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)  # the ranks used to hang when they disagreed at an epoch's end
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the session this test started
+    summary = json.loads(stdout[stdout.index("{"):stdout.rindex("}") + 1])  # rank 0's
+    assert summary["interrupted"] and summary["signal"] == signal.SIGTERM, err[-3000:]
+    assert err.count("(by SIGTERM); continue with --resume") == 1, err[-3000:]
+    assert 1 <= ckpt_io.load(out / "last.pt")["next_epoch"] < 500

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import fields
 
@@ -131,7 +132,7 @@ def _predict(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     report = run_demo(args.output, epochs=args.epochs, threads=args.threads, seed=args.seed, progress=args.progress, say=print)
     if report.get("interrupted"):
-        print(f"demo stopped; continue it with: cgavit train --resume {report['last']}")
+        print(f"demo stopped; continue it with: {shlex.join(['cgavit', 'train', '--resume', str(report['last'])])}")
         return 128 + int(report["signal"]) if report.get("signal") is not None else 130
     print("\n".join(summary_lines(report, args.output)))
     return 0

@@ -25,6 +25,7 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..fields import option
 from ..io import CheckpointError
 from . import checkpoint
+from .data.transforms import auto_augment_policy
 
 #: The design dials a run may set: every :class:`~cgavit.EfficientViTConfig` field, and ``allocation``
 #: (:mod:`cgavit.reallocation`).
@@ -38,6 +39,7 @@ DISTILLATION_TYPES = ("none", "soft", "hard")
 AMP_DTYPES = ("bfloat16", "float16")
 
 _PATH_FIELDS = ("data", "finetune", "teacher", "teacher_weights", "output", "resume")
+_READ_PATHS = ("data", "finetune", "teacher", "teacher_weights")  # recorded absolute (``teacher``: when a file)
 _TUPLE_FIELDS = {"mean": 3, "std": 3, "scale": 2}  # field: length
 
 _BIG = 1_000_000
@@ -55,6 +57,11 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "log_interval": (1, 2**31),
     "mean": (0.0, 1.0), "std": (1e-3, 10.0), "scale": (1e-4, 1.0),
 }
+#: The options of :data:`BOUNDS` whose high bound is excluded: 1.0 drops every block's path, smooths every label to
+#: uniform, or freezes the EMA.
+BELOW_HIGH = frozenset({"drop_path", "smoothing", "model_ema_decay"})
+
+
 @dataclass
 class TrainConfig:
     """One training run. Defaults are the official recipe; see the module docstring.
@@ -179,16 +186,18 @@ class TrainConfig:
     def check_values(self) -> None:
         """Raise ``ValueError`` naming the option when a value has the wrong type, lies outside
         :data:`BOUNDS`, is no allowed choice, or the dials do not form a network (the model config's own
-        check). Cheap, and builds nothing: safe on a checkpoint's untrusted record."""
+        check), or ``aa`` is no policy timm has. Cheap, and builds nothing but timm's auto-augment ops (no image,
+        no code from the record): safe on a checkpoint's untrusted record."""
         for f in fields(self):
             _check_type(f.name, f.type, getattr(self, f.name))
         for name, (lo, hi) in BOUNDS.items():
             value = getattr(self, name)
+            below = name in BELOW_HIGH
             for v in value if isinstance(value, tuple) else (value,):
-                if v is not None and not (math.isfinite(v) and lo <= v <= hi):
-                    raise ValueError(f"--{_flag(name)} must be within {lo}..{hi}, got {v}")
-        if self.model_ema_decay >= 1:
-            raise ValueError(f"--model-ema-decay must be below 1, got {self.model_ema_decay}")
+                if v is not None and not (math.isfinite(v) and lo <= v <= hi and not (below and v == hi)):
+                    within = f"{lo}..{hi}" + (f" (below {hi})" if below else "")
+                    raise ValueError(f"--{_flag(name)} must be within {within}, got {v}")
+        auto_augment_policy(self.aa)
         if self.scale[0] > self.scale[1]:
             raise ValueError(f"--scale MIN MAX needs MIN <= MAX, got {self.scale[0]} {self.scale[1]}")
         for name, choices in (("interpolation", INTERPOLATIONS), ("clip_mode", CLIP_MODES),
@@ -233,11 +242,15 @@ class TrainConfig:
     def to_record(self) -> dict:
         """The options as a plain dict for a checkpoint's ``"args"`` (str/int/float/bool/None/list,
         safe for ``weights_only`` loading): every field, with each dial a top-level key (None when
-        not set), as ``cgavit train`` has always stored them."""
+        not set), as ``cgavit train`` has always stored them. The files the run reads (``data``,
+        ``finetune``, ``teacher_weights``, a ``teacher`` checkpoint) are recorded as absolute paths, so that
+        ``--resume`` finds them from any working directory."""
         out = {}
         for f in fields(self):
             if f.name != "dials":
                 value = getattr(self, f.name)
+                if f.name in _READ_PATHS and value and (f.name != "teacher" or Path(value).is_file()):
+                    value = os.path.abspath(value)  # not resolved: a link the user gave stays that link
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         for name in DIAL_NAMES:
             value = self.dials.get(name)

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import resource
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -44,7 +45,9 @@ DIGITS_STD = (0.4, 0.4, 0.4)
 def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> dict:
     """Write scikit-learn's digits as ``root/{train,val}/<digit>/<n>.png`` (8x8 grayscale PNGs).
 
-    The split is stratified by class with a fixed seed; an existing, complete folder is reused.
+    The split is stratified by class with a fixed seed; an existing, complete folder of the same split is
+    reused. Any other split there (another seed or fraction, or a write that was stopped) is replaced: its
+    images are removed first, so no image of one split's training set is among another's held-out ones.
 
     Returns:
         ``{"train": n_train, "val": n_val, "classes": ["0", ..., "9"]}``.
@@ -65,9 +68,11 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
     summary = {"train": len(idx_train), "val": len(idx_val), "classes": classes, "seed": seed, "val_fraction": val_fraction}
     if marker.is_file() and json.loads(marker.read_text()) == summary:
         return summary
+    marker.unlink(missing_ok=True)  # until the new split is whole, the folder holds no split
     for split, idx in (("train", idx_train), ("val", idx_val)):
         for c in classes:
-            make_folder(root / split / c, "demo data folder")
+            for earlier in make_folder(root / split / c, "demo data folder").glob("[0-9][0-9][0-9][0-9].png"):
+                earlier.unlink()  # an earlier split's image (the names are the demo's own: other files stay)
         for i in idx:
             Image.fromarray(images[i], mode="L").save(root / split / str(labels[i]) / f"{i:04d}.png")
     write_text(marker, json.dumps(summary))
@@ -170,7 +175,7 @@ def _report(cfg: TrainConfig, split: dict, result: TrainResult, held_out: dict, 
     return {
         "dataset": "scikit-learn load_digits (UCI handwritten digits), 8x8 upscaled to 64x64",
         "split": split,
-        "model": "efficientvit_m0 with dials " + " ".join(TrainConfig(dials=DEMO_DIALS).to_argv()),
+        "model": "efficientvit_m0 with dials " + shlex.join(TrainConfig(dials=DEMO_DIALS).to_argv()),
         "params": sum(p.numel() for p in load_model(weights)[0].parameters()),
         "epochs": result.epochs,
         "held_out_top1": held_out["top1"],
@@ -184,7 +189,7 @@ def _report(cfg: TrainConfig, split: dict, result: TrainResult, held_out: dict, 
         "weights": str(weights),
         "curves": str(run_dir / "curves.png"),
         "metrics": str(run_dir / "metrics.jsonl"),
-        "command": "cgavit train " + " ".join(replace(cfg, progress=None).to_argv()),
+        "command": shlex.join(["cgavit", "train", *replace(cfg, progress=None).to_argv()]),  # pasted into a shell
     }
 
 
@@ -201,7 +206,8 @@ def summary_lines(report: dict, output: str | Path) -> list[str]:
     ]
     example = sorted((output / "data" / "val" / "7").glob("*.png"))[:1]
     if example:
-        lines.append(f"try:        cgavit predict {example[0]} --checkpoint {report['weights']}")
+        command = ["cgavit", "predict", str(example[0]), "--checkpoint", str(report["weights"])]
+        lines.append(f"try:        {shlex.join(command)}")  # pasted into a shell: paths with spaces quoted
     return lines
 
 

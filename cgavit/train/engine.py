@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import signal
 import threading
 import time
@@ -55,6 +56,7 @@ from .recipe import (
     build_scheduler,
     build_teacher,
     peak_lr,
+    schedule_problems,
 )
 
 log = logging.getLogger("cgavit.train")
@@ -83,14 +85,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     cfg.validate()
     env = setup(cfg.device)
-    stopper = _Stopper()
+    stopper = _Stopper(announce=env.is_main)
     try:
         stopper.install()
         t_start = time.perf_counter()
         resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
         if resumed is not None:  # the weights must go on as the network the record names, whatever cfg says
             check_same_network(TrainConfig.from_checkpoint(resumed, cfg.resume), cfg, cfg.resume)
-            _check_mid_epoch_batch(resumed, cfg)
+            _check_mid_epoch(resumed, cfg, env.world)
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
@@ -163,13 +165,12 @@ def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, 
     model.to(env.device)
     loaders = build_loaders(cfg, env, layout)
     lr = peak_lr(cfg, env.world)
-    if lr < cfg.min_lr:
-        log.warning("peak lr %.2e (from the total batch) is below --min-lr %.2e: the cosine will rise, not decay; "
-                    "give --lr or a lower --min-lr", lr, cfg.min_lr)
+    for problem in schedule_problems(cfg, lr):
+        log.warning("%s", problem)
     optimizer = build_optimizer(model, cfg, lr)
     scheduler = build_scheduler(optimizer, cfg, len(loaders.train))
     mixup = build_mixup(cfg, num_classes)
-    teacher = build_teacher(cfg, num_classes, env.device) if cfg.distillation_type != "none" else None
+    teacher = build_teacher(cfg, layout["classes"], env.device) if cfg.distillation_type != "none" else None
     criterion = DistillationLoss(
         build_base_loss(cfg, mixup), teacher, cfg.distillation_type, cfg.distillation_alpha, cfg.distillation_tau
     )
@@ -206,8 +207,7 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             raise DataError(_no_update(epoch, bad, len(run.loaders.train.dataset)))
         if stats.interrupted:
             _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
-            log.warning("saved %s at epoch %d, update %d; continue with --resume %s", output / "last.pt", epoch + 1,
-                        stats.next_step, output / "last.pt")
+            _report_stop(run, f"saved {output / 'last.pt'} at epoch {epoch + 1}, update {stats.next_step}")
             interrupted = True
             break
         val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
@@ -231,14 +231,24 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             if env.is_main:
                 meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
                 save_weights(run.model, output / "best.safetensors", meta)
-        if run.stopper.signum is not None:
+        if any_true(env, run.stopper.signum is not None):  # every rank stops where any rank was signalled
             interrupted = True
-            log.warning("stopped after epoch %d; continue with --resume %s", epoch + 1, output / "last.pt")
+            _report_stop(run, f"stopped after epoch {epoch + 1}")
             break
     barrier(env)
     if env.is_main and rows:
         records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}")
     return _result(run, rows, skipped, val, interrupted, t_start)
+
+
+def _report_stop(run: Run, what: str) -> None:
+    """A stopped run: every rank's stopper gets the signal that stopped it (the first rank's that got one; a
+    collective, so every rank calls it), so that each returns it, and exits with its status, though one rank alone
+    got it; rank 0 logs ``what`` and how to go on."""
+    run.stopper.signum = next((s for s in gather_objects(run.env, run.stopper.signum) if s is not None), None)
+    if run.env.is_main:
+        by = f" (by {signal.Signals(run.stopper.signum).name})" if run.stopper.signum is not None else ""
+        log.warning("%s%s; continue with --resume %s", what, by, shlex.quote(str(run.output / "last.pt")))
 
 
 @dataclass
@@ -289,8 +299,8 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     for step, batch in enumerate(loader, start=start_step):
         seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))  # mixup, drop path: keyed to the update
         stats.bad.update(batch.bad)
-        if cfg.sched_on_updates:
-            run.scheduler.step_update(state.global_step)
+        if cfg.sched_on_updates:  # counted in this run's batches, whatever batch the epochs before had
+            run.scheduler.step_update(epoch * steps + step)
         stats.lr = run.optimizer.param_groups[0]["lr"]
         n = len(batch) - (len(batch) % 2 if run.mixup is not None else 0)  # timm's batch mixup pairs images
         if any_true(env, n < 2):  # a batch emptied by unreadable images: every rank skips the update
@@ -461,18 +471,27 @@ def _save(run: Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> N
     )
 
 
-def _check_mid_epoch_batch(ck: dict, cfg: TrainConfig) -> None:
-    """A run stopped mid-epoch goes on from the image its updates reached, counted in its own batches: another
-    ``--batch-size`` would skip the wrong images (or run out of them). An epoch's end may change it."""
+def _check_mid_epoch(ck: dict, cfg: TrainConfig, world: int) -> None:
+    """A run stopped mid-epoch goes on from the image its updates reached, counted in its own batches of its own
+    processes' shares of the epoch: another ``--batch-size`` or number of processes would skip the wrong images (or
+    run out of them), and the processes' random states would not fit. An epoch's end may change either."""
     step, saved = int(ck.get("next_step", 0)), TrainConfig.from_checkpoint(ck, cfg.resume).batch_size
     if step > 0 and saved != cfg.batch_size:
         raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of batch {saved}: resume it with "
                          f"--batch-size {saved} (a new batch size can start at an epoch's end)")
+    was = ck.get("world_size", 1)
+    if step > 0 and isinstance(was, int) and was != world:
+        raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of {was} process(es): resume it with "
+                         f"{was} process(es) (torchrun --nproc_per_node {was}, or none for 1), not {world}; another "
+                         "number of processes can start at an epoch's end")
 
 
 def _resume(run: Run, ck: dict) -> None:
-    """Load a checkpoint's weights, optimiser, schedule and progress into ``run``; drop metric rows
-    written after it."""
+    """Load a checkpoint's weights, optimiser state and progress into ``run``; drop metric rows written after
+    it. The learning-rate schedule is the one ``run`` was built with (this invocation's ``--epochs``, ``--lr``,
+    ``--min-lr``, warm-up, process count): the checkpoint's ``"scheduler"`` is a record, never loaded, and the
+    schedule goes on from the epoch and update the checkpoint reached. With the options unchanged that is the
+    schedule of the run uninterrupted."""
     check_finite(ck["model"], run.cfg.resume)
     state, env = run.state, run.env
     try:
@@ -480,7 +499,8 @@ def _resume(run: Run, ck: dict) -> None:
         if run.ema is not None:
             run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
         run.optimizer.load_state_dict(ck["optimizer"])
-        run.scheduler.load_state_dict(ck["scheduler"])
+        for group, peak in zip(run.optimizer.param_groups, run.scheduler.base_values):
+            group["initial_lr"] = peak  # the schedule is this invocation's: the checkpoint gives only where it stands
         if run.scaler.is_enabled() and ck.get("scaler"):
             run.scaler.load_state_dict(ck["scaler"])
         saved = ck.get("progress") or {}
@@ -607,10 +627,12 @@ def _tidy_run_folder(output: Path, resuming: bool) -> None:
 
 class _Stopper:
     """SIGTERM / SIGINT / SIGHUP set a flag the loop checks after every update (then it saves and exits);
-    one the process ignores already (``nohup``) is left ignored."""
+    one the process ignores already (``nohup``) is left ignored. ``announce``: log the signal as it comes (rank 0
+    only: a signal to the process group reaches every rank, and the run logs once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
+        self.announce = announce
         self._old: dict[int, object] = {}
 
     def install(self) -> None:
@@ -626,7 +648,8 @@ class _Stopper:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.signum = signum
-        log.warning("received %s: stopping after this update and saving a checkpoint", signal.Signals(signum).name)
+        if self.announce:
+            log.warning("received %s: stopping after this update and saving a checkpoint", signal.Signals(signum).name)
 
     def uninstall(self) -> None:
         for sig, old in self._old.items():

@@ -94,8 +94,9 @@ def evaluate_checkpoint(
         pct = crop_pct or info.crop_pct
         interp = interpolation or info.interpolation
         transform = build_transform(size, False, interpolation=interp, crop_pct=pct, mean=info.mean, std=info.std)
-        ds = ImageFolderDataset(samples, classes, transform, strict=strict)
-        loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers, pin_memory=env.device.type == "cuda")
+        ds = ImageFolderDataset(samples, classes, transform)
+        loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
+                             pin_memory=env.device.type == "cuda", strict=strict)
         res = _checked_metrics(evaluate(model, loader, env), len(samples), split_dir, checkpoint)
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir), world_size=env.world)
         return res

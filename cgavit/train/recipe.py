@@ -18,12 +18,14 @@ from timm.scheduler import CosineLRScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..classes import class_difference
 from ..factory import create_model, load_model, resolve_name
 from ..loading import load_checkpoint
 from ..schema import check_finite
 from ..weights import read_state_dict
 from .config import TrainConfig
 from .data import ImageFolderDataset, build_transform, eval_sampler, make_loader, train_sampler
+from .data.transforms import auto_augment_policy
 from .distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_pe
         cycle_limit=1,
         t_in_epochs=not cfg.sched_on_updates,
     )
+
+
+def schedule_problems(cfg: TrainConfig, lr: float) -> list[str]:
+    """What is wrong with the schedule :func:`build_scheduler` would draw for peak ``lr``, one line each (the run
+    still trains it): a peak below ``min_lr`` (the cosine rises), a warm-up as long as the run or longer (the
+    learning rate never reaches its peak, and no epoch follows the cosine)."""
+    problems = []
+    if lr < cfg.min_lr:
+        problems.append(f"peak lr {lr:.2e} (from the total batch) is below --min-lr {cfg.min_lr:.2e}: the cosine will "
+                        "rise, not decay; give --lr or a lower --min-lr")
+    if cfg.warmup_epochs >= cfg.epochs and lr > cfg.warmup_lr:
+        problems.append(
+            f"--warmup-epochs {cfg.warmup_epochs} is not shorter than --epochs {cfg.epochs}: every epoch trains in the "
+            f"linear warm-up from --warmup-lr {cfg.warmup_lr:.2e}, so the learning rate never reaches its peak {lr:.2e} "
+            "and no epoch follows the cosine; give --warmup-epochs below --epochs (0 for none)")
+    return problems
 
 
 def build_mixup(cfg: TrainConfig, num_classes: int) -> Mixup | None:
@@ -134,11 +152,23 @@ class DistillationLoss(nn.Module):
         return base * (1 - self.alpha) + dist * self.alpha
 
 
-def build_teacher(cfg: TrainConfig, num_classes: int, device: torch.device) -> nn.Module:
+def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) -> nn.Module:
     """The frozen teacher: a cgavit checkpoint trained here, or a cgavit/timm model name with
-    ``teacher_weights`` (read safely; nothing is downloaded)."""
+    ``teacher_weights`` (read safely; nothing is downloaded).
+
+    Raises:
+        ValueError: the teacher predicts another number of classes than ``classes`` (the dataset's), or records
+            class names that are not ``classes`` in the same order (distillation pairs them index by index).
+    """
+    num_classes = len(classes)
     if Path(cfg.teacher).is_file():
-        teacher, _ = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
+        teacher, info = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
+        if info.names_recorded and list(info.class_names) != list(classes):
+            diff = class_difference(list(info.class_names), list(classes))
+            raise ValueError(
+                f"the teacher {cfg.teacher} was trained on other classes than {cfg.data} holds: "
+                f"{'the same names in another order' if diff == 'the same names' else diff} (distillation pairs the "
+                "classes index by index); give a teacher trained on these classes")
     elif not cfg.teacher_weights:
         raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
     else:
@@ -191,15 +221,14 @@ def build_loaders(cfg: TrainConfig, env: DistEnv, layout: dict) -> Loaders:
     """
     mean = cfg.mean or IMAGENET_DEFAULT_MEAN
     std = cfg.std or IMAGENET_DEFAULT_STD
-    aa = None if str(cfg.aa).lower() in ("", "none", "off") else cfg.aa
     t_train = build_transform(
-        cfg.img_size, True, auto_augment=aa, interpolation=cfg.interpolation, re_prob=cfg.reprob, hflip=cfg.hflip,
-        scale=cfg.scale, color_jitter=cfg.color_jitter, mean=mean, std=std,
+        cfg.img_size, True, auto_augment=auto_augment_policy(cfg.aa), interpolation=cfg.interpolation,
+        re_prob=cfg.reprob, hflip=cfg.hflip, scale=cfg.scale, color_jitter=cfg.color_jitter, mean=mean, std=std,
     )
     t_eval = build_transform(cfg.img_size, False, interpolation=cfg.interpolation, crop_pct=cfg.crop_pct, mean=mean, std=std)
     classes = layout["classes"]
-    ds_train = ImageFolderDataset(layout["train"], classes, t_train, strict=cfg.strict)
-    ds_val = ImageFolderDataset(layout["val"], classes, t_eval, strict=cfg.strict)
+    ds_train = ImageFolderDataset(layout["train"], classes, t_train)
+    ds_val = ImageFolderDataset(layout["val"], classes, t_eval)
     if len(ds_train) < cfg.batch_size * env.world:
         raise ValueError(
             f"the train split has {len(ds_train)} images, fewer than one batch of {cfg.batch_size} x {env.world} "
@@ -209,7 +238,9 @@ def build_loaders(cfg: TrainConfig, env: DistEnv, layout: dict) -> Loaders:
     generator = torch.Generator()
     pin = env.device.type == "cuda"
     return Loaders(
-        train=make_loader(ds_train, cfg.batch_size, sampler, cfg.workers, drop_last=True, pin_memory=pin, generator=generator),
-        val=make_loader(ds_val, cfg.batch_size, eval_sampler(ds_val, env.world, env.rank), cfg.workers, pin_memory=pin),
+        train=make_loader(ds_train, cfg.batch_size, sampler, cfg.workers, drop_last=True, pin_memory=pin, generator=generator,
+                          strict=cfg.strict),
+        val=make_loader(ds_val, cfg.batch_size, eval_sampler(ds_val, env.world, env.rank), cfg.workers, pin_memory=pin,
+                        strict=cfg.strict),
         generator=generator,
     )

@@ -103,8 +103,9 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
         ``{"classes": [...], "train": samples, "val": samples}``.
 
     Raises:
-        DataError: a missing or empty split or class folder, class sets that differ, or one folder for both
-            (validated on its training images, a run would choose its best checkpoint on them).
+        DataError: a missing or empty split or class folder, class sets that differ, one folder for both
+            (validated on its training images, a run would choose its best checkpoint on them), or a single class
+            (nothing to learn: every prediction would be right).
     """
     if same_split(root, train_split, val_split):
         raise DataError(f"--train-split {train_split!r} and --val-split {val_split!r} are the same folder of {root}: "
@@ -118,6 +119,11 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
         raise DataError(
             f"the {train_split} and {val_split} splits of {root} name different classes "
             f"(only in {train_split}: {only_t}; only in {val_split}: {only_v}); both need the same class folders"
+        )
+    if len(train_classes) < 2:
+        raise DataError(
+            f"{Path(root) / train_split} has one class folder ({train_classes[0]}): a classifier of one class has "
+            f"nothing to learn and scores 100 %; add a folder of images for each other class (DIR/{train_split}/<class>/)"
         )
     return {"classes": train_classes, "train": train_samples, "val": val_samples}
 

@@ -1,9 +1,14 @@
 """Image-folder samples as batches: the dataset, its collate function and the loader.
 
 An image that cannot be decoded is reported by path and skipped (the paths travel with each batch,
-so the count is exact across loader workers), or raises with ``strict``. So is an image that
+so the count is exact across loader workers), or, with ``strict``, stops the iteration in the run's
+own process with the image's one-line :class:`~cgavit.images.BadImageError`. So is an image that
 declares more than :data:`~cgavit.bounds.MAX_IMAGE_PIXELS` pixels (a decompression bomb): its
 header is read, never its pixels. Images are opened by :func:`cgavit.images.load_image`.
+
+An iteration that ends early, by an exception from a worker or from ``strict``, shuts its worker processes
+down at once: they ignore the stop signals (:func:`ignore_stop_signals`), so Python's exit would otherwise wait
+for them forever.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,26 +38,20 @@ class ImageFolderDataset(Dataset):
     """``(path, label)`` samples decoded with :func:`~cgavit.images.load_image` and transformed.
 
     ``__getitem__`` returns ``(image, label, index)``, or a :class:`BadSample` for a file that
-    cannot be decoded (raises :class:`~cgavit.images.BadImageError` instead when ``strict``).
+    cannot be decoded (:func:`make_loader` skips it, or stops with ``strict``).
 
     Args:
         samples: ``(path, class index)`` pairs, e.g. from :func:`~cgavit.train.data.list_split`.
         classes: class names, index order.
         transform: PIL image -> tensor.
-        strict: stop at the first unreadable image instead of skipping it.
     """
 
     def __init__(
-        self,
-        samples: Sequence[tuple[str, int]],
-        classes: Sequence[str],
-        transform: Callable | None = None,
-        strict: bool = False,
+        self, samples: Sequence[tuple[str, int]], classes: Sequence[str], transform: Callable | None = None
     ) -> None:
         self.samples = list(samples)
         self.classes = list(classes)
         self.transform = transform
-        self.strict = strict
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -66,8 +65,6 @@ class ImageFolderDataset(Dataset):
         try:
             img = load_image(path)
         except BadImageError as err:
-            if self.strict:
-                raise BadImageError(f"{err} (run without --strict to skip unreadable images)") from None
             return BadSample(path, str(err))
         if seed is not None:
             seed_all(seed)
@@ -76,13 +73,14 @@ class ImageFolderDataset(Dataset):
 
 @dataclass
 class Batch:
-    """A collated batch: images ``(B, 3, H, W)``, labels ``(B,)``, dataset indices ``(B,)`` and the
-    paths of the samples that were skipped because they could not be read."""
+    """A collated batch: images ``(B, 3, H, W)``, labels ``(B,)``, dataset indices ``(B,)``, the
+    paths of the samples that were skipped because they could not be read, and what was wrong with each."""
 
     images: torch.Tensor | None
     labels: torch.Tensor | None
     indices: torch.Tensor | None
     bad: list[str]
+    errors: list[str] = field(default_factory=list)  # one line per path of ``bad``, same order
 
     def __len__(self) -> int:
         return 0 if self.labels is None else len(self.labels)
@@ -91,14 +89,16 @@ class Batch:
 def collate(items: list) -> Batch:
     """Stack the good samples and keep the paths of the bad ones."""
     good = [it for it in items if not isinstance(it, BadSample)]
-    bad = [it.path for it in items if isinstance(it, BadSample)]
+    bad = [it for it in items if isinstance(it, BadSample)]
+    paths, errors = [b.path for b in bad], [b.error for b in bad]
     if not good:
-        return Batch(None, None, None, bad)
+        return Batch(None, None, None, paths, errors)
     return Batch(
         torch.stack([g[0] for g in good]),
         torch.tensor([g[1] for g in good], dtype=torch.long),
         torch.tensor([g[2] for g in good], dtype=torch.long),
-        bad,
+        paths,
+        errors,
     )
 
 
@@ -129,11 +129,27 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
 
 
 class StopSafeLoader(DataLoader):
-    """A DataLoader that starts its worker processes with :data:`STOP_SIGNALS` held back, so that none reaches a
-    worker before its ``worker_init_fn`` (:func:`ignore_stop_signals`) ignores them; the run's process gets
-    a signal sent meanwhile as soon as the workers are started."""
+    """A DataLoader of :class:`Batch` es whose workers ignore the stop signals, and are stopped by its iteration.
+
+    Its worker processes start with :data:`STOP_SIGNALS` held back, so that none reaches a worker before its
+    ``worker_init_fn`` (:func:`ignore_stop_signals`) ignores them; the run's process gets a signal sent
+    meanwhile as soon as the workers are started. Since they ignore SIGTERM, Python's exit cannot end them: an
+    iteration that ends by an exception (from a worker, or ``strict``) shuts them down before it raises.
+
+    Args:
+        strict: raise the :class:`~cgavit.images.BadImageError` of the first unreadable image (in this process,
+            as one line) instead of skipping it.
+        args, kwargs: as ``DataLoader``'s.
+    """
+
+    def __init__(self, *args, strict: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.strict = strict
 
     def __iter__(self):
+        return self._checked(self._started())
+
+    def _started(self):
         if self.num_workers == 0 or threading.current_thread() is not threading.main_thread():
             return super().__iter__()
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -141,6 +157,26 @@ class StopSafeLoader(DataLoader):
             return super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    def _checked(self, batches):
+        """``batches`` (torch's iterator), stopped at the first unreadable image when ``strict``. When an exception
+        ends it, its workers are shut down before it propagates (``_shutdown_workers`` is torch's own, what the
+        iterator's ``__del__`` calls: too late when the exception keeps it alive until Python's exit), and a
+        persistent loader starts new ones next time. A consumer that stops early (``break``) leaves them to torch,
+        which ends them when it drops the iterator (or keeps them, for ``persistent_workers``)."""
+        try:
+            for batch in batches:
+                if self.strict and batch.bad:
+                    raise BadImageError(f"{batch.errors[0]} (run without --strict to skip unreadable images)")
+                yield batch
+        except GeneratorExit:
+            raise
+        except BaseException:
+            shutdown = getattr(batches, "_shutdown_workers", None)  # a single-process iterator has no workers
+            if shutdown is not None:
+                shutdown()
+                self._iterator = None
+            raise
 
 
 def make_loader(
@@ -152,10 +188,14 @@ def make_loader(
     drop_last: bool = False,
     pin_memory: bool = False,
     generator: torch.Generator | None = None,
+    strict: bool = False,
 ) -> DataLoader:
-    """A DataLoader with :func:`collate` and per-worker numpy seeding."""
+    """A :class:`StopSafeLoader` with :func:`collate` and per-worker numpy seeding; ``strict``: the first
+    unreadable image stops the iteration (raising its :class:`~cgavit.images.BadImageError`) instead of being
+    skipped."""
     return StopSafeLoader(
         dataset,
+        strict=strict,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,

@@ -45,6 +45,28 @@ def build_transform(
     )
 
 
+#: What ``--aa`` may say for no auto-augmentation (any case).
+NO_AUTO_AUGMENT = ("", "none", "off")
+
+
+def auto_augment_policy(aa: str | None) -> str | None:
+    """``aa`` as :func:`build_transform` takes it: None for no auto-augmentation (:data:`NO_AUTO_AUGMENT`), else
+    the policy, once timm has built it (with its own parser, on no image: milliseconds).
+
+    Raises:
+        ValueError: timm has no such policy (it would assert while the run's loaders are built).
+    """
+    if aa is None or aa.strip().lower() in NO_AUTO_AUGMENT:
+        return None
+    try:
+        create_transform(32, is_training=True, auto_augment=aa)
+    except (AssertionError, ValueError, KeyError, IndexError) as err:  # timm's parsers assert on what they do not know
+        reason = f" ({' '.join(str(err).split())})" if str(err).strip() else ""
+        raise ValueError(f"--aa {aa!r} is no timm auto-augment policy{reason}; give one such as rand-m9-mstd0.5-inc1 "
+                         "(RandAugment), augmix-m5, original, v0 or 3a, or none") from None
+    return aa
+
+
 def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
     """Posterize that keeps 0 bits as older Pillow did (a black image); Pillow >= 10 raises instead."""
     if bits_to_keep >= 8:
