@@ -13,7 +13,8 @@ Training, evaluation, prediction, the analyses, detection and the explorer read 
 - any mode becomes 8-bit RGB (:func:`to_rgb`);
 - a picture is read upright: turned as its EXIF orientation says, as every viewer shows it (a phone's photo
   stored sideways), by :func:`load_image` for files and by the explorer for uploads (``decode(...,
-  exif_transpose=True)``), so training, evaluation, prediction and the explorer see the same picture.
+  exif_transpose=True)``), so training, evaluation, prediction and the explorer see the same picture;
+  detection reads files as stored (``upright=False``), the frame COCO's boxes are in, in all its commands.
 
 Whatever is wrong (missing, a pipe, empty, not an image, an unaccepted format, truncated, corrupt,
 too large) is one error type, :class:`BadImageError` (:class:`ImageTooLarge` for the size bound),
@@ -132,7 +133,8 @@ def decode(img: Image.Image, name: str = "the image", *, exif_transpose: bool = 
 
 
 def load_image(
-    source: Source, *, name: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS, formats: Sequence[str] | None = None
+    source: Source, *, name: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS, formats: Sequence[str] | None = None,
+    upright: bool = True,
 ) -> Image.Image:
     """Open, check, fully decode upright (EXIF orientation applied) and convert to RGB: :func:`open_image` then
     :func:`decode` with ``exif_transpose``.
@@ -142,6 +144,8 @@ def load_image(
         name: how messages name the image (default ``"image PATH"``).
         max_pixels: the largest ``width * height`` decoded.
         formats: the Pillow formats to try (default: all but :data:`REFUSED_FORMATS`).
+        upright: turn it as its EXIF orientation says (default); False: its pixels as stored, the frame COCO's
+            boxes and sizes are given in, which detection reads in training, evaluation and prediction alike.
 
     Raises:
         BadImageError: whatever makes the image unusable, named (:class:`ImageTooLarge` for size).
@@ -149,7 +153,7 @@ def load_image(
     name = _name(source, name)
     img, _ = open_image(source, name=name, max_pixels=max_pixels, formats=formats)
     with img:
-        return decode(img, name, exif_transpose=True)
+        return decode(img, name, exif_transpose=upright)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -898,3 +898,17 @@ def test_an_existing_folder_is_a_folder_whatever_its_name(files, tmp_path, capsy
     assert main(["detect", "predict", str(files["image"]), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
                  "--out", str(folder)]) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["val_00000_pred.png"]
+
+
+def test_predict_reads_a_photo_as_training_does_as_stored(files, tmp_path):
+    """``load_image`` turns a photo upright by its EXIF orientation; detection reads it as stored, the frame its COCO
+    boxes are in, in training and evaluation, and ``detect predict`` read it turned: its boxes were in another frame."""
+    stored = Image.open(files["image"]).convert("RGB").crop((0, 0, 40, 24))  # not square: a turn shows
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown after a quarter turn
+    photo = tmp_path / "photo.jpg"
+    stored.save(photo, exif=exif.tobytes(), quality=95)
+    assert main(["detect", "predict", str(photo), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
+                 "--out", str(tmp_path / "drawn")]) == 0
+    (drawn,) = (tmp_path / "drawn").iterdir()
+    assert Image.open(drawn).size == (40, 24)  # the picture the detector saw, as stored (turned: 24 x 40)

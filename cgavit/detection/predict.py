@@ -128,7 +128,7 @@ def _predictions(
     try:
         for p, dst in zip(paths, drawn):
             try:
-                raw = TF.pil_to_tensor(load_image(p))  # (3, H, W) uint8
+                raw = TF.pil_to_tensor(load_image(p, upright=False))  # (3, H, W) uint8, as training reads it
             except (DataError, UnreadableFileError) as err:
                 skipped.append(str(err))
                 continue
