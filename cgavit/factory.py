@@ -95,6 +95,8 @@ def create_model(
     key = resolve_name(name)
     info = VARIANTS[key]
     cfg = info.cfg.with_dials(**dials) if dials else info.cfg
+    if not isinstance(pretrained, bool):  # a path or "False" would fetch the published weights
+        raise TypeError(f"pretrained must be True or False, got {pretrained!r}; to load a file, give checkpoint_path=")
     if pretrained and checkpoint_path is not None:
         raise ValueError("give either pretrained=True or checkpoint_path, not both")
     model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,

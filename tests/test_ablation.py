@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import signal
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -58,6 +60,7 @@ def test_ablation_config_and_train_args():
     for bad, match in (
         (dict(epochs=0), "--epochs"), (dict(rungs=("nope",)), "--rungs"), (dict(seeds=()), "--seeds"),
         (dict(train_args={"nope": 1}), "--train-args"), (dict(speed_rounds=0), "--speed-rounds"),
+        (dict(speed_seconds=float("inf")), "--speed-seconds"), (dict(speed_seconds=float("nan")), "--speed-seconds"),
     ):
         with pytest.raises(ValueError, match=match):
             replace(cfg, **bad).validate()
@@ -67,6 +70,36 @@ def test_ablation_config_and_train_args():
     )
     assert options["seed"] == 3 and options["workers"] == 0 and options["output"] == "run"
     assert options["dials"]["cascade"] is False and options["dials"]["group_split"] is True  # train_args win
+
+
+def test_a_subset_smaller_than_the_classes_is_refused_before_anything_is_written(tmp_path):
+    """It wrote the subset's marker and links first, then the class check refused the run, and the corrected
+    command was refused for that folder ("made from other data or subset sizes")."""
+    data = _dataset(tmp_path / "data")
+    classes = len([p for p in (data / "train").iterdir() if p.is_dir()])
+    with pytest.raises(ValueError, match=rf"--train-subset 1 is below the number of classes \({classes}\)"):
+        runs.prepare_data(data, tmp_path / "study", train_subset=1, val_subset=0)
+    assert not (tmp_path / "study").exists()
+    assert runs.prepare_data(data, tmp_path / "study", train_subset=classes, val_subset=0) == tmp_path / "study" / "data"
+
+
+def test_a_signal_after_a_runs_last_epoch_stops_the_study(tmp_path, monkeypatch, capsys):
+    """A SIGTERM while a run wrote its last records was logged as received, then the study trained the next rungs
+    and exited 0; and a stopped study exited 130 whatever the signal."""
+    stopped = SimpleNamespace(interrupted=False, signal=signal.SIGTERM)
+    monkeypatch.setattr(runs, "train", lambda cfg: stopped)
+    cfg = AblationConfig(data="d", output=str(tmp_path), epochs=1)
+    variant = build_ladder("m0", dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2)), 2, 32, rungs=["cascade"])[0][0]
+    options = runs.train_options(cfg, variant, 0, "data", str(tmp_path / "run"))
+    with pytest.raises(runs.StudyStopped) as stop:
+        runs._train_variant(cfg, variant, 0, options, tmp_path / "run" / "last.pt")
+    assert stop.value.signum == signal.SIGTERM
+
+    def stop_study(cfg):
+        raise runs.StudyStopped("stopped", signal.SIGTERM)
+
+    monkeypatch.setattr("cgavit.cli.ablate.run_ablation", stop_study)
+    assert main(["ablate", "--data", str(tmp_path), "--output", str(tmp_path / "o"), "--epochs", "1"]) == 143
 
 
 def test_rung_one_is_matched_in_parameters():

@@ -361,3 +361,10 @@ def test_a_damaged_cached_backbone_says_which_file_to_delete(published, tmp_path
         detection_body("efficientvit_m0", "imagenet")
     (cache / "efficientvit_m0.pth").unlink()
     detection_body("efficientvit_m0", "imagenet")
+
+
+@pytest.mark.parametrize("pretrained", ["False", "weights.safetensors", 1, None])
+def test_pretrained_takes_a_bool_only(pretrained):
+    """A path or the string "False" was truthy: it fetched (and would have loaded) the published weights."""
+    with pytest.raises(TypeError, match="pretrained must be True or False.*give checkpoint_path="):
+        cgavit.create_model("efficientvit_m0", pretrained=pretrained)

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         summary = run_ablation(ablation_config(args))
     except StudyStopped as err:
         log.warning("%s", err)
-        return 130
+        return 128 + int(err.signum)  # 130 for Ctrl-C, 143 for SIGTERM, as every command
     note = summary.matching
     print(summary.table)
     print(f"parameter matching: rung 1 depth {note['standard_depth']} ({note['standard_params'] / 1e6:.3f} M) vs rung 2 depth "

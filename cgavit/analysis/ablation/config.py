@@ -60,8 +60,10 @@ class AblationConfig:
         unknown = [r for r in self.rungs if r not in RUNGS]
         if unknown or not self.rungs:
             raise ValueError(f"--rungs must name some of {', '.join(RUNGS)}, got {list(self.rungs)}")
-        if self.speed_rounds < 1 or self.speed_seconds <= 0:
-            raise ValueError("--speed-rounds must be at least 1 and --speed-seconds positive")
+        if self.speed_rounds < 1:
+            raise ValueError(f"--speed-rounds must be at least 1, got {self.speed_rounds}")
+        if not 0 < self.speed_seconds <= 600:  # NaN fails this too
+            raise ValueError(f"--speed-seconds must be in (0, 600] seconds per timing round, got {self.speed_seconds}")
         bad = sorted(set(self.train_args) - set(train_defaults()))
         if bad:
             raise ValueError(f"--train-args names no training option {bad}")

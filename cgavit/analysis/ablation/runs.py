@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from pathlib import Path
 
 import torch
@@ -25,7 +26,15 @@ log = logging.getLogger(__name__)
 
 
 class StudyStopped(Exception):
-    """A training run was stopped by a signal (its checkpoint is saved; the study can continue)."""
+    """A training run was stopped by a signal (its checkpoint is saved; the study can continue).
+
+    Attributes:
+        signum: the signal's number (SIGINT when unknown): the command exits with ``128 + signum``.
+    """
+
+    def __init__(self, message: str, signum: int | None = None) -> None:
+        super().__init__(message)
+        self.signum = signum if signum is not None else signal.SIGINT
 
 
 def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int, seed: int = 0) -> Path:
@@ -48,10 +57,15 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
         if json.loads(marker.read_text()) != spec:
             raise ValueError(f"{dest} was made from other data or subset sizes ({marker.read_text().strip()}); use another --output")
         return dest
-    for split, src, n in (("train", "train", train_subset), ("val", held, val_subset)):
-        paths, labels, classes = list_images([root / src])
+    splits = (("train", "train", train_subset, "--train-subset"), ("val", held, val_subset, "--val-subset"))
+    listed = [list_images([root / src]) for _, src, _, _ in splits]
+    for (_, src, n, flag), (_, labels, classes) in zip(splits, listed):
         if labels is None:
             raise ValueError(f"{root / src} has no class folders")
+        if 0 < n < len(classes):  # checked before anything is written: a refused run leaves no marker behind
+            raise ValueError(f"{flag} {n} is below the number of classes ({len(classes)}): a balanced subset needs at "
+                             f"least one image of each; give {flag} {len(classes)} or more (0: every image)")
+    for (split, _, n, _), (paths, labels, classes) in zip(splits, listed):
         for i in balanced_subset(labels, len(paths), n, seed):
             link = dest / split / classes[labels[i]] / paths[i].name
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +102,9 @@ def _train_variant(cfg: AblationConfig, variant: Variant, seed: int, options: di
         run_cfg = TrainConfig(**options)
         log.info("%s seed %d: training  cgavit train %s", variant.rung, seed, " ".join(run_cfg.to_argv()))
     summary = train(run_cfg)
-    if summary.interrupted:
-        raise StudyStopped(f"training of {variant.rung} seed {seed} was stopped; run the same command again to continue")
+    if summary.interrupted or summary.signal is not None:  # a signal after its last epoch stops the study too
+        raise StudyStopped(f"training of {variant.rung} seed {seed} was stopped; run the same command again to continue",
+                           summary.signal)
     return summary
 
 
