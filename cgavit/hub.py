@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import torch
 
-from .io import CheckpointError, WriteError, make_folder, write_reason
+from .io import CheckpointError, WriteError, make_folder, process_alive, write_reason
 
 try:
     from tqdm import tqdm  # the progress bar torch.hub shows; optional (the deploy extra has no tqdm)
@@ -159,7 +159,7 @@ def _remove_dead_downloads(folder: Path, name: str, timeout: float) -> None:
     pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.(?:.+\.)?part(?:ial)?")
     for path in folder.glob(f".{name}.*"):
         match = pattern.fullmatch(path.name)
-        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+        if match is None or int(match.group(1)) == os.getpid() or process_alive(int(match.group(1))):
             continue
         try:
             if time.time() - path.stat().st_mtime > timeout:
@@ -167,13 +167,3 @@ def _remove_dead_downloads(folder: Path, name: str, timeout: float) -> None:
                 log.info("removed %s, left by a download that was stopped", path)
         except OSError:
             pass  # gone already, or not ours to remove: it only costs space
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # OverflowError: no process id at all
-        return False
-    except OSError:  # PermissionError: another user's process
-        return True
-    return True

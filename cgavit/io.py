@@ -362,3 +362,14 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "\n".join(line if line.isprintable() else repr(line)[1:-1] for line in text.split("\n"))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive; POSIX)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no process id at all
+        return False
+    except PermissionError:
+        return True
+    return True

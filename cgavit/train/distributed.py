@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..io import WriteError, write_reason
+from ..io import WriteError, process_alive, write_reason
 
 log = logging.getLogger(__name__)
 
@@ -207,12 +207,12 @@ class RunLock:
         """What a second run says: the holder's pid, waited for if the holder has not written it yet."""
         deadline = time.monotonic() + _PID_WAIT_S
         pid = _read_pid_at(self.path)
-        while (pid is None or not alive(pid)) and time.monotonic() < deadline:  # a dead pid: its successor's is coming
+        while (pid is None or not process_alive(pid)) and time.monotonic() < deadline:  # a dead pid: its successor's is coming
             time.sleep(0.01)
             pid = _read_pid_at(self.path)
         if pid is None:
             who = "another run (its pid is not recorded)"
-        elif alive(pid):
+        elif process_alive(pid):
             who = f"another run (pid {pid})"
         else:
             who = f"another run (pid {pid}, not a process of this machine: another machine or container?)"
@@ -269,14 +269,3 @@ def _read_pid_at(path: Path) -> int | None:
         return _read_pid(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     finally:
         os.close(fd)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one we may not signal counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
