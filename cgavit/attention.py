@@ -201,10 +201,27 @@ class CascadedGroupAttention(CascadedHeads):
             "attention_bias_idxs", relative_bias_index(window, window, window), persistent=False
         )
 
+    def full_window_index(self) -> torch.Tensor:
+        """The full window's index into the bias table, on the table's device. The index is arithmetic, not
+        state (it is in no state dict), so it is rebuilt wherever it does not live with the table: a model made
+        on the meta device and given its weights by ``load_state_dict(..., assign=True)`` keeps a meta index."""
+        idx = self.attention_bias_idxs
+        if idx.device != self.attention_biases.device:
+            idx = self.attention_bias_idxs = relative_bias_index(self.window, self.window, self.window,
+                                                                 self.attention_biases.device)
+        return idx
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() leaves every buffer uninitialised: the index is computed again where the table now is
+        super()._apply(fn, recurse)
+        self.attention_bias_idxs = relative_bias_index(self.window, self.window, self.window,
+                                                       self.attention_biases.device)
+        return self
+
     def attention_bias(self, h: int, w: int) -> torch.Tensor:
         """The ``(heads, h*w, h*w)`` bias for an ``h x w`` window (``h, w <= self.window``)."""
         if h == self.window and w == self.window:
-            idx = self.attention_bias_idxs
+            idx = self.full_window_index()
         else:
             idx = relative_bias_index(h, w, self.window, self.attention_biases.device)
         return self.attention_biases[:, idx]
@@ -236,7 +253,7 @@ class FusedCascadedGroupAttention(CascadedHeads):
         self.qkvs = nn.ModuleList(m.fuse() for m in attn.qkvs)
         self.dws = nn.ModuleList(m.fuse() for m in attn.dws)
         self.proj = nn.Sequential(nn.ReLU(), attn.proj[1].fuse())
-        full = attn.attention_biases[:, attn.attention_bias_idxs].detach().clone()  # (heads, N, N)
+        full = attn.attention_biases[:, attn.full_window_index()].detach().clone()  # (heads, N, N)
         self.register_buffer("bias_full", full)
 
     def attention_bias(self, h: int, w: int) -> torch.Tensor:

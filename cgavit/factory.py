@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from .hub import download_release
 from .imagenet import class_names
 from .io import CheckpointError
 from .loading import fit_state_dict, load_checkpoint
-from .model import EfficientViT
+from .model import EfficientViT, convert_state_dict
 from .schema import (
     WeightsMeta,
     check_finite,
@@ -90,6 +91,7 @@ def create_model(
 
     Raises:
         ValueError: unknown name, an argument of the wrong type, or a dial combination that cannot work.
+        TypeError: ``pretrained`` that is not a bool, or ``checkpoint_path`` that is not a path or a state dict.
         CheckpointError: weights that cannot be loaded (see :func:`load_pretrained`, :func:`load_checkpoint`).
     """
     key = resolve_name(name)
@@ -99,6 +101,9 @@ def create_model(
         raise TypeError(f"pretrained must be True or False, got {pretrained!r}; to load a file, give checkpoint_path=")
     if pretrained and checkpoint_path is not None:
         raise ValueError("give either pretrained=True or checkpoint_path, not both")
+    if checkpoint_path is not None and not isinstance(checkpoint_path, (str, os.PathLike, Mapping)):
+        raise TypeError(f"checkpoint_path must be a file path (or a state dict), got {checkpoint_path!r} "
+                        f"({type(checkpoint_path).__name__})")
     model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key)
     if pretrained:
@@ -201,6 +206,7 @@ def load_model(
         CheckpointError: an unreadable, unsafe or damaged file (NaN/inf weights included), or one that
             does not fit the architecture it records or that was named.
         ValueError: not enough information to build the model.
+        TypeError: ``dials`` that is not a mapping.
     """
     if path is None:
         if not (pretrained and model_name):
@@ -243,6 +249,8 @@ def _what_it_holds(
     """The network a file describes (its metadata, its training record, or the name and dials given
     for a bare state dict), its tensors, and whether the file itself recorded the architecture."""
     source = str(wf.path)
+    if dials is not None and not isinstance(dials, Mapping):
+        raise TypeError(f"dials must be a mapping of dial names to values, e.g. {{'cascade': False}}; got {dials!r}")
     if wf.kind == "safetensors" and is_weights_meta(wf.metadata):
         meta = parse_weights_meta(wf.metadata, source)
         sd = unwrap_state_dict(wf.content, source)
@@ -258,10 +266,15 @@ def _what_it_holds(
         raise ValueError(f"{source} does not record its architecture; name its variant (--model NAME, or load_model(path, 'efficientvit_m4')) and the dials it was trained with")
     key = resolve_name(model_name)
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
-    head = sd.get("head.linear.weight", sd.get("head.l.weight"))
-    num_classes = int(head.shape[0]) if head is not None and head.ndim == 2 else 1000
-    distillation = any(k.startswith("head_dist.") and k.endswith("weight") and v.ndim == 2 for k, v in sd.items())
-    return WeightsMeta(model=key, config=cfg, num_classes=num_classes, distillation=distillation), sd, False
+    ours = convert_state_dict(sd)  # official and timm names as this package's, to read the shapes by one name
+    head = ours.get("head.linear.weight")
+    headless = not any(k.startswith("head.") for k in ours)  # saved with num_classes=0 (timm's headless form)
+    num_classes = 0 if headless else int(head.shape[0]) if head is not None and head.ndim == 2 else 1000
+    stem = ours.get("patch_embed.conv1.conv.weight")
+    in_chans = int(stem.shape[1]) if stem is not None and stem.ndim == 4 else 3
+    distillation = any(k.startswith("head_dist.") and k.endswith("weight") and v.ndim == 2 for k, v in ours.items())
+    meta = WeightsMeta(model=key, config=cfg, num_classes=num_classes, distillation=distillation, in_chans=in_chans)
+    return meta, sd, False
 
 
 def _named(meta: WeightsMeta, model_name: str | None, source: str) -> WeightsMeta:
@@ -272,4 +285,10 @@ def _named(meta: WeightsMeta, model_name: str | None, source: str) -> WeightsMet
         key = resolve_name(model_name)
     except ValueError as err:
         raise CheckpointError(f"{source}: {err}") from None
+    base = VARIANTS[key].cfg
+    differ = [f"{k}={getattr(meta.config, k)!r}" for k in base.__dataclass_fields__
+              if getattr(meta.config, k) != getattr(base, k)]
+    if differ:  # the file's own architecture is what is built: the name only labels it
+        log.warning("%s records an architecture that is not %s's (%s); it is built as the file records it, "
+                    "named %s", source, key, ", ".join(differ), key)
     return replace(meta, model=key)

@@ -25,7 +25,7 @@ def variant_rows(img_size: tuple[int, int] = (224, 224), names: list[str] | None
     rows = []
     for name in names or list_models():
         info = VARIANTS[name]
-        model = create_model(name)
+        model = create_model(name, img_size=img_size)  # built for that size, as create_model(img_size=) gives it
         cfg = info.cfg
         rows.append(
             dict(

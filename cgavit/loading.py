@@ -67,11 +67,16 @@ def fit_state_dict(
 def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: object) -> None:
     """Skip a distillation head the model lacks, and a classifier for another class count: its linear
     layer, or the whole classifier (its BatchNorm too) when the model has none (``num_classes=0``)."""
-    for key in [k for k in sd if k.startswith("head_dist.") and k not in target]:
+    dropped = [k for k in sd if k.startswith("head_dist.") and k not in target]
+    head_w, want_w = sd.get("head.linear.weight"), target.get("head.linear.weight")
+    keeps_head = head_w is not None and want_w is not None and head_w.shape == want_w.shape
+    if dropped and keeps_head:  # (a new classifier is not the checkpoint's network anyway)
+        log.warning("the checkpoint has a distillation head and the model none: the model's outputs are its class "
+                    "head's alone, where the checkpoint's network averaged both heads; build it with "
+                    "distillation=True to use both")
+    for key in dropped:
         report["skipped"].append(key)
         del sd[key]
-    head_w = sd.get("head.linear.weight")
-    want_w = target.get("head.linear.weight")
     if head_w is not None and (want_w is None or head_w.shape != want_w.shape):
         headless = not any(k.startswith("head.") for k in target)
         for key in [k for k in sd if re.match(r"head(_dist)?\." if headless else r"head(_dist)?\.linear\.", k)]:

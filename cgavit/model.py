@@ -4,6 +4,8 @@ timm's port (:func:`convert_state_dict`, this model's ``checkpoint_filter_fn``).
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 import re
 from collections import OrderedDict
@@ -112,7 +114,8 @@ def _count(value: object, name: str, low: int, high: int | None = None) -> int:
 
 
 def _check_build_args(
-    cfg: EfficientViTConfig, num_classes: object, in_chans: object, img_size: object, drop_path_rate: object
+    cfg: EfficientViTConfig, num_classes: object, in_chans: object, img_size: object, drop_path_rate: object,
+    distillation: object = False,
 ) -> tuple[int, int, tuple[int, int], float]:
     """``(num_classes, in_chans, (H, W), drop_path_rate)`` checked and normalised; ``ValueError``
     naming the argument otherwise (the config checks itself when it is made)."""
@@ -124,8 +127,12 @@ def _check_build_args(
     if len(sizes) != 2:
         raise ValueError(f"img_size must be an int or (H, W), got {img_size!r}")
     img_hw = tuple(_count(s, "img_size", *IMG_SIZE_RANGE) for s in sizes)
-    if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or not 0.0 <= drop_path_rate < 1.0:
+    if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, numbers.Real):
+        raise ValueError(f"drop_path_rate must be a number in [0, 1), got {drop_path_rate!r} ({type(drop_path_rate).__name__})")
+    if not (math.isfinite(drop_path_rate) and 0.0 <= drop_path_rate < 1.0):
         raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
+    if not isinstance(distillation, bool):  # a truthy "no" or "False" would add a head
+        raise ValueError(f"distillation must be True or False, got {distillation!r}")
     return num_classes, in_chans, img_hw, float(drop_path_rate)
 
 
@@ -197,13 +204,13 @@ class EfficientViT(nn.Module):
     ) -> None:
         super().__init__()
         num_classes, in_chans, img_hw, drop_path_rate = _check_build_args(
-            cfg, num_classes, in_chans, img_size, drop_path_rate
+            cfg, num_classes, in_chans, img_size, drop_path_rate, distillation
         )
         self.cfg = cfg
         self.img_size = img_hw
         self.in_chans = in_chans
         self.num_classes = num_classes
-        self.num_features = cfg.embed_dim[-1]
+        self.num_features = self.head_hidden_size = cfg.embed_dim[-1]
         self.patch_embed = _patch_embed(in_chans, cfg.embed_dim[0])
         total_blocks = sum(cfg.depth)
         rates = [drop_path_rate * i / max(total_blocks - 1, 1) for i in range(total_blocks)]
@@ -316,8 +323,9 @@ class EfficientViT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def get_classifier(self) -> nn.Module:
-        """The classifier head (BatchNorm1d + Linear), or Identity without classes."""
-        return self.head
+        """The classifier's ``nn.Linear`` (as in timm: ``.in_features``, ``.weight``), or Identity without classes.
+        The whole head, BatchNorm1d + Linear, is ``model.head``."""
+        return self.head.linear if isinstance(self.head, BNLinear) else self.head
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
@@ -343,14 +351,16 @@ class EfficientViT(nn.Module):
         """Replace the classifier (and distillation head) with fresh ones for ``num_classes``."""
         if global_pool not in (None, "avg"):
             raise ValueError(f"only average pooling is supported, got global_pool={global_pool!r}")
-        num_classes = _count(num_classes, "num_classes", 0)
+        num_classes = _count(num_classes, "num_classes", 0, MAX_CLASSES)
         self.num_classes = num_classes
         self.pretrained_cfg = dict(self.pretrained_cfg, num_classes=num_classes)
-        device = next(self.parameters()).device
-        self.head = (BNLinear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()).to(device)
-        self.head_dist = (
-            BNLinear(self.num_features, num_classes).to(device) if self.distillation and num_classes > 0 else None
-        )
+        ref = next(self.parameters())
+
+        def fresh() -> nn.Module:  # the model's device, dtype and mode (an eval-mode model gets an eval-mode head)
+            return BNLinear(self.num_features, num_classes).to(device=ref.device, dtype=ref.dtype).train(self.training)
+
+        self.head = fresh() if num_classes > 0 else nn.Identity()
+        self.head_dist = fresh() if self.distillation and num_classes > 0 else None
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

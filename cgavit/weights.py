@@ -193,6 +193,31 @@ def read_weights_meta(path: str | os.PathLike) -> WeightsMeta | None:
     return meta
 
 
+def _architecture(model: nn.Module, feed_size: str | None, record: object) -> dict[str, str]:
+    """The metadata that says what ``model``'s tensors are (config, classes, distillation head, input channels, the
+    size its attention-bias tables were built for); ``feed_size``: the ``img_size`` a record gives, the size images are
+    fed at. The build size goes in ``input_size`` wherever it is not that size (a model built at 512 px and fed
+    at 224 comes back built at 512).
+
+    Raises:
+        ValueError: a record whose class names are not one per class of the model.
+    """
+    names = record.class_names if isinstance(record, WeightsMeta) else None
+    if names is not None and len(names) != model.num_classes:
+        raise ValueError(f"the record names {len(names)} classes and the model has {model.num_classes}: give one "
+                         "class name per output")
+    size = tuple(getattr(model, "img_size", ()))
+    arch = {"config": json.dumps(asdict(model.cfg)), "num_classes": str(model.num_classes),
+            "distillation": str(bool(getattr(model, "distillation", False))),
+            "in_chans": str(getattr(model, "in_chans", 3))}
+    if len(size) == 2:
+        arch["img_size"] = feed_size or str(max(size))  # a record's own, else the side the network was built for
+        arch["input_size"] = json.dumps(list(size))
+        if size[0] == size[1] and arch["img_size"] == str(size[0]):
+            del arch["input_size"]  # square and fed at its build size: img_size says it
+    return arch
+
+
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMeta | Mapping[str, str] | None = None) -> Path:
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
@@ -206,29 +231,21 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
 
     Raises:
         ValueError: a fused model (:func:`cgavit.deploy.fuse`), whose tensors no model built here takes: save the
-            model before fusing it.
+            model before fusing it; a record whose class names are not one per class.
     """
     if hasattr(model, "cfg") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")
     meta = {"format": "cgavit"}
-    cfg = getattr(model, "cfg", None)
-    arch = {}
-    if cfg is not None:
-        meta["config"] = json.dumps(asdict(cfg))
-        meta["num_classes"] = str(getattr(model, "num_classes", ""))
-        size = tuple(getattr(model, "img_size", ()))
-        if len(size) == 2:  # the record's img_size holds one side: a non-square network's size goes beside it
-            meta["img_size"] = str(size[0] if size[0] == size[1] else max(size))
-            if size[0] != size[1]:
-                arch["input_size"] = json.dumps(list(size))
-        arch["distillation"] = str(bool(getattr(model, "distillation", False)))
-        if getattr(model, "in_chans", 3) != 3:
-            arch["in_chans"] = str(model.in_chans)
+    name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+    if name:  # the variant it was built as (a record's own name, below, wins)
+        meta["model"] = str(name)
     if isinstance(metadata, WeightsMeta):
         meta.update(metadata.to_strings())
     else:
         meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    meta.update(arch)  # what the tensors are, whatever a record passed in says
+    if getattr(model, "cfg", None) is not None:  # what the tensors are, whatever a record says
+        meta.pop("input_size", None)
+        meta.update(_architecture(model, meta.get("img_size"), metadata))
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return atomic_write(path, lambda tmp: _safetensors().torch.save_file(tensors, tmp, metadata=meta))

@@ -253,3 +253,67 @@ def test_a_zero_dimensional_tensor_or_array_is_one_dial_value():
         assert cgavit.create_model("m0", key_dim=value).cfg.key_dim == (8, 8, 8)
     with pytest.raises(ValueError, match="key_dim must be whole numbers"):
         cgavit.create_model("m0", key_dim=torch.tensor(8.5))
+
+
+def test_a_new_head_follows_the_model_mode_dtype_and_class_bound():
+    model = _tiny().eval()
+    model.reset_classifier(10)
+    assert not model.head.training  # an eval-mode model's head normalised with batch statistics
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        whole, halves = model(x), torch.cat([model(x[:2]), model(x[2:])])
+        model(x[:1])  # a training-mode BatchNorm1d refused a batch of one
+    assert torch.allclose(whole, halves, atol=1e-5)
+    half = _tiny().eval().half()
+    half.reset_classifier(3)
+    assert half.head.linear.weight.dtype == torch.float16 and half.get_classifier() is half.head.linear
+    with pytest.raises(ValueError, match="num_classes must be <= 100000"):  # a file load_model would refuse
+        model.reset_classifier(200_000)
+
+
+def test_get_classifier_is_the_linear_layer_as_in_timm():
+    model = _tiny()
+    assert isinstance(model.get_classifier(), nn.Linear) and model.get_classifier().in_features == 192
+    assert model.head_hidden_size == model.num_features == 192
+    model.reset_classifier(0)
+    assert isinstance(model.get_classifier(), nn.Identity)
+
+
+@pytest.mark.parametrize("value", ["no", "False", 1, None])
+def test_distillation_takes_a_bool_only(value):
+    with pytest.raises(ValueError, match="distillation must be True or False"):
+        _tiny(distillation=value)
+
+
+def test_drop_path_rate_takes_any_real_number():
+    import numpy as np
+
+    assert _tiny(drop_path_rate=np.float32(0.1)) is not None  # in range: refused as out of range before
+    with pytest.raises(ValueError, match="must be a number"):
+        _tiny(drop_path_rate="0.1")
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        _tiny(drop_path_rate=float("nan"))
+
+
+@pytest.mark.parametrize("how", ["assign", "to_empty"])
+def test_a_model_built_on_the_meta_device_computes_as_one_built_normally(how):
+    ref = randomize_(_tiny(), 3).eval()
+    with torch.device("meta"):
+        model = _tiny()
+    if how == "assign":  # the index buffer is in no state dict: it stayed on meta and indexed garbage
+        model.load_state_dict(ref.state_dict(), assign=True)
+    else:  # to_empty left it uninitialised: an IndexError deep in the attention
+        model = model.to_empty(device="cpu")
+        model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), ref(x))
+        assert torch.equal(cgavit.fuse(model)(x), cgavit.fuse(ref)(x))
+
+
+def test_info_counts_the_model_built_for_its_size():
+    from cgavit.info import variant_rows
+
+    row, = variant_rows((512, 512), ["efficientvit_m0"])
+    built = cgavit.create_model("efficientvit_m0", img_size=512)
+    assert row["macs_m"] == round(count_macs(built, (512, 512)) / 1e6, 1)

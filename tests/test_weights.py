@@ -368,3 +368,71 @@ def test_pretrained_takes_a_bool_only(pretrained):
     """A path or the string "False" was truthy: it fetched (and would have loaded) the published weights."""
     with pytest.raises(TypeError, match="pretrained must be True or False.*give checkpoint_path="):
         cgavit.create_model("efficientvit_m0", pretrained=pretrained)
+
+
+def test_a_record_does_not_change_the_network_saved(tmp_path):
+    from cgavit.schema import WeightsMeta
+
+    x = torch.randn(2, 3, 96, 96)
+    for model, record in (  # a record written for the variant, and one giving the size images are fed at
+        (cgavit.create_model("efficientvit_m0", cascade=False, num_classes=4, img_size=96),
+         WeightsMeta(model="efficientvit_m0", config=cgavit.VARIANTS["efficientvit_m0"].cfg, num_classes=4, img_size=96)),
+        (cgavit.create_model("efficientvit_m0", num_classes=4, img_size=512),
+         WeightsMeta(model="efficientvit_m0", config=cgavit.VARIANTS["efficientvit_m0"].cfg, num_classes=4, img_size=224)),
+    ):
+        model = randomize_(model, 1).eval()
+        save_weights(model, tmp_path / "w.safetensors", record)
+        loaded, info = cgavit.load_model(tmp_path / "w.safetensors")
+        assert loaded.cfg == model.cfg and loaded.img_size == model.img_size and info.img_size == record.img_size
+        with torch.no_grad():
+            assert torch.equal(loaded(x), model(x))
+    with pytest.raises(ValueError, match="names 2 classes and the model has 4"):
+        save_weights(model, tmp_path / "w2.safetensors", WeightsMeta(model=None, config=model.cfg, num_classes=4,
+                                                                     class_names=("a", "b")))
+    assert not (tmp_path / "w2.safetensors").exists()
+
+
+def test_saved_weights_keep_the_variant_name(tmp_path, caplog):
+    model = cgavit.create_model("efficientvit_m2", num_classes=3, img_size=64)
+    save_weights(model, tmp_path / "m2.safetensors")
+    loaded, _ = cgavit.load_model(tmp_path / "m2.safetensors")
+    assert loaded.pretrained_cfg["architecture"] == "efficientvit_m2"
+    save_weights(model, tmp_path / "unnamed.safetensors", {"note": "no name"})
+    raw = dict(read_metadata(tmp_path / "unnamed.safetensors"))
+    del raw["model"]  # a file from before names were recorded
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(tmp_path / "unnamed.safetensors"), tmp_path / "unnamed.safetensors", metadata=raw)
+    with caplog.at_level(logging.WARNING):
+        loaded, _ = cgavit.load_model(tmp_path / "unnamed.safetensors", "efficientvit_m0")
+    assert loaded.cfg == model.cfg and "not efficientvit_m0's" in caplog.text
+
+
+@pytest.mark.parametrize("kw", [{"num_classes": 0}, {"in_chans": 1, "num_classes": 5}])
+def test_a_plain_state_dict_without_head_or_with_other_channels_loads(tmp_path, kw):
+    model = randomize_(cgavit.create_model("efficientvit_m0", img_size=64, **kw), 2).eval()
+    torch.save(model.state_dict(), tmp_path / "sd.pth")
+    loaded, _ = cgavit.load_model(tmp_path / "sd.pth", "efficientvit_m0", img_size=64)  # its build size: no resizing
+    x = torch.randn(2, kw.get("in_chans", 3), 64, 64)
+    with torch.no_grad():
+        assert loaded.num_classes == model.num_classes and torch.allclose(loaded(x), model(x), atol=1e-6)
+
+
+def test_a_dropped_distillation_head_is_said(tmp_path, caplog):
+    distilled = cgavit.create_model("efficientvit_m0", num_classes=3, img_size=64, distillation=True)
+    plain = cgavit.create_model("efficientvit_m0", num_classes=3, img_size=64)
+    with caplog.at_level(logging.WARNING):
+        load_checkpoint(plain, distilled.state_dict())
+    assert "distillation head" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # a new classifier: nothing of the file's network is kept to warn about
+        load_checkpoint(cgavit.create_model("efficientvit_m0", num_classes=5, img_size=64), distilled.state_dict())
+    assert "distillation head" not in caplog.text
+
+
+def test_argument_types_are_named(tmp_path):
+    with pytest.raises(TypeError, match="checkpoint_path must be a file path"):
+        cgavit.create_model("efficientvit_m0", checkpoint_path=5)
+    torch.save(cgavit.create_model("efficientvit_m0", img_size=64).state_dict(), tmp_path / "sd.pth")
+    with pytest.raises(TypeError, match="dials must be a mapping"):
+        cgavit.load_model(tmp_path / "sd.pth", "efficientvit_m0", ["cascade"])
