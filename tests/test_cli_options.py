@@ -201,6 +201,28 @@ def test_a_group_whose_extra_is_missing_is_listed_and_says_what_to_install():
     assert res.returncode == 1 and "Traceback" in res.stderr and "cgavit.cli.detect" in res.stderr
 
 
+_INTERRUPTED_IMPORT = """
+import importlib.abc, sys
+
+
+class CtrlC(importlib.abc.MetaPathFinder):  # Ctrl-C pressed while a command's libraries load
+    def find_spec(self, name, path=None, target=None):
+        if name == "cgavit.cli.train":
+            raise KeyboardInterrupt
+        return None
+
+
+sys.meta_path.insert(0, CtrlC())
+from cgavit.cli import main
+sys.exit(main(["info", "--model", "m0"]))
+"""
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line_and_exit_130():
+    res = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 130 and res.stderr.strip() == "cgavit: interrupted", (res.returncode, res.stderr[-2000:])
+
+
 def test_every_command_that_reads_a_checkpoint_offers_the_trust_opt_in():
     """A pickled checkpoint is refused with a message naming ``--trust-checkpoint``: every command that reads one
     (a ``--checkpoint`` or ``--pretrained-backbone`` option) must offer it, but for ``detect eval/predict``, which

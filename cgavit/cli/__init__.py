@@ -1,18 +1,19 @@
 """The ``cgavit`` command: one entry point over the library.
 
 Every parser and every ``args -> typed call`` step lives in this package, one module per command
-group; the library never sees argparse. Each module in :data:`COMMANDS` provides
+group; the library never sees argparse. Each module named in :data:`COMMAND_GROUPS` provides
 ``register(subparsers)``, adding parsers whose ``func`` default takes the parsed namespace and
 returns an exit code.
 
 A command group whose optional extra is not installed (say ``cgavit[detect]``) is still listed: its
-import below fails, and a :class:`MissingExtra` stands in for it, so that running one of its
+import (:func:`command_modules`) fails, and a :class:`MissingExtra` stands in for it, so that running one of its
 commands says which extra to install instead of failing the whole command.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -23,7 +24,6 @@ from functools import partial
 from pathlib import Path
 
 from ..io import CheckpointError, WriteError, printable
-from . import info, roofline  # no optional dependency
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
@@ -121,41 +121,34 @@ class MissingExtra:
         )
 
 
-try:
-    from . import train
-except ImportError as err:
-    train = MissingExtra("train", ("train", "eval", "predict", "demo"), err)
-try:
-    from . import explore
-except ImportError as err:
-    explore = MissingExtra("explorer", ("explore",), err)
-try:
-    from . import analyze
-except ImportError as err:
-    analyze = MissingExtra("train", ("analyze",), err)
-try:
-    from . import ablate
-except ImportError as err:
-    ablate = MissingExtra("train", ("ablate",), err)
-try:
-    from . import detect
-except ImportError as err:
-    detect = MissingExtra("detect", ("detect",), err)
-try:
-    from . import bench
-except ImportError as err:
-    bench = MissingExtra("bench", ("bench",), err)
-try:
-    from . import export
-except ImportError as err:
-    export = MissingExtra("deploy,train", ("export",), err)  # it reads image folders: timm transforms
-try:
-    from . import quantize
-except ImportError as err:
-    quantize = MissingExtra("deploy,train", ("quantize",), err)
+#: The command groups, in the order ``cgavit --help`` lists them: module, the extra it needs (None: the core's), and
+#: the commands it registers (said to need that extra when it is missing).
+COMMAND_GROUPS = (
+    ("info", None, ("info",)),
+    ("train", "train", ("train", "eval", "predict", "demo")),
+    ("explore", "explorer", ("explore",)),
+    ("analyze", "train", ("analyze",)),
+    ("ablate", "train", ("ablate",)),
+    ("detect", "detect", ("detect",)),
+    ("bench", "bench", ("bench",)),
+    ("export", "deploy,train", ("export",)),  # it reads image folders: timm transforms
+    ("quantize", "deploy,train", ("quantize",)),
+    ("roofline", None, ("roofline",)),
+)
 
-#: The command groups, in the order ``cgavit --help`` lists them.
-COMMANDS = (info, train, explore, analyze, ablate, detect, bench, export, quantize, roofline)
+
+def command_modules() -> list:
+    """The command modules, imported here rather than with this package, so that a Ctrl-C while their libraries load
+    (seconds) is :func:`main`'s to handle; a :class:`MissingExtra` for a group whose extra is not installed."""
+    out = []
+    for name, extra, names in COMMAND_GROUPS:
+        try:
+            out.append(importlib.import_module(f"{__name__}.{name}"))
+        except ImportError as err:
+            if extra is None:
+                raise
+            out.append(MissingExtra(extra, names, err))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true", help="show the full traceback when a command fails")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in COMMANDS:
+    for command in command_modules():
         command.register(sub)
     for p in _all_subparsers(sub):  # --debug also after the command name
         if "--debug" not in p._option_string_actions:
@@ -185,7 +178,11 @@ def _all_subparsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentPa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # the commands' libraries load here
+    except KeyboardInterrupt:
+        print("cgavit: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     args = parser.parse_args(argv)
     terminal = logging.StreamHandler()
     terminal.setFormatter(_PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
