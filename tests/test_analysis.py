@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 import pytest
 import torch
 from torch import nn
@@ -435,3 +436,32 @@ def test_interrupted_analysis_keeps_the_previous_set(tmp_path, monkeypatch):
     monkeypatch.setattr(reports, "plot_similarity", lambda *a, **k: draw(*a, **k)[:1])
     run = run_heads(cfg)
     assert sorted(p.name for p in out.iterdir()) == ["heads.json", "heads_matrices.png"] and run.plots == [out / "heads_matrices.png"]
+
+
+def test_the_sample_is_fed_as_the_checkpoint_records(tmp_path):
+    """The analyses read size, crop and normalisation from the checkpoint; the interpolation was always bicubic."""
+    from cgavit import save_weights
+    from cgavit.schema import WeightsMeta
+    from cgavit.train.data import build_transform
+
+    model = create_model("m0", num_classes=2, img_size=48, **TINY)
+    feed = dict(img_size=48, crop_pct=0.9, interpolation="bilinear", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    save_weights(model, tmp_path / "w.safetensors", WeightsMeta(model="efficientvit_m0", config=model.cfg,
+                                                                 num_classes=2, class_names=("a", "b"), **feed))
+    data = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        (data / name).mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 256, (61, 83, 3), dtype=np.uint8)).save(data / name / "x.png")
+    sample = load_sample(AnalysisConfig(output=str(tmp_path / "o"), checkpoint=str(tmp_path / "w.safetensors"),
+                                        data=str(data), num_images=0))
+    own = build_transform(48, False, interpolation="bilinear", crop_pct=0.9, mean=feed["mean"], std=feed["std"])
+    want = torch.stack([own(Image.open(data / name / "x.png").convert("RGB")) for name in ("a", "b")])
+    assert torch.equal(torch.cat([x for x, _ in sample.batches]), want)
+
+
+def test_the_prune_ratio_is_printed_as_given(tmp_path, trained_digits, capsys):
+    data = _digits_folder(tmp_path / "data", trained_digits, {"3": "3", "7": "7"})
+    assert main(["analyze", "taylor", "--checkpoint", str(trained_digits.checkpoint), "--data", str(data),
+                 "--num-images", "0", "--prune-ratio", "0.999", "--output", str(tmp_path / "t")]) == 0
+    assert "least important 99.9 % of" in capsys.readouterr().out  # it said 100%, a ratio the command refuses

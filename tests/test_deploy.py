@@ -111,6 +111,8 @@ def test_default_optimize_runs_onnxruntime_and_matches():
         assert rel_err(fast(y), model(y)) <= 1e-5
     with pytest.raises(ValueError, match=r"takes images \(B, 3, 64, 64\), got \(2, 3, 96, 96\): build it again"):
         fast(torch.randn(2, 3, 96, 96))  # the size is fixed: one line, not the runtime's InvalidArgument
+    with pytest.raises(ValueError, match=r"got \(2, 1, 64, 64\): it takes 3-channel images: convert them"):
+        fast(torch.randn(2, 1, 64, 64))  # the size is right: "build it again for that size" sent users the wrong way
 
 
 def test_bf16_within_tolerance():

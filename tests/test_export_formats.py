@@ -151,6 +151,38 @@ def test_openvino_export_never_writes_through_a_folder_of_that_name(tmp_path, ca
     assert "the output is a file name" in capsys.readouterr().err
 
 
+_CTRL_C_IN_CONVERSION = """
+import os, signal, sys, time
+import openvino
+from cgavit.cli import main
+
+real = openvino.convert_model
+
+
+def converting(*args, **kwargs):  # a Ctrl-C that lands while the converter calls back into Python
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+    except KeyboardInterrupt:
+        raise RuntimeError("Converting input model KeyboardInterrupt")  # what OpenVINO's frontend made of it
+    return real(*args, **kwargs)
+
+
+openvino.convert_model = converting
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@need("openvino")
+def test_ctrl_c_during_the_openvino_conversion_interrupts_the_export(tmp_path):
+    out = tmp_path / "m"
+    argv = ["export", "--model", "efficientvit_m0", "--format", "openvino", "--output", str(out), "--img-size", "64",
+            "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"]
+    res = subprocess.run([sys.executable, "-c", _CTRL_C_IN_CONVERSION, *argv], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 130 and "cgavit export: interrupted" in res.stderr, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr and list(tmp_path.iterdir()) == []
+
+
 @need("openvino")
 def test_openvino_export_takes_a_stem_and_carries_metadata(tmp_path, capsys):
     """The README's command: --output m0_ov writes m0_ov.xml + m0_ov.bin (OpenVINO IR is always NAME.xml)."""

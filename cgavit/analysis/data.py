@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ..io import DataError
 from ..images import BadImageError, load_image
+from ..train.data import build_transform
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,6 @@ def balanced_subset(labels: Sequence[int] | None, count: int, n: int, seed: int 
     return sorted(out)
 
 
-def eval_transform(img_size: int, crop_pct: float = 0.875, mean=None, std=None):
-    """Resize (bicubic), centre-crop ``crop_pct``, normalise (ImageNet statistics unless given), via timm."""
-    return create_transform(
-        img_size, is_training=False, interpolation="bicubic", crop_pct=crop_pct,
-        mean=tuple(mean or IMAGENET_DEFAULT_MEAN), std=tuple(std or IMAGENET_DEFAULT_STD),
-    )
-
-
 class ImageList(Dataset):
     """``(image tensor, label)`` pairs over image files; label -1 where there are no labels.
 
@@ -117,10 +110,12 @@ class ImageList(Dataset):
 
 
 def load_images(
-    sources: Sequence[str | Path], img_size: int, num_images: int = 64, crop_pct: float = 0.875, seed: int = 0, mean=None, std=None
+    sources: Sequence[str | Path], img_size: int, num_images: int = 64, crop_pct: float = 0.875, seed: int = 0, mean=None,
+    std=None, interpolation: str = "bicubic",
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[str] | None]:
-    """Read up to ``num_images`` images (balanced over classes) into one batch; an image that cannot
-    be read is skipped with a warning.
+    """Read up to ``num_images`` images (balanced over classes) into one batch, fed as evaluation feeds them
+    (:func:`~cgavit.train.data.build_transform`: resized with ``interpolation``, centre-cropped ``crop_pct``,
+    normalised with ``mean``/``std``, ImageNet's unless given); an image that cannot be read is skipped with a warning.
 
     Returns:
         ``(images (B, 3, S, S), labels (B,) or None, class names or None)``.
@@ -130,7 +125,9 @@ def load_images(
     """
     paths, labels, classes = list_images(sources)
     keep = balanced_subset(labels, len(paths), num_images, seed)
-    ds = ImageList([paths[i] for i in keep], [labels[i] for i in keep] if labels else None, eval_transform(img_size, crop_pct, mean, std))
+    transform = build_transform(img_size, False, interpolation=interpolation, crop_pct=crop_pct,
+                                mean=mean or IMAGENET_DEFAULT_MEAN, std=std or IMAGENET_DEFAULT_STD)
+    ds = ImageList([paths[i] for i in keep], [labels[i] for i in keep] if labels else None, transform)
     items = []
     for i in range(len(ds)):
         try:

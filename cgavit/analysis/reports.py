@@ -183,7 +183,8 @@ def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
     if min(count, cfg.batch_size) * img_size**2 > MAX_BATCH_PIXELS:
         raise ValueError(f"--batch-size {cfg.batch_size} at {img_size} px is too large a forward pass; give "
                          f"--batch-size {MAX_BATCH_PIXELS // img_size**2} or fewer")
-    x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, info.crop_pct, cfg.seed, info.mean, info.std)
+    x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, info.crop_pct, cfg.seed, info.mean, info.std,
+                                info.interpolation)
     n = max(1, -(-x.shape[0] // max(cfg.batch_size, 1)))  # near-equal batches (no trailing batch of one)
     batches = list(zip(x.tensor_split(n), y.tensor_split(n) if y is not None else [None] * n))
     return AnalysisSample(model, img_size, batches, y, classes, info)

@@ -50,7 +50,7 @@ def run_taylor_command(args: argparse.Namespace) -> int:
         print(f"{b.name:<22}" + "".join(f"{m[k]:>10.3g}" if m[k] is not None else f"{'-':>10}" for k in ("q", "k", "v", "ffn", "proj")))
     for name, kinds in run.report["no_gradient"].items():
         print(f"no gradient in {name} {' '.join(k.upper() for k in kinds)}: importance exactly 0, left out of the pruning budget")
-    print(f"fraction kept after pruning the least important {args.prune_ratio:.0%} of Q/K/V/FFN channels:")
+    print(f"fraction kept after pruning the least important {100 * args.prune_ratio:g} % of Q/K/V/FFN channels:")
     for s, fr in run.kept["kept"].items():
         print(f"  stage {s + 1}: " + "  ".join(f"{k.upper()} {_kept(v)}" for k, v in fr.items()))
     print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))

@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ..io import replace_together, write_error
+from ..io import replace_together, stop_signals_deferred, write_error
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
@@ -134,11 +134,14 @@ def openvino_available() -> bool:
 
 def convert_openvino(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True):
     """``model``'s inference form (:func:`~cgavit.deploy.fusion.export_form`) as an OpenVINO model
-    (``openvino.Model``), batch dynamic, image size fixed."""
+    (``openvino.Model``), batch dynamic, image size fixed.
+
+    A Ctrl-C or SIGTERM during the conversion (seconds) takes effect when it is done: the converter calls back into
+    Python, and an interrupt raised there came out as its own conversion error (a traceback), or not at all."""
     ov = _openvino()
     fused = export_form(model, img_size, fold_residuals)
     x = example_batch(fused, img_size)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), stop_signals_deferred():
         warnings.simplefilter("ignore")  # tracer notices about shape-dependent branches: the size is fixed
         return ov.convert_model(fused, example_input=x, input=[(-1, x.shape[1], *img_size)])
 

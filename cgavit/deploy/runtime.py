@@ -69,8 +69,12 @@ class RuntimeModule(nn.Module):
         if isinstance(x, torch.Tensor) and takes is not None and len(takes) == 4 and (
                 x.ndim != 4 or any(t is not None and t != n for t, n in zip(takes[1:], x.shape[1:]))):
             shown = ", ".join("B" if t is None else str(t) for t in (None, *takes[1:]))
-            raise ValueError(f"this {self.precision} {type(self).__name__} takes images ({shown}), got "
-                             f"{tuple(x.shape)}: build it again for that size (optimize, or cgavit export --img-size)")
+            if x.ndim == 4 and takes[1] is not None and takes[1] != x.shape[1]:  # the size may be right: the channels are not
+                fix = (f"it takes {takes[1]}-channel images: convert them (grayscale or RGB), or export a model built "
+                       f"with in_chans={x.shape[1]}")
+            else:
+                fix = "build it again for that size (optimize, or cgavit export --img-size)"
+            raise ValueError(f"this {self.precision} {type(self).__name__} takes images ({shown}), got {tuple(x.shape)}: {fix}")
         if isinstance(x, torch.Tensor) and x.ndim == 4 and x.shape[0] == 0:
             # an empty batch: the runtimes' reshapes cannot infer a batch of 0; one image's logits give the shape
             return super().__call__(x.new_zeros(1, *x.shape[1:]), *args, **kwargs)[:0]
