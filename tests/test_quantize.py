@@ -40,12 +40,13 @@ from cgavit.deploy.cpu import uncapped_environ
 from cgavit.deploy.agreement import NOISE_GREY_LEVELS, compare_logits, noise_floor
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
+from cgavit.deploy.openvino import openvino_available
 from cgavit.deploy.quantize import split_holdout
 from cgavit.deploy.qat import QatConfig, qat_available, qat_finetune, qat_onnx
 from cgavit.deploy import fastpath
 from cgavit.deploy.fusion import export_form
 from cgavit.deploy.int8 import layer_of_onnx_node, layer_of_openvino_node, weight_range_warning
-from cgavit.deploy.quantize import assess
+from cgavit.deploy.quantize import assess, float_reasons
 from cgavit.deploy.sensitivity import (
     fewest_meeting, layer_sensitivity, lowest_times, no_faster_in_int8, padded_logits, prune_float_layers,
     search_float_layers,
@@ -560,7 +561,9 @@ def test_the_held_out_images_decide_the_verdict_and_give_the_figure(trained_digi
 
 def test_when_the_held_out_images_refuse_the_search_keeps_more_layers_float(trained_digits):
     """Every layer int8 meets the target on the search's images but not on the held-out ones: the search goes on,
-    1, 2, 4, ... layers float, each judged on both, until a build meets it on both; that one is the answer."""
+    1, 2, 4, ... layers float, each judged on both, until a build meets it on both; that one is the answer. The
+    layers are the most sensitive first, measured then although sensitivity=False (they were taken in graph order,
+    unmeasured, and reported as "kept in float as asked")."""
     cal, x, y = trained_digits.calibration(), trained_digits.images, trained_digits.labels
     kwargs = dict(labels=y, profile_layers=False, holdout=0.25, **QUICK)
     every = quantize(trained_digits.model, cal, x, SearchImagesOnly(held=90), max_float_layers=0, **kwargs).point
@@ -572,6 +575,16 @@ def test_when_the_held_out_images_refuse_the_search_keeps_more_layers_float(trai
     assert all(p.meets and p.step == "search" for p in curve)  # on the search's images each one met it
     assert all(not target.met_by(p.held_out) for p in curve[:-1])  # on the held-out ones all but the last missed
     assert r.meets_target and r.point.float_layers == curve[-1].float_layers and target.met_by(r.agreement)
+    ranked = [row.layer for row in r.sensitivity["onnxruntime"]]
+    assert sorted(ranked) == sorted(conv_names(trained_digits)) and ranked != conv_names(trained_digits)
+    assert all(p.float_layers == tuple(ranked[:len(p.float_layers)]) for p in curve)
+    assert r.reasons and all(why.startswith("sensitivity rank") for why in r.reasons.values()), r.reasons
+
+
+def test_only_the_callers_float_layers_are_said_to_be_kept_as_asked():
+    reasons = float_reasons([], ["given", "found"], asked=["given"])
+    assert reasons["given"] == "kept in float as asked (no sensitivity measured for it)"
+    assert reasons["found"] == "chosen by the search in graph order (no sensitivity measured for it)"
 
 
 def test_runtimes_answers_are_timed_side_by_side_before_one_is_chosen(trained_digits):
@@ -773,7 +786,12 @@ def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
 def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(quantize_cli, "NO_GAIN", 1e9)  # any speed-up counts as none: the note must be printed
     out = tmp_path / "digits_int8"
-    (tmp_path / "digits_int8.xml").write_text("an earlier run's OpenVINO answer")
+    mine = {name: tmp_path / name for name in ("digits_int8.xml", "digits_int8.bin")}
+    for name, path in mine.items():  # under the name, but no answer of cgavit quantize: the user's files
+        path.write_text(f"the user's {name}")
+    stale = [tmp_path / f"digits_int8.quantize-missed{s}" for s in (".json", ".md")]
+    for path in stale:  # a run that missed after an earlier answer
+        path.write_text("no int8 build met the target")
     code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
                  "--runtime", "onnxruntime", "--output", str(out), "--calibration-images", "128", "--warmup", "0",
                  "--repeats", "1", "--skip-sensitivity", "--calibration", "minmax", "--weights", "uint8"])
@@ -784,9 +802,12 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert report["meets_target"] and report["calibration_images"] == 128 and report["evaluation_images"] == 360
     assert report["calibration"] == "minmax" and report["weight_range"] == "8-bit unsigned"
     assert "note: it keeps the decisions but runs at" in text and "the fp32 file (cgavit export) is as fast" in text
-    # the other runtime's earlier answer under this name went with its report (the report described the new file)
-    assert f"note: {tmp_path / 'digits_int8.xml'}, another runtime's int8 file from an earlier run under this name, " \
-           "was removed with its report" in text and not (tmp_path / "digits_int8.xml").exists()
+    # files it did not write stay, and it says so; an earlier run's report of a miss goes, named
+    assert all(path.read_text() == f"the user's {name}" for name, path in mine.items())
+    assert f"note: {mine['digits_int8.xml']}, {mine['digits_int8.bin']} (not an answer of cgavit quantize under this " \
+           "name) left as they are" in text
+    assert not any(path.exists() for path in stale)
+    assert f"note: removed {stale[0]}, {stale[1]}: the report of an earlier run that met no target" in text
     assert (tmp_path / "digits_int8.quantize.md").read_text().startswith("# cgavit quantize: meets the target")
     plot = tmp_path / "digits_int8.quantize.png"  # the plot beside the report, nowhere else
     assert plot.read_bytes()[:4] == b"\x89PNG" and str(plot) in text
@@ -827,7 +848,7 @@ def test_a_quantisers_chatter_goes_to_the_debug_log(capsys, caplog):
     assert said == ["a calibrator printed:\nNumber of tensors : 126"] and not capsys.readouterr().out
 
 
-def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digits, tmp_path, capsys):
+def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, digits_int8, trained_digits, tmp_path, capsys):
     model, _ = scrambled_int8
     meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=10, img_size=48, crop_pct=1.0,
                        mean=(0.3, 0.3, 0.3), std=(0.4, 0.4, 0.4), class_names=tuple(str(c) for c in range(10)))
@@ -840,12 +861,13 @@ def test_quantize_cli_scrambled_writes_no_int8_file(scrambled_int8, trained_digi
     assert code == 1 and "nothing int8 met the target" in text and "the best found" in text
     assert "Collecting tensor data" not in text and "Percentile" not in text  # ONNX Runtime's calibrator: debug log
     assert not (tmp_path / "s.onnx").exists() and not json.loads((tmp_path / "s.quantize.json").read_text())["meets_target"]
-    # run again where an earlier run left an int8 file: that file and its report stay as they were
-    (tmp_path / "s.onnx").write_bytes(b"an earlier run's answer")
-    report = (tmp_path / "s.quantize.json").read_bytes()
+    # run again where an earlier run left its answer: that file and its report stay as they were
+    digits_int8.save(tmp_path / "s")
+    (tmp_path / "s.quantize.json").write_text(json.dumps(digits_int8.record()))
+    answer, report = ((tmp_path / f"s{suffix}").read_bytes() for suffix in (".onnx", ".quantize.json"))
     assert main(args) == 1
     text = capsys.readouterr().out
-    assert (tmp_path / "s.onnx").read_bytes() == b"an earlier run's answer"
+    assert (tmp_path / "s.onnx").read_bytes() == answer
     assert (tmp_path / "s.quantize.json").read_bytes() == report
     assert not json.loads((tmp_path / "s.quantize-missed.json").read_text())["meets_target"]
     assert f"note: {tmp_path / 's.onnx'} from an earlier run is left as it was, with its report" in text
@@ -865,6 +887,7 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
              (["--float-part", "bf16"], "needs native bf16"),
              (["--holdout", "1"], "[0, 1)"), (["--holdout", "-0.5"], "[0, 1)"),
              (["--eval-images", "1"], "leaves a part empty"),
+             (["--eval-images", "5000"], "val holds 360 images, fewer than --eval-images 5000"),  # was cut to 360
              (["--accuracy-tolerance", "-1"], "[0, 100]"), (["--calibration-images", "5000"], "fewer than"),
              (["--val-split", "train"], "different images"), (["--val-split", "./train"], "are the same folder"),
              (["--output", str(tmp_path / "q.xml")], "openvino file"),
@@ -1141,3 +1164,51 @@ def test_evaluation_images_that_are_calibration_images_by_another_name_are_refus
     err = capsys.readouterr().err
     assert code == 2 and "of the evaluation images are calibration images too, under another name" in err, err
     assert not list(tmp_path.glob("q*"))
+
+
+def test_info_that_does_not_fit_the_model_or_the_images_is_refused_before_the_search(trained_digits, tmp_path):
+    """info= of another model (3 class names for 10 outputs) or for another image size gave a full search, then a
+    file its own loader refused or one recorded at a size the model was never trained at: now one line, up front."""
+    from cgavit import load_model
+
+    model, info = load_model(trained_digits.checkpoint)
+    cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
+    kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, **QUICK)
+    cases = [(ExportInfo(class_names=tuple("abc"), img_size=(48, 48)), "info names 3 classes but the model predicts"),
+             (replace(info, img_size=64), "the images are 48x48 but info is for 64x64"),
+             (ExportInfo(class_names=tuple(info.class_names)), "the images are 48x48 but info is for 224x224")]
+    for wrong, message in cases:
+        with pytest.raises(ValueError, match=message):
+            quantize(model, cal, x, info=wrong, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            assess(model, b"not looked at", cal, x, info=wrong, labels=y, **QUICK_ASSESS)
+    assert quantize(model, cal, x, info=info, **kwargs).info.class_names == tuple(info.class_names)
+
+
+@pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")
+def test_an_answer_replaces_only_the_other_runtimes_earlier_answer(digits_int8, trained_digits, tmp_path, capsys):
+    """cgavit quantize deleted the fp32 NAME.xml + NAME.bin that cgavit export wrote (and a lone NAME.bin), calling
+    them another runtime's int8 file from an earlier run: now only an earlier answer goes (its report and its own
+    metadata say so), each removed file named; anything else under the name stays, and that is said."""
+    from cgavit.deploy.openvino import openvino_from_onnx
+
+    (tmp_path / "int8.onnx").write_bytes(digits_int8.artifact)
+    ov = replace(digits_int8, runtime="openvino", point=replace(digits_int8.point, runtime="openvino"),
+                 artifact=openvino_from_onnx(tmp_path / "int8.onnx"),
+                 info=replace(digits_int8.info, int8={**digits_int8.info.int8, "runtime": "openvino"}))
+    folder = tmp_path / "out"
+    folder.mkdir()
+    ov.save(folder / "ov")  # an earlier OpenVINO answer, and its report
+    (folder / "ov.quantize.json").write_text(json.dumps(ov.record()))
+    export_model(trained_digits.model, folder / "fp32", "openvino", (48, 48))  # cgavit export's, under the same name
+    (folder / "fp32.quantize.json").write_text(json.dumps(ov.record()))  # a report alone proves nothing
+    (folder / "lone.bin").write_text("my calibration table")
+    assert quantize_cli.write_outputs(digits_int8, quantize_cli.Outputs(folder / "ov")) == 0
+    text = capsys.readouterr().out
+    assert f"note: removed {folder / 'ov.xml'}, {folder / 'ov.bin'}: this name's answer of an earlier run" in text
+    assert not (folder / "ov.xml").exists() and not (folder / "ov.bin").exists() and (folder / "ov.onnx").exists()
+    for name, left in (("fp32", "fp32.xml, {}/fp32.bin (not an answer"), ("lone", "lone.bin (not an answer")):
+        assert quantize_cli.write_outputs(digits_int8, quantize_cli.Outputs(folder / name)) == 0
+        text = capsys.readouterr().out
+        assert f"note: {folder}/{left.format(folder)}" in text and "removed" not in text, text
+    assert open_exported(folder / "fp32.xml")[1].precision == "fp32" and (folder / "lone.bin").exists()

@@ -152,3 +152,21 @@ def test_demo_data_loader(tmp_path):
     batch = next(iter(loader_train))
     assert batch.images.shape == (64, 3, IMG_SIZE, IMG_SIZE) and not batch.bad
     assert len(loader_train) == 1437 // 64
+
+
+def test_a_folder_of_every_class_in_another_order_is_not_called_a_subset(tmp_path, caplog):
+    """A checkpoint whose class names are not in sorted order, evaluated on a folder of all of them, was warned
+    about as "evaluating 10 of the checkpoint's 10 classes"; a real subset is still said."""
+    from cgavit import ModelInfo
+    from cgavit.train.inference import split_for_model
+
+    make_folder(tmp_path / "data", classes=3, train=1, val=1, size=8)
+    names = ["class_2", "class_0", "class_1"]
+    info = ModelInfo(names, img_size=8, names_recorded=True)
+    with caplog.at_level("WARNING", logger="cgavit.train.inference"):
+        classes, samples = split_for_model(tmp_path / "data" / "val", info, 3)
+    assert classes == names and sorted(label for _, label in samples) == [0, 1, 2]
+    assert "of the checkpoint's" not in caplog.text
+    with caplog.at_level("WARNING", logger="cgavit.train.inference"):
+        split_for_model(tmp_path / "data" / "val", replace(info, class_names=[*names, "class_3"]), 4)
+    assert "evaluating 3 of the checkpoint's 4 classes" in caplog.text

@@ -158,13 +158,15 @@ def calibration_and_evaluation(
     Raises:
         ValueError: the same folder for both, however it is spelt (int8 judged on its own calibration images says
             nothing about other images), a missing or malformed folder, class folders unlike the model's (the
-            message names the difference) or each other's, or too few calibration images.
+            message names the difference) or each other's, fewer evaluation images than ``eval_images``, or too few
+            calibration images.
     """
     train_dir, val_dir = Path(root) / train_split, Path(root) / val_split
     if same_split(root, train_split, val_split):
         raise ValueError(f"calibration and evaluation must be different images; --train-split {train_split!r} and "
                          f"--val-split {val_split!r} are the same folder")
-    folders = {split: list_split(root, split)[0] for split in (train_split, val_split)}  # refused before decoding
+    splits = {split: list_split(root, split) for split in (train_split, val_split)}  # refused before decoding
+    folders = {split: classes for split, (classes, _) in splits.items()}
     if num_classes is None:
         if folders[train_split] != folders[val_split]:
             raise ValueError(f"{train_dir} and {val_dir} must hold the same class folders: "
@@ -172,6 +174,9 @@ def calibration_and_evaluation(
     else:
         for split, classes in folders.items():
             check_classes(Path(root) / split, classes, info, num_classes)
+    if eval_images > len(splits[val_split][1]):  # 0: all of them
+        raise ValueError(f"{val_dir} holds {len(splits[val_split][1])} images, fewer than --eval-images {eval_images}; "
+                         "give a smaller count, or 0 for all of them")
     calib = load_calibration(root, train_split, info, calibration_images)
     evaluated = load_labelled(root, val_split, info, eval_images)
     shared = same_files(calib.files, evaluated.files)

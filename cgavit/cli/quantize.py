@@ -9,16 +9,18 @@ With ``--qat`` the model is also fine-tuned with fake quantisation (:mod:`cgavit
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
-from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, quantize, quantize_aware
+from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
 from ..deploy.fusion import WRITTEN_SUFFIXES, output_path
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
@@ -60,7 +62,7 @@ def checked_target(args: argparse.Namespace) -> QuantizeTarget:
 class Outputs:
     """The files a run may write, named from ``--output``: the int8 file of each runtime (``NAME.onnx``;
     ``NAME.xml`` + ``NAME.bin``) and the report (``NAME.quantize.json``, ``.md``, ``.png``), or, where a run that
-    met no target would otherwise replace the report of an earlier run's int8 file, ``NAME.quantize-missed.*``."""
+    met no target would otherwise replace the report of an earlier run's answer, ``NAME.quantize-missed.*``."""
 
     stem: Path
 
@@ -75,9 +77,41 @@ class Outputs:
         return [*(p for rt in QUANT_RUNTIMES for p in self.artifact(rt)),
                 *(self.report(s, missed) for s in REPORT_SUFFIXES for missed in (False, True))]
 
-    def earlier_artifacts(self) -> list[Path]:
-        """The int8 files of an earlier run under this name, now there."""
-        return [p for rt in QUANT_RUNTIMES for p in self.artifact(rt) if p.suffix != ".bin" and p.exists()]
+    def earlier_answer(self) -> str | None:
+        """The runtime of this name's answer from an earlier run, when both say so: the report ``NAME.quantize.json``
+        records an answer in that runtime, and that runtime's file here carries cgavit's int8 metadata with
+        ``cgavit quantize``'s verdict for it. None otherwise (no answer, or a file of something else under the name:
+        ``cgavit export``'s, or the user's)."""
+        try:
+            record = json.loads(self.report(".json").read_text())
+            runtime = record["runtime"] if record["meets_target"] is True else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(runtime, str) or runtime not in QUANT_RUNTIMES:
+            return None
+        try:
+            with warnings.catch_warnings():  # a file for another CPU is still this name's answer
+                warnings.simplefilter("ignore")
+                _, info = open_exported(self.artifact(runtime)[0], threads=1)
+        except ValueError:  # missing, unreadable, its runtime not installed, no cgavit metadata
+            return None
+        return runtime if info.precision == "int8" and info.int8.get("runtime") == runtime else None
+
+    def replaced(self, runtime: str, earlier: str | None) -> tuple[list[Path], list[Path]]:
+        """What an answer in ``runtime`` removes besides the files it writes: the earlier answer of another runtime
+        (``earlier``; an ``.xml`` with its ``.bin``), and the report of a run that met no target since."""
+        answer = self.artifact(earlier) if earlier not in (None, runtime) else []
+        missed = [self.report(s, missed=True) for s in REPORT_SUFFIXES]
+        return [p for p in answer if taken(p)], [p for p in missed if taken(p)]
+
+    def others(self, runtime: str) -> list[Path]:
+        """The other runtimes' file names under this name that are taken."""
+        return [p for rt in QUANT_RUNTIMES if rt != runtime for p in self.artifact(rt) if taken(p)]
+
+
+def taken(path: Path) -> bool:
+    """Whether something (a file, or a link even to nothing) is at ``path``."""
+    return path.exists() or path.is_symlink()
 
 
 #: The report's files, beside the int8 file.
@@ -212,12 +246,13 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
 
 def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
     """The int8 file only when it meets the target, with its report (json, md, png), moved into place together
-    (:func:`written_together`). A run that meets no target leaves an earlier run's int8 file and its report as they
-    were (its own report is then ``NAME.quantize-missed.*``). Exit status 0 or 1."""
-    earlier = outputs.earlier_artifacts()
-    out, written = written_together(result, outputs, bool(earlier))
-    missed = out is None and bool(earlier)
-    replaced = [p for p in earlier if out is not None and p != out]
+    (:func:`written_together`). An answer replaces this name's earlier answer in another runtime
+    (:meth:`Outputs.earlier_answer`) and a report of a run that missed since; other files under the name stay. A run
+    that meets no target leaves an earlier answer and its report as they were (its own report is then
+    ``NAME.quantize-missed.*``). Exit status 0 or 1."""
+    earlier = outputs.earlier_answer()
+    replaced, stale = outputs.replaced(result.runtime, earlier) if result.meets_target else ([], [])
+    out, written = written_together(result, outputs, earlier is not None, replaced + stale)
     for layer, why in result.reasons.items():
         print(f"kept in float: {layer}: {why}")
     if result.noise_floor is not None:
@@ -225,16 +260,22 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
     if out is None:
         print(f"nothing int8 met the target ({result.target.describe()}); the best found: {result.describe_point()}. "
               f"No int8 file written. Report: {', '.join(str(p) for p in written)}")
-        if missed:
-            print(f"note: {', '.join(str(p) for p in earlier)} from an earlier run {'is' if len(earlier) == 1 else 'are'} "
-                  f"left as it was, with its report {outputs.report('.md')}")
+        if earlier is not None:
+            print(f"note: {outputs.artifact(earlier)[0]} from an earlier run is left as it was, with its report "
+                  f"{outputs.report('.md')}")
         return 1
     print(f"wrote {out}: {result.describe_point()}\n{result.uncertainty()}."
           f"\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
           f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
     if replaced:
-        print(f"note: {', '.join(str(p) for p in replaced)}, another runtime's int8 file from an earlier run under this "
-              f"name, was removed with its report: {out} is this name's answer now")
+        print(f"note: removed {', '.join(map(str, replaced))}: this name's answer of an earlier run, in another "
+              f"runtime (its report said so); {out} is this name's answer now")
+    if stale:
+        print(f"note: removed {', '.join(map(str, stale))}: the report of an earlier run that met no target")
+    left = outputs.others(result.runtime)
+    if left:
+        print(f"note: {', '.join(map(str, left))} (not an answer of cgavit quantize under this name) left as "
+              f"{'it is' if len(left) == 1 else 'they are'}")
     if result.runoff_disturbed:
         print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "
               "cores of it): the runtime chosen may not be the faster here; run cgavit quantize with nothing else running")
@@ -245,11 +286,12 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
     return 0
 
 
-def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool) -> tuple[Path | None, list[Path]]:
+def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool,
+                     removed: list[Path]) -> tuple[Path | None, list[Path]]:
     """Write the int8 file (when it meets the target) and the report beside the destination as temporaries, then
     move them into place together (:func:`~cgavit.io.replace_together`), so that an interrupted or failed run never
-    leaves the file beside another run's report. An int8 file of the other runtime under this name, and a plot this
-    run could not draw, are removed in the same step. ``earlier``: an earlier int8 file is there (a run that misses
+    leaves the file beside another run's report. An answer's ``removed`` files (:meth:`Outputs.replaced`), and a plot
+    this run could not draw, are removed in the same step. ``earlier``: an earlier answer is there (a run that misses
     its target then writes ``NAME.quantize-missed.*``). Returns the int8 file (None) and the report's files."""
     out = None
     missed = not result.meets_target and earlier
@@ -264,9 +306,7 @@ def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool) ->
             made = result.save(temporary.stem)
             out = outputs.stem.parent / made.name
             mine = temporary.artifact(result.runtime)
-            moves += [(p, outputs.stem.parent / p.name) for p in mine]
-            moves += [(None, p) for rt in QUANT_RUNTIMES if rt != result.runtime for p in outputs.artifact(rt)
-                      if p.exists() or p.is_symlink()]
+            moves += [(p, outputs.stem.parent / p.name) for p in mine] + [(None, p) for p in removed]
         report = [write_json(temporary.report(".json", missed), result.record()),
                   write_text(temporary.report(".md", missed), result.markdown()),
                   plot_curves(result, temporary.report(".png", missed))]
@@ -322,8 +362,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="trained weights written by cgavit train (best.pt, .safetensors)")
     p.add_argument("--data", required=True, help="image folder: calibration on DIR/train, judged on DIR/val")
     p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml, in a "
-                   "folder that exists; a run replaces the NAME.* files it writes, and one that meets no target leaves "
-                   "an earlier int8 file and its report alone")
+                   "folder that exists; a run replaces the NAME.* files it writes, and its answer also the other "
+                   "runtime's answer of an earlier run under NAME (NAME.quantize.json says so), never another file; "
+                   "a run that meets no target leaves an earlier answer and its report alone")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow pickled objects in the checkpoint (runs code from it: only for files you trust)")
     p.add_argument("--agreement", type=float, default=99.5, help="least top-1 agreement with fp32, %% (default 99.5)")

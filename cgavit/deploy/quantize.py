@@ -355,8 +355,7 @@ def quantize(
         calibration: training images ``(N, C, H, W)`` (or batches of them), preprocessed like the input.
         evaluation, labels: held-out images ``(M, C, H, W)`` of the same size, never the calibration ones, and their
             ``(M,)`` class indices (for the accuracy part of the target).
-        target, runtime: what the build must keep (:class:`QuantizeTarget`); ``"onnxruntime"``, ``"openvino"``,
-            or None: every one installed.
+        target, runtime: what the build must keep (:class:`QuantizeTarget`); ``"onnxruntime"``, ``"openvino"``, or None.
         options, features: the int8 recipe (default: :class:`~cgavit.deploy.int8.Int8Options`, weight range by
             CPU); the CPU to quantise for (default: this machine's).
         sensitivity, max_float_layers: measure each layer quantised alone even when all-int8 meets the target (else
@@ -369,7 +368,7 @@ def quantize(
             beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
 
     Raises:
-        ValueError: bad images, labels, runtime, target, holdout, or a bf16 float part without native bf16.
+        ValueError: bad images, labels, runtime, target, holdout, ``info`` (:func:`_check_info`), or a bf16 float part.
     """
     runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, _classes(model))
     _check_settings(target, options, (batch, threads, warmup, repeats))
@@ -378,13 +377,14 @@ def quantize(
         raise ValueError(f"max_float_layers must be a whole number, at least 0 (or None: no cap), got {max_float_layers!r}")
     features, size = features or cpu_features(), tuple(ev.shape[2:])
     parts, opts = float_parts_for_cpu(features, float_part), options.for_cpu(features)
+    made = _file_info(info, size, model)
     search = _Search(fuse(model), fuse(reference if reference is not None else model), cal,
                      *split_holdout(ev, labels, holdout), target, size, (batch, threads, warmup, repeats))
     with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp, search.started(Path(tmp)):
         for name in runtimes:
             search.run(name, model, opts, sensitivity, max_float_layers, profile_layers, prune,
                        parts if name == "openvino" else ("fp32",))
-    return search.result(features, opts, _file_info(info, size, model))
+    return search.result(features, opts, made)
 
 
 def assess(
@@ -428,28 +428,50 @@ def assess(
     features = features or cpu_features()
     opts = options.for_cpu(features)
     size = tuple(ev.shape[2:])
-    fused = fuse(reference)
-    search = _Search(fused, fused, cal, *split_holdout(ev, labels, holdout), target, size, (batch, threads, warmup, repeats))
+    made, fused = _file_info(info, size, reference), fuse(reference)
+    search = _Search(fused, fused, cal, *split_holdout(ev, labels, holdout), target, size,
+                     (batch, threads, warmup, repeats), asked=tuple(opts.float_layers))
     with tempfile.TemporaryDirectory(prefix="cgavit-assess-") as tmp, search.started(Path(tmp)):
         path = Path(tmp) / "int8.onnx"
         path.write_bytes(onnx_int8)
         for name in runtimes:
             artifact = onnx_int8 if name == "onnxruntime" else openvino_from_onnx(path)
             search.curves[name] = [search.judge(name, _Made(artifact), tuple(opts.float_layers))]
-    result = search.result(features, opts, _file_info(info, size, reference))
+    result = search.result(features, opts, made)
     result.method = method
     result.info = replace(result.info, int8={**result.info.int8, "method": method})
     return result
 
 
 def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> ExportInfo:
-    """The metadata the answer's file will carry (:func:`~cgavit.deploy.metadata.export_info`); without ``info`` it
-    can only be ImageNet's preprocessing and no class names, which is said."""
+    """The metadata the answer's file will carry (:func:`~cgavit.deploy.metadata.export_info`), checked before any
+    work against the images (``size``: their ``(H, W)``) and the model's classes; without ``info`` it can only be
+    ImageNet's preprocessing and no class names, which is said.
+
+    Raises:
+        ValueError: ``info`` is for images of another size, or names other than one class per model output.
+    """
     if info is None:
         warnings.warn("quantize: no info= given, so the file will record ImageNet's mean, std and crop and no class "
                       "names; pass the ModelInfo that load_model returned (or an ExportInfo) so that it records the "
                       "model's own", RuntimeWarning, stacklevel=3)
+    else:
+        _check_info(info, size, _classes(model))
     return export_info(info, size, getattr(model, "in_chans", 3))
+
+
+def _check_info(info: object, size: tuple[int, int], classes: int | None) -> None:
+    """``info`` (a ``ModelInfo``: one side; an ``ExportInfo``: ``(H, W)``) is for images of ``size`` and names one
+    class per model output (``classes``, where known), or ValueError."""
+    side = getattr(info, "img_size", None)
+    given = (side, side) if isinstance(side, int) else tuple(side or ())
+    if given != tuple(size):
+        raise ValueError(f"the images are {size[0]}x{size[1]} but info is for {'x'.join(map(str, given)) or 'no'} "
+                         "images: preprocess them with the model's own transform, or give the info that fits them")
+    names = tuple(getattr(info, "class_names", ()))
+    if names and classes is not None and len(names) != classes:
+        raise ValueError(f"info names {len(names)} classes but the model predicts {classes}: give this model's info "
+                         "(the ModelInfo load_model returned with it)")
 
 
 def quant_runtimes(runtime: str | None) -> list[str]:
@@ -590,6 +612,7 @@ class _Search:
     sensitivity: dict[str, list[LayerSensitivity]] = field(default_factory=dict)
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
     runoff_load: float | None = None  # other work while the runoff was timed
+    asked: tuple[str, ...] = ()  # float layers the caller gave (:func:`assess`), not chosen by the search
 
     @contextmanager
     def started(self, tmp: Path) -> Iterator[None]:
@@ -640,12 +663,9 @@ class _Search:
 
             # the profile's all-int8 build is the first point when nothing is kept float for speed
             start = self.judge(runtime, builder, kept, None if kept else every_int8, part)
-            if runtime not in self.sensitivity and (sensitivity or not (start.meets or most == 0)):
-                log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), RUNTIME_NAMES[runtime])
-                self.sensitivity[runtime] = layer_sensitivity(
-                    list(builder.layers), partial(self.module, runtime, builder), self.evaluation, self.reference)
-            order = [s.layer for s in self.sensitivity.get(runtime, ())] or list(builder.layers)
-            order = [layer for layer in order if layer not in kept]
+            ranked = partial(self.ranked, runtime, builder, kept)
+            needed = sensitivity or runtime in self.sensitivity or not (start.meets or most == 0)
+            order = ranked() if needed else []  # else the search stops at the start
             curve = search_float_layers(order, judge, start, None if most is None else most - len(kept))
             found = fewest_meeting(curve)
             if prune and found is not None and len(found.float_layers) > len(kept):
@@ -654,7 +674,16 @@ class _Search:
                 returns = sorted(searched, key=lambda layer: -gain[layer]) if gain else list(reversed(searched))
                 curve += prune_float_layers(searched, judge, returns)
             self.curves[start.path] = curve
-            self.extend_for_held_out(curve, judge, order, None if most is None else most - len(kept))
+            self.extend_for_held_out(curve, judge, ranked, None if most is None else most - len(kept))
+
+    def ranked(self, runtime: str, builder, kept: tuple[str, ...]) -> list[str]:
+        """``runtime``'s layers but ``kept``, most sensitive first: its per-layer sensitivity, measured on the
+        search's images (with an fp32 float part) the first time some layer must be kept in float."""
+        if runtime not in self.sensitivity:
+            log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), RUNTIME_NAMES[runtime])
+            self.sensitivity[runtime] = layer_sensitivity(
+                list(builder.layers), partial(self.module, runtime, builder), self.evaluation, self.reference)
+        return [s.layer for s in self.sensitivity[runtime] if s.layer not in kept]
 
     def profile(self, runtime: str, builder) -> tuple[list[LayerSpeed], object, dict[str, float]]:
         """The layers whose int8 kernel is no faster than fp32 in ``runtime``'s profiler on the timing batch,
@@ -729,13 +758,15 @@ class _Search:
         return judged
 
     def extend_for_held_out(self, curve: list[CurvePoint], judge: Callable[[tuple[str, ...]], CurvePoint],
-                            order: list[str], most: int | None) -> None:
+                            ranked: Callable[[], list[str]], most: int | None) -> None:
         """When none of ``curve``'s builds that meet the target on the search's images meets it on the held-out ones,
-        keep more layers of ``order`` float (twice the search's answer's, then twice that, as the search does) until
-        a build meets it on both or the search's limit is reached; these builds join the curve as search steps."""
+        keep more layers of ``ranked()`` (the most sensitive first: :meth:`ranked`, measured now if the search did not
+        need it) float, twice the search's answer's, then twice that, as the search does, until a build meets it on
+        both or the search's limit is reached; these builds join the curve as search steps."""
         found = fewest_meeting([p for p in curve if p.step == "search"])
-        if self.held_out is None or found is None or self.answer(curve) is not None:
+        if self.held_out is None or found is None or most == 0 or self.answer(curve) is not None:
             return
+        order = ranked()
         limit = len(order) - 1 if most is None else min(most, len(order) - 1)
         k = sum(layer in found.float_layers for layer in order)
         while k < limit:
@@ -802,7 +833,7 @@ class _Search:
 
     def reasons(self, point: CurvePoint) -> dict[str, str]:
         return float_reasons(self.sensitivity.get(point.runtime, []), point.float_layers,
-                             self.no_faster.get(point.runtime, ()), self.timing[0])
+                             self.no_faster.get(point.runtime, ()), self.timing[0], self.asked)
 
 
 def int8_module(runtime: str, artifact: object, threads: int | None = None, float_part: str = "fp32") -> RuntimeModule:
@@ -814,9 +845,10 @@ def int8_module(runtime: str, artifact: object, threads: int | None = None, floa
 
 
 def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[str],
-                  no_faster: Iterable[LayerSpeed] = (), batch: int = 16) -> dict[str, str]:
-    """Why each float layer is float: int8 made it no faster (``no_faster``, per call of ``batch`` images), or
-    its rank and cost in the ``sensitivity`` table (most sensitive first)."""
+                  no_faster: Iterable[LayerSpeed] = (), batch: int = 16, asked: Iterable[str] = ()) -> dict[str, str]:
+    """Why each float layer is float: int8 made it no faster (``no_faster``, per call of ``batch`` images), its
+    rank and cost in the ``sensitivity`` table (most sensitive first), or the caller kept it float (``asked``)."""
+    asked = set(asked)
     rank = {s.layer: (i + 1, s) for i, s in enumerate(sensitivity)}
     slow = {s.layer: s for s in no_faster}
     out = {}
@@ -827,7 +859,8 @@ def float_reasons(sensitivity: list[LayerSensitivity], float_layers: Iterable[st
                           f"per call of {batch} images (the runtime's profiler)")
             continue
         if layer not in rank:
-            out[layer] = "kept in float as asked (no sensitivity measured for it)"
+            out[layer] = ("kept in float as asked" if layer in asked else "chosen by the search in graph order") + \
+                " (no sensitivity measured for it)"
             continue
         i, s = rank[layer]
         out[layer] = (f"sensitivity rank {i} of {len(rank)}: int8 alone it changes {s.changed} of {s.n} "

@@ -197,7 +197,7 @@ def split_for_model(split_dir: Path, info: ModelInfo, num_classes: int) -> tuple
         raise DataError(str(err)) from None
     if not info.names_recorded:
         return classes, samples
-    if classes != list(info.class_names):
+    if set(classes) != set(info.class_names):  # the checkpoint's own order need not be sorted
         log.warning("evaluating %d of the checkpoint's %d classes (%s), matched by name", len(classes),
                     len(info.class_names), ", ".join(classes[:5]) + (" ..." if len(classes) > 5 else ""))
     index = model_indices(classes, info).tolist()
