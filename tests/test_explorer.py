@@ -249,8 +249,7 @@ def test_checkpoint_model(tmp_path):
     path = save_weights(src, tmp_path / "m0.safetensors")
     model, about, info = build_model(path)
     assert "m0.safetensors" in about and model.num_classes == 10 and model.cfg.cascade is False
-    assert about.endswith("loaded into an EfficientViT of its own (embed_dim 64,128,192, depth 1,2,3, "
-                          "num_heads 4,4,4, cascade False).")
+    assert about.endswith("loaded into efficientvit_m0 with dials of its own (cascade False).")  # save_weights names it
     assert info.img_size == 96 and info.mean == (0.485, 0.456, 0.406)
     assert tuple(model.img_size) == (96, 96)  # the size it was built for, not 224
     for key, value in src.state_dict().items():
@@ -354,6 +353,22 @@ def test_ctrl_c_while_a_request_computes_exits_cleanly():
         rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "terminate called" not in rest
+
+
+def test_sigterm_ends_the_explorer_as_any_command():
+    """Ctrl-C is how the server is stopped (status 0); a SIGTERM was taken for one too, and exited 0 with no word."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "cgavit", "explore", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        while "press Ctrl-C to stop" not in (line := proc.stdout.readline()):
+            assert line, "".join(lines)
+            lines.append(line)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "cgavit explore: terminated" in rest, (proc.returncode, "".join(lines) + rest)
 
 
 def test_command_rejects_bad_options(capsys):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import platform
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, NoiseFloor, PathChoice
-from ..io import atomic_write, make_folder, write_json
+from ..io import atomic_write, make_folder, replace_together, write_error, write_json
 from .candidates import Result
 from .optional import matplotlib_agg, timm_version
 from .precision import PrecisionRow
@@ -167,12 +168,22 @@ def plot(results: list[Result], path: str | Path, title: str) -> Path:
 
 def write_report(out: str | Path, record: dict, results: list[Result], title: str) -> list[Path]:
     """Write ``bench.json`` (``record``), ``bench.csv`` and the plot into folder ``out``; returns their paths.
-    Without ``results`` (the main table skipped) ``bench.json`` alone, which holds the other sections."""
+    Without ``results`` (the main table skipped) ``bench.json`` alone, which holds the other sections.
+
+    The files are written beside the folder's as temporaries and moved into place together
+    (:func:`~cgavit.io.replace_together`): a run stopped while writing leaves the earlier set or this one, never a
+    mix; without ``results``, an earlier run's ``bench.csv`` and plot, which would describe another run than this
+    ``bench.json``, are removed in the same step."""
     out = make_folder(out, "bench output folder")
-    if not results:
-        return [write_json(out / "bench.json", record)]
-    return [
-        write_csv(results, out / "bench.csv"),
-        write_json(out / "bench.json", record),
-        plot(results, out / PLOT_NAME, title),
-    ]
+    names = ("bench.csv", "bench.json", PLOT_NAME)
+    try:
+        scratch = tempfile.TemporaryDirectory(dir=out, prefix=".bench.")
+    except OSError as err:
+        raise write_error(out, err) from None
+    with scratch as tmp:
+        made = {"bench.json": write_json(Path(tmp) / "bench.json", record)}
+        if results:
+            made["bench.csv"] = write_csv(results, Path(tmp) / "bench.csv")
+            made[PLOT_NAME] = plot(results, Path(tmp) / PLOT_NAME, title)
+        replace_together([(made.get(name), out / name) for name in names if name in made or (out / name).exists()])
+    return [out / name for name in names if name in made]

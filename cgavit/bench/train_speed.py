@@ -12,6 +12,7 @@ from torch import nn
 from ..factory import create_model
 from ..timing import round_robin
 from ..model import to_timm_state_dict
+from .candidates import port_build_size
 from .optional import create_timm_model
 
 
@@ -42,7 +43,7 @@ def train_throughput(
     target = torch.randint(0, 1000, (batch,))
     for name in models:
         ours = create_model(name, img_size=img_size).train()
-        theirs = create_timm_model(name, img_size=min(img_size)).train()  # the same windows as ours
+        theirs = create_timm_model(name, img_size=port_build_size(img_size)).train()  # the same windows as ours
         theirs.load_state_dict(to_timm_state_dict(ours.state_dict()))
         calls = {"cgavit": partial(train_step, ours, x, target), "timm": partial(train_step, theirs, x, target)}
         timings = round_robin(calls, warmup, repeats)

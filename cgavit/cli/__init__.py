@@ -16,6 +16,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -202,6 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cgavit {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # torch's allocator: a batch or image size this machine cannot hold
+        if args.debug or not out_of_memory(err):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(err))
+        size = f"{int(asked.group(1)) / 2**30:.1f} GiB asked for at once" if asked else "the allocator refused"
+        print(f"cgavit {args.command}: error: out of memory ({size}); give a smaller batch or image size",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt as err:
         if args.debug:
             raise
@@ -215,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def out_of_memory(err: RuntimeError) -> bool:
+    """Whether ``err`` is torch failing to allocate (the CPU allocator's error, or a GPU's ``OutOfMemoryError``)."""
+    text = str(err)
+    return type(err).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "not enough memory" in text
 
 
 def _show_own_warning(shown, message, category, filename, lineno, file=None, line=None) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..explorer import ImageAttention, build_model, make_server
 from ..explorer.guard import LOCAL_NAMES, split_host
+from . import Terminated
 from .common import add_dial_args, dials_from_args, image_size
 
 
@@ -34,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     print("press Ctrl-C to stop", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as stop:  # Ctrl-C is how the server is stopped: status 0
+        if isinstance(stop, Terminated):  # a SIGTERM ends it as any command: "terminated", 143
+            raise
     finally:
         server.server_close()
     return 0
