@@ -205,17 +205,21 @@ class CascadedGroupAttention(CascadedHeads):
         """The full window's index into the bias table, on the table's device. The index is arithmetic, not
         state (it is in no state dict), so it is rebuilt wherever it does not live with the table: a model made
         on the meta device and given its weights by ``load_state_dict(..., assign=True)`` keeps a meta index."""
-        idx = self.attention_bias_idxs
-        if idx.device != self.attention_biases.device:
-            idx = self.attention_bias_idxs = relative_bias_index(self.window, self.window, self.window,
-                                                                 self.attention_biases.device)
-        return idx
+        if self.attention_bias_idxs.device != self.attention_biases.device:
+            self._rebuild_index()
+        return self.attention_bias_idxs
+
+    def _rebuild_index(self) -> None:
+        with torch.inference_mode(False):  # an ordinary tensor even when rebuilt under inference mode
+            self.attention_bias_idxs = relative_bias_index(self.window, self.window, self.window,
+                                                           self.attention_biases.device)
 
     def _apply(self, fn, recurse: bool = True):
-        # to_empty() leaves every buffer uninitialised: the index is computed again where the table now is
+        before = self.attention_bias_idxs
         super()._apply(fn, recurse)
-        self.attention_bias_idxs = relative_bias_index(self.window, self.window, self.window,
-                                                       self.attention_biases.device)
+        # a new index tensor is a moved or, after to_empty(), an uninitialised one: computed again where the table is
+        if self.attention_bias_idxs is not before or self.attention_bias_idxs.device != self.attention_biases.device:
+            self._rebuild_index()
         return self
 
     def attention_bias(self, h: int, w: int) -> torch.Tensor:

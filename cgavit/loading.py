@@ -67,14 +67,8 @@ def fit_state_dict(
 def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: object) -> None:
     """Skip a distillation head the model lacks, and a classifier for another class count: its linear
     layer, or the whole classifier (its BatchNorm too) when the model has none (``num_classes=0``)."""
-    dropped = [k for k in sd if k.startswith("head_dist.") and k not in target]
     head_w, want_w = sd.get("head.linear.weight"), target.get("head.linear.weight")
-    keeps_head = head_w is not None and want_w is not None and head_w.shape == want_w.shape
-    if dropped and keeps_head:  # (a new classifier is not the checkpoint's network anyway)
-        log.warning("the checkpoint has a distillation head and the model none: the model's outputs are its class "
-                    "head's alone, where the checkpoint's network averaged both heads; build it with "
-                    "distillation=True to use both")
-    for key in dropped:
+    for key in [k for k in sd if k.startswith("head_dist.") and k not in target]:
         report["skipped"].append(key)
         del sd[key]
     if head_w is not None and (want_w is None or head_w.shape != want_w.shape):
@@ -107,6 +101,7 @@ def load_checkpoint(
     prefer_ema: bool = False,
     *,
     source: str | None = None,
+    expect_dropped_heads: bool = False,
 ) -> dict[str, list[str]]:
     """Load official, timm or cgavit weights into ``model`` after checking every tensor
     (:func:`fit_state_dict`); weights holding NaN or inf are refused.
@@ -118,6 +113,9 @@ def load_checkpoint(
         trust: allow pickled objects in the file (runs code from it; only for files you trust).
         prefer_ema: take the EMA weights when the file holds both.
         source: what messages call ``path`` (default: the path, or ``"state dict"`` for a mapping).
+        expect_dropped_heads: the caller's model is not meant to reproduce the file's outputs (fine-tuning, where the
+            heads are trained again; a teacher, whose class head is what distils): a distillation head it lacks is
+            noted at INFO, not warned about.
 
     Returns:
         ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
@@ -136,4 +134,8 @@ def load_checkpoint(
         log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
     if report["missing"]:
         log.info("left as initialised: %s", ", ".join(report["missing"]))
+    if any(k.startswith("head_dist.") for k in report["skipped"]) and "head.linear.weight" not in report["skipped"]:
+        log.log(logging.INFO if expect_dropped_heads else logging.WARNING,  # (a new classifier is not the file's network anyway)
+                "%s has a distillation head and the model none: the model's outputs are its class head's alone, where "
+                "the checkpoint's network averaged both heads; build it with distillation=True to use both", source)
     return report

@@ -317,3 +317,13 @@ def test_info_counts_the_model_built_for_its_size():
     row, = variant_rows((512, 512), ["efficientvit_m0"])
     built = cgavit.create_model("efficientvit_m0", img_size=512)
     assert row["macs_m"] == round(count_macs(built, (512, 512)) / 1e6, 1)
+
+
+def test_a_model_cast_under_inference_mode_still_trains():
+    """The attention's index is rebuilt only when a move replaced it, and never as an inference tensor (backward
+    refused one rebuilt by .float() under torch.inference_mode())."""
+    model = _tiny()
+    with torch.inference_mode():
+        model.float()
+        model.to("cpu")
+    model.train()(torch.randn(2, 3, 96, 96)).sum().backward()  # its build size: the full-window index

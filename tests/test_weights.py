@@ -425,6 +425,9 @@ def test_a_dropped_distillation_head_is_said(tmp_path, caplog):
         load_checkpoint(plain, distilled.state_dict())
     assert "distillation head" in caplog.text
     caplog.clear()
+    with caplog.at_level(logging.WARNING):  # fine-tuning (cgavit train --finetune) retrains the heads: nothing to warn
+        load_checkpoint(plain, distilled.state_dict(), expect_dropped_heads=True)
+    assert "distillation head" not in caplog.text
     with caplog.at_level(logging.WARNING):  # a new classifier: nothing of the file's network is kept to warn about
         load_checkpoint(cgavit.create_model("efficientvit_m0", num_classes=5, img_size=64), distilled.state_dict())
     assert "distillation head" not in caplog.text

@@ -124,7 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "DIR/train for the int8 calibration")
     p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
                    help=f"training images int8 is calibrated on (default {CALIBRATION_IMAGES})")
-    p.add_argument("--eval-images", type=int, default=0, help="evaluated images (default 0: the whole val split)")
+    p.add_argument("--eval-images", type=int, default=0, help="evaluated images (default 0: the whole val split; more than it holds is refused)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluated split folder name (default val)")
     p.add_argument("--train-batch", type=int, default=64, help="batch of the training comparison (default 64)")

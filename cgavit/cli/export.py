@@ -130,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="image folder: int8 calibration on DIR/train, agreement check on DIR/val")
     p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
                    help=f"training images int8 is calibrated on (default {CALIBRATION_IMAGES})")
-    p.add_argument("--eval-images", type=int, default=0, help="validation images of the agreement check (default 0: all)")
+    p.add_argument("--eval-images", type=int, default=0, help="validation images of the agreement check (default 0: all; more than the split holds is refused)")
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="checked split folder name (default val)")
     p.add_argument("--batch", type=int, default=1, help="executorch, tflite: the batch size fixed in the file (default 1)")

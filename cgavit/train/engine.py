@@ -159,7 +159,7 @@ def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, 
     seed_all(cfg.seed)
     model = build_model(cfg, num_classes)
     if cfg.finetune:
-        report = load_checkpoint(model, cfg.finetune, trust=cfg.trust_checkpoint)
+        report = load_checkpoint(model, cfg.finetune, trust=cfg.trust_checkpoint, expect_dropped_heads=True)
         check_finite(model.state_dict(), cfg.finetune)
         log.info("fine-tuning from %s (%d classifier tensors re-initialised)", cfg.finetune, len(report["skipped"]))
     model.to(env.device)

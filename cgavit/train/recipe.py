@@ -190,7 +190,7 @@ def _named_teacher(name: str, weights: str, num_classes: int, img_size: int, tru
         ours = None
     if ours is not None:
         teacher = create_model(ours, num_classes=num_classes, img_size=img_size)
-        load_checkpoint(teacher, weights, trust=trust)
+        load_checkpoint(teacher, weights, trust=trust, expect_dropped_heads=True)
         return teacher
     try:
         teacher = timm.create_model(name, pretrained=False, num_classes=num_classes)
