@@ -30,6 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
 
 from cgavit import cli, create_model, save_weights
 from cgavit.cli import explore as explore_command
@@ -38,6 +39,7 @@ from cgavit.explorer import ImageAttention, build_model, loading
 from cgavit.explorer.guard import HostCheck, Refused, split_host
 from cgavit.explorer.limits import MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
 from cgavit.explorer.server import ApiError, ExplorerServer, parse_int
+from cgavit.weights import read_metadata
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)  # anything UTF-8 can carry
@@ -583,8 +585,9 @@ def checkpoints(tmp: Path) -> dict[str, Path]:
         "interpolation": {"interpolation": "sideways"},
         "num_classes": {"num_classes": "2000000"},
         "config": {"config": json.dumps({"embed_dim": [64, 128, 192], "depth": [1, 2, 3], "num_heads": [4, 4, 4], "checkpoint_path": "/etc/passwd"})},
-    }.items():
-        files[name] = save_weights(create_model("m0", num_classes=10), tmp / f"{name}.safetensors", meta)
+    }.items():  # written past save_weights, which records the network's own config and class count over a record's
+        files[name] = tmp / f"{name}.safetensors"
+        save_file(load_file(good), files[name], metadata={**read_metadata(good), **meta})
     files["folder"] = tmp / "folder"
     files["folder"].mkdir()
     files["fifo"] = tmp / "fifo.pth"
