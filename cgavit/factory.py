@@ -133,8 +133,7 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
     if model.in_chans != 3:  # refused, not adapted: summing or repeating the RGB filters is a guess, not these weights
         raise CheckpointError(f"{published} are for in_chans=3; in_chans={model.in_chans} cannot load them: build "
                               "the model with in_chans=3 (and feed RGB images), or without pretrained=True")
-    changed = [f"{k}={getattr(model.cfg, k)!r}" for k in model.cfg.__dataclass_fields__
-               if getattr(model.cfg, k) != getattr(VARIANTS[key].cfg, k)]
+    changed = [f"{k}={getattr(model.cfg, k)!r}" for k in model.cfg.differs_from(VARIANTS[key].cfg)]
     if changed:
         log.warning("loading published weights into a model with changed dials %s", ", ".join(changed))
     cached = download_release(VARIANTS[key].url)
@@ -274,7 +273,7 @@ def _what_it_holds(
     in_chans = int(stem.shape[1]) if stem is not None and stem.ndim == 4 else 3
     distillation = any(k.startswith("head_dist.") and k.endswith("weight") and v.ndim == 2 for k, v in ours.items())
     meta = WeightsMeta(model=key, config=cfg, num_classes=num_classes, distillation=distillation, in_chans=in_chans)
-    return meta, sd, False
+    return meta, ours, False  # renamed once: fitting takes this package's names as they are
 
 
 def _named(meta: WeightsMeta, model_name: str | None, source: str) -> WeightsMeta:
@@ -285,9 +284,7 @@ def _named(meta: WeightsMeta, model_name: str | None, source: str) -> WeightsMet
         key = resolve_name(model_name)
     except ValueError as err:
         raise CheckpointError(f"{source}: {err}") from None
-    base = VARIANTS[key].cfg
-    differ = [f"{k}={getattr(meta.config, k)!r}" for k in base.__dataclass_fields__
-              if getattr(meta.config, k) != getattr(base, k)]
+    differ = [f"{k}={getattr(meta.config, k)!r}" for k in meta.config.differs_from(VARIANTS[key].cfg)]
     if differ:  # the file's own architecture is what is built: the name only labels it
         log.warning("%s records an architecture that is not %s's (%s); it is built as the file records it, "
                     "named %s", source, key, ", ".join(differ), key)

@@ -67,10 +67,11 @@ def fit_state_dict(
 def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: object) -> None:
     """Skip a distillation head the model lacks, and a classifier for another class count: its linear
     layer, or the whole classifier (its BatchNorm too) when the model has none (``num_classes=0``)."""
-    head_w, want_w = sd.get("head.linear.weight"), target.get("head.linear.weight")
     for key in [k for k in sd if k.startswith("head_dist.") and k not in target]:
         report["skipped"].append(key)
         del sd[key]
+    head_w = sd.get("head.linear.weight")
+    want_w = target.get("head.linear.weight")
     if head_w is not None and (want_w is None or head_w.shape != want_w.shape):
         headless = not any(k.startswith("head.") for k in target)
         for key in [k for k in sd if re.match(r"head(_dist)?\." if headless else r"head(_dist)?\.linear\.", k)]:

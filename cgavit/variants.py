@@ -162,6 +162,10 @@ class EfficientViTConfig:
                 dial = "group_split" if "group_split" in str(err) else dial
                 raise DialError(dial, f"stage {i + 1}: {err}") from None
 
+    def differs_from(self, other: "EfficientViTConfig") -> list[str]:
+        """The fields (dials, widths, depths, ...) whose value here is not ``other``'s, in declaration order."""
+        return [name for name in self.__dataclass_fields__ if getattr(self, name) != getattr(other, name)]
+
     def with_dials(self, **dials) -> "EfficientViTConfig":
         """A copy with dials / fields changed; scalars broadcast to the three stages.
 

@@ -212,9 +212,8 @@ def _architecture(model: nn.Module, feed_size: str | None, record: object) -> di
             "in_chans": str(getattr(model, "in_chans", 3))}
     if len(size) == 2:
         arch["img_size"] = feed_size or str(max(size))  # a record's own, else the side the network was built for
-        arch["input_size"] = json.dumps(list(size))
-        if size[0] == size[1] and arch["img_size"] == str(size[0]):
-            del arch["input_size"]  # square and fed at its build size: img_size says it
+        if size[0] != size[1] or arch["img_size"] != str(size[0]):  # else img_size says it
+            arch["input_size"] = json.dumps(list(size))
     return arch
 
 

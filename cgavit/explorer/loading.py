@@ -65,7 +65,7 @@ def _architecture(model: EfficientViT) -> str:
     c, name = model.cfg, model.pretrained_cfg.get("architecture") or ""
     variant = VARIANTS.get(name)
     if variant is not None:
-        changed = [f for f in fields(c) if getattr(c, f.name) != getattr(variant.cfg, f.name)]
+        changed = [f for f in fields(c) if f.name in c.differs_from(variant.cfg)]
         return f"{name} with dials of its own ({_dials(c, changed)})" if changed else name
     own = [f for f in fields(c) if f.default is MISSING or getattr(c, f.name) != f.default]
     return f"an EfficientViT of its own ({_dials(c, own)})"
