@@ -263,3 +263,16 @@ def test_a_forked_child_ends_on_sigterm_without_the_commands_handler():
     finally:
         signal.signal(signal.SIGTERM, before)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["quantize", "--checkpoint", "a", "--data", "b", "--output", "c", "--agreement=--"], "--agreement"),
+    (["roofline", "--batch=--"], "--batch"),
+    (["analyze", "heads", "--output", "o", "--img-size=--"], "--img-size"),
+])
+def test_an_option_given_double_dash_as_its_value_is_one_line(argv, flag, capsys):
+    """``--agreement=--`` reached the command as ``[]`` (argparse calls no ``type`` for it): a TypeError traceback."""
+    from cgavit.cli import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"cgavit {argv[0]}: error: argument {flag}: expected one argument, got '--'"

@@ -185,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         print("cgavit: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     args = parser.parse_args(argv)
+    empty = _options_given_no_value(parser, args)
+    if empty:
+        print(f"cgavit {args.command}: error: argument {empty}: expected one argument, got '--'", file=sys.stderr)
+        return 2
     terminal = logging.StreamHandler()
     terminal.setFormatter(_PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[terminal])
@@ -221,6 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = stdout
         if old_term is not None:  # None: not the main thread, or a handler not set from Python (left alone)
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _options_given_no_value(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The option given ``--`` as its value (``--epochs=--``), if any: argparse (Python 3.11, at least) stores ``[]``
+    for it without calling its ``type``, which the command would fail on with a ``TypeError`` traceback."""
+    root = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for p in [parser, *_all_subparsers(root)]:
+        for action in p._actions:
+            if (isinstance(action, argparse._StoreAction) and action.nargs is None and action.option_strings
+                    and getattr(args, action.dest, None) == []):
+                return "/".join(action.option_strings)
+    return None
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent
