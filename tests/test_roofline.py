@@ -84,3 +84,18 @@ def test_roofline_names_are_checked_before_the_peaks_are_measured(capsys, monkey
     monkeypatch.setattr(cli, "measure_peaks", measured)
     assert main(["roofline", "--model", "m0", "--compare", "no_such_model", "--img-size", "64"]) == 2
     assert "unknown model 'no_such_model'" in capsys.readouterr().err
+
+
+def test_roofline_json_is_the_whole_output(capsys):
+    """``--json`` printed the tables first and the JSON after them, so ``| jq`` or ``json.loads`` of the output failed."""
+    import json
+
+    from cgavit.cli import main
+
+    assert main(["roofline", "--model", "m0", "--compare", "", "--batch", "1", "--img-size", "64", "--repeats", "1",
+                 "--top", "3", "--peak-seconds", "0.05", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"] == dict(batch=1, img_size=64, threads=1, repeats=1)
+    assert report["peaks"]["flops"] > 0 and 0 < report["summaries"]["m0"]["memory_share"] < 1
+    rows = report["operators"]["m0"]
+    assert len(rows) == 3 and all(r["calls"] > 0 and r["bound"] in ("compute", "memory", "view") for r in rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import asdict
 
 import torch
 
@@ -39,26 +40,29 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     torch.set_num_threads(args.threads)
+    say = (lambda *a: None) if args.json else print  # --json: stdout is the JSON object alone
     models = {name: build(name, args.img_size) for name in ([args.model, args.compare] if args.compare else [args.model])}
     peaks = measure_peaks(seconds=args.peak_seconds)  # after the names are known good: it takes a while
     if args.peak_gflops or args.bandwidth_gbs:  # e.g. figures measured on a quiet machine
         peaks = given_peaks(peaks, args.peak_gflops, args.bandwidth_gbs)
-        print("peaks given on the command line replace the measured ones where given")
-    print(f"machine ({args.threads} thread(s)): fp32 matmul peak {peaks['flops'] / 1e9:.1f} GFLOP/s, copy bandwidth "
-          f"{peaks['bandwidth'] / 1e9:.1f} GB/s (read+write), ridge point {peaks['ridge']:.1f} FLOP/byte")
-    summaries = {}
+        say("peaks given on the command line replace the measured ones where given")
+    say(f"machine ({args.threads} thread(s)): fp32 matmul peak {peaks['flops'] / 1e9:.1f} GFLOP/s, copy bandwidth "
+        f"{peaks['bandwidth'] / 1e9:.1f} GB/s (read+write), ridge point {peaks['ridge']:.1f} FLOP/byte")
+    summaries, operators = {}, {}
     for name, model in models.items():
         x = torch.randn(args.batch, 3, args.img_size, args.img_size)
         rows = profile_model(model, x, peaks, repeats=args.repeats)
         summaries[name] = summarize(rows)
-        print(f"\n{name}: batch {args.batch}, {args.img_size}px, fp32 — top operators by measured time")
-        print(format_rows(rows, peaks, args.top))
-    print("\n" + format_summary(summaries))
-    print("memory-bound: share of measured operator time in operators below the ridge point; views: share in "
-          "operators that move no data (pure per-call overhead). Bytes assume every tensor is read and written "
-          "once (caches ignored); times include each call's dispatch and profiler overhead.")
+        operators[name] = [dict(asdict(r), intensity=r.intensity if r.bytes else None) for r in rows[:args.top]]
+        say(f"\n{name}: batch {args.batch}, {args.img_size}px, fp32 — top operators by measured time")
+        say(format_rows(rows, peaks, args.top))
+    say("\n" + format_summary(summaries))
+    say("memory-bound: share of measured operator time in operators below the ridge point; views: share in "
+        "operators that move no data (pure per-call overhead). Bytes assume every tensor is read and written "
+        "once (caches ignored); times include each call's dispatch and profiler overhead.")
     if args.json:
-        print(json.dumps(dict(peaks=peaks, summaries=summaries), indent=1))
+        setup = dict(batch=args.batch, img_size=args.img_size, threads=args.threads, repeats=args.repeats)
+        print(json.dumps(dict(setup=setup, peaks=peaks, summaries=summaries, operators=operators), indent=1))
     return 0
 
 
@@ -78,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="threads (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="profiled forward passes (default 3)")
     p.add_argument("--top", type=int, default=20, help="operator rows to print (default 20)")
-    p.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    p.add_argument("--json", action="store_true", help="print only one JSON object: the peaks, each model's summary and its --top operator rows")
     p.add_argument("--peak-seconds", type=float, default=1.0, help="seconds per peak micro-benchmark (default 1; best rate kept)")
     p.add_argument("--peak-gflops", type=float, help="use this fp32 peak (GFLOP/s) instead of the measured one")
     p.add_argument("--bandwidth-gbs", type=float, help="use this bandwidth (GB/s, read+write) instead of the measured one")
