@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from cgavit import create_model
-from cgavit.analysis.ablation import runs
-from cgavit.analysis.ablation import RUNGS, AblationConfig, build_ladder, rung_dials
+from cgavit.analysis.ablation import runs, study
+from cgavit.analysis.ablation import RUNGS, AblationConfig, build_ladder, run_ablation, rung_dials
+from cgavit.analysis.ablation.ladder import RUNG_TITLES
+from cgavit.analysis.ablation.summary import table_markdown
 from cgavit.cli import main
 from cgavit.cli.ablate import train_args
 from cgavit.cli.train import add_train_args, config_from_args
@@ -64,12 +66,71 @@ def test_ablation_config_and_train_args():
     ):
         with pytest.raises(ValueError, match=match):
             replace(cfg, **bad).validate()
-    variant = build_ladder("m0", dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2)), 2, 32, rungs=["cascade"])[0][0]
+    variant = build_ladder("m0", dict(embed_dim=(16, 24, 32), num_heads=(2, 2, 2)), 2, 32, rungs=["cascade"],
+                           common={"cascade": False})[0][0]
     options = runs.train_options(
         replace(cfg, train_args={"workers": 0, "dials": {"cascade": False}}), variant, 3, "data", "run"
     )
     assert options["seed"] == 3 and options["workers"] == 0 and options["output"] == "run"
     assert options["dials"]["cascade"] is False and options["dials"]["group_split"] is True  # train_args win
+    assert options["dials"] == variant.dials  # the model trained is the variant's
+
+
+def test_train_args_dials_build_every_model_of_the_study(tmp_path):
+    """Dials in --train-args changed the model trained, while the throughput models, study.json and the parameter
+    matching were built from the ladder's dials alone: a row put one model's params beside another's img/s."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    cfg = AblationConfig(data=str(data), output=str(tmp_path / "o"), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2), train_args={"dials": {"ffn_ratio": 3.0, "depth": (1, 1, 1)}})
+    prepared = study._prepare_study(cfg, tmp_path / "o")
+    written = json.loads((tmp_path / "o" / "study.json").read_text())
+    for v, recorded in zip(prepared.variants, written["variants"]):
+        assert v.dials["ffn_ratio"] == 3.0 and recorded["dials"]["ffn_ratio"] == 3.0
+        assert runs.train_options(cfg, v, 0, "d", "r")["dials"] == v.dials
+    assert prepared.matching["base_depth"] == [1, 1, 1]  # architecture fields are the base's (rung 1 stays matched)
+    params = {v.rung: sum(p.numel() for p in create_model("m0", num_classes=2, img_size=32, **v.dials).parameters())
+              for v in prepared.variants}
+    assert (params["standard"], params["sandwich"]) == (prepared.matching["standard_params"], prepared.matching["sandwich_params"])
+    with pytest.raises(ValueError, match="--train-args sets embed_dim to other values"):
+        build_ladder("m0", dict(embed_dim=(16, 24, 32)), 2, 32, common={"embed_dim": (32, 48, 64)})
+
+
+def test_head_similarity_images_are_fed_as_the_runs_were(tmp_path, monkeypatch):
+    """The study read its head-similarity images with ImageNet's mean/std and bicubic resizing whatever the runs
+    were trained and evaluated with."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    seen = {}
+
+    def read(*args, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # nothing more is needed from the study
+
+    monkeypatch.setattr(study, "load_images", read)
+    cfg = AblationConfig(data=str(data), output=str(tmp_path / "o"), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2), train_args={"mean": (0.1, 0.2, 0.3), "std": (0.3, 0.3, 0.3),
+                                                          "interpolation": "bilinear", "crop_pct": 1.0})
+    with pytest.raises(KeyboardInterrupt):
+        run_ablation(cfg)
+    assert seen == dict(crop_pct=1.0, seed=0, mean=(0.1, 0.2, 0.3), std=(0.3, 0.3, 0.3), interpolation="bilinear")
+
+
+def test_run_only_train_args_do_not_change_the_study(tmp_path):
+    """A stopped study resumed with another --workers or without --no-progress was refused as other settings."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    cfg = AblationConfig(data=str(data), output=str(tmp_path / "o"), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2), train_args={"workers": 0, "progress": False, "aa": "none"})
+    study._prepare_study(cfg, tmp_path / "o")
+    study._prepare_study(replace(cfg, train_args={"workers": 3, "aa": "none"}), tmp_path / "o")
+    with pytest.raises(ValueError, match=r"other settings \(train_args\)"):
+        study._prepare_study(replace(cfg, train_args={"workers": 3}), tmp_path / "o")
+
+
+def test_the_speed_up_column_names_the_rung_it_is_against():
+    rows = [dict(title=RUNG_TITLES[r], rung=r, depth=(1, 1, 1), params=1e6, macs=1e6, top1=[50.0], top1_mean=50.0,
+                 top1_sd=float("nan"), head_similarity_mean=0.5, head_similarity_sd=float("nan"),
+                 throughput=dict(img_s=100.0 * (i + 1), min=90.0, max=110.0)) for i, r in enumerate(("sandwich", "cascade"))]
+    head, _, first, second = table_markdown(rows).splitlines()
+    assert "| vs rung 2 |" in head and "| 1.00× |" in first and "| 2.00× |" in second
 
 
 def test_a_subset_smaller_than_the_classes_is_refused_before_anything_is_written(tmp_path):

@@ -66,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "where it stopped.",
     )
     add_options(p, AblationConfig, STUDY_FIELDS)
-    p.add_argument("--train-args", default="", help="extra options passed to the trainer, as one quoted string")
+    p.add_argument("--train-args", default="", help="extra cgavit train options for every run, as one quoted string; design "
+                   "dials among them (--cascade off, --embed-dim ...) build every rung's model, the timed ones too")
     add_options(p, AblationConfig, MEASURE_FIELDS)
     p.set_defaults(func=run)

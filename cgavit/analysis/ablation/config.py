@@ -16,9 +16,10 @@ class AblationConfig:
     (the line ``cgavit ablate --help`` shows for it).
 
     Args:
-        train_args: further :class:`~cgavit.train.TrainConfig` fields for every run (dials under
-            ``"dials"``; they win over the rung's). The command takes them as ``cgavit train``
-            options in one string, ``--train-args``.
+        train_args: further :class:`~cgavit.train.TrainConfig` fields for every run. Dials go under ``"dials"``
+            and every rung's model is built with them (trained, counted, timed and matched alike): widths, depths,
+            heads, windows and kernels set the base architecture, as ``embed_dim`` etc. do; the others win over
+            the rung's. The command takes them as ``cgavit train`` options in one string, ``--train-args``.
     """
 
     data: str = option(help="dataset folder: DIR/train/<class>/<img> and DIR/val (or DIR/test)")

@@ -33,8 +33,9 @@ def count_params(model_name: str, dials: dict, num_classes: int, img_size: int) 
     return sum(p.numel() for p in m.parameters())
 
 
-def rung_dials(rung: str, arch: dict) -> dict:
-    """The design dials of one rung on top of the base architecture ``arch`` (depth not matched).
+def rung_dials(rung: str, arch: dict, common: dict | None = None) -> dict:
+    """The design dials of one rung on top of the base architecture ``arch`` (depth not matched), then
+    ``common``, the dials every rung is built with (they win over the rung's).
 
     Rungs 1-4 use the uniform allocation of :mod:`cgavit.reallocation` (Q/K = V = C/h, FFN x4);
     rung 5 reallocates (Q/K 16, V C/h, FFN x2): the dials are that module's, written out.
@@ -51,10 +52,13 @@ def rung_dials(rung: str, arch: dict) -> dict:
         d["group_split"] = True
     if RUNGS.index(rung) >= 3:
         d["cascade"] = True
+    d.update(common or {})
     return d
 
 
-def match_depth(model_name: str, arch: dict, num_classes: int, img_size: int) -> tuple[tuple[int, int, int], int, int]:
+def match_depth(
+    model_name: str, arch: dict, num_classes: int, img_size: int, common: dict | None = None
+) -> tuple[tuple[int, int, int], int, int]:
     """Depth for rung 1 whose parameter count is closest to rung 2's.
 
     Searches every non-decreasing depth ``(d1 <= d2 <= d3)`` with ``base_i <= d_i <= 2 * base_i + 1``;
@@ -63,13 +67,13 @@ def match_depth(model_name: str, arch: dict, num_classes: int, img_size: int) ->
     Returns:
         ``(depth, params of rung 1 at that depth, params of rung 2)``.
     """
-    target = count_params(model_name, rung_dials("sandwich", arch), num_classes, img_size)
+    target = count_params(model_name, rung_dials("sandwich", arch, common), num_classes, img_size)
     base = arch["depth"]
     best = None
     for depth in itertools.product(*[range(b, 2 * b + 2) for b in base]):
         if any(a > b for a, b in zip(depth, depth[1:])):
             continue  # keep the base's non-decreasing depth profile
-        d = rung_dials("standard", {**arch, "depth": depth})
+        d = rung_dials("standard", {**arch, "depth": depth}, common)
         n = count_params(model_name, d, num_classes, img_size)
         key = (abs(n - target), sum(depth))
         if best is None or key < best[0]:
@@ -89,10 +93,27 @@ class Variant:
         return RUNG_TITLES[self.rung]
 
 
-def build_ladder(model_name: str, arch_overrides: dict, num_classes: int, img_size: int, rungs=RUNGS) -> tuple[list[Variant], dict]:
-    """The variants to train, and a note on the parameter matching done."""
-    arch = _base_arch(model_name, arch_overrides)
-    depth, p1, p2 = match_depth(model_name, arch, num_classes, img_size)
+def build_ladder(
+    model_name: str, arch_overrides: dict, num_classes: int, img_size: int, rungs=RUNGS, common: dict | None = None
+) -> tuple[list[Variant], dict]:
+    """The variants to train, and a note on the parameter matching done.
+
+    Args:
+        arch_overrides: base architecture fields (:data:`ARCH_FIELDS`) over ``model_name``'s.
+        common: dials every rung is built with (``cgavit ablate --train-args``'): architecture fields among them
+            are the base's, as ``arch_overrides`` are; the others win over each rung's own, and count in the matching.
+
+    Raises:
+        ValueError: ``common`` sets an architecture field that ``arch_overrides`` sets to another value.
+    """
+    common = dict(common or {})
+    base = {k: tuple(common.pop(k)) for k in ARCH_FIELDS if k in common}
+    clash = [k for k, v in base.items() if k in arch_overrides and tuple(arch_overrides[k]) != v]
+    if clash:
+        raise ValueError(f"--train-args sets {', '.join(clash)} to other values than the study's own option(s) do; "
+                         "give the base architecture once")
+    arch = _base_arch(model_name, {**arch_overrides, **base})
+    depth, p1, p2 = match_depth(model_name, arch, num_classes, img_size, common)
     note = dict(
         base_depth=list(arch["depth"]),
         standard_depth=list(depth),
@@ -102,7 +123,7 @@ def build_ladder(model_name: str, arch_overrides: dict, num_classes: int, img_si
     )
     out = []
     for r in rungs:
-        d = rung_dials(r, arch)
+        d = rung_dials(r, arch, common)
         if r == "standard":
             d["depth"] = depth
         out.append(Variant(r, d))

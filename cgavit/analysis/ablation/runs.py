@@ -80,13 +80,12 @@ def _trained_epochs(last: Path) -> int:
 
 
 def train_options(cfg: AblationConfig, variant: Variant, seed: int, data_dir: Path, run_dir: Path) -> dict:
-    """The :class:`~cgavit.train.TrainConfig` fields of one (variant, seed) run: the study's budget,
-    the rung's dials, then ``cfg.train_args`` (which win)."""
-    extra = dict(cfg.train_args)
-    dials = {**variant.dials, **extra.pop("dials", {})}
+    """The :class:`~cgavit.train.TrainConfig` fields of one (variant, seed) run: the study's budget, the variant's
+    dials (``--train-args``' dials are in them: :func:`~.ladder.build_ladder`), then ``cfg.train_args``' other fields."""
+    extra = {k: v for k, v in cfg.train_args.items() if k != "dials"}
     return dict(
         data=str(data_dir), model=cfg.model, epochs=cfg.epochs, batch_size=cfg.batch_size, img_size=cfg.img_size,
-        lr=cfg.lr, seed=seed, output=str(run_dir), dials=dials, **extra,
+        lr=cfg.lr, seed=seed, output=str(run_dir), dials=dict(variant.dials), **extra,
     )
 
 

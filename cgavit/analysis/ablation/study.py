@@ -14,6 +14,7 @@ import torch
 from ...factory import create_model
 from ...io import write_json, write_text
 from ...train import TrainConfig
+from ...train.config import normalize_dials
 from ...train.data import list_split
 from ..data import load_images
 from .config import AblationConfig
@@ -23,6 +24,9 @@ from .summary import plot_study, summarize, table_markdown
 from .throughput import measure_throughput
 
 log = logging.getLogger(__name__)
+
+#: ``--train-args`` options that leave a run's result as it is (where and how it runs, what it prints).
+RUN_ONLY = frozenset({"device", "workers", "log_interval", "progress", "trust_checkpoint"})
 
 
 @dataclass
@@ -57,6 +61,12 @@ def finished_runs(out: Path) -> list[tuple[str, int]]:
     return done
 
 
+def _result_args(train_args: dict) -> dict:
+    """``train_args`` without the options that do not change a run's result (:data:`RUN_ONLY`): a study stopped on
+    one machine continues on another with other workers or without a progress bar."""
+    return {k: v for k, v in train_args.items() if k not in RUN_ONLY}
+
+
 def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
     """Data, ladder (the rungs asked for and those the study ran before) and ``study.json``; refuses a folder
     that holds a study with other settings."""
@@ -64,16 +74,19 @@ def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
     classes, _ = list_split(data_dir, "train")
     overrides = {k: getattr(cfg, k) for k in ("embed_dim", "num_heads", "depth") if getattr(cfg, k) is not None}
     rungs = {rung for rung, _ in finished_runs(out)} | set(cfg.rungs)  # the study's: those run before stay in it
-    variants, note = build_ladder(cfg.model, overrides, len(classes), cfg.img_size, rungs=[r for r in RUNGS if r in rungs])
+    variants, note = build_ladder(cfg.model, overrides, len(classes), cfg.img_size, rungs=[r for r in RUNGS if r in rungs],
+                                  common=normalize_dials(cfg.train_args.get("dials", {})))
     spec = json.loads(json.dumps(dict(
         model=cfg.model, arch=overrides and {k: list(v) for k, v in overrides.items()}, epochs=cfg.epochs,
-        batch_size=cfg.batch_size, img_size=cfg.img_size, lr=cfg.lr, train_args=cfg.train_args,
+        batch_size=cfg.batch_size, img_size=cfg.img_size, lr=cfg.lr, train_args=_result_args(cfg.train_args),
         data=str(Path(cfg.data).resolve()), train_subset=cfg.train_subset, val_subset=cfg.val_subset,
         heads_images=cfg.heads_images,
     )))
     spec_file = out / "study.json"
     if spec_file.exists():
         old = json.loads(spec_file.read_text())["spec"]
+        if isinstance(old.get("train_args"), dict):  # a study written before run-only options were left out
+            old["train_args"] = _result_args(old["train_args"])
         if old != spec:
             changed = sorted(k for k in spec if old.get(k) != spec[k])
             raise ValueError(f"{out} holds a study with other settings ({', '.join(changed)}); use another --output or the same options")
@@ -99,8 +112,9 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     out = Path(cfg.output)
     t0 = time.perf_counter()
     study = _prepare_study(cfg, out)
-    crop = TrainConfig(**cfg.train_args).crop_pct
-    heads_batch, _, _ = load_images([study.data_dir / "val"], cfg.img_size, cfg.heads_images, crop_pct=crop, seed=0)
+    fed = TrainConfig(**cfg.train_args)  # the head-similarity images are fed as the runs are evaluated
+    heads_batch, _, _ = load_images([study.data_dir / "val"], cfg.img_size, cfg.heads_images, crop_pct=fed.crop_pct,
+                                    seed=0, mean=fed.mean, std=fed.std, interpolation=fed.interpolation)
     before = set(finished_runs(out))
     seeds = list(dict.fromkeys([*cfg.seeds, *sorted(seed for _, seed in before)]))
     results = [run_variant(v, seed, cfg, study.data_dir, out, heads_batch) for seed in seeds for v in study.variants
