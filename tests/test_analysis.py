@@ -465,3 +465,14 @@ def test_the_prune_ratio_is_printed_as_given(tmp_path, trained_digits, capsys):
     assert main(["analyze", "taylor", "--checkpoint", str(trained_digits.checkpoint), "--data", str(data),
                  "--num-images", "0", "--prune-ratio", "0.999", "--output", str(tmp_path / "t")]) == 0
     assert "least important 99.9 % of" in capsys.readouterr().out  # it said 100%, a ratio the command refuses
+
+
+def test_taylor_importance_of_a_model_without_cgavit_modules_says_so():
+    """timm's own EfficientViT has .stages[i].blocks but none of cgavit's modules: the error said every gradient was
+    zero and asked for a trained checkpoint, which would not have helped."""
+    timm = pytest.importorskip("timm")
+    from cgavit.analysis import taylor_importance
+
+    model = timm.create_model("efficientvit_m0", num_classes=3)
+    with pytest.raises(ValueError, match="has no cgavit attention or FFN modules.*cgavit.create_model"):
+        taylor_importance(model, [(torch.randn(2, 3, 64, 64), torch.tensor([0, 1]))])

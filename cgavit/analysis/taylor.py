@@ -116,6 +116,10 @@ def _blocks(model: nn.Module) -> list[tuple[int, int, nn.Module]]:
     stages = getattr(model, "stages", None)
     if stages is None:
         raise ValueError("taylor_importance needs an EfficientViT (a model with .stages[i].blocks)")
+    if not any(isinstance(m, (CascadedGroupAttention, FFN)) for m in stages.modules()):
+        raise ValueError(f"the model ({type(model).__module__}.{type(model).__name__}) has no cgavit attention or FFN "
+                         "modules whose channels could be ranked; build it with cgavit.create_model (timm's weights "
+                         "load into it: cgavit.load_checkpoint)")
     return [(i, j, blk) for i, st in enumerate(stages) for j, blk in enumerate(st.blocks)]
 
 
