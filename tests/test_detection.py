@@ -342,6 +342,11 @@ def test_resume_continues_exactly(shapes, tmp_path):
     assert a["iteration"] == b["iteration"] == 4
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert [r["loss"] for r in _epoch_rows(tmp_path / "straight")] == [r["loss"] for r in _epoch_rows(tmp_path / "cut")]
+    # an epoch's record gives the rate its last update used (it gave the next epoch's, after the step at epoch 1)
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    for epoch in (1, 2):
+        last_step = [r for r in rows if r["type"] == "step" and r["epoch"] == epoch][-1]
+        assert [r["lr"] for r in _epoch_rows(tmp_path / "straight") if r["epoch"] == epoch] == [last_step["lr"]]
     with pytest.raises(ValueError, match="must match to resume"):
         train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", backbone="efficientvit_m1"))
 
@@ -392,3 +397,67 @@ def test_torchrun_two_processes(shapes, tmp_path):
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["type"] for r in rows] == ["step", "epoch"]  # 2 images / (2 ranks x 1): one step, written once
     assert "bbox_AP" in rows[-1] and read_checkpoint(out / "checkpoint.pth")["iteration"] == 1
+
+
+def test_maskrcnn_roi_scales_do_not_depend_on_the_first_image():
+    """torchvision's RoI poolers inferred each level's scale from the first batch they pooled: after an image whose
+    resized height padding stretched past sqrt(2) (64x40 padded to 64x64), every scale was twice its value for good."""
+    import copy
+
+    torch.manual_seed(0)
+    model = maskrcnn("efficientvit_m0", 3, min_size=64, max_size=64, **SMALL_RCNN).eval()
+    other = copy.deepcopy(model)
+    square = torch.rand(3, 64, 64)
+    with torch.no_grad():
+        alone = model([square])[0]
+        other([torch.rand(3, 80, 128)])  # resized to 64x40, padded to 64x64
+        after_strip = other([square])[0]
+    for pool in (other.roi_heads.box_roi_pool, other.roi_heads.mask_roi_pool):
+        assert pool.scales == [1 / s for s in (4, 8, 16, 32)]
+    assert len(alone["boxes"]) and torch.equal(alone["boxes"], after_strip["boxes"])
+    assert torch.equal(alone["masks"], after_strip["masks"])
+
+
+def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_path, caplog):
+    """torchvision hands names it does not know to its transform, which drops them: a misspelt --model-arg (or a Mask
+    R-CNN name given to RetinaNet, as --help's examples were) trained without it, and was stored as if it had taken effect."""
+    from cgavit.detection.models import build_detector
+
+    with pytest.raises(ValueError, match="MaskRCNN takes no setting 'box_detections_per_image'; did you mean 'box_detections_per_img'"):
+        maskrcnn("efficientvit_m0", 3, box_detections_per_image=5)
+    with pytest.raises(ValueError, match="RetinaNet takes no setting 'rpn_batch_size_per_image'"):
+        retinanet("efficientvit_m0", 3, rpn_batch_size_per_image=128)
+    assert retinanet("efficientvit_m0", 3, detections_per_img=5, size_divisible=64).detections_per_img == 5
+    with pytest.raises(ValueError, match="did you mean 'detections_per_img'"):
+        _config(shapes, tmp_path / "run", epochs=1, model_kwargs={"box_detections_per_img": 5}).validate()
+    with pytest.raises(ValueError, match="min_size is set by cgavit itself.*--min-size"):
+        _config(shapes, tmp_path / "run", epochs=1, model_kwargs={"min_size": 5}).validate()
+    assert main(["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+                 "--output", str(tmp_path / "run"), "--model-arg", "scor_thresh=0.9"]) == 2
+    assert not (tmp_path / "run").exists()
+    # a file written before names were checked loads, without the setting that never took effect
+    with caplog.at_level(logging.WARNING):
+        model = build_detector(dict(kind="retinanet", backbone="efficientvit_m0", num_classes=3,
+                                    model_kwargs={"scor_thresh": 0.9, "detections_per_img": 7}))
+    assert model.detections_per_img == 7 and "left out the detector setting scor_thresh=0.9" in caplog.text
+
+
+def test_shapes_never_writes_over_a_users_files(tmp_path, capsys):
+    """``detect shapes --out data`` replaced a user's own train.json without a word."""
+    user = tmp_path / "data"
+    user.mkdir()
+    (user / "train.json").write_text('{"images": [], "annotations": [], "categories": [{"id": 1, "name": "mine"}]}')
+    before = (user / "train.json").read_bytes()
+    assert main(["detect", "shapes", "--out", str(user), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 2
+    assert "train.json exists and is not a shapes dataset's annotations" in capsys.readouterr().err
+    assert (user / "train.json").read_bytes() == before and sorted(p.name for p in user.iterdir()) == ["train.json"]
+    (user / "train.json").unlink()
+    (user / "val").mkdir()
+    (user / "val" / "photo.png").write_bytes(b"x")
+    assert main(["detect", "shapes", "--out", str(user), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 2
+    assert sorted(p.name for p in user.iterdir()) == ["val"]
+    # an earlier shapes dataset is written again
+    fresh = tmp_path / "shapes"
+    for _ in range(2):
+        assert main(["detect", "shapes", "--out", str(fresh), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 0
+    assert len(json.loads((fresh / "val.json").read_text())["images"]) == 1

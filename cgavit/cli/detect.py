@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
+from ..detection.shapes import check_shapes_destination
 from ..io import DataError, printable
 from .common import add_dial_args, dials_from_args
 from .options import add_options, option_values
@@ -110,6 +111,8 @@ def run_predict(args: argparse.Namespace) -> int:
 
 
 def run_shapes(args: argparse.Namespace) -> int:
+    for split in ("train", "val"):  # both checked before either is written
+        check_shapes_destination(args.out, split)
     for split, n, seed in (("train", args.num_train, args.seed), ("val", args.num_val, args.seed + 1)):
         d, j = write_shapes_dataset(args.out, n, args.size, seed=seed, max_shapes=args.max_shapes, split=split)
         print(f"{split}: {n} images in {d}, annotations {j}")
@@ -140,7 +143,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m = t.add_argument_group("model")
     add_options(m, DetectionTrainConfig, ("model", "backbone", "pretrained_backbone", "freeze_bn", "trust_checkpoint"))
     m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a torchvision detector setting, e.g. box_detections_per_img=300 or rpn_batch_size_per_image=128 (repeatable)")
+                   help="a torchvision detector setting (repeatable), e.g. detections_per_img=300 (RetinaNet), "
+                        "box_detections_per_img=300 or rpn_batch_size_per_image=128 (Mask R-CNN); a name it does not take is refused")
     add_options(m, DetectionTrainConfig, ("min_size", "max_size"))
     add_dial_args(t)
     r = t.add_argument_group("recipe")

@@ -39,7 +39,7 @@ from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
 from .data import CocoDetection, Guarded, batches, collate, train_transform
-from .models import KINDS, build_detector, coarsest_map_size, detector_resize, resized_size
+from .models import KINDS, build_detector, check_settings, coarsest_map_size, detector_resize, resized_size
 from .schema import is_int, is_number
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class DetectionTrainConfig:
             raise ValueError(f"--lr-steps must be epoch numbers in 0..10000, got {list(self.lr_steps)}")
         if self.model not in KINDS:
             raise ValueError(f"unknown --model {self.model!r}; choose one of {', '.join(KINDS)}")
-        check_model_kwargs(self.model_kwargs)
+        check_settings(self.model, check_model_kwargs(self.model_kwargs))
         if not self.train_json or not self.train_images:
             raise ValueError("give the training data: --train-json FILE --train-images DIR (or --data COCO_ROOT)")
         if self.val_json and not self.val_images:
@@ -529,6 +529,7 @@ def _train_epoch(run: _Run, epoch: int, step: int) -> tuple[dict[str, Any], int]
     sums: dict[str, float] = {}
     t0 = time.time()
     bar = tqdm(batches(run.loader), total=len(run.loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
+    lr = run.optimizer.param_groups[0]["lr"]
     for images, targets in bar:
         values, lr = _train_step(run, images, targets, step)
         step += 1
@@ -542,7 +543,8 @@ def _train_epoch(run: _Run, epoch: int, step: int) -> tuple[dict[str, Any], int]
                 append_jsonl(run.metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
     keys = sorted(sums)
     totals = reduce_sum(env, [sums[k] for k in keys] + [float(len(run.loader))])
-    row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=run.optimizer.param_groups[0]["lr"], time_s=round(time.time() - t0, 2))
+    # lr: the rate of the epoch's last update (the optimiser's holds the next one's, after the scheduler's step)
+    row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=lr, time_s=round(time.time() - t0, 2))
     row.update({k: v / totals[-1] for k, v in zip(keys, totals)})
     return row, step
 

@@ -7,6 +7,9 @@ follows torchvision: it counts the background class 0, so a dataset with K categ
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -18,11 +21,18 @@ from numpy.typing import ArrayLike
 from torch import nn
 from torchvision.models.detection import MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign
+from torchvision.ops.poolers import initLevelMapper
 
 from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
 
+log = logging.getLogger(__name__)
+
 KINDS = ("retinanet", "maskrcnn")
+#: Detector arguments the builders below give torchvision themselves: options of their own, or the pyramid's parts.
+BUILT_HERE = frozenset({"backbone", "num_classes", "min_size", "max_size", "anchor_generator", "rpn_anchor_generator",
+                        "box_roi_pool", "mask_roi_pool"})
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
 #: torchvision pads the images of a batch to a multiple of this (GeneralizedRCNNTransform's size_divisible).
 SIZE_DIVISIBLE = 32
@@ -116,6 +126,63 @@ class PyramidAnchorGenerator(AnchorGenerator):
         return [anchors for _ in image_list.image_sizes]
 
 
+def detector_settings(kind: str) -> frozenset[str]:
+    """The torchvision settings (``model_kwargs``, ``--model-arg``) a ``kind`` detector takes: its class's arguments
+    and its transform's, but for :data:`BUILT_HERE`."""
+    names = set()
+    for cls in (RetinaNet if kind == "retinanet" else MaskRCNN, GeneralizedRCNNTransform):
+        names |= {n for n, p in inspect.signature(cls.__init__).parameters.items()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self" and not n.startswith("_")}
+    return frozenset(names - BUILT_HERE)
+
+
+def unknown_settings(kind: str, settings: Mapping[str, Any]) -> str | None:
+    """What is wrong with the names of ``settings`` for a ``kind`` detector, or None. torchvision hands names it does not
+    know to its transform, which drops them: a misspelt setting would silently not take effect."""
+    known = detector_settings(kind)
+    for name in settings:
+        if name in BUILT_HERE:
+            return (f"{name} is set by cgavit itself, not a --model-arg setting"
+                    + (f" (use --{name.replace('_', '-')})" if name in ("min_size", "max_size") else ""))
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            cls = "RetinaNet" if kind == "retinanet" else "MaskRCNN"
+            return (f"torchvision's {cls} takes no setting {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                    + f" (help(torchvision.models.detection.{cls}) lists them)")
+    return None
+
+
+def check_settings(kind: str, settings: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` when a name in ``settings`` is not a setting of a ``kind`` detector (:func:`unknown_settings`)."""
+    problem = unknown_settings(kind, settings)
+    if problem:
+        raise ValueError(f"detector setting (--model-arg): {problem}")
+
+
+class PyramidRoIAlign(MultiScaleRoIAlign):
+    """torchvision's ``MultiScaleRoIAlign`` with each level's stride given instead of inferred.
+
+    torchvision infers the levels' scales once, from the first batch it pools, as
+    ``2 ** round(log2(map size / image size))``: when padding to a multiple of 32 stretches that batch's
+    images by more than sqrt(2) (a resized side of 33-45 or 65-67 px), every scale comes out twice its
+    value, and stays so for every later image. The pyramid's strides are known.
+
+    Args:
+        featmap_names: the pyramid levels to pool from, finest first.
+        strides: their strides in pixels (powers of two).
+        output_size: the pooled size.
+        sampling_ratio: RoIAlign's sampling ratio.
+    """
+
+    def __init__(self, featmap_names: list[str], strides: tuple[int, ...], output_size: int, sampling_ratio: int) -> None:
+        super().__init__(featmap_names, output_size=output_size, sampling_ratio=sampling_ratio)
+        if len(strides) != len(featmap_names):
+            raise ValueError(f"one stride per level: {len(featmap_names)} levels, {len(strides)} strides")
+        self.scales = [1.0 / s for s in strides]
+        self.map_levels = initLevelMapper(round(math.log2(strides[0])), round(math.log2(strides[-1])),
+                                          canonical_scale=self.canonical_scale, canonical_level=self.canonical_level)
+
+
 def retinanet(
     backbone: str = "efficientvit_m4",
     num_classes: int = 81,
@@ -148,6 +215,7 @@ def retinanet(
         **kwargs: passed on to :class:`torchvision.models.detection.RetinaNet` (score_thresh,
             detections_per_img, ...).
     """
+    check_settings("retinanet", kwargs)
     body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=1, num_down=1)
     anchors = PyramidAnchorGenerator(
@@ -187,18 +255,19 @@ def maskrcnn(
         max_size: longest side cap. Default 1333.
         **kwargs: passed on to :class:`torchvision.models.detection.MaskRCNN` (rpn_* / box_* settings).
     """
+    check_settings("maskrcnn", kwargs)
     body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=2, num_down=0)
     anchors = PyramidAnchorGenerator(tuple((8 * s,) for s in fpn.strides), (ASPECT_RATIOS,) * len(fpn.strides), fpn.strides)
-    roi_levels = list(fpn.level_names[:4])
+    roi_levels, roi_strides = list(fpn.level_names[:4]), tuple(fpn.strides[:4])
     return MaskRCNN(
         fpn,
         num_classes,
         min_size=min_size,
         max_size=max_size,
         rpn_anchor_generator=anchors,
-        box_roi_pool=MultiScaleRoIAlign(roi_levels, output_size=7, sampling_ratio=2),
-        mask_roi_pool=MultiScaleRoIAlign(roi_levels, output_size=14, sampling_ratio=2),
+        box_roi_pool=PyramidRoIAlign(roi_levels, roi_strides, output_size=7, sampling_ratio=2),
+        mask_roi_pool=PyramidRoIAlign(roi_levels, roi_strides, output_size=14, sampling_ratio=2),
         **kwargs,
     )
 
@@ -214,6 +283,10 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
         raise ValueError(f"unknown detector kind {kind!r}; choose one of {', '.join(KINDS)}")
     build = retinanet if kind == "retinanet" else maskrcnn
     extra = dict(config.get("model_kwargs") or {})
+    for name in list(extra):  # a file from before names were checked: such a setting never took effect
+        problem = unknown_settings(kind, {name: None})
+        if problem:
+            log.warning("left out the detector setting %s=%r, which never took effect: %s", name, extra.pop(name), problem)
     min_size, max_size = detector_resize(config)
     try:
         return build(

@@ -9,6 +9,7 @@ accuracy on natural images.
 from __future__ import annotations
 
 import colorsys
+import json
 import math
 import random
 from pathlib import Path
@@ -67,6 +68,27 @@ def draw_shapes_image(rng: random.Random, size: tuple[int, int], max_shapes: int
     return img, anns
 
 
+def check_shapes_destination(root: str | Path, split: str) -> None:
+    """Refuse to write the ``split`` of a shapes dataset over files that are not an earlier one's.
+
+    Raises:
+        ValueError: ``root/<split>.json`` exists and is not a shapes dataset's annotations (a user's own COCO file,
+            say), or ``root/<split>/`` holds files and no shapes annotations name them.
+    """
+    root = Path(root)
+    ann, image_dir = root / f"{split}.json", root / split
+    if ann.exists():
+        try:
+            ours = json.loads(ann.read_text()).get("categories") == list(SHAPE_CATEGORIES)
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise ValueError(f"{ann} exists and is not a shapes dataset's annotations; give --out a new or empty folder "
+                             "(nothing was written)")
+    elif image_dir.is_dir() and any(image_dir.iterdir()):
+        raise ValueError(f"{image_dir} holds files of its own; give --out a new or empty folder (nothing was written)")
+
+
 def write_shapes_dataset(
     root: str | Path,
     num_images: int = 8,
@@ -75,7 +97,8 @@ def write_shapes_dataset(
     max_shapes: int = 3,
     split: str = "train",
 ) -> tuple[Path, Path]:
-    """Write ``root/<split>/*.png`` and ``root/<split>.json`` (COCO instances); return both paths.
+    """Write ``root/<split>/*.png`` and ``root/<split>.json`` (COCO instances); return both paths. An earlier shapes
+    dataset there is replaced; anything else is refused (:func:`check_shapes_destination`).
 
     Args:
         root: output folder (created).
@@ -93,6 +116,7 @@ def write_shapes_dataset(
         raise ValueError(f"--max-shapes must be in 1..100, got {max_shapes}")
     if len(hw) != 2 or not all(32 <= s <= 4096 for s in hw):
         raise ValueError(f"--size must be in 32..4096 pixels, got {size}")
+    check_shapes_destination(root, split)
     image_dir = root / split
     image_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
