@@ -85,7 +85,8 @@ def download_release(url: str, progress: bool = True, timeout: float | None = No
 
 
 def _by_hand() -> str:
-    return f"Download it by hand and pass checkpoint_path=, or set {MIRROR_ENV} to a folder URL that serves it"
+    return (f"Download it by hand and give the file instead (--checkpoint, --finetune or --pretrained-backbone "
+            f"FILE; in Python checkpoint_path= or pretrained_backbone=), or set {MIRROR_ENV} to a folder URL that serves it")
 
 
 def _cache_error(folder: Path, err: OSError) -> WriteError:
