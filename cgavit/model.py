@@ -188,7 +188,8 @@ class EfficientViT(nn.Module):
 
     Attributes:
         pretrained_cfg: timm's per-model preprocessing record (input size, mean, std, crop_pct,
-            interpolation, classes), so ``timm.data.resolve_data_config({}, model=m)`` works.
+            interpolation, classes), so ``timm.data.resolve_data_config({}, model=m)`` works; ``default_cfg`` is
+            the same dict, by timm's older name.
         feature_info: channels and stride of each stage, for feature extraction.
     """
 
@@ -338,6 +339,15 @@ class EfficientViT(nn.Module):
             stem=r"^patch_embed",
             blocks=[(r"^stages\.(\d+)\.downsample", (0,)), (r"^stages\.(\d+)\.blocks\.(\d+)", None)],
         )
+
+    @property
+    def default_cfg(self) -> dict:
+        """timm's older name for :attr:`pretrained_cfg` (the same dict; code written for timm < 0.9 reads it)."""
+        return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, value: dict) -> None:
+        self.pretrained_cfg = value
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:

@@ -37,6 +37,9 @@ def test_pretrained_cfg_gives_our_preprocessing_through_timm():
     assert "Resize(size=292" in repr(t) and "CenterCrop(size=(256, 256))" in repr(t)  # 256 / 0.875
     model.reset_classifier(3)
     assert model.pretrained_cfg["num_classes"] == 3 and model.get_classifier().out_features == 3
+    # timm's older name, read by code written for timm < 0.9, is the same dict (timm's models set both)
+    assert model.default_cfg is model.pretrained_cfg
+    assert timm.create_model("efficientvit_m0", pretrained=False).default_cfg["mean"] == model.default_cfg["mean"]
 
 
 def test_core_constants_equal_timms():
