@@ -1079,3 +1079,84 @@ def test_commands_the_demo_prints_can_be_pasted_into_a_shell(tmp_path, monkeypat
     assert main(["demo", "--epochs", "1"]) == 143
     said = capsys.readouterr().out.strip().split("continue it with: ")[1]
     assert shlex.split(said) == ["cgavit", "train", "--resume", last]
+
+
+# ------------------------------------------------------------------------------ review 8, the training side
+def test_linked_folders_count_and_hidden_folders_do_not(world, tmp_path, caplog):
+    """A linked sub-folder of a class folder was left out without a word (torchvision's ImageFolder follows it), and
+    the images of a hidden sub-folder were counted, though hidden files are not."""
+    from cgavit.analysis.data import list_images
+    from cgavit.train.data import list_split
+
+    data = tmp_path / "data"
+    shutil.copytree(world["data"], data)
+    extra, hidden = tmp_path / "extra", data / "train" / "class_0" / ".thumbs"
+    extra.mkdir()
+    hidden.mkdir()
+    photo = world["image"].read_bytes()
+    for i in range(2):
+        (extra / f"more{i}.png").write_bytes(photo)
+        (hidden / f"thumb{i}.png").write_bytes(photo)
+    (data / "train" / "class_0" / "linked").symlink_to(extra, target_is_directory=True)
+    (extra / "loop").symlink_to(data / "train" / "class_0", target_is_directory=True)  # a link loop ends
+    _, samples = list_split(data, "train")
+    class_0 = sorted(Path(path).name for path, label in samples if label == 0)
+    assert class_0 == sorted(["0.png", "1.png", "2.png", "3.png", "more0.png", "more1.png"])
+    files, labels, _ = list_images([data / "train"])  # the analyses find the same images
+    assert sorted(p.name for p, label in zip(files, labels) if label == 0) == class_0
+
+
+def test_an_odd_batch_under_mixup_is_refused(tmp_path):
+    """timm's batch mixup pairs images: --batch-size 3 trained on two images of every three, without a word."""
+    with pytest.raises(ValueError, match="--batch-size 3 would leave one image of every batch untrained"):
+        TrainConfig(data=str(tmp_path), batch_size=3).validate()
+    TrainConfig(data=str(tmp_path), batch_size=3, mixup=0.0, cutmix=0.0).validate()
+    TrainConfig(data=str(tmp_path), batch_size=3, mixup_prob=0.0).validate()
+
+
+def test_a_config_built_with_resume_continues_in_its_folder_and_names_what_differs(world, tmp_path, caplog):
+    """``train(TrainConfig(resume=...))`` went on with the recipe's defaults (lr, warm-up, mixup ...) in a new
+    runs/<model>-<time> folder, without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(world["root"] / "run", run, ignore=shutil.ignore_patterns("run.lock"))
+    cfg = TrainConfig(data=str(world["data"]), resume=str(run / "last.pt"), epochs=2, img_size=32, batch_size=4, workers=0,
+                      progress=False, dials=tiny().dials)
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        result = train(cfg)
+    assert Path(result.output) == run  # not a new runs/<model>-<time>
+    assert "with options other than the run recorded" in caplog.text and "--warmup-epochs 1 -> 5" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):  # resume_from takes the rest from the checkpoint: no word
+        train(TrainConfig.resume_from(run / "last.pt", epochs=3, workers=0))
+    assert "options other than" not in caplog.text
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "cuda"])
+def test_predict_on_a_device_that_is_not_here_is_one_line(world, device, capsys):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert main(["predict", str(world["image"]), "--checkpoint", str(world["best_pt"]), "--device", device]) == 2
+    assert capsys.readouterr().err.strip().startswith("cgavit predict: error: --device")
+
+
+def test_an_image_too_thin_for_the_evaluation_resize_is_an_unreadable_image(world, tmp_path):
+    """A 1 x 100,000 px PNG (hundreds of bytes) was resized to 256 x 25,600,000 px: 20 GB, the command's memory."""
+    from cgavit.train.data import ImageFolderDataset, build_transform
+
+    thin = tmp_path / "thin.png"
+    Image.new("RGB", (100_000, 1), (120, 30, 200)).save(thin)
+    assert thin.stat().st_size < 2000
+    rows = predict([str(world["image"]), str(thin)], str(world["best_pt"]))
+    assert "top" in rows[0] and "too thin for the evaluation resize" in rows[1]["error"]
+    ds = ImageFolderDataset([(str(thin), 0)], ["a"], build_transform(224, False))
+    assert "too thin" in ds[0].error
+
+
+def test_a_classifier_of_another_width_is_not_called_another_class_count(caplog):
+    """"checkpoint classifier has 3 classes, the model 3: classifier left as initialised": the width differed."""
+    import cgavit
+
+    narrow = cgavit.create_model("m0", num_classes=3, embed_dim=(16, 32, 48), num_heads=(2, 2, 2))
+    with caplog.at_level(logging.INFO, logger="cgavit"), pytest.raises(CheckpointError):
+        cgavit.load_checkpoint(cgavit.create_model("m0", num_classes=3), narrow.state_dict())
+    assert "checkpoint classifier takes 48 features, the model's 192" in caplog.text and "3 classes" not in caplog.text

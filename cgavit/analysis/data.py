@@ -14,14 +14,12 @@ from torch.utils.data import Dataset
 from ..io import DataError
 from ..images import BadImageError, load_image
 from ..train.data import build_transform
+from ..train.data.layout import IMAGE_EXTENSIONS, files_under
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-
-
 def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    return [p for p in files_under(folder) if p.suffix.lower() in IMAGE_EXTENSIONS]
 
 
 def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | None, list[str] | None]:

@@ -12,6 +12,7 @@ the standard 1000-class order.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,22 @@ from ...schema import MAX_NAME_LENGTH, shown
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+
+
+def files_under(folder: str | Path) -> list[Path]:
+    """Every file in ``folder`` and its sub-folders, sorted, found as torchvision's ``ImageFolder`` finds them: linked
+    folders are followed (each real folder once, so a link loop ends), and hidden files and folders (a name starting
+    with a dot) are left out, with everything in them."""
+    found, seen = [], set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(top, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(top, n))]
+    return sorted(found)
 
 
 def check_folder(path: str | Path, what: str = "data folder") -> Path:
@@ -72,8 +89,8 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
     samples: list[tuple[str, int]] = []
     empty, left_out = [], []
     for idx, name in enumerate(classes):
-        found = [p for p in (folder / name).rglob("*") if not p.name.startswith(".") and p.is_file()]
-        files = sorted(p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS)
+        found = files_under(folder / name)
+        files = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS]
         left_out += [p for p in found if p.suffix.lower() not in IMAGE_EXTENSIONS]
         if not files:
             empty.append(name)

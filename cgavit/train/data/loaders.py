@@ -64,11 +64,11 @@ class ImageFolderDataset(Dataset):
         path, label = self.samples[index]
         try:
             img = load_image(path)
-        except BadImageError as err:
+            if seed is not None:
+                seed_all(seed)
+            return (self.transform(img) if self.transform else img), label, index
+        except BadImageError as err:  # unreadable, or one the evaluation resize refuses (too thin)
             return BadSample(path, str(err))
-        if seed is not None:
-            seed_all(seed)
-        return (self.transform(img) if self.transform else img), label, index
 
 
 @dataclass

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from PIL import Image, ImageOps
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from timm.data.auto_augment import posterize
+
+from ...bounds import MAX_IMAGE_PIXELS
+from ...images import BadImageError
 
 
 def build_transform(
@@ -40,9 +44,37 @@ def build_transform(
             mean=tuple(mean),
             std=tuple(std),
         ))
-    return create_transform(
+    return BoundedEvalTransform(create_transform(
         img_size, is_training=False, interpolation=interpolation, crop_pct=crop_pct, mean=tuple(mean), std=tuple(std)
-    )
+    ), math.floor(img_size / crop_pct))
+
+
+class BoundedEvalTransform:
+    """timm's evaluation transform, refusing an image its resize would blow up: the shorter side goes to
+    ``resize`` pixels first, so a 1 x 100,000 px PNG of a few hundred bytes, far under the decoding bound,
+    would become 256 x 25,600,000 px (20 GB). Such an image is a :class:`~cgavit.images.BadImageError`, as an
+    unreadable one is (skipped and counted, or named, by the commands), instead of the process's memory.
+
+    Args:
+        transform: timm's eval transform (resize the shorter side, centre crop, to tensor, normalise).
+        resize: the size its resize gives the shorter side.
+    """
+
+    def __init__(self, transform: Callable, resize: int) -> None:
+        self.transform, self.resize = transform, resize
+
+    def __call__(self, img: Image.Image):
+        w, h = img.size
+        resized = self.resize * self.resize * max(w, h) / max(min(w, h), 1)
+        if resized > MAX_IMAGE_PIXELS:
+            raise BadImageError(
+                f"a {w}x{h} px image is too thin for the evaluation resize (its shorter side to {self.resize} px would "
+                f"make it {resized / 1e6:.0f} megapixels, above {MAX_IMAGE_PIXELS / 1e6:.0f}); crop it nearer to square"
+            )
+        return self.transform(img)
+
+    def __repr__(self) -> str:
+        return repr(self.transform)
 
 
 #: What ``--aa`` may say for no auto-augmentation (any case).
