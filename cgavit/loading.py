@@ -77,8 +77,12 @@ def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: ob
         for key in [k for k in sd if re.match(r"head(_dist)?\." if headless else r"head(_dist)?\.linear\.", k)]:
             report["skipped"].append(key)
             del sd[key]
-        log.info("checkpoint classifier has %d classes, the model %s: classifier left as initialised",
-                 head_w.shape[0], num_classes)
+        if want_w is not None and head_w.shape[0] == want_w.shape[0]:  # another width: the rest of the file will not fit
+            log.info("checkpoint classifier takes %d features, the model's %d: classifier left as initialised",
+                     head_w.shape[1], want_w.shape[1])
+        else:
+            log.info("checkpoint classifier has %d classes, the model %s: classifier left as initialised",
+                     head_w.shape[0], num_classes)
 
 
 def _check_complete(sd: Mapping, target: Mapping, report: dict, source: str) -> None:

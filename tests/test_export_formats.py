@@ -236,7 +236,7 @@ def test_an_exported_file_refuses_what_only_a_checkpoint_takes(trained_digits, t
     capsys.readouterr()
     image = str(sorted((trained_digits.data / "val").glob("*/*"))[0])
     for extra, message in ((["--model", "efficientvit_m0"], "drop --model"), (["--ema"], "drop --ema"),
-                           (["--img-size", "64"], "exported for 48 px"), (["--device", "cuda"], "give --device cpu")):
+                           (["--img-size", "64"], "exported for 48 px"), (["--device", "cuda"], "--device cpu")):
         assert main(["predict", "--checkpoint", str(out), *extra, image]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

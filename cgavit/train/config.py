@@ -168,6 +168,11 @@ class TrainConfig:
             raise ValueError(f"dials must be a mapping of design dials, got {self.dials!r}")
         self.dials = normalize_dials(self.dials)
 
+    @property
+    def mixes(self) -> bool:
+        """Whether the run mixes images (mixup or cutmix on, with a chance above 0)."""
+        return (self.mixup > 0 or self.cutmix > 0) and self.mixup_prob > 0
+
     # ------------------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise ``ValueError`` for values that cannot work, naming the option to change: every
@@ -182,6 +187,10 @@ class TrainConfig:
             raise ValueError("--teacher given without --distillation-type hard|soft")
         if self.finetune and self.resume:
             raise ValueError("give --finetune (start a new run from weights) or --resume (continue a run), not both")
+        if self.mixes and self.batch_size % 2:
+            raise ValueError(f"mixup and cutmix pair each image with another of its batch (timm's Mixup in batch mode), so "
+                             f"--batch-size {self.batch_size} would leave one image of every batch untrained; give an "
+                             "even --batch-size, or --mixup 0 --cutmix 0")
 
     def check_values(self) -> None:
         """Raise ``ValueError`` naming the option when a value has the wrong type, lies outside
@@ -326,6 +335,22 @@ def check_same_network(run: TrainConfig, resumed: TrainConfig, source: str | os.
             f"{said}: the run in {source} was another network; a resumed run continues as the network it is, so "
             "drop these options, or start a new run in another --output"
         )
+
+
+def changed_options(run: TrainConfig, resumed: TrainConfig) -> list[str]:
+    """``--flag recorded -> now`` for each option of ``resumed`` other than what the run it continues recorded
+    (``run``), but for the dials (:func:`check_same_network`), ``epochs``, ``output`` and those of one
+    invocation (:data:`NOT_RESUMED`)."""
+    changed = []
+    for f in fields(TrainConfig):
+        if f.name in NOT_RESUMED or f.name in ("dials", "epochs", "output"):
+            continue
+        was, now = getattr(run, f.name), getattr(resumed, f.name)
+        if f.name in _READ_PATHS and was and now:
+            was, now = os.path.abspath(was), os.path.abspath(now)
+        if (tuple(was) if isinstance(was, list) else was) != (tuple(now) if isinstance(now, list) else now):
+            changed.append(f"--{_flag(f.name)} {was} -> {now}")
+    return changed
 
 
 def _network(model: str, dials: Mapping) -> dict:

@@ -46,6 +46,28 @@ class DistEnv:
         return self.rank == 0
 
 
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """The device ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``) names for the process of ``local_rank``.
+
+    Raises:
+        ValueError: another name, or ``cuda`` asked for without a GPU (or fewer GPUs than local processes).
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not device.startswith("cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no GPU is visible; use --device cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start at most "
+            "that many processes per node (torchrun --nproc_per_node)"
+        )
+    return torch.device("cuda", local_rank)
+
+
 def setup(device: str = "auto") -> DistEnv:
     """Read the ``torchrun`` environment, pick the device and join the process group.
 
@@ -58,22 +80,9 @@ def setup(device: str = "auto") -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but no GPU is visible; use --device cpu")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start at most "
-                "that many processes per node (torchrun --nproc_per_node)"
-            )
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
-        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     env = DistEnv(rank=rank, world=world, local_rank=local_rank, device=dev)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"

@@ -41,7 +41,7 @@ from ..schema import check_finite
 from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
-from .config import TrainConfig, TrainResult, check_same_network
+from .config import TrainConfig, TrainResult, changed_options, check_same_network
 from .data import check_layout, epoch_seed, seed_all, unreadable_classes
 from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
@@ -91,8 +91,16 @@ def train(cfg: TrainConfig) -> TrainResult:
         t_start = time.perf_counter()
         resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
         if resumed is not None:  # the weights must go on as the network the record names, whatever cfg says
-            check_same_network(TrainConfig.from_checkpoint(resumed, cfg.resume), cfg, cfg.resume)
+            recorded = TrainConfig.from_checkpoint(resumed, cfg.resume)
+            check_same_network(recorded, cfg, cfg.resume)
             _check_mid_epoch(resumed, cfg, env.world)
+            changed = changed_options(recorded, cfg)
+            if changed and env.is_main:  # asked for on the command line, or a TrainConfig built without resume_from
+                log.warning("resuming %s with options other than the run recorded: %s (TrainConfig.resume_from, as "
+                            "cgavit train --resume, takes every option not given again from the checkpoint)",
+                            cfg.resume, ", ".join(changed))
+            if not cfg.output:  # the run goes on in its own folder
+                cfg = replace(cfg, output=str(Path(cfg.resume).parent))
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
@@ -302,7 +310,8 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
         if cfg.sched_on_updates:  # counted in this run's batches, whatever batch the epochs before had
             run.scheduler.step_update(epoch * steps + step)
         stats.lr = run.optimizer.param_groups[0]["lr"]
-        n = len(batch) - (len(batch) % 2 if run.mixup is not None else 0)  # timm's batch mixup pairs images
+        # timm's batch mixup pairs images: a batch made odd by unreadable images leaves one out (--batch-size is even)
+        n = len(batch) - (len(batch) % 2 if run.mixup is not None else 0)
         if any_true(env, n < 2):  # a batch emptied by unreadable images: every rank skips the update
             bar.update(step, 0, None, stats.lr)
         else:

@@ -26,7 +26,7 @@ from ..weights import save_weights
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, eval_sampler, list_split, load_image, make_loader
-from .distributed import setup, teardown
+from .distributed import resolve_device, setup, teardown
 from .evaluation import evaluate
 from .records import weights_meta
 
@@ -242,12 +242,14 @@ def predict(
         empty, a pipe, not an image, truncated, too large); ``topk`` beyond the class count shows all.
 
     Raises:
-        ValueError: ``topk`` below 1, or ``img_size`` / ``crop_pct`` out of bounds.
+        ValueError: ``topk`` below 1, ``img_size`` / ``crop_pct`` out of bounds, or a ``device`` that is not here
+            (:func:`~cgavit.train.distributed.resolve_device`).
         CheckpointError: an unreadable or damaged checkpoint (NaN/inf weights included).
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"--topk must be at least 1, got {topk}")
     check_eval_options(img_size, crop_pct)
+    device = resolve_device(device)
     model, info, num_classes = open_for_inference(
         checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
     if topk > num_classes:

@@ -93,7 +93,7 @@ def schedule_problems(cfg: TrainConfig, lr: float) -> list[str]:
 
 def build_mixup(cfg: TrainConfig, num_classes: int) -> Mixup | None:
     """timm ``Mixup`` (with label smoothing folded in), or None when mixup and cutmix are off."""
-    if cfg.mixup <= 0 and cfg.cutmix <= 0 or cfg.mixup_prob <= 0:
+    if not cfg.mixes:
         return None
     return Mixup(
         mixup_alpha=cfg.mixup,
