@@ -1160,3 +1160,16 @@ def test_a_classifier_of_another_width_is_not_called_another_class_count(caplog)
     with caplog.at_level(logging.INFO, logger="cgavit"), pytest.raises(CheckpointError):
         cgavit.load_checkpoint(cgavit.create_model("m0", num_classes=3), narrow.state_dict())
     assert "checkpoint classifier takes 48 features, the model's 192" in caplog.text and "3 classes" not in caplog.text
+
+
+def test_a_run_resumed_elsewhere_or_finished_reports_the_whole_run(world, tmp_path, caplog):
+    """Resumed into another --output, the result said 'epochs: 1' after 2 and named no best checkpoint without a
+    word; a finished run resumed said final_top1 null."""
+    run = tmp_path / "run"
+    shutil.copytree(world["root"] / "run", run, ignore=shutil.ignore_patterns("run.lock"))
+    recorded = engine.records.read_metrics(run / "metrics.jsonl")[-1]
+    again = train(TrainConfig.resume_from(run / "last.pt", workers=0))  # finished: nothing to train
+    assert again.epochs == 1 and again.final_top1 == recorded["val_top1"] and again.final_loss == recorded["val_loss"]
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        moved = train(TrainConfig.resume_from(run / "last.pt", epochs=2, workers=0, output=str(tmp_path / "elsewhere")))
+    assert moved.epochs == 2 and "the best checkpoint of the epochs before" in caplog.text

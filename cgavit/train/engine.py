@@ -99,8 +99,12 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log.warning("resuming %s with options other than the run recorded: %s (TrainConfig.resume_from, as "
                             "cgavit train --resume, takes every option not given again from the checkpoint)",
                             cfg.resume, ", ".join(changed))
+            before = Path(cfg.resume).parent
             if not cfg.output:  # the run goes on in its own folder
-                cfg = replace(cfg, output=str(Path(cfg.resume).parent))
+                cfg = replace(cfg, output=str(before))
+            elif env.is_main and Path(cfg.output).resolve() != before.resolve() and (before / "best.pt").exists():
+                log.warning("resuming into %s: the best checkpoint of the epochs before (best.pt, best.safetensors) "
+                            "stays in %s, and this folder's gets one only if a later epoch beats it", cfg.output, before)
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
@@ -419,6 +423,10 @@ def _no_update(epoch: int, bad: list[str], total: int) -> str:
 
 def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupted: bool, t_start: float) -> TrainResult:
     state, output, found = run.state, run.output, run.state.best_epoch >= 0
+    if not val and rows:  # no epoch ended in this invocation (a finished run resumed): the last one recorded
+        val = dict(top1=rows[-1].get("val_top1"), top5=rows[-1].get("val_top5"), loss=rows[-1].get("val_loss"))
+    # epochs: counted from the run's start, also when it was resumed into another folder (whose record starts there)
+    done = int(rows[-1]["epoch"]) + 1 if rows else state.next_epoch
     return TrainResult(
         best_top1=state.best_top1 if found else None,
         best_top5=state.best_top5 if found else None,
@@ -426,7 +434,7 @@ def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupte
         final_top1=val.get("top1"),
         final_top5=val.get("top5"),
         final_loss=val.get("loss"),
-        epochs=len(rows) if run.env.is_main else None,  # rank 0 keeps the record
+        epochs=done if run.env.is_main else None,  # rank 0 keeps the record
         output=str(output),
         checkpoint=_written(output / "best.pt", run.env),
         last=_written(output / "last.pt", run.env),
