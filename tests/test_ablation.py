@@ -95,6 +95,22 @@ def test_train_args_dials_build_every_model_of_the_study(tmp_path):
         build_ladder("m0", dict(embed_dim=(16, 24, 32)), 2, 32, common={"embed_dim": (32, 48, 64)})
 
 
+def test_a_study_whose_rungs_were_built_otherwise_is_refused(tmp_path):
+    """A study begun by an earlier cgavit, whose ladder was built otherwise from the same options, went on: the
+    table put its trained runs' params beside models timed from the new ladder, and study.json was rewritten."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    cfg = AblationConfig(data=str(data), output=str(tmp_path / "o"), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2))
+    study._prepare_study(cfg, tmp_path / "o")
+    written = json.loads((tmp_path / "o" / "study.json").read_text())
+    written["variants"][1]["dials"]["ffn_ratio"] = 3.0
+    (tmp_path / "o" / "study.json").write_text(json.dumps(written))
+    with pytest.raises(ValueError, match=r"rungs \(sandwich\) were built otherwise"):
+        study._prepare_study(cfg, tmp_path / "o")
+    with pytest.raises(ValueError, match="--batch-size 7 would leave one image"):  # refused before study.json is written
+        replace(cfg, output=str(tmp_path / "odd"), batch_size=7).validate()
+
+
 def test_head_similarity_images_are_fed_as_the_runs_were(tmp_path, monkeypatch):
     """The study read its head-similarity images with ImageNet's mean/std and bicubic resizing whatever the runs
     were trained and evaluated with."""

@@ -276,3 +276,10 @@ def test_an_option_given_double_dash_as_its_value_is_one_line(argv, flag, capsys
 
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == f"cgavit {argv[0]}: error: argument {flag}: expected one argument, got '--'"
+
+
+def test_an_option_that_takes_a_list_may_be_given_none(capsys):
+    """``info --model`` with no names (every variant) shares its name with the one-value --model of other commands."""
+    from cgavit.cli import main
+
+    assert main(["info", "--model"]) == 0 and "efficientvit_m5" in capsys.readouterr().out

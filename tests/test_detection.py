@@ -428,6 +428,7 @@ def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_pat
     with pytest.raises(ValueError, match="RetinaNet takes no setting 'rpn_batch_size_per_image'"):
         retinanet("efficientvit_m0", 3, rpn_batch_size_per_image=128)
     assert retinanet("efficientvit_m0", 3, detections_per_img=5, size_divisible=64).detections_per_img == 5
+    assert maskrcnn("efficientvit_m0", 3, _skip_resize=True).transform._skip_resize  # the transform's **kwargs one
     with pytest.raises(ValueError, match="did you mean 'detections_per_img'"):
         _config(shapes, tmp_path / "run", epochs=1, model_kwargs={"box_detections_per_img": 5}).validate()
     with pytest.raises(ValueError, match="min_size is set by cgavit itself.*--min-size"):
@@ -456,8 +457,11 @@ def test_shapes_never_writes_over_a_users_files(tmp_path, capsys):
     (user / "val" / "photo.png").write_bytes(b"x")
     assert main(["detect", "shapes", "--out", str(user), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 2
     assert sorted(p.name for p in user.iterdir()) == ["val"]
-    # an earlier shapes dataset is written again
+    # an earlier shapes dataset is written again, one stopped before its annotations too
     fresh = tmp_path / "shapes"
     for _ in range(2):
         assert main(["detect", "shapes", "--out", str(fresh), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 0
     assert len(json.loads((fresh / "val.json").read_text())["images"]) == 1
+    (fresh / "train.json").unlink()
+    (fresh / "train" / ".train_00001.png.x1.tmp").write_bytes(b"")
+    assert main(["detect", "shapes", "--out", str(fresh), "--num-train", "2", "--num-val", "1", "--size", "32"]) == 0

@@ -1127,8 +1127,22 @@ def test_a_config_built_with_resume_continues_in_its_folder_and_names_what_diffe
     assert "with options other than the run recorded" in caplog.text and "--warmup-epochs 1 -> 5" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="cgavit"):  # resume_from takes the rest from the checkpoint: no word
-        train(TrainConfig.resume_from(run / "last.pt", epochs=3, workers=0))
-    assert "options other than" not in caplog.text
+        train(TrainConfig.resume_from(run / "last.pt", epochs=3, workers=0, model="efficientvit_m0.r224_in1k"))
+    assert "options other than" not in caplog.text  # the same variant under another accepted name is no change
+
+
+def test_a_run_recorded_with_an_odd_batch_under_mixup_resumes_with_it(world, tmp_path, monkeypatch, caplog):
+    """A run started before odd batches were refused could not be resumed at all (and a mid-epoch one was told both
+    'give an even --batch-size' and 'resume it with --batch-size 3')."""
+    data = make_folder(tmp_path / "ds", classes=2, train=6, val=1)
+    with monkeypatch.context() as old_version:
+        old_version.setattr(TrainConfig, "check_batch", lambda self: None)
+        train(tiny(data=str(data), batch_size=3, mixup=0.8, epochs=1, output=str(tmp_path / "run")))
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        result = train(TrainConfig.resume_from(tmp_path / "run" / "last.pt", epochs=2, workers=0))
+    assert result.epochs == 2 and "recorded an odd --batch-size 3 under mixup" in caplog.text
+    with pytest.raises(ValueError, match="--batch-size 5 would leave one image"):  # a new odd batch is a new choice
+        train(TrainConfig.resume_from(tmp_path / "run" / "last.pt", epochs=3, workers=0, batch_size=5))
 
 
 @pytest.mark.parametrize("device", ["gpu", "mps", "cuda"])
@@ -1137,6 +1151,20 @@ def test_predict_on_a_device_that_is_not_here_is_one_line(world, device, capsys)
         pytest.skip("a GPU is visible")
     assert main(["predict", str(world["image"]), "--checkpoint", str(world["best_pt"]), "--device", device]) == 2
     assert capsys.readouterr().err.strip().startswith("cgavit predict: error: --device")
+
+
+def test_devices_are_named_as_torch_names_them(world, monkeypatch):
+    """predict took torch.device objects, 'cpu:0' and 'cuda:1' before it checked its device: keep them."""
+    from cgavit.train.distributed import resolve_device
+
+    for device in (torch.device("cpu"), "cpu:0"):
+        assert "top" in predict([str(world["image"])], str(world["best_pt"]), device=device)[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1) and resolve_device(torch.device("cuda", 1)).index == 1
+    assert resolve_device("cuda", local_rank=1) == torch.device("cuda", 1) and resolve_device("auto").type == "cuda"
+    with pytest.raises(ValueError, match="there is no GPU 2"):
+        resolve_device("cuda:2")
 
 
 def test_an_image_too_thin_for_the_evaluation_resize_is_an_unreadable_image(world, tmp_path):
@@ -1150,6 +1178,7 @@ def test_an_image_too_thin_for_the_evaluation_resize_is_an_unreadable_image(worl
     assert "top" in rows[0] and "too thin for the evaluation resize" in rows[1]["error"]
     ds = ImageFolderDataset([(str(thin), 0)], ["a"], build_transform(224, False))
     assert "too thin" in ds[0].error
+    assert build_transform(224, False).transforms[0].size == 256  # still timm's Compose, steps and all
 
 
 def test_a_classifier_of_another_width_is_not_called_another_class_count(caplog):

@@ -229,9 +229,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _options_given_no_value(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """The option given ``--`` as its value (``--epochs=--``), if any: argparse (Python 3.11, at least) stores ``[]``
-    for it without calling its ``type``, which the command would fail on with a ``TypeError`` traceback."""
-    root = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for p in [parser, *_all_subparsers(root)]:
+    for it without calling its ``type``, which the command would fail on with a ``TypeError`` traceback. Only the
+    parsers of the command given are read (another command's option may share a name and take lists)."""
+    chain = [parser]
+    while sub := next((a for a in chain[-1]._actions if isinstance(a, argparse._SubParsersAction)), None):
+        chosen = sub.choices.get(getattr(args, sub.dest, None) or "")
+        if chosen is None:
+            break
+        chain.append(chosen)
+    for p in chain:
         for action in p._actions:
             if (isinstance(action, argparse._StoreAction) and action.nargs is None and action.option_strings
                     and getattr(args, action.dest, None) == []):

@@ -30,6 +30,8 @@ from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
 log = logging.getLogger(__name__)
 
 KINDS = ("retinanet", "maskrcnn")
+#: Settings torchvision's transform takes from its ``**kwargs`` (no parameter of its own to read them from).
+TRANSFORM_KWARGS = ("_skip_resize",)
 #: Detector arguments the builders below give torchvision themselves: options of their own, or the pyramid's parts.
 BUILT_HERE = frozenset({"backbone", "num_classes", "min_size", "max_size", "anchor_generator", "rpn_anchor_generator",
                         "box_roi_pool", "mask_roi_pool"})
@@ -129,10 +131,10 @@ class PyramidAnchorGenerator(AnchorGenerator):
 def detector_settings(kind: str) -> frozenset[str]:
     """The torchvision settings (``model_kwargs``, ``--model-arg``) a ``kind`` detector takes: its class's arguments
     and its transform's, but for :data:`BUILT_HERE`."""
-    names = set()
+    names = set(TRANSFORM_KWARGS)
     for cls in (RetinaNet if kind == "retinanet" else MaskRCNN, GeneralizedRCNNTransform):
         names |= {n for n, p in inspect.signature(cls.__init__).parameters.items()
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self" and not n.startswith("_")}
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"}
     return frozenset(names - BUILT_HERE)
 
 

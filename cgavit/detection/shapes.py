@@ -12,6 +12,7 @@ import colorsys
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,8 @@ def check_shapes_destination(root: str | Path, split: str) -> None:
 
     Raises:
         ValueError: ``root/<split>.json`` exists and is not a shapes dataset's annotations (a user's own COCO file,
-            say), or ``root/<split>/`` holds files and no shapes annotations name them.
+            say), or, with no annotations there, ``root/<split>/`` holds files of other names than the images
+            this writes (those an earlier run stopped midway left are its own).
     """
     root = Path(root)
     ann, image_dir = root / f"{split}.json", root / split
@@ -85,8 +87,10 @@ def check_shapes_destination(root: str | Path, split: str) -> None:
         if not ours:
             raise ValueError(f"{ann} exists and is not a shapes dataset's annotations; give --out a new or empty folder "
                              "(nothing was written)")
-    elif image_dir.is_dir() and any(image_dir.iterdir()):
-        raise ValueError(f"{image_dir} holds files of its own; give --out a new or empty folder (nothing was written)")
+    elif image_dir.is_dir():  # images it writes before the json: an earlier run stopped midway left them
+        own = re.compile(rf"\.?{re.escape(split)}_\d{{5}}\.png(\..*)?")  # atomic_write's temporaries too
+        if any(not own.fullmatch(p.name) for p in image_dir.iterdir()):
+            raise ValueError(f"{image_dir} holds files of its own; give --out a new or empty folder (nothing was written)")
 
 
 def write_shapes_dataset(

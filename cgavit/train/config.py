@@ -187,6 +187,12 @@ class TrainConfig:
             raise ValueError("--teacher given without --distillation-type hard|soft")
         if self.finetune and self.resume:
             raise ValueError("give --finetune (start a new run from weights) or --resume (continue a run), not both")
+        if not self.resume:  # a run from before the rule continues with the batch it recorded (engine.train)
+            self.check_batch()
+
+    def check_batch(self) -> None:
+        """Raise ``ValueError`` for an odd ``batch_size`` while mixup or cutmix is on: they pair each image with
+        another of its batch (timm's ``Mixup`` in batch mode), so one image of every batch would go untrained."""
         if self.mixes and self.batch_size % 2:
             raise ValueError(f"mixup and cutmix pair each image with another of its batch (timm's Mixup in batch mode), so "
                              f"--batch-size {self.batch_size} would leave one image of every batch untrained; give an "
@@ -348,6 +354,8 @@ def changed_options(run: TrainConfig, resumed: TrainConfig) -> list[str]:
         was, now = getattr(run, f.name), getattr(resumed, f.name)
         if f.name in _READ_PATHS and was and now:
             was, now = os.path.abspath(was), os.path.abspath(now)
+        if f.name == "model" and resolve_name(was) == resolve_name(now):  # the same variant, another accepted name
+            continue
         if (tuple(was) if isinstance(was, list) else was) != (tuple(now) if isinstance(now, list) else now):
             changed.append(f"--{_flag(f.name)} {was} -> {now}")
     return changed

@@ -46,26 +46,32 @@ class DistEnv:
         return self.rank == 0
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """The device ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``) names for the process of ``local_rank``.
+def resolve_device(device: str | torch.device, local_rank: int | None = None) -> torch.device:
+    """The device ``device`` names: ``"auto"`` (a GPU when there is one, else the CPU), ``"cpu"``, ``"cuda"`` or
+    ``"cuda:N"`` (or a ``torch.device``). A GPU without an index is ``local_rank``'s (torchrun's), or the first.
 
     Raises:
-        ValueError: another name, or ``cuda`` asked for without a GPU (or fewer GPUs than local processes).
+        ValueError: another kind of device, or a GPU asked for that is not here.
     """
-    if device == "auto":
+    if isinstance(device, str) and device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return torch.device("cpu")
-    if not device.startswith("cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda (cuda:N for one GPU of several), got {str(device)!r}")
+    if dev.type == "cpu":
+        return dev
     if not torch.cuda.is_available():
         raise ValueError("--device cuda was given but no GPU is visible; use --device cpu")
-    if local_rank >= torch.cuda.device_count():
+    index = dev.index if dev.index is not None else (local_rank or 0)
+    if index >= torch.cuda.device_count():
         raise ValueError(
-            f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start at most "
-            "that many processes per node (torchrun --nproc_per_node)"
+            f"there is no GPU {index} ({torch.cuda.device_count()} visible)"
+            + ("; start at most that many processes per node (torchrun --nproc_per_node)" if dev.index is None else "")
         )
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", index)
 
 
 def setup(device: str = "auto") -> DistEnv:

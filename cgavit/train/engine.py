@@ -96,9 +96,14 @@ def train(cfg: TrainConfig) -> TrainResult:
             _check_mid_epoch(resumed, cfg, env.world)
             changed = changed_options(recorded, cfg)
             if changed and env.is_main:  # asked for on the command line, or a TrainConfig built without resume_from
-                log.warning("resuming %s with options other than the run recorded: %s (TrainConfig.resume_from, as "
-                            "cgavit train --resume, takes every option not given again from the checkpoint)",
+                log.warning("resuming %s with options other than the run recorded: %s (given again; in Python, "
+                            "TrainConfig.resume_from takes every option not given from the checkpoint)",
                             cfg.resume, ", ".join(changed))
+            if cfg.batch_size != recorded.batch_size:
+                cfg.check_batch()
+            elif cfg.mixes and cfg.batch_size % 2 and env.is_main:
+                log.warning("the run recorded an odd --batch-size %d under mixup, which leaves one image of every "
+                            "batch untrained; it continues so (give an even --batch-size when it resumes at an epoch's end)", cfg.batch_size)
             before = Path(cfg.resume).parent
             if not cfg.output:  # the run goes on in its own folder
                 cfg = replace(cfg, output=str(before))

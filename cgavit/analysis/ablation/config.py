@@ -76,4 +76,6 @@ class AblationConfig:
             raise ValueError(f"--train-args cannot set {', '.join(owned)}: the study sets them (use its own options)")
         arch = {k: getattr(self, k) for k in ("embed_dim", "num_heads", "depth") if getattr(self, k) is not None}
         for seed in self.seeds:  # the training options every run gets, within the trainer's bounds
-            TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": arch}).check_values()
+            run = TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": arch})
+            run.check_values()
+            run.check_batch()

@@ -83,16 +83,22 @@ def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
         heads_images=cfg.heads_images,
     )))
     spec_file = out / "study.json"
+    variants_json = json.loads(json.dumps([
+        dict(rung=v.rung, dials={k: list(x) if isinstance(x, tuple) else x for k, x in v.dials.items()}) for v in variants
+    ]))
     if spec_file.exists():
-        old = json.loads(spec_file.read_text())["spec"]
+        before = json.loads(spec_file.read_text())
+        old = before["spec"]
         if isinstance(old.get("train_args"), dict):  # a study written before run-only options were left out
             old["train_args"] = _result_args(old["train_args"])
         if old != spec:
             changed = sorted(k for k in spec if old.get(k) != spec[k])
             raise ValueError(f"{out} holds a study with other settings ({', '.join(changed)}); use another --output or the same options")
-    variants_json = [
-        dict(rung=v.rung, dials={k: list(x) if isinstance(x, tuple) else x for k, x in v.dials.items()}) for v in variants
-    ]
+        built = {v["rung"]: v["dials"] for v in before.get("variants", [])}
+        other = [v["rung"] for v in variants_json if v["rung"] in built and built[v["rung"]] != v["dials"]]
+        if other or before.get("matching", note) != json.loads(json.dumps(note)):
+            raise ValueError(f"{out} holds a study whose rungs ({', '.join(other) or 'standard'}) were built otherwise, by an "
+                             "earlier cgavit, from the same options; its runs are not these models: use another --output")
     write_json(spec_file, dict(spec=spec, matching=note, variants=variants_json))
     return _Study(data_dir, classes, variants, note, spec)
 

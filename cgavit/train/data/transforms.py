@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from PIL import Image, ImageOps
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from timm.data.auto_augment import posterize
+from torchvision.transforms import Compose
 
 from ...bounds import MAX_IMAGE_PIXELS
 from ...images import BadImageError
@@ -49,19 +50,21 @@ def build_transform(
     ), math.floor(img_size / crop_pct))
 
 
-class BoundedEvalTransform:
-    """timm's evaluation transform, refusing an image its resize would blow up: the shorter side goes to
-    ``resize`` pixels first, so a 1 x 100,000 px PNG of a few hundred bytes, far under the decoding bound,
-    would become 256 x 25,600,000 px (20 GB). Such an image is a :class:`~cgavit.images.BadImageError`, as an
-    unreadable one is (skipped and counted, or named, by the commands), instead of the process's memory.
+class BoundedEvalTransform(Compose):
+    """timm's evaluation transform (a ``Compose``: resize the shorter side, centre crop, to tensor, normalise),
+    refusing an image its resize would blow up: the shorter side goes to ``resize`` pixels first, so a
+    1 x 100,000 px PNG of a few hundred bytes, far under the decoding bound, would become 256 x 25,600,000 px
+    (20 GB). Such an image is a :class:`~cgavit.images.BadImageError`, as an unreadable one is (skipped and
+    counted, or named, by the commands), instead of the process's memory.
 
     Args:
-        transform: timm's eval transform (resize the shorter side, centre crop, to tensor, normalise).
+        transform: timm's eval transform; its steps become this one's.
         resize: the size its resize gives the shorter side.
     """
 
-    def __init__(self, transform: Callable, resize: int) -> None:
-        self.transform, self.resize = transform, resize
+    def __init__(self, transform: Compose, resize: int) -> None:
+        super().__init__(list(transform.transforms))
+        self.resize = resize
 
     def __call__(self, img: Image.Image):
         w, h = img.size
@@ -71,10 +74,7 @@ class BoundedEvalTransform:
                 f"a {w}x{h} px image is too thin for the evaluation resize (its shorter side to {self.resize} px would "
                 f"make it {resized / 1e6:.0f} megapixels, above {MAX_IMAGE_PIXELS / 1e6:.0f}); crop it nearer to square"
             )
-        return self.transform(img)
-
-    def __repr__(self) -> str:
-        return repr(self.transform)
+        return super().__call__(img)
 
 
 #: What ``--aa`` may say for no auto-augmentation (any case).
