@@ -171,7 +171,8 @@ class EfficientViTConfig:
 
         ``allocation="paper"|"uniform"`` sets ``key_dim``, ``attn_ratio`` and ``ffn_ratio`` by the
         scheme of :mod:`cgavit.reallocation` (for the widths and heads of this call); any of those
-        three given explicitly too wins.
+        three given explicitly too wins. A ``key_dim`` given with ``"uniform"`` changes the Q/K width alone:
+        the value width stays the scheme's C/h (not 1 x the new ``key_dim``).
 
         Raises:
             DialError: an unknown name, or a value or layout that cannot work.
@@ -184,9 +185,12 @@ class EfficientViTConfig:
             scheme = dials.pop("allocation")
             probe = replace(self, **{k: v for k, v in dials.items() if k in ("embed_dim", "num_heads")})
             try:
-                dials = {**allocation_dials(scheme, probe.embed_dim, probe.num_heads), **dials}
+                scheme_dials = allocation_dials(scheme, probe.embed_dim, probe.num_heads)
             except ValueError as err:
                 raise DialError("allocation", str(err)) from None
+            if "key_dim" in dials and "attn_ratio" not in dials:  # the scheme's V width (C/h), not its ratio to Q/K
+                scheme_dials["attn_ratio"] = None
+            dials = {**scheme_dials, **dials}
         return replace(self, **dials)
 
 

@@ -184,9 +184,13 @@ def _cli_without(module: str, *commands: list[str]) -> subprocess.CompletedProce
 
 
 def test_a_group_whose_extra_is_missing_is_listed_and_says_what_to_install():
-    res = _cli_without("timm", ["--help"], ["detect"], ["train"], ["info", "--model", "m0"])
+    res = _cli_without("timm", ["--help"], ["detect"], ["train"], ["info", "--model", "m0"], ["train", "--help"],
+                       ["export", "--model", "m0", "--output", "m0"], ["detect", "train", "--debug"])
     assert res.returncode == 0, res.stderr
     runs = json.loads(res.stdout)
+    for argv in ("train --help", "export --model m0 --output m0", "detect train --debug"):  # were "unrecognized arguments"
+        code, _, err = runs[argv]
+        assert code == 2 and "install it with pip install 'cgavit[" in err and "unrecognized" not in err, err
     code, text, _ = runs["--help"]
     assert code == 0
     for name in ("train", "ablate", "detect", "bench", "export", "info", "roofline"):

@@ -222,6 +222,11 @@ def test_parameter_reallocation_is_a_dial():
     assert uniform.key_dim == (16, 32, 48) and [uniform.value_dim(i) for i in range(3)] == [16, 32, 48]
     assert uniform.with_dials(allocation="paper") == paper
     assert paper.with_dials(allocation="uniform", ffn_ratio=2.0).allocation == "custom"  # explicit dials win
+    # a Q/K width given with the uniform scheme leaves V at C/h (it was tied to the new Q/K width: a cascade error
+    # telling the user to leave attn_ratio, which they had never set, at its default)
+    narrow_qk = paper.with_dials(allocation="uniform", key_dim=8)
+    assert narrow_qk.key_dim == (8, 8, 8) and [narrow_qk.value_dim(i) for i in range(3)] == [
+        c // h for c, h in zip(paper.embed_dim, paper.num_heads)]
     small, big = (sum(p.numel() for p in _tiny(allocation=a).parameters()) for a in ("paper", "uniform"))
     assert small < big
     with pytest.raises(ValueError, match="allocation must be one of"):

@@ -103,6 +103,9 @@ class MissingExtra:
             missing extra).
     """
 
+    #: The prefix of its parsers' options: a character no argument starts with, so every argument is taken as given.
+    NO_OPTIONS = "\x00"
+
     def __init__(self, extra: str, names: tuple[str, ...], err: ImportError) -> None:
         if (err.name or "").startswith("cgavit"):
             raise err
@@ -110,8 +113,10 @@ class MissingExtra:
 
     def register(self, sub: argparse._SubParsersAction) -> None:
         """Add the module's commands, listed with the extra they need."""
-        for name in self.names:
-            p = sub.add_parser(name, help=f"(needs pip install 'cgavit[{self.extra}]')", add_help=False)
+        for name in self.names:  # whatever follows the name (options, --help) is taken, so that it says the extra
+            p = sub.add_parser(name, help=f"(needs pip install 'cgavit[{self.extra}]')", add_help=False,
+                               prefix_chars=MissingExtra.NO_OPTIONS)
+            p.add_argument("arguments", nargs="*")
             p.set_defaults(func=self.run)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -163,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in command_modules():
         command.register(sub)
     for p in _all_subparsers(sub):  # --debug also after the command name
-        if "--debug" not in p._option_string_actions:
+        if "--debug" not in p._option_string_actions and p.prefix_chars != MissingExtra.NO_OPTIONS:
             p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 

@@ -90,26 +90,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         stopper.install()
         t_start = time.perf_counter()
         resumed = ckpt_io.load(cfg.resume) if cfg.resume else None
-        if resumed is not None:  # the weights must go on as the network the record names, whatever cfg says
-            recorded = TrainConfig.from_checkpoint(resumed, cfg.resume)
-            check_same_network(recorded, cfg, cfg.resume)
-            _check_mid_epoch(resumed, cfg, env.world)
-            changed = changed_options(recorded, cfg)
-            if changed and env.is_main:  # asked for on the command line, or a TrainConfig built without resume_from
-                log.warning("resuming %s with options other than the run recorded: %s (given again; in Python, "
-                            "TrainConfig.resume_from takes every option not given from the checkpoint)",
-                            cfg.resume, ", ".join(changed))
-            if cfg.batch_size != recorded.batch_size:
-                cfg.check_batch()
-            elif cfg.mixes and cfg.batch_size % 2 and env.is_main:
-                log.warning("the run recorded an odd --batch-size %d under mixup, which leaves one image of every "
-                            "batch untrained; it continues so (give an even --batch-size when it resumes at an epoch's end)", cfg.batch_size)
-            before = Path(cfg.resume).parent
-            if not cfg.output:  # the run goes on in its own folder
-                cfg = replace(cfg, output=str(before))
-            elif env.is_main and Path(cfg.output).resolve() != before.resolve() and (before / "best.pt").exists():
-                log.warning("resuming into %s: the best checkpoint of the epochs before (best.pt, best.safetensors) "
-                            "stays in %s, and this folder's gets one only if a later epoch beats it", cfg.output, before)
+        if resumed is not None:
+            cfg = _resumed_config(cfg, resumed, env)
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
@@ -544,6 +526,32 @@ def _resume(run: Run, ck: dict) -> None:
 
 
 # ------------------------------------------------------------------------ run folder, logs, signals
+def _resumed_config(cfg: TrainConfig, resumed: dict, env: DistEnv) -> TrainConfig:
+    """``cfg`` for continuing the run of the training checkpoint ``resumed``, checked against its record: the same
+    network (whatever cfg says), a batch it can go on with, the options it changes named; its folder unless
+    ``cfg.output`` names another."""
+    recorded = TrainConfig.from_checkpoint(resumed, cfg.resume)
+    check_same_network(recorded, cfg, cfg.resume)
+    _check_mid_epoch(resumed, cfg, env.world)
+    changed = changed_options(recorded, cfg)
+    if changed and env.is_main:  # asked for on the command line, or a TrainConfig built without resume_from
+        log.warning("resuming %s with options other than the run recorded: %s (given again; in Python, "
+                    "TrainConfig.resume_from takes every option not given from the checkpoint)",
+                    cfg.resume, ", ".join(changed))
+    if cfg.batch_size != recorded.batch_size:
+        cfg.check_batch()
+    elif cfg.mixes and cfg.batch_size % 2 and env.is_main:
+        log.warning("the run recorded an odd --batch-size %d under mixup, which leaves one image of every "
+                    "batch untrained; it continues so (give an even --batch-size when it resumes at an epoch's end)", cfg.batch_size)
+    before = Path(cfg.resume).parent
+    if not cfg.output:  # the run goes on in its own folder
+        cfg = replace(cfg, output=str(before))
+    elif env.is_main and Path(cfg.output).resolve() != before.resolve() and (before / "best.pt").exists():
+        log.warning("resuming into %s: the best checkpoint of the epochs before (best.pt, best.safetensors) "
+                    "stays in %s, and this folder's gets one only if a later epoch beats it", cfg.output, before)
+    return cfg
+
+
 def _check_input_files(cfg: TrainConfig) -> None:
     """Every file the run will read is a readable, non-empty regular file (never opening a pipe):
     checked before the run folder is made."""
