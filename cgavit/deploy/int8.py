@@ -35,6 +35,10 @@ An f16 float part (11 bits of mantissa where bf16 has 8; offered by OpenVINO whe
 not offered: OpenVINO 2026.4.1 runs no int8 file with it (an empty output, or a convolution "not initialized"),
 and f16 convolutions in the graph of an fp32 compile run in fp32 (docs/benchmarks-log.md, eighth AMX session).
 
+One layer is rounded its own way: OpenVINO's builds round the first convolution's weights with GPTQ on the
+calibration images (:mod:`cgavit.deploy.first_layer`; on a trained CIFAR-10 model that layer alone int8 changed 5
+decisions of 2,000 so, 26 with NNCF's rounding); ONNX Runtime's builds round it like any other.
+
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
 (``stages.0.blocks.0.mixer.m.attn.k.0``), which both runtimes' node names carry.
 """
@@ -73,6 +77,8 @@ class Int8Options:
         bias_correction: OpenVINO's, one of :data:`BIAS_CORRECTIONS` (default ``"full"``).
         weights: ONNX Runtime's weight type, one of :data:`WEIGHT_TYPES` (default ``"int8"``;
             ``reduce_range`` applies to int8 only). OpenVINO always uses int8.
+        gptq_first_layer: OpenVINO's builds round the first convolution's weights with GPTQ on the calibration
+            images (default; :mod:`cgavit.deploy.first_layer`); False: NNCF's rounding, as for every other layer.
     """
 
     calibration: str = "percentile"
@@ -81,6 +87,7 @@ class Int8Options:
     attention_float: bool = True
     bias_correction: str = "full"
     weights: str = "int8"
+    gptq_first_layer: bool = True
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_TYPES:

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..io import replace_together, stop_signals_deferred, write_error
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
+from .first_layer import gptq_convolution
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, export_info, int8_info, unreadable_file
@@ -167,7 +168,8 @@ class OpenVinoInt8Builder:
     fast one kept 99.4 % of decisions, the full one 99.7 %), 7-bit weights on x86 without VNNI
     (``OverflowFix.ENABLE``, see :mod:`cgavit.deploy.int8`), and with ``attention_float`` the
     transformer model type with every matmul ignored: the attention core (score and PV matmuls,
-    softmax) and the residual adds stay float.
+    softmax) and the residual adds stay float. The first convolution's weights are then rounded again with GPTQ
+    (:func:`gptq_first_layer`; ``options.gptq_first_layer``).
 
     Args:
         model: the model (its export form is converted).
@@ -192,6 +194,8 @@ class OpenVinoInt8Builder:
         self.layers = convolution_nodes(self.float_model)
         #: the every-layer-int8 model (NNCF's, made on the first build)
         self.every_int8 = None
+        #: the layer of the first convolution, whose weights GPTQ rounds (None: NNCF's rounding for every layer)
+        self.gptq_layer = first_convolution(self.float_model) if options.gptq_first_layer else None
 
     def build(self, float_layers: Iterable[str] = (), float_part: str = "fp32"):
         """The int8 ``openvino.Model`` with ``float_layers`` kept in float (a new model each call); with the float
@@ -221,12 +225,16 @@ class OpenVinoInt8Builder:
         ignored = nncf.IgnoredScope(types=["MatMul"] if opts.attention_float else [], validate=False)
         with warnings.catch_warnings(), kept_signal_stack(), quiet_quantiser("NNCF"):  # NNCF compiles with Cores of its own
             warnings.simplefilter("ignore")
-            return nncf.quantize(
+            model = nncf.quantize(
                 self.float_model.clone(), nncf.Dataset(self.batches), subset_size=len(self.batches),
                 preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=opts.bias_correction == "fast",
                 model_type=nncf.ModelType.TRANSFORMER if opts.attention_float else None,
                 ignored_scope=ignored, advanced_parameters=advanced,
             )
+        if self.gptq_layer is None:
+            return model
+        return gptq_first_layer(model, self.float_model, self.layers[self.gptq_layer],
+                                [torch.from_numpy(b) for b in self.batches], half=63 if opts.reduce_range else 127)
 
 
 def convolution_nodes(model) -> dict[str, str]:
@@ -238,6 +246,62 @@ def convolution_nodes(model) -> dict[str, str]:
         if layer is not None and op.get_type_name() in ("Convolution", "GroupConvolution"):
             layers[layer] = op.get_friendly_name()
     return layers
+
+
+def first_convolution(model) -> str | None:
+    """The layer of the convolution that reads ``model``'s (a float model's) input directly, or None."""
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "Convolution" and op.input_value(0).get_node().get_type_name() == "Parameter":
+            return layer_of_openvino_node(op.get_friendly_name())
+    return None
+
+
+def gptq_first_layer(int8_model, float_model, node: str, batches: list[torch.Tensor], half: int = 127):
+    """NNCF's ``int8_model`` (changed in place, and returned) with the int8 weights of the convolution ``node`` rounded
+    again by GPTQ for the calibration ``batches`` (:mod:`cgavit.deploy.first_layer`; ``half`` steps a side) and its
+    bias set so that its mean output on them, through NNCF's input quantiser, is fp32's. The graph keeps its form
+    (int8 weights, their steps, the bias ``Add``), so :func:`restore_float_layers` puts fp32 back as before. A node
+    NNCF did not quantise as expected (its input through one per-tensor quantiser, a bias after it) is left as it is.
+    """
+    ops, opset = {op.get_friendly_name(): op for op in int8_model.get_ordered_ops()}, _openvino().opset13
+    conv, original = ops[node], {op.get_friendly_name(): op for op in float_model.get_ordered_ops()}[node]
+    quantiser, bias, here = conv.input_value(0).get_node(), _bias_input(original), _bias_input(conv)
+    if quantiser.get_type_name() != "FakeQuantize" or bias is None or here is None:
+        return int8_model
+    ranges = [quantiser.input_value(i).get_node().get_data() for i in range(1, 5)]  # input low, high; output low, high
+    if any(r.size != 1 for r in ranges):
+        return int8_model
+    low, high, out_low, out_high = (float(r.reshape(-1)[0]) for r in ranges)
+    if (low, high) != (out_low, out_high):
+        return int8_model
+    levels = quantiser.get_levels()
+    step = (high - low) / (levels - 1)
+    begin, end = list(conv.get_pads_begin()), list(conv.get_pads_end())
+    layer = gptq_convolution(
+        torch.from_numpy(_folded_weights(original)),
+        torch.from_numpy(bias[0].input_value(bias[1]).get_node().get_data().reshape(-1).copy()), batches,
+        lambda x: torch.clamp(torch.round((x - low) / step), 0, levels - 1) * step + low,
+        list(conv.get_strides()), (*begin, *end), half)
+    weights = opset.multiply(opset.convert(opset.constant(layer.weights.numpy()), "f32"),
+                             opset.constant(layer.scale.numpy().reshape(-1, 1, 1, 1)))
+    conv.input(1).replace_source_output(weights.output(0))
+    shape = here[0].input_value(here[1]).get_shape()
+    here[0].input(here[1]).replace_source_output(opset.constant(layer.bias.numpy().reshape(list(shape))).output(0))
+    int8_model.validate_nodes_and_infer_types()
+    return int8_model
+
+
+def _bias_input(conv) -> tuple[object, int] | None:
+    """The ``Add`` that adds a convolution node's bias (a constant) to its output, and which of its inputs the
+    constant is; None where the convolution has none."""
+    for reader in conv.output(0).get_target_inputs():
+        add = reader.get_node()
+        if add.get_type_name() != "Add":
+            continue
+        for i in range(2):
+            if add.input_value(i).get_node().get_type_name() == "Constant":
+                return add, i
+    return None
 
 
 def restore_float_layers(int8_model, float_model, convolutions: Iterable[str]):
@@ -265,15 +329,9 @@ def restore_float_layers(int8_model, float_model, convolutions: Iterable[str]):
         if source.get_type_name() == "FakeQuantize":
             conv.input(0).replace_source_output(source.input_value(0))
         conv.input(1).replace_source_output(constant(_folded_weights(original)).output(0))
-        for reader in conv.output(0).get_target_inputs():  # the bias: an Add of a constant, named as in float_model
-            add = reader.get_node()
-            twin = plain.get(add.get_friendly_name())
-            if add.get_type_name() != "Add" or twin is None:
-                continue
-            for i in range(2):
-                if add.input_value(i).get_node().get_type_name() == "Constant" and \
-                        twin.input_value(i).get_node().get_type_name() == "Constant":
-                    add.input(i).replace_source_output(constant(twin.input_value(i).get_node().get_data()).output(0))
+        here, twin = _bias_input(conv), _bias_input(original)
+        if here is not None and twin is not None:
+            here[0].input(here[1]).replace_source_output(constant(twin[0].input_value(twin[1]).get_node().get_data()).output(0))
     out.validate_nodes_and_infer_types()
     return out
 
