@@ -69,6 +69,20 @@ def speed_probe(name: str, img_size: int) -> tuple[torch.nn.Module, torch.Tensor
     return model, torch.randn(16, 3, *size), calibration, Int8Options().for_cpu(cpu_features())
 
 
+def beside_fp32_onnxruntime(name: str, model: torch.nn.Module, x: torch.Tensor, paths: dict) -> None:
+    """Time ``paths`` (label -> a module taking ``x``) beside ``model`` in fp32 ONNX Runtime, in one round-robin, and
+    print the table (``name``: the variant, 224 px, batch 16, 1 thread)."""
+    with tempfile.TemporaryDirectory(prefix="cgavit-bench-") as scratch:
+        paths = {"fp32 ONNX Runtime": OnnxModule(export_onnx(model, Path(scratch) / "fp32.onnx", (224, 224)), 1), **paths}
+    with torch.no_grad():
+        times = round_robin({label: partial(m, x) for label, m in paths.items()}, 5, 20)
+    ort = times["fp32 ONNX Runtime"].median_rate(16)
+    print(f"\n{name}, 224 px, batch 16, 1 thread; load {open('/proc/loadavg').read().split()[:3]}\n")
+    print("| path | img/s | x fp32 ONNX Runtime |\n|---|---:|---:|")
+    for label, t in times.items():
+        print(f"| {label} | {t.median_rate(16):.1f} | {t.median_rate(16) / ort:.2f} |")
+
+
 def f16_builds(ov: OpenVinoInt8Builder, split: list[str], weights: str) -> dict[str, OpenVinoModule]:
     """OpenVINO's int8 builds (every layer int8, and ``split`` float) compiled with their float part in f16."""
     from cgavit.deploy.openvino import _core

@@ -23,7 +23,6 @@ Usage::
 from __future__ import annotations
 
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -32,15 +31,13 @@ import openvino as ov
 import torch
 
 from cgavit.deploy import compare_logits, cpu_features
-from cgavit.deploy.onnx import OnnxModule, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits
-from cgavit.timing import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_adaround import conv_inputs  # noqa: E402
 from int8_bf16_float_layers import fp32_answer  # noqa: E402
-from int8_speed import speed_probe  # noqa: E402
+from int8_speed import beside_fp32_onnxruntime, speed_probe  # noqa: E402
 from int8_where_lost import int8_base, reference_arguments  # noqa: E402
 
 OPS = ov.opset13
@@ -128,18 +125,8 @@ def main() -> None:
         a = compare_logits(padded_logits(OpenVinoModule(m, 1, "int8"), ev.images), reference, ev.labels)
         print(f"| {label} | {100 * a.top1_agreement:.2f} % ({a.changed}) | {a.accuracy_change:+.2f} |", flush=True)
     m4, x, m4_calibration, opts = speed_probe(args.model, 224)
-    scratch = tempfile.TemporaryDirectory(prefix="cgavit-bench-")  # removed when main returns
-    paths = {"fp32 ONNX Runtime": OnnxModule(export_onnx(m4, Path(scratch.name) / "fp32.onnx", (224, 224)), 1)}
-    paths.update({label: OpenVinoModule(m, 1, "int8") for label, m in
-                  variants(OpenVinoInt8Builder(m4, (224, 224), m4_calibration, opts), layers).items()})
-    with torch.no_grad():
-        times = round_robin({label: partial(m, x) for label, m in paths.items()}, 5, 20)
-    ort = times["fp32 ONNX Runtime"].median_rate(16)
-    print(f"\n{args.model}, 224 px, batch 16, 1 thread; load {open('/proc/loadavg').read().split()[:3]}\n")
-    print("| path | img/s | x fp32 ONNX Runtime |\n|---|---:|---:|")
-    for label, t in times.items():
-        print(f"| {label} | {t.median_rate(16):.1f} | {t.median_rate(16) / ort:.2f} |")
-
+    beside_fp32_onnxruntime(args.model, m4, x, {label: OpenVinoModule(m, 1, "int8") for label, m in
+                            variants(OpenVinoInt8Builder(m4, (224, 224), m4_calibration, opts), layers).items()})
 
 if __name__ == "__main__":
     main()
