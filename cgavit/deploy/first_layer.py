@@ -70,7 +70,8 @@ def gptq_convolution(
     Raises:
         ValueError: no calibration batch.
     """
-    batches, d = list(batches), weight[0].numel()
+    # 16 images' patches at a time (at 224 px, 256 images' would take gigabytes)
+    batches, d = [chunk for batch in batches for chunk in batch.split(16)], weight[0].numel()
     pad = (padding[1], padding[3], padding[0], padding[2])
 
     def patches(x: torch.Tensor) -> torch.Tensor:
