@@ -261,12 +261,13 @@ def gptq_first_layer(int8_model, float_model, node: str, batches: list[torch.Ten
     again by GPTQ for the calibration ``batches`` (:mod:`cgavit.deploy.first_layer`; ``half`` steps a side) and its
     bias set so that its mean output on them, through NNCF's input quantiser, is fp32's. The graph keeps its form
     (int8 weights, their steps, the bias ``Add``), so :func:`restore_float_layers` puts fp32 back as before. A node
-    NNCF did not quantise as expected (its input through one per-tensor quantiser, a bias after it) is left as it is.
+    NNCF did not quantise as expected (its input through one per-tensor quantiser, a bias after it), or a dilated
+    one, is left as it is.
     """
     ops, opset = {op.get_friendly_name(): op for op in int8_model.get_ordered_ops()}, _openvino().opset13
     conv, original = ops[node], {op.get_friendly_name(): op for op in float_model.get_ordered_ops()}[node]
     quantiser, bias, here = conv.input_value(0).get_node(), _bias_input(original), _bias_input(conv)
-    if quantiser.get_type_name() != "FakeQuantize" or bias is None or here is None:
+    if quantiser.get_type_name() != "FakeQuantize" or bias is None or here is None or set(conv.get_dilations()) != {1}:
         return int8_model
     ranges = [quantiser.input_value(i).get_node().get_data() for i in range(1, 5)]  # input low, high; output low, high
     if any(r.size != 1 for r in ranges):
