@@ -128,5 +128,6 @@ def main() -> None:
     beside_fp32_onnxruntime(args.model, m4, x, {label: OpenVinoModule(m, 1, "int8") for label, m in
                             variants(OpenVinoInt8Builder(m4, (224, 224), m4_calibration, opts), layers).items()})
 
+
 if __name__ == "__main__":
     main()

@@ -36,7 +36,7 @@ not offered: OpenVINO 2026.4.1 runs no int8 file with it (an empty output, or a 
 and f16 convolutions in the graph of an fp32 compile run in fp32 (docs/benchmarks-log.md, eighth AMX session).
 
 One layer is rounded its own way: OpenVINO's builds round the first convolution's weights with GPTQ on the
-calibration images (:mod:`cgavit.deploy.first_layer`; on a trained CIFAR-10 model that layer alone int8 changed 5
+calibration images (:mod:`cgavit.deploy.first_layer`; on a trained CIFAR-10 model on an AMX Xeon that layer alone int8 changed 5
 decisions of 2,000 so, 26 with NNCF's rounding); ONNX Runtime's builds round it like any other.
 
 A *layer* is named by the qualified name of its ``nn.Conv2d`` in the export form
