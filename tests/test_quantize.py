@@ -97,6 +97,7 @@ def test_quantize_meets_the_target_on_trained_weights(digits_int8, trained_digit
         ref = fuse(trained_digits.model)(trained_digits.images[:32])
     assert rel_err(out, ref) < 0.5 and r.fp32_img_s > 0 and r.point.speedup > 0
     assert r.record()["meets_target"] is True and "meets the target" in r.markdown()
+    assert r.gptq_layer is None and r.record()["gptq_rounded"] is None and "GPTQ" not in r.markdown()  # ONNX Runtime
     # for scale: fp32's own decisions under half a grey level of pixel noise, on the same held-out images
     held = split_holdout(trained_digits.images, trained_digits.labels, 0.5)[2][0]
     expected = noise_floor(fuse(trained_digits.model), held, ExportInfo().std)
@@ -510,6 +511,9 @@ def test_openvino_searches_in_its_own_sensitivity_order_and_prunes(trained_digit
     if first is not None:
         assert r.point.float_layers == meeting[first].float_layers and r.agreement is r.point.held_out
     assert "Sensitivity in OpenVINO" in r.markdown() and r.record()["sensitivity"]["openvino"][0]["layer"] == rows[0].layer
+    rounded = None if "patch_embed.conv1" in r.float_layers else "patch_embed.conv1"  # GPTQ's weights where int8
+    assert r.gptq_layer == rounded and r.record()["gptq_rounded"] == rounded
+    assert ("`patch_embed.conv1` is int8 with its weights rounded by GPTQ" in r.markdown()) == bool(rounded)
 
 
 def test_split_holdout_is_a_fixed_random_split_of_the_evaluation_images():

@@ -194,7 +194,8 @@ class OpenVinoInt8Builder:
         self.layers = convolution_nodes(self.float_model)
         #: the every-layer-int8 model (NNCF's, made on the first build)
         self.every_int8 = None
-        #: the layer of the first convolution, whose weights GPTQ rounds (None: NNCF's rounding for every layer)
+        #: the layer of the first convolution, whose weights GPTQ rounds (None: NNCF's rounding for every layer; after
+        #: the first build, None also where NNCF's graph gave that layer no form GPTQ rounds: :func:`gptq_first_layer`)
         self.gptq_layer = first_convolution(self.float_model) if options.gptq_first_layer else None
 
     def build(self, float_layers: Iterable[str] = (), float_part: str = "fp32"):
@@ -231,10 +232,11 @@ class OpenVinoInt8Builder:
                 model_type=nncf.ModelType.TRANSFORMER if opts.attention_float else None,
                 ignored_scope=ignored, advanced_parameters=advanced,
             )
-        if self.gptq_layer is None:
-            return model
-        return gptq_first_layer(model, self.float_model, self.layers[self.gptq_layer],
-                                [torch.from_numpy(b) for b in self.batches], half=63 if opts.reduce_range else 127)
+        if self.gptq_layer is not None and not gptq_first_layer(
+                model, self.float_model, self.layers[self.gptq_layer], [torch.from_numpy(b) for b in self.batches],
+                half=63 if opts.reduce_range else 127):
+            self.gptq_layer = None
+        return model
 
 
 def convolution_nodes(model) -> dict[str, str]:
@@ -256,25 +258,28 @@ def first_convolution(model) -> str | None:
     return None
 
 
-def gptq_first_layer(int8_model, float_model, node: str, batches: list[torch.Tensor], half: int = 127):
-    """NNCF's ``int8_model`` (changed in place, and returned) with the int8 weights of the convolution ``node`` rounded
-    again by GPTQ for the calibration ``batches`` (:mod:`cgavit.deploy.first_layer`; ``half`` steps a side) and its
-    bias set so that its mean output on them, through NNCF's input quantiser, is fp32's. The graph keeps its form
+def gptq_first_layer(int8_model, float_model, node: str, batches: list[torch.Tensor], half: int = 127) -> bool:
+    """Change NNCF's ``int8_model`` in place: the int8 weights of the convolution ``node`` rounded again by GPTQ for
+    the calibration ``batches`` (:mod:`cgavit.deploy.first_layer`; ``half`` steps a side) and its bias set so that
+    its mean output on them, through NNCF's input quantiser, is fp32's. The graph keeps its form
     (int8 weights, their steps, the bias ``Add``), so :func:`restore_float_layers` puts fp32 back as before. A node
     NNCF did not quantise as expected (its input through one per-tensor quantiser, a bias after it), or a dilated
     one, is left as it is.
+
+    Returns:
+        Whether the weights were rounded again (False: the model is unchanged).
     """
     ops, opset = {op.get_friendly_name(): op for op in int8_model.get_ordered_ops()}, _openvino().opset13
     conv, original = ops[node], {op.get_friendly_name(): op for op in float_model.get_ordered_ops()}[node]
     quantiser, bias, here = conv.input_value(0).get_node(), _bias_input(original), _bias_input(conv)
     if quantiser.get_type_name() != "FakeQuantize" or bias is None or here is None or set(conv.get_dilations()) != {1}:
-        return int8_model
+        return False
     ranges = [quantiser.input_value(i).get_node().get_data() for i in range(1, 5)]  # input low, high; output low, high
     if any(r.size != 1 for r in ranges):
-        return int8_model
+        return False
     low, high, out_low, out_high = (float(r.reshape(-1)[0]) for r in ranges)
     if (low, high) != (out_low, out_high):
-        return int8_model
+        return False
     levels = quantiser.get_levels()
     step = (high - low) / (levels - 1)
     begin, end = list(conv.get_pads_begin()), list(conv.get_pads_end())
@@ -289,7 +294,7 @@ def gptq_first_layer(int8_model, float_model, node: str, batches: list[torch.Ten
     shape = here[0].input_value(here[1]).get_shape()
     here[0].input(here[1]).replace_source_output(opset.constant(layer.bias.numpy().reshape(list(shape))).output(0))
     int8_model.validate_nodes_and_infer_types()
-    return int8_model
+    return True
 
 
 def _bias_input(conv) -> tuple[object, int] | None:

@@ -141,6 +141,8 @@ class QuantizeResult:
         noise_floor: for scale, the decisions the fp32 model itself changes on the images the answer was judged on
             when their pixels get noise of half a grey level (:func:`~cgavit.deploy.agreement.noise_floor`, normalised
             with ``info.std``).
+        gptq_layer: the int8 layer whose weights GPTQ rounded rather than NNCF (OpenVINO's first convolution:
+            ``options.gptq_first_layer``); None where there is none (ONNX Runtime, that layer float, or the option off).
     """
 
     target: QuantizeTarget
@@ -164,6 +166,7 @@ class QuantizeResult:
     held_out_images: int = 0
     runoff_load: float | None = None
     noise_floor: NoiseFloor | None = None
+    gptq_layer: str | None = None
 
     @property
     def runoff_disturbed(self) -> bool:
@@ -230,7 +233,7 @@ class QuantizeResult:
             no_faster_in_int8={rt: [dict(layer=s.layer, fp32_ms=s.fp32_ms, int8_ms=s.int8_ms) for s in speeds]
                                for rt, speeds in self.no_faster.items()},
             runoff=[_point_record(p, self.target) for p in self.runoff], runoff_other_load=self.runoff_load,
-            noise_floor=None if self.noise_floor is None else self.noise_floor.record(),
+            noise_floor=None if self.noise_floor is None else self.noise_floor.record(), gptq_rounded=self.gptq_layer,
         )
 
     def markdown(self, top: int = 15) -> str:
@@ -277,6 +280,9 @@ class QuantizeResult:
                       f"`float_part`); with OpenVINO alone, compile it with INFERENCE_PRECISION_HINT "
                       f"`{'bf16' if compile_precision(self.float_part) == 'bf16' else 'f32'}` (OpenVINO's default on a "
                       "CPU with native bf16 is bf16, which decides differently)."]
+        if self.gptq_layer:
+            lines += [f"`{self.gptq_layer}` is int8 with its weights rounded by GPTQ on the calibration images rather "
+                      "than to nearest, and its bias set so that its mean output on them is fp32's (docs/deploy.md)."]
         lines += [f"Kept in float: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
             ["No convolution kept in float."]
         for runtime, rows in self.sensitivity.items():
@@ -613,6 +619,7 @@ class _Search:
     no_faster: dict[str, list[LayerSpeed]] = field(default_factory=dict)
     runoff_load: float | None = None  # other work while the runoff was timed
     asked: tuple[str, ...] = ()  # float layers the caller gave (:func:`assess`), not chosen by the search
+    gptq: dict[str, str] = field(default_factory=dict)  # runtime -> the layer GPTQ rounded in its builds
 
     @contextmanager
     def started(self, tmp: Path) -> Iterator[None]:
@@ -675,6 +682,8 @@ class _Search:
                 curve += prune_float_layers(searched, judge, returns)
             self.curves[start.path] = curve
             self.extend_for_held_out(curve, judge, ranked, None if most is None else most - len(kept))
+        if getattr(builder, "gptq_layer", None):  # known once a build was made
+            self.gptq[runtime] = builder.gptq_layer
 
     def ranked(self, runtime: str, builder, kept: tuple[str, ...]) -> list[str]:
         """``runtime``'s layers but ``kept``, most sensitive first: its per-layer sensitivity, measured on the
@@ -829,6 +838,7 @@ class _Search:
             cpu=features.describe(), options=opts, calibration_images=len(self.calibration),
             evaluation_images=len(self.evaluation) + held, held_out_images=held, no_faster=self.no_faster, runoff=runoff,
             runoff_load=self.runoff_load if runoff else None, noise_floor=floor,
+            gptq_layer=None if self.gptq.get(point.runtime) in point.float_layers else self.gptq.get(point.runtime),
         )
 
     def reasons(self, point: CurvePoint) -> dict[str, str]:
