@@ -251,7 +251,8 @@ class EfficientViT(nn.Module):
                              "x.float() / 255, then subtract the mean and divide by the std")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Image batch ``(B, 3, H, W)`` to the last stage map ``(B, C3, ~H/64, ~W/64)``."""
+        """Image batch ``(B, 3, H, W)`` to the last stage's map: ``(B, C3, ~H/64, ~W/64)`` (fewer stages once
+        :meth:`prune_intermediate_layers` removed some)."""
         self.check_input(x)
         return self.stages(self.patch_embed(x))
 
@@ -275,23 +276,10 @@ class EfficientViT(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW' (the maps are convolutional), got {output_fmt!r}")
         self.check_input(x)
-        if indices is None:
-            take = [0, 1, 2]
-        elif isinstance(indices, int):
-            if not 1 <= indices <= 3:
-                raise ValueError(f"indices as an int means 'the last n stages', 1..3; got {indices}")
-            take = list(range(3 - indices, 3))
-        else:
-            given = list(indices) if isinstance(indices, (list, tuple)) else None
-            if not given or any(isinstance(i, bool) or not isinstance(i, int) for i in given):
-                raise ValueError(f"indices must be an int n (the last n stages) or a non-empty list of stage numbers "
-                                 f"-3..2, got {indices!r}")
-            take = sorted({i % 3 if -3 <= i < 3 else -1 for i in given})
-            if -1 in take:
-                raise ValueError(f"stage indices must be in -3..2, got {indices}")
+        take = self._stage_indices(indices)
         x = self.patch_embed(x)
         maps = []
-        last = max(take) if stop_early else 2
+        last = max(take) if stop_early else len(self.stages) - 1
         for i, stage in enumerate(self.stages):
             if i > last:
                 break
@@ -299,6 +287,48 @@ class EfficientViT(nn.Module):
             if i in take:
                 maps.append(x)
         return maps if intermediates_only else (x, maps)
+
+    def _stage_indices(self, indices: int | list[int] | tuple[int, ...] | None) -> list[int]:
+        """The stage numbers ``indices`` asks for (:meth:`forward_intermediates`), sorted and non-negative."""
+        n = len(self.stages)
+        if indices is None:
+            return list(range(n))
+        if isinstance(indices, int) and not isinstance(indices, bool):
+            if not 1 <= indices <= n:
+                raise ValueError(f"indices as an int means 'the last n stages', 1..{n}; got {indices}")
+            return list(range(n - indices, n))
+        given = list(indices) if isinstance(indices, (list, tuple)) else None
+        if not given or any(isinstance(i, bool) or not isinstance(i, int) for i in given):
+            raise ValueError(f"indices must be an int n (the last n stages) or a non-empty list of stage numbers "
+                             f"{-n}..{n - 1}, got {indices!r}")
+        if any(not -n <= i < n for i in given):
+            raise ValueError(f"stage indices must be in {-n}..{n - 1}, got {indices}")
+        return sorted({i % n for i in given})
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] | tuple[int, ...] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Make the model a feature extractor for the stages ``indices`` asks for (as :meth:`forward_intermediates`
+        reads it), with timm's signature (its ``FeatureGetterNet`` calls it): the stages after the last of them are
+        removed (``feature_info`` and ``num_features`` follow), and with ``prune_head`` the classifier too. The
+        network has no final norm, so ``prune_norm`` changes nothing. Returns those stage numbers, non-negative.
+
+        Raises:
+            ValueError: bad ``indices``, or stages to remove while ``prune_head=False`` keeps a classifier that reads
+                the last stage.
+        """
+        take = self._stage_indices(indices)
+        last = max(take)
+        if last < len(self.stages) - 1:
+            if not prune_head and self.num_classes > 0:
+                raise ValueError(f"removing the stages after stage {last} leaves the classifier without its input "
+                                 f"({self.num_features} channels of stage {len(self.stages) - 1}); pass prune_head=True")
+            self.stages = self.stages[: last + 1]
+            self.feature_info = self.feature_info[: last + 1]
+            self.num_features = self.head_hidden_size = self.cfg.embed_dim[last]
+        if prune_head:
+            self.reset_classifier(0)
+        return take
 
     def forward_head(
         self, x: torch.Tensor, pre_logits: bool = False

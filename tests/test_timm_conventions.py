@@ -163,6 +163,36 @@ def test_bias_table_resize_matches_timms_levit_resize_without_antialias():
     assert (resize_bias_table(table, 7) - resize_rel_pos_bias_table_levit(table.T, (49, 4)).T).abs().max() > 1e-2
 
 
+def test_prune_intermediate_layers_keeps_the_stages_asked_for():
+    """timm's FeatureGetterNet prunes a model that has prune_intermediate_layers: the stages after the last one asked
+    for and the classifier go, and the maps are the whole model's."""
+    import copy
+
+    from timm.models._features import FeatureGetterNet
+
+    whole = randomize_(cgavit.create_model("m0"), 7).eval()
+    x = torch.randn(2, 3, 96, 128)
+    with torch.no_grad():
+        maps = whole.forward_intermediates(x, intermediates_only=True)
+    model = copy.deepcopy(whole)
+    wrapped = FeatureGetterNet(model, out_indices=(-3, -2))
+    assert wrapped.out_indices == [0, 1] and len(model.stages) == 2 and len(model.feature_info) == 2
+    assert model.num_features == whole.feature_info[1]["num_chs"] and model.num_classes == 0
+    with torch.no_grad():
+        pruned = wrapped(x)
+        assert len(pruned) == 2 and all(torch.equal(a, b) for a, b in zip(pruned, maps))
+        assert torch.equal(model(x), maps[1].mean((2, 3)))  # the last kept stage's pooled features
+    assert wrapped.feature_info.channels() == [m.shape[1] for m in maps[:2]]
+    kept = copy.deepcopy(whole)
+    assert kept.prune_intermediate_layers(2, prune_head=False) == [1, 2] and len(kept.stages) == 3
+    assert kept.num_classes == 1000  # nothing removed, the classifier kept as asked
+    with pytest.raises(ValueError, match="prune_head=True"):
+        kept.prune_intermediate_layers([0], prune_head=False)
+    with pytest.raises(ValueError, match="stage indices must be in -3..2"):
+        kept.prune_intermediate_layers([3])
+    assert len(kept.stages) == 3 and kept.num_classes == 1000  # a refused prune changes nothing
+
+
 def test_timms_feature_wrapper_takes_the_model():
     """timm's FeatureGetterNet calls forward_intermediates(x, indices=, norm=, output_fmt=, intermediates_only=True):
     it raised TypeError on `norm`, so the models did not drop into timm's feature pipelines."""
