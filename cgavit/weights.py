@@ -229,12 +229,17 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
         The path written.
 
     Raises:
-        ValueError: a fused model (:func:`cgavit.deploy.fuse`), whose tensors no model built here takes: save the
-            model before fusing it; a record whose class names are not one per class.
+        ValueError: a fused model (:func:`cgavit.deploy.fuse`) or a pruned one (``prune_intermediate_layers``), whose
+            tensors no model built here takes: save the model before fusing or pruning it; a record whose class names
+            are not one per class.
     """
     if hasattr(model, "cfg") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")
+    if hasattr(model, "cfg") and hasattr(model, "stages") and len(model.stages) < len(model.cfg.depth):
+        raise ValueError(f"this model was pruned to {len(model.stages)} of its {len(model.cfg.depth)} stages "
+                         "(prune_intermediate_layers), which cannot be loaded back; save the whole model, and prune "
+                         "after loading")
     meta = {"format": "cgavit"}
     name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
     if name:  # the variant it was built as (a record's own name, below, wins)

@@ -163,7 +163,7 @@ def test_bias_table_resize_matches_timms_levit_resize_without_antialias():
     assert (resize_bias_table(table, 7) - resize_rel_pos_bias_table_levit(table.T, (49, 4)).T).abs().max() > 1e-2
 
 
-def test_prune_intermediate_layers_keeps_the_stages_asked_for():
+def test_prune_intermediate_layers_keeps_the_stages_asked_for(tmp_path):
     """timm's FeatureGetterNet prunes a model that has prune_intermediate_layers: the stages after the last one asked
     for and the classifier go, and the maps are the whole model's."""
     import copy
@@ -191,6 +191,9 @@ def test_prune_intermediate_layers_keeps_the_stages_asked_for():
     with pytest.raises(ValueError, match="stage indices must be in -3..2"):
         kept.prune_intermediate_layers([3])
     assert len(kept.stages) == 3 and kept.num_classes == 1000  # a refused prune changes nothing
+    with pytest.raises(ValueError, match="pruned to 2 of its 3 stages"):  # load_model could not rebuild it
+        cgavit.save_weights(model, tmp_path / "pruned.safetensors")
+    assert not list(tmp_path.iterdir())
 
 
 def test_timms_feature_wrapper_takes_the_model():
