@@ -738,11 +738,14 @@ def test_runs_started_in_the_same_second_get_a_folder_each(world, tmp_path, monk
 
     monkeypatch.setattr(engine, "datetime", Frozen)
     monkeypatch.chdir(tmp_path)
+    left = []  # a refused run removes the folder it made: here each is kept, as a run still going keeps its own
+    monkeypatch.setattr(engine, "_remove_unused_run_folder", left.append)
     for _ in range(3):  # each fails on its unreadable data after taking its folder
         with pytest.raises(DataError, match="could be read|made no update"):
             train(tiny(data=str(world["broken_ds"]), epochs=1, output=None))
     base = "efficientvit_m0-20261201-120000"
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [base, f"{base}-2", f"{base}-3"]
+    assert [p.name for p in left] == [base, f"{base}-2", f"{base}-3"]
 
 
 def test_a_file_system_without_locks_is_named(tmp_path, monkeypatch):
@@ -1056,6 +1059,30 @@ def test_a_teacher_of_other_classes_is_refused(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=r"was trained on other classes than .*'cat' is not among them; 'class_1' is missing"):
         train(tiny(data=str(data), epochs=1, output=str(out), distillation_type="hard", teacher=str(teacher)))
+    assert not out.exists()  # the refused run's folder, made by it and left empty, is gone
+
+
+def test_a_run_refused_before_training_leaves_no_folder_of_its_own(tmp_path, monkeypatch):
+    """A run refused before training (here fewer images than a batch) left its folder with an empty train.log, and
+    each retry a new runs/<model>-<time> one; a folder the user made is kept, with whatever it held."""
+    data = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="fewer than one batch"):
+            train(tiny(data=str(data), epochs=1, batch_size=8, output=""))
+    assert list((tmp_path / "runs").iterdir()) == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        train(tiny(data=str(data), epochs=1, batch_size=8, output=str(mine)))
+    assert mine.is_dir()
+    (mine / "train.log").write_text("notes\n")
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        train(tiny(data=str(data), epochs=1, batch_size=8, output=str(mine)))
+    assert (mine / "train.log").read_text() == "notes\n"
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        train(tiny(data=str(data), epochs=1, batch_size=8, output=str(tmp_path / "new")))
+    assert not (tmp_path / "new").exists()
 
 
 def test_commands_the_demo_prints_can_be_pasted_into_a_shell(tmp_path, monkeypatch, capsys):

@@ -97,17 +97,23 @@ def train(cfg: TrainConfig) -> TrainResult:
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
             if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != layout["classes"]:
                 raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
+            fresh = env.is_main and not (cfg.output and Path(cfg.output).exists())
             output = _make_output(cfg, env, resumed is not None)
             cfg = replace(cfg, output=str(output))
-            with RunLock(output, env), _run_log(output, env, resumed is not None):
-                problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
-                problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
-                if problem:
-                    raise DataError(problem)
-                run = _build_run(cfg, env, stopper, layout, output)
-                if resumed is not None:
-                    _resume(run, resumed)
-                return _fit(run, t_start)
+            try:
+                with RunLock(output, env), _run_log(output, env, resumed is not None):
+                    problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
+                    problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
+                    if problem:
+                        raise DataError(problem)
+                    run = _build_run(cfg, env, stopper, layout, output)
+                    if resumed is not None:
+                        _resume(run, resumed)
+                    return _fit(run, t_start)
+            except BaseException:
+                if fresh:
+                    _remove_unused_run_folder(output)
+                raise
     finally:
         stopper.uninstall()
         teardown(env)
@@ -588,6 +594,19 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     if env.is_main:
         make_folder(out, "run folder")
     return out
+
+
+def _remove_unused_run_folder(out: Path) -> None:
+    """Remove the run folder ``out`` that this run made, when it stopped leaving nothing in it but its
+    ``train.log`` (a run refused before training: fewer images than a batch, a teacher of other classes), whose
+    lines went to the terminal too: each refusal would otherwise leave a folder behind, and a new
+    ``runs/<model>-<time>`` one each time."""
+    try:
+        if [p.name for p in out.iterdir()] == ["train.log"]:
+            (out / "train.log").unlink()
+            out.rmdir()
+    except OSError:  # taken by another run meanwhile, or not ours to remove: left as it is
+        pass
 
 
 def _new_run_folder(base: Path) -> Path:
