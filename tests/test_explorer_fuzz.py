@@ -453,6 +453,21 @@ def test_host_header(server, host, status):
         assert_json_error(*got, status)
 
 
+def test_absolute_form_targets_are_served_by_their_host(server):
+    """HTTP/1.1 servers must accept a request target in absolute form (RFC 9112, 3.2.2; proxies and some clients send
+    it): it was answered 400. Its host stands in for the Host header, which it overrides, and is checked as that is."""
+    here = host_of(server)
+    origin_form = get(server, "/api/cga?heads=2")
+    assert origin_form[0] == 200
+    for extra in (f"Host: {here}\r\n", "Host: evil.example\r\n", ""):
+        got = raw(server, f"GET http://{here}/api/cga?heads=2 HTTP/1.1\r\n{extra}\r\n".encode())
+        assert got[0] == 200 and got[2] == origin_form[2]
+    assert raw(server, f"GET HTTP://{here} HTTP/1.1\r\nHost: {here}\r\n\r\n".encode())[0] == 200  # the page: "/"
+    for target, status in ((f"http://evil.example:{server.server_address[1]}/", 403), (f"http://me@{here}/", 400),
+                           ("http:///api/cga", 400), ("http://[::1/api/cga", 400)):
+        assert_json_error(*raw(server, f"GET {target} HTTP/1.1\r\nHost: {here}\r\n\r\n".encode()), status)
+
+
 def test_host_header_required_and_single(server):
     assert_json_error(*raw(server, b"GET /api/model HTTP/1.1\r\n\r\n"), 400)
     twice = f"GET /api/model HTTP/1.1\r\nHost: {host_of(server)}\r\nHost: {host_of(server)}\r\n\r\n"
@@ -518,7 +533,10 @@ def test_any_host_header(server, value):
     [
         (b"GET / HTTP/9.9x\r\n\r\n", 400),
         (b"GET /a b c HTTP/1.1\r\n\r\n", 400),
-        (b"GET http://evil.example/ HTTP/1.1\r\nHost: {host}\r\n\r\n", 400),
+        (b"GET http://evil.example/ HTTP/1.1\r\nHost: {host}\r\n\r\n", 403),  # absolute form: its host counts
+        (b"GET https://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n", 400),
+        (b"GET ftp://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n", 400),
+        (b"GET evil HTTP/1.1\r\nHost: {host}\r\n\r\n", 400),
         (b"GET /api/model HTTP/1.1\r\nHost: evil.example\r\n\r\n", 403),
         (b"GET /nothing HTTP/1.1\r\nHost: {host}\r\n\r\n", 404),
         (b"GET /api/image HTTP/1.1\r\nHost: {host}\r\n\r\n", 405),

@@ -20,6 +20,9 @@ The server stays within its :class:`~cgavit.explorer.limits.Limits`: at most ``m
 connection threads (a burst waits briefly in a listen queue of ``listen_queue``, beyond that 503),
 idle clients dropped after ``idle_timeout`` and any request cut off after ``request_timeout``,
 request bodies and decoded pixels each within a shared budget.
+
+A request target may be a path (``/api/model``) or, as HTTP/1.1 requires a server to accept, absolute
+(``http://127.0.0.1:8765/api/model``), whose host is then checked in place of the ``Host`` header.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from contextlib import ExitStack, contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..io import printable
 from .image_attention import ImageAttention
@@ -77,6 +80,21 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
+
+
+def _absolute_form(target: str) -> tuple[str, str]:
+    """An absolute-form request target ``http://host[:port][/path][?query]`` as its host (what ``Host`` would say) and
+    its origin form ``/path[?query]``.
+
+    Raises:
+        ValueError: another scheme than http, user information, no host, or a malformed address.
+    """
+    parts = urlsplit(target)
+    if parts.scheme.lower() != "http":
+        raise ValueError(f"the request target's scheme must be http (this server speaks plain HTTP), got {shown(target)}")
+    if "@" in parts.netloc or not parts.netloc:
+        raise ValueError(f"the request target must name a host and nothing else before its path, got {shown(target)}")
+    return parts.netloc, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
 def shown(text: str, limit: int = 40) -> str:
@@ -306,13 +324,18 @@ class ExplorerHandler(BaseHTTPRequestHandler):
             super().handle_one_request()
 
     def parse_request(self) -> bool:
-        """The base class's parsing, then the Host and Origin checks of :mod:`.guard`."""
+        """The base class's parsing, then the Host and Origin checks of :mod:`.guard`. A request target in absolute
+        form (``http://host:port/path``, which HTTP/1.1 servers must accept: RFC 9112, 3.2.2) names the host in
+        place of the ``Host`` header and becomes ``/path``."""
         if not super().parse_request():
             return False
         try:
             if len(self.headers.get_all("Host", [])) > 1:
                 raise ValueError("more than one Host header")
-            self.server.hosts.check_host(self.headers.get("Host"), self.request_version)
+            host = self.headers.get("Host")
+            if not self.path.startswith("/") and "://" in self.path:
+                host, self.path = _absolute_form(self.path)
+            self.server.hosts.check_host(host, self.request_version)
             for origin in self.headers.get_all("Origin", []):
                 self.server.hosts.check_origin(origin)
         except Refused as err:
