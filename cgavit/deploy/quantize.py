@@ -19,8 +19,7 @@ The evaluation images are then split in two at random, with a fixed seed (``hold
 each): the sensitivity, the search and the pruning judge builds on the first part; the builds that meet
 the target there are judged on the second, fewest float layers first, and the first that meets it there
 too is the runtime's answer. When none does, the search goes on keeping more layers float (twice as many
-each time, in the same order) until one meets it on both, then halves that last step to the fewest that meets
-it on both. The second part is consulted only in an order
+each time, in the same order) until one meets it on both. The second part is consulted only in an order
 fixed without it, to decide where to stop, so its figure is the one reported and written into the file. Pruning stops at the target's edge on the images it judges on (on the CIFAR-10
 references every answer changed exactly the allowed number of decisions), so a figure from those
 images is optimistic by construction.
@@ -33,7 +32,7 @@ import os
 import tempfile
 import warnings
 from typing import TYPE_CHECKING
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -771,36 +770,21 @@ class _Search:
                             ranked: Callable[[], list[str]], most: int | None) -> None:
         """When none of ``curve``'s builds that meet the target on the search's images meets it on the held-out ones,
         keep more layers of ``ranked()`` (the most sensitive first: :meth:`ranked`, measured now if the search did not
-        need it) float, as the search does: twice the search's answer's, then twice that, until a build meets it on
-        both or the search's limit is reached, and then the last step halved until the fewest that meets it on both
-        is found (on an AMX Xeon, the 96 px seed-1 reference's OpenVINO search doubled from 5 float layers, 6
-        held-out decisions changed, to 9). These builds join the curve as search steps."""
+        need it) float, twice the search's answer's, then twice that, as the search does, until a build meets it on
+        both or the search's limit is reached; these builds join the curve as search steps."""
         found = fewest_meeting([p for p in curve if p.step == "search"])
         if self.held_out is None or found is None or most == 0 or self.answer(curve) is not None:
             return
         order = ranked()
         limit = len(order) - 1 if most is None else min(most, len(order) - 1)
-        low = k = sum(layer in found.float_layers for layer in order)  # low: the most float layers known to miss
+        k = sum(layer in found.float_layers for layer in order)
         while k < limit:
             k = min(max(2 * k, 1), limit)
-            if self._meets_both(curve, judge, order[:k]):
-                break
-            low = k
-        else:
-            return
-        high = k
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (low, mid) if self._meets_both(curve, judge, order[:mid]) else (mid, high)
-
-    def _meets_both(self, curve: list[CurvePoint], judge: Callable[[tuple[str, ...]], CurvePoint],
-                    float_layers: Sequence[str]) -> bool:
-        """Whether the build with ``float_layers`` in float meets the target on the search's images and then on the
-        held-out ones (judged there only when it meets it on the first); it joins ``curve`` if new."""
-        point = judge(tuple(float_layers))
-        if all(p.float_layers != point.float_layers for p in curve):
-            curve.append(point)
-        return point.meets and self.answer([point]) is not None
+            point = judge(tuple(order[:k]))
+            if all(p.float_layers != point.float_layers for p in curve):
+                curve.append(point)
+            if point.meets and self.answer([point]) is not None:
+                return
 
     def answer(self, curve: list[CurvePoint]) -> CurvePoint | None:
         """A path's answer: of its builds that meet the target on the search's images, fewest float layers first
