@@ -8,11 +8,14 @@ reported as a ratio to timm's traced port and to fp32 ONNX Runtime (BENCHMARKS.m
 "int8 on AMX"). On a CPU with native bf16 the OpenVINO builds are timed with their float part in bf16 and with
 only the float layers in bf16 too (``openvino+bf16`` and ``openvino+bf16-layers`` curves of the reports), beside
 the whole model in bf16 (OpenVINO, and torch.compile). ``--f16`` also times the OpenVINO int8 builds compiled with
-``INFERENCE_PRECISION_HINT`` ``f16`` (their float part in f16, where OpenVINO offers FP16 on this CPU).
+``INFERENCE_PRECISION_HINT`` ``f16`` (their float part in f16, where OpenVINO offers FP16 on this CPU). ``--each``
+times each report's OpenVINO split (fp32 float part) as a path of its own, in the same round-robin, to compare
+two answers for one model.
 
 Usage::
 
     python benchmarks/int8_speed.py --float-layers c96.quantize.json c64.quantize.json [--model efficientvit_m4]
+    python benchmarks/int8_speed.py --float-layers old/c96s1.quantize.json new/c96s1.quantize.json --each
 """
 
 from __future__ import annotations
@@ -98,6 +101,17 @@ def f16_builds(ov: OpenVinoInt8Builder, split: list[str], weights: str) -> dict[
     return builds
 
 
+def each_report_builds(ov: OpenVinoInt8Builder, reports: list[str], weights: str) -> dict[str, OpenVinoModule]:
+    """Each report's OpenVINO split (fp32 float part: its ``openvino`` curve) as its own int8 build, labelled by it."""
+    builds = {}
+    for report in reports:
+        split = float_layers([report])["openvino"]
+        if split:
+            builds[f"int8 OpenVINO {weights}, {len(split)} layers float ({report})"] = OpenVinoModule(
+                ov.build(split), 1, "int8")
+    return builds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--float-layers", nargs="*", default=[], metavar="REPORT",
@@ -114,6 +128,8 @@ def main() -> None:
     p.add_argument("--f16", action="store_true", help="also time the OpenVINO int8 builds with their float part in f16 "
                                                        "(INFERENCE_PRECISION_HINT f16; needs FP16 in OpenVINO's CPU "
                                                        "capabilities, e.g. avx512_fp16)")
+    p.add_argument("--each", action="store_true", help="also time each report's OpenVINO split (fp32 float part) as a "
+                                                        "path of its own, in the same round-robin")
     args = p.parse_args()
     model, x, calibration, opts = speed_probe(args.model, args.img_size)
     size = (args.img_size, args.img_size)
@@ -157,6 +173,8 @@ def main() -> None:
                 ov.build(split, part), 1, "int8", part)
     if args.f16:
         paths.update(f16_builds(ov, keep["openvino"], weights))
+    if args.each:
+        paths.update(each_report_builds(ov, args.float_layers, weights))
     if args.qat:  # the file quantisation-aware fine-tuning writes (ranges from its observers; no training needed for speed)
         from cgavit.deploy.openvino import openvino_from_onnx
         from cgavit.deploy.qat import QatConfig, qat_finetune, qat_onnx
