@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import cgavit
 from cgavit.cli import main
 from cgavit.deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported
 
@@ -338,6 +339,47 @@ def test_metadata_that_is_malformed_or_does_not_fit_its_network_is_refused_at_op
         open_exported(path)
     said = str(caught.value)
     assert words in said and said.startswith(str(path)) and "export" in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_eval_reports_the_agreement_with_a_reference(suffix, digits_exports, trained_digits, tmp_path, capsys):
+    """`cgavit eval --reference FILE`: the share of the reference's top-1 decisions the evaluated file keeps on the
+    same images (how a user checks an int8 file on images of their own), counted as torch counts it; a reference for
+    other classes or other preprocessing is one line, exit 2."""
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from cgavit.deploy import open_exported
+
+    with safe_open(str(trained_digits.checkpoint), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    g = torch.Generator().manual_seed(3)  # another model of the same classes and preprocessing: weights jittered
+    jittered = {k: v * (1 + 0.5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() and v.dim() > 1 else v
+                for k, v in tensors.items()}
+    other = tmp_path / "other.safetensors"
+    safetensors.torch.save_file(jittered, str(other), metadata=meta)
+    exported = digits_exports[suffix]
+    with torch.no_grad():
+        ours = open_exported(exported)[0](trained_digits.images).argmax(1)
+        theirs = cgavit.load_model(other)[0](trained_digits.images).argmax(1)
+    changed = int((ours != theirs).sum())
+    assert 0 < changed < len(ours) // 2
+    argv = ["eval", "--data", str(trained_digits.data), "--checkpoint", str(exported), "--workers", "0"]
+    assert main([*argv, "--reference", str(other), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["changed"] == changed and res["reference"] == str(other)
+    assert res["agreement"] == pytest.approx(100 * (1 - changed / len(ours)))
+    assert main([*argv, "--reference", str(other)]) == 0
+    assert f"{changed} of {len(ours)} decisions changed; 95% interval" in capsys.readouterr().out
+    assert main([*argv[:-3], str(trained_digits.checkpoint), "--workers", "0", "--json", "--reference",
+                 str(trained_digits.checkpoint)]) == 0
+    assert json.loads(capsys.readouterr().out)["agreement"] == 100.0
+    for values, words in (({"mean": "[0.1, 0.2, 0.3]"}, "normalises with mean"),
+                          ({"class_names": json.dumps(list("abcdefghij"))}, "predicts other classes")):
+        bad = with_metadata(exported, tmp_path, "bad", **values)
+        assert main([*argv[:-3], str(trained_digits.checkpoint), "--workers", "0", "--reference", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("suffix", EXPORTED)

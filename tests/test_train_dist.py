@@ -53,12 +53,14 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     # lr follows the total batch: 1e-3 x (4 x 2) / 512 unless given; TINY gives 3e-3
     assert abs(ck["optimizer"]["param_groups"][0]["initial_lr"] - 3e-3) < 1e-12
 
-    proc = _torchrun("eval", "--checkpoint", str(out / "last.pt"), "--data", str(data), "--json", "--workers", "0", "-b", "4", "--device", "cpu")
+    proc = _torchrun("eval", "--checkpoint", str(out / "last.pt"), "--data", str(data), "--json", "--workers", "0", "-b", "4",
+                     "--device", "cpu", "--reference", str(out / "best.safetensors"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist_res = json.loads(proc.stdout.strip().splitlines()[-1])
     single = evaluate_checkpoint(data, out / "last.pt", batch_size=5, workers=0, device="cpu")
     assert dist_res["world_size"] == 2 and single["world_size"] == 1
     assert dist_res["n"] == single["n"] == 15
+    assert (dist_res["agreement"], dist_res["changed"]) == (100.0, 0)  # the same weights: padding counted once
     assert dist_res["top1"] == single["top1"] and dist_res["top5"] == single["top5"]
     assert abs(dist_res["loss"] - single["loss"]) < 1e-6
     # and the metrics the run logged for its epoch came from the same distributed evaluation

@@ -16,6 +16,7 @@ import sys
 from dataclasses import fields
 
 from ..bounds import INTERPOLATIONS
+from ..deploy.agreement import Agreement
 from ..io import printable
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
 from ..train.demo import run_demo, summary_lines
@@ -83,6 +84,7 @@ def _eval(args: argparse.Namespace) -> int:
         pretrained=args.pretrained,
         strict=args.strict,
         trust=args.trust_checkpoint,
+        reference=args.reference,
     )
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
@@ -94,7 +96,16 @@ def _eval(args: argparse.Namespace) -> int:
             f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
             + (f"  ({res['skipped']} unreadable images skipped)" if res["skipped"] else "")
         )
+        if args.reference:
+            print(f"top-1 agreement with {res['reference']}: {res['agreement']:.2f}% ({res['changed']} of {res['n']} "
+                  f"decisions changed; 95% interval {agreement_interval(res['agreement'], res['n'])})")
     return 0
+
+
+def agreement_interval(percent: float, n: int) -> str:
+    """Wilson's 95 % interval of an agreement of ``percent`` on ``n`` images, as ``"a-b%"``."""
+    low, high = Agreement(n=n, top1_agreement=percent / 100, max_rel_err=0.0).interval()
+    return f"{100 * low:.2f}-{100 * high:.2f}%"
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -175,6 +186,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--strict", action="store_true", help="stop at an unreadable image instead of skipping it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--reference", metavar="FILE", default=None,
+                   help="also report top-1 agreement with this checkpoint or exported file on the same images: give "
+                        "the fp32 checkpoint an int8 file was quantised from to see the share of its decisions the "
+                        "file keeps on images of your own")
     _add_model_source(p)
     p.set_defaults(func=_eval)
 

@@ -16,7 +16,8 @@ from .distributed import DistEnv, gather_objects
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: Iterable[Batch], env: DistEnv | None = None, autocast: AbstractContextManager | None = None
+    model: nn.Module, loader: Iterable[Batch], env: DistEnv | None = None, autocast: AbstractContextManager | None = None,
+    reference: nn.Module | None = None,
 ) -> dict:
     """Top-1, top-5 (percent) and mean cross-entropy of ``model`` over ``loader``'s dataset.
 
@@ -29,16 +30,19 @@ def evaluate(
         loader: batches of :class:`~cgavit.train.data.Batch` (as :func:`~cgavit.train.data.make_loader`).
         env: this process's place in the process group (default: a single process).
         autocast: a context to run the forward in (e.g. ``torch.autocast``).
+        reference: a model to compare top-1 classes with on the same images (an int8 file's fp32 checkpoint).
 
     Returns:
         ``{"top1", "top5", "loss", "n", "skipped", "bad_paths", "nonfinite"}``: ``nonfinite`` counts the images
         whose logits are not all finite (a diverged model); they count as misses, and make the loss NaN or inf.
+        With ``reference`` also ``"agreement"`` (percent of images whose top-1 class is the reference's) and
+        ``"changed"`` (the images whose is not; a non-finite output on either side counts as changed).
     """
     env = env or DistEnv()
     was_training = model.training
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device  # an exported file's runtime has none: CPU
-    idx, losses, hit1, hit5, bad, broken = [], [], [], [], [], []
+    idx, losses, hit1, hit5, bad, broken, same = [], [], [], [], [], [], []
     for batch in loader:
         bad.extend(batch.bad)
         if batch.images is None:
@@ -56,19 +60,22 @@ def evaluate(
         hit1.append(((top[:, 0] == y) & finite).cpu())
         hit5.append(((top == y[:, None]).any(dim=1) & finite).cpu())
         broken.append((~finite).cpu())
+        if reference is not None:
+            ref = reference(x).float()
+            same.append(((top[:, 0] == ref.argmax(dim=1)) & finite & torch.isfinite(ref).all(dim=1)).cpu())
     model.train(was_training)
     mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad,
-            _cat(broken, torch.bool))
-    return _merge(gather_objects(env, mine))
+            _cat(broken, torch.bool), _cat(same, torch.bool))
+    return _merge(gather_objects(env, mine), compared=reference is not None)
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
-def _merge(parts: list[tuple]) -> dict:
-    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, bad paths, non-finite outputs)`` as one set of
-    metrics, each dataset index counted once."""
+def _merge(parts: list[tuple], compared: bool = False) -> dict:
+    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, bad paths, non-finite outputs, top-1 classes equal to
+    the reference's)`` as one set of metrics, each dataset index counted once (with ``compared``, the agreement too)."""
     all_idx = torch.cat([p[0] for p in parts])
     order = torch.argsort(all_idx, stable=True)
     all_idx = all_idx[order]
@@ -81,7 +88,7 @@ def _merge(parts: list[tuple]) -> dict:
     bad_paths = sorted({b for p in parts for b in p[4]})
     nonfinite = int(torch.cat([p[5] for p in parts])[pick].sum())
     n = int(pick.numel())
-    return {
+    res = {
         "top1": 100.0 * float(h1.double().sum()) / max(n, 1),
         "top5": 100.0 * float(h5.double().sum()) / max(n, 1),
         "loss": float(loss.sum()) / max(n, 1),
@@ -90,3 +97,7 @@ def _merge(parts: list[tuple]) -> dict:
         "bad_paths": bad_paths,
         "nonfinite": nonfinite,
     }
+    if compared:
+        kept = int(torch.cat([p[6] for p in parts])[pick].sum())
+        res.update(agreement=100.0 * kept / max(n, 1), changed=n - kept)
+    return res

@@ -63,6 +63,7 @@ def evaluate_checkpoint(
     pretrained: bool = False,
     strict: bool = False,
     trust: bool = False,
+    reference: str | Path | None = None,
 ) -> dict:
     """Top-1, top-5 (percent) and loss of a checkpoint on an image folder; distributed under torchrun.
 
@@ -72,6 +73,9 @@ def evaluate_checkpoint(
         img_size, crop_pct, interpolation: evaluation transform; default: what the checkpoint
             records, else 224 / 0.875 / bicubic.
         split: sub-folder of ``data`` to evaluate.
+        reference: a checkpoint or exported file to compare with on the same images, such as the fp32 checkpoint an
+            int8 file was quantised from (:func:`check_reference`): adds ``"reference"``, ``"agreement"`` (percent of
+            images whose top-1 class is the reference's) and ``"changed"`` (images whose is not) to the result.
 
     Returns:
         ``{"top1", "top5", "loss", "n", "skipped", "img_size", "crop_pct", "checkpoint", "data"}``.
@@ -79,7 +83,7 @@ def evaluate_checkpoint(
     Raises:
         DataError: ``data`` is no image folder, or none of its images can be read.
         CheckpointError: an unreadable or damaged checkpoint (NaN/inf weights included).
-        ValueError: options out of bounds.
+        ValueError: options out of bounds, or a reference for other classes or other preprocessing.
     """
     check_eval_options(img_size, crop_pct, batch_size, workers)
     root = check_folder(data)
@@ -89,19 +93,52 @@ def evaluate_checkpoint(
             checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust,
             device=env.device)
         split_dir = root / (split or "val") if (root / (split or "val")).is_dir() or split else root
-        classes, samples = split_for_model(split_dir, info, num_classes)
-        size = img_size or info.img_size
-        pct = crop_pct or info.crop_pct
-        interp = interpolation or info.interpolation
-        transform = build_transform(size, False, interpolation=interp, crop_pct=pct, mean=info.mean, std=info.std)
-        ds = ImageFolderDataset(samples, classes, transform)
+        size, pct, interp = img_size or info.img_size, crop_pct or info.crop_pct, interpolation or info.interpolation
+        ds = _eval_dataset(split_dir, info, num_classes, size, pct, interp)
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
                              pin_memory=env.device.type == "cuda", strict=strict)
-        res = _checked_metrics(evaluate(model, loader, env), len(samples), split_dir, checkpoint)
-        res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir), world_size=env.world)
+        against = None if reference is None else check_reference(reference, info, num_classes, size, env.device)
+        res = _checked_metrics(evaluate(model, loader, env, reference=against), len(ds), split_dir, checkpoint)
+        res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
+                   world_size=env.world, **({} if reference is None else {"reference": str(reference)}))
         return res
     finally:
         teardown(env)
+
+
+def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, size: int, crop_pct: float,
+                  interpolation: str) -> ImageFolderDataset:
+    """``split_dir``'s images labelled in the model's class order, through its evaluation transform."""
+    classes, samples = split_for_model(split_dir, info, num_classes)
+    transform = build_transform(size, False, interpolation=interpolation, crop_pct=crop_pct, mean=info.mean, std=info.std)
+    return ImageFolderDataset(samples, classes, transform)
+
+
+def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, size: int,
+                    device: torch.device) -> nn.Module:
+    """The model to compare an evaluated one with (a checkpoint, or an exported file), opened for images of ``size``
+    px, once it predicts the same classes as the evaluated model (``info``, ``num_classes``) and normalises as it does:
+    the images are prepared once, for the evaluated model.
+
+    Raises:
+        ValueError: another class count, other recorded class names, or another mean and std.
+        CheckpointError: an unreadable or damaged file.
+    """
+    model, ref, classes = open_for_inference(reference, img_size=size, device=device)
+    name = Path(reference).name
+    if classes != num_classes or (ref.names_recorded and info.names_recorded and
+                                  list(ref.class_names) != list(info.class_names)):
+        raise ValueError(f"--reference {name} predicts other classes ({classes}: {', '.join(ref.class_names[:3])}, ...) "
+                         f"than the model evaluated ({num_classes}: {', '.join(info.class_names[:3])}, ...); give the "
+                         "checkpoint it was exported or quantised from")
+    if not (_close(ref.mean, info.mean) and _close(ref.std, info.std)):
+        raise ValueError(f"--reference {name} normalises with mean {tuple(ref.mean)} and std {tuple(ref.std)}, the model "
+                         f"evaluated with {tuple(info.mean)} and {tuple(info.std)}: they would not see the same images")
+    return model
+
+
+def _close(a, b) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) for x, y in zip(a, b))
 
 
 def _checked_metrics(res: dict, images: int, split_dir: Path, checkpoint: object) -> dict:
