@@ -739,7 +739,7 @@ def test_runs_started_in_the_same_second_get_a_folder_each(world, tmp_path, monk
     monkeypatch.setattr(engine, "datetime", Frozen)
     monkeypatch.chdir(tmp_path)
     left = []  # a refused run removes the folder it made: here each is kept, as a run still going keeps its own
-    monkeypatch.setattr(engine, "_remove_unused_run_folder", left.append)
+    monkeypatch.setattr(engine._RefusedRunLog, "__exit__", lambda self, *exc: left.append(self.output))
     for _ in range(3):  # each fails on its unreadable data after taking its folder
         with pytest.raises(DataError, match="could be read|made no update"):
             train(tiny(data=str(world["broken_ds"]), epochs=1, output=None))
@@ -1083,6 +1083,22 @@ def test_a_run_refused_before_training_leaves_no_folder_of_its_own(tmp_path, mon
     with pytest.raises(ValueError, match="fewer than one batch"):
         train(tiny(data=str(data), epochs=1, batch_size=8, output=str(tmp_path / "new")))
     assert not (tmp_path / "new").exists()
+
+
+def test_a_run_that_fails_once_training_began_keeps_its_folder_and_log(tmp_path, monkeypatch):
+    """The clean-up of a refused run's folder also deleted the log of a run that failed during its first epoch
+    (out of memory, a loader crash, a diverged model), the log that says what it did before."""
+    data = make_folder(tmp_path / "ds", classes=2, train=4, val=1)
+
+    def crash(run, epoch, *args):
+        engine.log.warning("epoch %d under way", epoch + 1)
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(engine, "train_one_epoch", crash)
+    out = tmp_path / "new" / "run"
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny(data=str(data), epochs=1, output=str(out)))
+    assert "epoch 1 under way" in (out / "train.log").read_text()
 
 
 def test_commands_the_demo_prints_can_be_pasted_into_a_shell(tmp_path, monkeypatch, capsys):

@@ -100,8 +100,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             fresh = env.is_main and not (cfg.output and Path(cfg.output).exists())
             output = _make_output(cfg, env, resumed is not None)
             cfg = replace(cfg, output=str(output))
+            log_of = _RefusedRunLog(output, fresh)
             try:
-                with RunLock(output, env), _run_log(output, env, resumed is not None):
+                with RunLock(output, env), log_of, _run_log(output, env, resumed is not None):
                     problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
                     problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
                     if problem:
@@ -109,10 +110,12 @@ def train(cfg: TrainConfig) -> TrainResult:
                     run = _build_run(cfg, env, stopper, layout, output)
                     if resumed is not None:
                         _resume(run, resumed)
+                    log_of.training = True
                     return _fit(run, t_start)
             except BaseException:
-                if fresh:
-                    _remove_unused_run_folder(output)
+                if fresh and not log_of.training:
+                    with contextlib.suppress(OSError):  # the refused run's own folder, emptied: else left as it is
+                        output.rmdir()
                 raise
     finally:
         stopper.uninstall()
@@ -596,17 +599,25 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     return out
 
 
-def _remove_unused_run_folder(out: Path) -> None:
-    """Remove the run folder ``out`` that this run made, when it stopped leaving nothing in it but its
-    ``train.log`` (a run refused before training: fewer images than a batch, a teacher of other classes), whose
-    lines went to the terminal too: each refusal would otherwise leave a folder behind, and a new
-    ``runs/<model>-<time>`` one each time."""
-    try:
-        if [p.name for p in out.iterdir()] == ["train.log"]:
-            (out / "train.log").unlink()
-            out.rmdir()
-    except OSError:  # taken by another run meanwhile, or not ours to remove: left as it is
-        pass
+class _RefusedRunLog:
+    """For the block, under the run lock and around the run log: when a run that made its folder (``fresh``) is
+    refused before training begins (``training`` still False: fewer images than a batch, a teacher of other
+    classes), the ``train.log`` that is all it wrote there is removed, its lines having gone to the terminal too;
+    the caller then removes the emptied folder, once the lock is released. Each refusal would otherwise leave a
+    folder behind, and a new ``runs/<model>-<time>`` one each time. A run that began training keeps its log."""
+
+    def __init__(self, output: Path, fresh: bool) -> None:
+        self.output, self.fresh, self.training = output, fresh, False
+
+    def __enter__(self) -> "_RefusedRunLog":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None or not self.fresh or self.training:
+            return
+        with contextlib.suppress(OSError):  # not ours to remove after all: left as it is
+            if sorted(p.name for p in self.output.iterdir()) == ["run.lock", "train.log"]:
+                (self.output / "train.log").unlink()
 
 
 def _new_run_folder(base: Path) -> Path:
