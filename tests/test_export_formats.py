@@ -341,6 +341,25 @@ def test_metadata_that_is_malformed_or_does_not_fit_its_network_is_refused_at_op
     assert words in said and said.startswith(str(path)) and "export" in said and "\n" not in said, said
 
 
+def test_eval_agreement_breaks_ties_as_quantize_does():
+    """Tied logits: the evaluated side took topk's class and the reference argmax's, which break ties differently,
+    so a model compared with itself changed decisions."""
+    from cgavit.train.data.loaders import Batch
+    from cgavit.train.evaluation import evaluate
+
+    logits = torch.randint(0, 3, (64, 10), generator=torch.Generator().manual_seed(0)).float()  # coarse: many ties
+    assert (logits.topk(5, dim=1).indices[:, 0] != logits.argmax(dim=1)).any()
+
+    class Tied(torch.nn.Module):
+        def forward(self, x):
+            return logits[:len(x)]
+
+    model = Tied()
+    batch = Batch(torch.randn(64, 3, 4, 4), torch.zeros(64, dtype=torch.long), torch.arange(64), [])
+    res = evaluate(model, [batch], reference=model)
+    assert (res["agreement"], res["changed"]) == (100.0, 0)
+
+
 @pytest.mark.parametrize("suffix", EXPORTED)
 def test_eval_reports_the_agreement_with_a_reference(suffix, digits_exports, trained_digits, tmp_path, capsys):
     """`cgavit eval --reference FILE`: the share of the reference's top-1 decisions the evaluated file keeps on the
@@ -375,9 +394,21 @@ def test_eval_reports_the_agreement_with_a_reference(suffix, digits_exports, tra
                  str(trained_digits.checkpoint)]) == 0
     assert json.loads(capsys.readouterr().out)["agreement"] == 100.0
     for values, words in (({"mean": "[0.1, 0.2, 0.3]"}, "normalises with mean"),
-                          ({"class_names": json.dumps(list("abcdefghij"))}, "predicts other classes")):
+                          ({"class_names": json.dumps(list("abcdefghij"))}, "predicts other classes"),
+                          ({"img_size": "[64, 64]"}, "--reference bad")):
         bad = with_metadata(exported, tmp_path, "bad", **values)
         assert main([*argv[:-3], str(trained_digits.checkpoint), "--workers", "0", "--reference", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    other_size = tmp_path / f"digits64{suffix}"
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--img-size", "64", "--output",
+                 str(other_size)]) == 0
+    capsys.readouterr()
+    assert main([*argv[:-3], str(trained_digits.checkpoint), "--workers", "0", "--reference", str(other_size)]) == 2
+    assert "was exported for 64 px images and the model evaluated runs at 48 px" in capsys.readouterr().err
+    for missing, words in ((tmp_path / "nothing.safetensors", "--reference nothing.safetensors: "),
+                           ("", "--reference needs a checkpoint")):
+        assert main([*argv, "--reference", str(missing)]) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
 

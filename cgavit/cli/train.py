@@ -189,7 +189,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", metavar="FILE", default=None,
                    help="also report top-1 agreement with this checkpoint or exported file on the same images: give "
                         "the fp32 checkpoint an int8 file was quantised from to see the share of its decisions the "
-                        "file keeps on images of your own")
+                        "file keeps on images of your own (a checkpoint that records its network, as files written "
+                        "here do; --trust-checkpoint applies to it too)")
     _add_model_source(p)
     p.set_defaults(func=_eval)
 

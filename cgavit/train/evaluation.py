@@ -62,7 +62,8 @@ def evaluate(
         broken.append((~finite).cpu())
         if reference is not None:
             ref = reference(x).float()
-            same.append(((top[:, 0] == ref.argmax(dim=1)) & finite & torch.isfinite(ref).all(dim=1)).cpu())
+            # argmax on both sides, as quantize compares (topk may break a tie another way)
+            same.append(((out.argmax(dim=1) == ref.argmax(dim=1)) & finite & torch.isfinite(ref).all(dim=1)).cpu())
     model.train(was_training)
     mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad,
             _cat(broken, torch.bool), _cat(same, torch.bool))

@@ -97,7 +97,8 @@ def evaluate_checkpoint(
         ds = _eval_dataset(split_dir, info, num_classes, size, pct, interp)
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
                              pin_memory=env.device.type == "cuda", strict=strict)
-        against = None if reference is None else check_reference(reference, info, num_classes, size, env.device)
+        against = None if reference is None else check_reference(reference, info, num_classes, (size, pct, interp),
+                                                                  env.device, trust)
         res = _checked_metrics(evaluate(model, loader, env, reference=against), len(ds), split_dir, checkpoint)
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
                    world_size=env.world, **({} if reference is None else {"reference": str(reference)}))
@@ -114,18 +115,35 @@ def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, size: int,
     return ImageFolderDataset(samples, classes, transform)
 
 
-def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, size: int,
-                    device: torch.device) -> nn.Module:
-    """The model to compare an evaluated one with (a checkpoint, or an exported file), opened for images of ``size``
-    px, once it predicts the same classes as the evaluated model (``info``, ``num_classes``) and normalises as it does:
-    the images are prepared once, for the evaluated model.
+def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, transform: tuple[int, float, str],
+                    device: torch.device, trust: bool = False) -> nn.Module:
+    """The model to compare an evaluated one with: a checkpoint that records its network (as files written here do),
+    or an exported file, opened for the evaluated model's images (``transform``: their size, crop fraction and
+    interpolation) once it predicts the same classes as that model (``info``, ``num_classes``) and normalises as it
+    does: the images are prepared once, for the evaluated model (another crop or interpolation is warned about).
+    ``trust``: allow pickled objects in it, as in the evaluated file.
 
     Raises:
-        ValueError: another class count, other recorded class names, or another mean and std.
-        CheckpointError: an unreadable or damaged file.
+        ValueError: no such file, one that cannot be read or that does not record its network, an exported file
+            for another image size, another class count, other recorded class names, or another mean and std; the
+            message starts with ``--reference``.
     """
-    model, ref, classes = open_for_inference(reference, img_size=size, device=device)
+    size, crop_pct, interpolation = transform
     name = Path(reference).name
+    if not str(reference):
+        raise ValueError("--reference needs a checkpoint or exported file, got an empty name")
+    exported = Path(reference).suffix.lower() in EXPORTED_SUFFIXES
+    try:
+        model, ref, classes = open_for_inference(reference, img_size=None if exported else size, device=device,
+                                                 trust=trust and not exported)
+    except ValueError as err:
+        raise ValueError(f"--reference {name}: {err}") from None
+    if exported and ref.img_size != size:
+        raise ValueError(f"--reference {name} was exported for {ref.img_size} px images and the model evaluated runs at "
+                         f"{size} px; give a reference for {size} px images")
+    if (ref.crop_pct, ref.interpolation) != (crop_pct, interpolation):
+        log.warning("--reference %s records crop %s and %s resizing; it is given the evaluated model's images (crop %s, "
+                    "%s)", name, ref.crop_pct, ref.interpolation, crop_pct, interpolation)
     if classes != num_classes or (ref.names_recorded and info.names_recorded and
                                   list(ref.class_names) != list(info.class_names)):
         raise ValueError(f"--reference {name} predicts other classes ({classes}: {', '.join(ref.class_names[:3])}, ...) "
