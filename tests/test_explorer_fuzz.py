@@ -455,13 +455,17 @@ def test_host_header(server, host, status):
 
 def test_absolute_form_targets_are_served_by_their_host(server):
     """HTTP/1.1 servers must accept a request target in absolute form (RFC 9112, 3.2.2; proxies and some clients send
-    it): it was answered 400. Its host stands in for the Host header, which it overrides, and is checked as that is."""
+    it): it was answered 400. Its host stands in for the Host header, which it overrides, and is checked as that is;
+    an HTTP/1.1 request still needs a Host header of sound form (3.2)."""
     here = host_of(server)
     origin_form = get(server, "/api/cga?heads=2")
     assert origin_form[0] == 200
-    for extra in (f"Host: {here}\r\n", "Host: evil.example\r\n", ""):
+    for extra in (f"Host: {here}\r\n", "Host: evil.example\r\n"):
         got = raw(server, f"GET http://{here}/api/cga?heads=2 HTTP/1.1\r\n{extra}\r\n".encode())
         assert got[0] == 200 and got[2] == origin_form[2]
+    for version, extra, status in (("HTTP/1.1", "", 400), ("HTTP/1.1", "Host: a b c\r\n", 400), ("HTTP/1.0", "", 200)):
+        got = raw(server, f"GET http://{here}/api/model {version}\r\n{extra}\r\n".encode())  # Host: there and sound
+        assert got[0] == status, (version, extra, got)
     assert raw(server, f"GET HTTP://{here} HTTP/1.1\r\nHost: {here}\r\n\r\n".encode())[0] == 200  # the page: "/"
     for target, status in ((f"http://evil.example:{server.server_address[1]}/", 403), (f"http://me@{here}/", 400),
                            ("http:///api/cga", 400), ("http://[::1/api/cga", 400)):

@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ..io import printable
 from .image_attention import ImageAttention
 from .loading import build_model
-from .guard import HostCheck, Refused
+from .guard import HostCheck, Refused, split_host
 from .limits import MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
 from .toy import ToyCGA
 
@@ -333,7 +333,11 @@ class ExplorerHandler(BaseHTTPRequestHandler):
             if len(self.headers.get_all("Host", [])) > 1:
                 raise ValueError("more than one Host header")
             host = self.headers.get("Host")
-            if not self.path.startswith("/") and "://" in self.path:
+            if not self.path.startswith("/") and "://" in self.path:  # its host is the one checked; Host must be sound
+                if host is None and self.request_version != "HTTP/1.0":
+                    raise ValueError("the request has no Host header")
+                if host is not None:
+                    split_host(host)
                 host, self.path = _absolute_form(self.path)
             self.server.hosts.check_host(host, self.request_version)
             for origin in self.headers.get_all("Origin", []):
