@@ -297,10 +297,11 @@ class EfficientViT(nn.Module):
             if not 1 <= indices <= n:
                 raise ValueError(f"indices as an int means 'the last n stages', 1..{n}; got {indices}")
             return list(range(n - indices, n))
-        given = list(indices) if isinstance(indices, (list, tuple)) else None
-        if not given or any(isinstance(i, bool) or not isinstance(i, int) for i in given):
+        given = [] if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__") else list(indices)
+        if not given or any(isinstance(i, bool) or not hasattr(i, "__index__") for i in given):
             raise ValueError(f"indices must be an int n (the last n stages) or a non-empty list of stage numbers "
                              f"{-n}..{n - 1}, got {indices!r}")
+        given = [operator.index(i) for i in given]  # numpy's integers too, as timm takes them
         if any(not -n <= i < n for i in given):
             raise ValueError(f"stage indices must be in {-n}..{n - 1}, got {indices}")
         return sorted({i % n for i in given})
@@ -309,24 +310,22 @@ class EfficientViT(nn.Module):
         self, indices: int | list[int] | tuple[int, ...] = 1, prune_norm: bool = False, prune_head: bool = True
     ) -> list[int]:
         """Make the model a feature extractor for the stages ``indices`` asks for (as :meth:`forward_intermediates`
-        reads it), with timm's signature (its ``FeatureGetterNet`` calls it): the stages after the last of them are
-        removed (``feature_info`` and ``num_features`` follow), and with ``prune_head`` the classifier too. The
-        network has no final norm, so ``prune_norm`` changes nothing. Returns those stage numbers, non-negative.
+        reads it), with timm's signature and behaviour (its ``FeatureGetterNet`` calls it): the stages after the last
+        of them are removed (``feature_info`` and ``num_features`` follow), and with ``prune_head``, or when stages
+        were removed (the classifier read the last one), the classifier too. The network has no final norm, so
+        ``prune_norm`` changes nothing. Returns those stage numbers, non-negative and sorted.
 
         Raises:
-            ValueError: bad ``indices``, or stages to remove while ``prune_head=False`` keeps a classifier that reads
-                the last stage.
+            ValueError: bad ``indices``.
         """
         take = self._stage_indices(indices)
         last = max(take)
-        if last < len(self.stages) - 1:
-            if not prune_head and self.num_classes > 0:
-                raise ValueError(f"removing the stages after stage {last} leaves the classifier without its input "
-                                 f"({self.num_features} channels of stage {len(self.stages) - 1}); pass prune_head=True")
+        pruned = last < len(self.stages) - 1
+        if pruned:
             self.stages = self.stages[: last + 1]
             self.feature_info = self.feature_info[: last + 1]
             self.num_features = self.head_hidden_size = self.cfg.embed_dim[last]
-        if prune_head:
+        if prune_head or pruned:
             self.reset_classifier(0)
         return take
 

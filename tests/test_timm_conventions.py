@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import timm.data
@@ -186,11 +187,13 @@ def test_prune_intermediate_layers_keeps_the_stages_asked_for(tmp_path):
     kept = copy.deepcopy(whole)
     assert kept.prune_intermediate_layers(2, prune_head=False) == [1, 2] and len(kept.stages) == 3
     assert kept.num_classes == 1000  # nothing removed, the classifier kept as asked
-    with pytest.raises(ValueError, match="prune_head=True"):
-        kept.prune_intermediate_layers([0], prune_head=False)
-    with pytest.raises(ValueError, match="stage indices must be in -3..2"):
-        kept.prune_intermediate_layers([3])
+    for bad in ([3], "12", [1.0], [True]):
+        with pytest.raises(ValueError, match="stage indices must be in -3..2|indices must be"):
+            kept.prune_intermediate_layers(bad)
     assert len(kept.stages) == 3 and kept.num_classes == 1000  # a refused prune changes nothing
+    # as timm's models: any iterable of integers (numpy's too); stages removed take the classifier with them
+    assert kept.prune_intermediate_layers(range(2), prune_head=False) == [0, 1] and kept.num_classes == 0
+    assert copy.deepcopy(whole).prune_intermediate_layers([np.int64(-3)]) == [0]
     with pytest.raises(ValueError, match="pruned to 2 of its 3 stages"):  # load_model could not rebuild it
         cgavit.save_weights(model, tmp_path / "pruned.safetensors")
     assert not list(tmp_path.iterdir())
