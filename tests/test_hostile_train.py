@@ -1064,13 +1064,22 @@ def test_a_teacher_of_other_classes_is_refused(tmp_path):
 
 def test_a_run_refused_before_training_leaves_no_folder_of_its_own(tmp_path, monkeypatch):
     """A run refused before training (here fewer images than a batch) left its folder with an empty train.log, and
-    each retry a new runs/<model>-<time> one; a folder the user made is kept, with whatever it held."""
+    each retry a new runs/<model>-<time> one; the folders above its own that it made stayed too. A folder the user
+    made is kept, with whatever it held."""
     data = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
         with pytest.raises(ValueError, match="fewer than one batch"):
             train(tiny(data=str(data), epochs=1, batch_size=8, output=""))
-    assert list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        train(tiny(data=str(data), epochs=1, batch_size=8, output=""))
+    assert list((tmp_path / "runs").iterdir()) == []  # the user's runs folder stays
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        train(tiny(data=str(data), epochs=1, batch_size=8, output=str(tmp_path / "a" / "b" / "c" / "run")))
+    assert list((tmp_path / "a").iterdir()) == []
     mine = tmp_path / "mine"
     mine.mkdir()
     with pytest.raises(ValueError, match="fewer than one batch"):

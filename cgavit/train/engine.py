@@ -97,9 +97,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
             if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != layout["classes"]:
                 raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
-            fresh = env.is_main and not (cfg.output and Path(cfg.output).exists())
+            existed = _existing_folders(Path(cfg.output or "runs")) if env.is_main else None
             output = _make_output(cfg, env, resumed is not None)
             cfg = replace(cfg, output=str(output))
+            made = [p for p in (output, *output.parents) if p not in existed] if env.is_main else []
+            fresh = output in made
             log_of = _RefusedRunLog(output, fresh)
             try:
                 with RunLock(output, env), log_of, _run_log(output, env, resumed is not None):
@@ -114,8 +116,9 @@ def train(cfg: TrainConfig) -> TrainResult:
                     return _fit(run, t_start)
             except BaseException:
                 if fresh and not log_of.training:
-                    with contextlib.suppress(OSError):  # the refused run's own folder, emptied: else left as it is
-                        output.rmdir()
+                    with contextlib.suppress(OSError):  # the refused run's own folders, emptied: else left as they are
+                        for folder in made:  # the run folder, then each above it that the run made
+                            folder.rmdir()
                 raise
     finally:
         stopper.uninstall()
@@ -604,7 +607,8 @@ class _RefusedRunLog:
     refused before training begins (``training`` still False: fewer images than a batch, a teacher of other
     classes), the ``train.log`` that is all it wrote there is removed, its lines having gone to the terminal too;
     the caller then removes the emptied folder, once the lock is released. Each refusal would otherwise leave a
-    folder behind, and a new ``runs/<model>-<time>`` one each time. A run that began training keeps its log."""
+    folder behind (and the folders above it that the run made), and a new ``runs/<model>-<time>`` one each time. A
+    run that began training keeps its log."""
 
     def __init__(self, output: Path, fresh: bool) -> None:
         self.output, self.fresh, self.training = output, fresh, False
@@ -618,6 +622,11 @@ class _RefusedRunLog:
         with contextlib.suppress(OSError):  # not ours to remove after all: left as it is
             if sorted(p.name for p in self.output.iterdir()) == ["run.lock", "train.log"]:
                 (self.output / "train.log").unlink()
+
+
+def _existing_folders(path: Path) -> set[Path]:
+    """``path`` and the folders above it, those that exist now: the run's own are the others."""
+    return {p for p in (path, *path.parents) if p.exists()}
 
 
 def _new_run_folder(base: Path) -> Path:
