@@ -11,6 +11,7 @@ checkpoint, ``list_models`` lists the variants.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import logging
 import os
 from collections.abc import Mapping
@@ -40,8 +41,14 @@ from .weights import EMA_KEYS, WeightsFile, read_state_dict, read_weights_file, 
 log = logging.getLogger(__name__)
 
 
-def list_models(pattern: str = "") -> list[str]:
-    """Names of the registered variants containing ``pattern`` (all by default)."""
+def list_models(pattern: str = "", pretrained: bool = False) -> list[str]:
+    """Names of the registered variants matching ``pattern``: a shell wildcard as timm takes it
+    (``"efficientvit_m[0-2]"``, ``"*m4*"``), or text a name contains (all by default). Every variant has
+    published weights, so ``pretrained=True`` (timm's filter) lists the same."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"a model name pattern must be text, got {type(pattern).__name__}")
+    if any(c in pattern for c in "*?["):
+        return sorted(fnmatch.filter(VARIANTS, pattern))
     return sorted(n for n in VARIANTS if pattern in n)
 
 
@@ -69,6 +76,7 @@ def create_model(
     img_size: int | tuple[int, int] = 224,
     distillation: bool = False,
     drop_path_rate: float = 0.0,
+    global_pool: str = "avg",
     **dials,
 ) -> EfficientViT:
     """Build a registered EfficientViT, optionally with weights.
@@ -84,6 +92,7 @@ def create_model(
         img_size: size the model is built for (sets the attention windows); any size >= 32 runs.
         distillation: add the distillation head.
         drop_path_rate: stochastic depth for training.
+        global_pool: ``"avg"``, or ``""`` with ``num_classes=0``: ``forward`` gives the last stage's map (timm's).
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``,
             ``group_split``, ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``,
             ``allocation``) and its other fields (``num_heads``, ``embed_dim``, ``depth``,
@@ -105,7 +114,7 @@ def create_model(
         raise TypeError(f"checkpoint_path must be a file path (or a state dict), got {checkpoint_path!r} "
                         f"({type(checkpoint_path).__name__})")
     model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
-                         distillation=distillation, drop_path_rate=drop_path_rate, name=key)
+                         distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool)
     if pretrained:
         load_pretrained(model, key)
     elif checkpoint_path is not None:
@@ -239,7 +248,7 @@ def load_model(
 
 def _build(meta: WeightsMeta, img_size: int | tuple[int, int]) -> EfficientViT:
     return EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, in_chans=meta.in_chans,
-                        distillation=meta.distillation, name=meta.model or "")
+                        distillation=meta.distillation, name=meta.model or "", global_pool=meta.global_pool)
 
 
 def _what_it_holds(

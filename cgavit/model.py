@@ -136,6 +136,17 @@ def _check_build_args(
     return num_classes, in_chans, img_hw, float(drop_path_rate)
 
 
+def _checked_pool(global_pool: object, num_classes: int) -> str:
+    """``global_pool`` if it is ``"avg"``, or ``""`` for a model without a classifier; ValueError otherwise."""
+    if global_pool not in ("avg", ""):
+        raise ValueError(f"global_pool must be 'avg' (pooled) or '' (the last stage's map, no classifier), got "
+                         f"{global_pool!r}")
+    if not global_pool and num_classes:
+        raise ValueError(f"a classifier needs pooled features: global_pool='' only with num_classes=0, got "
+                         f"{num_classes} classes; give global_pool='avg' for a classifier")
+    return global_pool
+
+
 def _patch_embed(in_chans: int, dim: int) -> nn.Sequential:
     """Four 3x3 stride-2 Conv-BN (C/8, C/4, C/2, C) with ReLU between: 16x down."""
     return nn.Sequential(
@@ -185,6 +196,8 @@ class EfficientViT(nn.Module):
         distillation: add a DeiT-style distillation head (outputs averaged in eval mode).
         drop_path_rate: stochastic depth, rising linearly over the sandwich blocks. Default 0.
         name: the registered variant it was built from (recorded in ``pretrained_cfg``).
+        global_pool: ``"avg"`` (default), or ``""`` (no pooling: :meth:`forward_head` and ``forward`` give the last
+            stage's map ``(B, C3, h, w)``, as in timm; only without a classifier, ``num_classes=0``).
 
     Attributes:
         pretrained_cfg: timm's per-model preprocessing record (input size, mean, std, crop_pct,
@@ -202,11 +215,13 @@ class EfficientViT(nn.Module):
         distillation: bool = False,
         drop_path_rate: float = 0.0,
         name: str = "",
+        global_pool: str = "avg",
     ) -> None:
         super().__init__()
         num_classes, in_chans, img_hw, drop_path_rate = _check_build_args(
             cfg, num_classes, in_chans, img_size, drop_path_rate, distillation
         )
+        self.global_pool = _checked_pool(global_pool, num_classes)
         self.cfg = cfg
         self.img_size = img_hw
         self.in_chans = in_chans
@@ -229,7 +244,10 @@ class EfficientViT(nn.Module):
 
     # ----------------------------------------------------------------------------- interface
     def check_input(self, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``x`` is a float image batch ``(B, in_chans, H>=32, W>=32)``."""
+        """Raise ``ValueError`` unless ``x`` is a float image batch ``(B, in_chans, H>=32, W>=32)`` (a symbolic
+        trace's ``torch.fx.Proxy`` passes: its shape is not known yet)."""
+        if isinstance(x, torch.fx.Proxy):
+            return
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor image batch, got {type(x).__name__}")
         if x.ndim != 4:
@@ -312,7 +330,8 @@ class EfficientViT(nn.Module):
         """Make the model a feature extractor for the stages ``indices`` asks for (as :meth:`forward_intermediates`
         reads it), with timm's signature and behaviour (its ``FeatureGetterNet`` calls it): the stages after the last
         of them are removed (``feature_info`` and ``num_features`` follow), and with ``prune_head``, or when stages
-        were removed (the classifier read the last one), the classifier too. The network has no final norm, so
+        were removed (the classifier read the last one), the classifier and the pooling too (``forward`` then
+        gives the last stage's map, as timm's models do). The network has no final norm, so
         ``prune_norm`` changes nothing. Returns those stage numbers, non-negative and sorted.
 
         Raises:
@@ -326,7 +345,7 @@ class EfficientViT(nn.Module):
             self.feature_info = self.feature_info[: last + 1]
             self.num_features = self.head_hidden_size = self.cfg.embed_dim[last]
         if prune_head or pruned:
-            self.reset_classifier(0)
+            self.reset_classifier(0, "")
         return take
 
     def forward_head(
@@ -334,10 +353,13 @@ class EfficientViT(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Pool a stage-3 map ``(B, C3, h, w)`` and classify.
 
-        Returns the logits ``(B, classes)``; ``(B, C3)`` pooled features with ``pre_logits``; and,
+        Returns the logits ``(B, classes)``; ``(B, C3)`` pooled features with ``pre_logits``; the map itself
+        with ``global_pool=""``; and,
         for a model with a distillation head in training mode, the pair ``(class logits,
         distillation logits)`` (averaged into one tensor in eval mode).
         """
+        if not self.global_pool:  # no pooling, no classifier: the map
+            return x
         x = x.mean((2, 3))  # (B, C3)
         if pre_logits:
             return x
@@ -387,10 +409,14 @@ class EfficientViT(nn.Module):
             stage.grad_checkpointing = enable
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier (and distillation head) with fresh ones for ``num_classes``."""
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"only average pooling is supported, got global_pool={global_pool!r}")
+        """Replace the classifier (and distillation head) with fresh ones for ``num_classes``; ``global_pool``
+        ``"avg"`` or ``""`` (timm's ``reset_classifier(0, "")``: no pooling, the last stage's map), None: as it was.
+
+        Raises:
+            ValueError: a bad class count, another pooling, or ``""`` with a classifier.
+        """
         num_classes = _count(num_classes, "num_classes", 0, MAX_CLASSES)
+        self.global_pool = _checked_pool(self.global_pool if global_pool is None else global_pool, num_classes)
         self.num_classes = num_classes
         self.pretrained_cfg = dict(self.pretrained_cfg, num_classes=num_classes)
         ref = next(self.parameters())

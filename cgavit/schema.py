@@ -220,6 +220,7 @@ class WeightsMeta:
         in_chans: input channels of the network.
         input_size: ``(H, W)`` the network was built for when it is not square (its attention-bias tables
             follow it); None: ``img_size`` square.
+        global_pool: ``"avg"``, or ``""``: a network without a classifier that gives its last stage's map.
     """
 
     model: str | None
@@ -235,6 +236,7 @@ class WeightsMeta:
     extra: dict = field(default_factory=dict)
     in_chans: int = 3
     input_size: tuple[int, int] | None = None
+    global_pool: str = "avg"
 
     def to_strings(self) -> dict[str, str]:
         """The safetensors metadata (string to string) for this record."""
@@ -255,6 +257,8 @@ class WeightsMeta:
             out["in_chans"] = str(self.in_chans)
         if self.input_size is not None:
             out["input_size"] = json.dumps(list(self.input_size))
+        if self.global_pool != "avg":
+            out["global_pool"] = self.global_pool
         if self.class_names is not None:
             out["class_names"] = json.dumps(list(self.class_names))
         out.update({str(k): str(v) for k, v in self.extra.items()})
@@ -266,7 +270,7 @@ class WeightsMeta:
 
 
 _KNOWN_KEYS = {"format", "config", "dials", "model", "num_classes", "img_size", "crop_pct", "interpolation",
-               "mean", "std", "class_names", "distillation", "in_chans", "input_size"}
+               "mean", "std", "class_names", "distillation", "in_chans", "input_size", "global_pool"}
 
 
 def is_weights_meta(raw: Mapping[str, str]) -> bool:
@@ -307,8 +311,13 @@ def _parse_meta(raw: Mapping[str, str]) -> WeightsMeta:
         if not isinstance(hw, list) or len(hw) != 2:
             raise ValueError(f"input_size must be a list [H, W], got {shown(hw)}")
         hw = tuple(bounded_int(v, "input_size", *IMG_SIZE_RANGE) for v in hw)
+    pool = raw.get("global_pool", "avg")
+    if pool not in ("avg", "") or (not pool and num_classes):
+        raise ValueError(f"global_pool must be 'avg', or '' for a network without a classifier, got {shown(pool)} "
+                         f"with {num_classes} classes")
     return WeightsMeta(model=model, config=config, num_classes=num_classes, class_names=names,
-                       distillation=distillation == "True", extra=extra, in_chans=in_chans, input_size=hw, **feed)
+                       distillation=distillation == "True", extra=extra, in_chans=in_chans, input_size=hw,
+                       global_pool=pool, **feed)
 
 
 def _json(raw: Mapping[str, str], key: str, default=None):

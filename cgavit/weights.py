@@ -210,6 +210,8 @@ def _architecture(model: nn.Module, feed_size: str | None, record: object) -> di
     arch = {"config": json.dumps(asdict(model.cfg)), "num_classes": str(model.num_classes),
             "distillation": str(bool(getattr(model, "distillation", False))),
             "in_chans": str(getattr(model, "in_chans", 3))}
+    if getattr(model, "global_pool", "avg") != "avg":  # the last stage's map, unpooled (timm's global_pool="")
+        arch["global_pool"] = model.global_pool
     if len(size) == 2:
         arch["img_size"] = feed_size or str(max(size))  # a record's own, else the side the network was built for
         if size[0] != size[1] or arch["img_size"] != str(size[0]):  # else img_size says it
@@ -221,7 +223,7 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
     The model's architecture always goes into the metadata (config, class count, input channels, image size,
-    non-square too, and distillation head), so :func:`cgavit.load_model` rebuilds the same network; a
+    non-square too, distillation head, and pooling where it is not the average), so :func:`cgavit.load_model` rebuilds the same network; a
     :class:`~cgavit.schema.WeightsMeta` adds the preprocessing and class names that it gives back. A plain
     mapping of strings is stored as given, for notes of your own.
 

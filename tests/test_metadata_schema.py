@@ -50,6 +50,8 @@ def test_a_valid_record_round_trips(tmp_path):
         ({"crop_pct": "0.001"}, "crop_pct"),
         ({"crop_pct": "nan"}, "crop_pct"),
         ({"interpolation": "lanczos9"}, "interpolation"),
+        ({"global_pool": "max"}, "global_pool must be 'avg'"),
+        ({"global_pool": ""}, "global_pool must be 'avg', or '' for a network without a classifier"),  # 3 classes
         ({"mean": json.dumps([0.5, 0.5])}, "mean"),
         ({"std": json.dumps([0, 1, 1])}, "std"),
         ({"config": json.dumps({"embed_dim": [4096, 4096, 4096], "depth": [1, 1, 1], "num_heads": [2, 2, 2]})}, "embed_dim"),

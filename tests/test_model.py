@@ -332,3 +332,13 @@ def test_a_model_cast_under_inference_mode_still_trains():
         model.float()
         model.to("cpu")
     model.train()(torch.randn(2, 3, 96, 96)).sum().backward()  # its build size: the full-window index
+
+
+def test_list_models_takes_timms_wildcards():
+    """``list_models("efficientvit_m*")``, timm's way, gave [] (the pattern was only a substring), and
+    ``pretrained=True`` raised TypeError."""
+    assert cgavit.list_models("efficientvit_m*") == cgavit.list_models(pretrained=True) == ALL
+    assert cgavit.list_models("*m[0-2]") == ["efficientvit_m0", "efficientvit_m1", "efficientvit_m2"]
+    assert cgavit.list_models("m4") == ["efficientvit_m4"] and cgavit.list_models("resnet*") == []
+    with pytest.raises(ValueError, match="must be text"):
+        cgavit.list_models(4)

@@ -182,7 +182,12 @@ def test_prune_intermediate_layers_keeps_the_stages_asked_for(tmp_path):
     with torch.no_grad():
         pruned = wrapped(x)
         assert len(pruned) == 2 and all(torch.equal(a, b) for a, b in zip(pruned, maps))
-        assert torch.equal(model(x), maps[1].mean((2, 3)))  # the last kept stage's pooled features
+        assert torch.equal(model(x), maps[1])  # the last kept stage's map, as timm's pruned models give it
+        timms = timm.create_model("efficientvit_m0").eval()  # at 224 px, where timm's maps are ours (no map is
+        timms.load_state_dict(cgavit.model.to_timm_state_dict(whole.state_dict()))  # smaller than its window)
+        timms.prune_intermediate_layers([0, 1])
+        x224 = torch.randn(1, 3, 224, 224)
+        assert torch.equal(timms(x224), model(x224))
     assert wrapped.feature_info.channels() == [m.shape[1] for m in maps[:2]]
     kept = copy.deepcopy(whole)
     assert kept.prune_intermediate_layers(2, prune_head=False) == [1, 2] and len(kept.stages) == 3
@@ -213,3 +218,56 @@ def test_timms_feature_wrapper_takes_the_model():
     assert wrapped.feature_info.channels() == [m.shape[1] for m in maps]
     with pytest.raises(ValueError, match="output_fmt"):
         model.forward_intermediates(x, output_fmt="NHWC")
+
+
+def test_unpooled_features_as_timms_reset_classifier_gives_them(tmp_path):
+    """``reset_classifier(0, "")``, timm's way to the last stage's unpooled map, raised "only average pooling"."""
+    x = torch.randn(2, 3, 224, 224)  # a size where timm's maps are ours (none smaller than its window)
+    ours = randomize_(cgavit.create_model("m0"), 3).eval()
+    theirs = timm.create_model("efficientvit_m0").eval()
+    theirs.load_state_dict(cgavit.model.to_timm_state_dict(ours.state_dict()))
+    for model in (ours, theirs):
+        model.reset_classifier(0, "")
+    with torch.no_grad():
+        out = ours(x)
+        assert out.shape == (2, 192, 4, 4) and torch.equal(out, theirs(x))
+        assert torch.equal(ours.forward_head(out, pre_logits=True), out)
+    for bad, message in (("max", "global_pool must be 'avg'"), (None, "a classifier needs pooled features")):
+        with pytest.raises(ValueError, match=message):
+            ours.reset_classifier(5, bad)
+    assert ours.global_pool == "" and ours.num_classes == 0  # a refused change changes nothing
+    ours.reset_classifier(5, "avg")
+    assert ours(x).shape == (2, 5)
+    with pytest.raises(ValueError, match="a classifier needs pooled features"):
+        cgavit.create_model("m0", global_pool="")
+    # the pooling is part of what a saved file rebuilds
+    features = cgavit.create_model("m0", num_classes=0, global_pool="").eval()
+    cgavit.save_weights(features, tmp_path / "f.safetensors")
+    loaded, _ = cgavit.load_model(tmp_path / "f.safetensors")
+    with torch.no_grad():
+        assert loaded.global_pool == "" and torch.equal(loaded(x), features(x))
+
+
+def test_symbolic_tracing_with_the_attention_as_a_leaf():
+    """torch.fx tracing stopped at the input check ("expected a torch.Tensor image batch, got Proxy"), so
+    torchvision's create_feature_extractor and timm's FeatureGraphNet could not take the model. With the window
+    attention a leaf (its forward branches on the map's size, as timm's own does) both give forward_intermediates'
+    maps."""
+    from timm.layers import register_notrace_module
+    from timm.models import FeatureGraphNet
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    from cgavit.attention import LocalWindowAttention
+
+    model = randomize_(cgavit.create_model("m0"), 4).eval()
+    x = torch.randn(2, 3, 160, 200)
+    with torch.no_grad():
+        maps = model.forward_intermediates(x, indices=[1, 2], intermediates_only=True)
+        torchvisions = create_feature_extractor(model, return_nodes={"stages.1": "c4", "stages.2": "c5"},
+                                                tracer_kwargs={"leaf_modules": [LocalWindowAttention]})
+        assert all(torch.equal(a, b) for a, b in zip(torchvisions(x).values(), maps))
+        register_notrace_module(LocalWindowAttention)
+        timms = FeatureGraphNet(model, out_indices=(1, 2))
+        assert all(torch.equal(a, b) for a, b in zip(timms(x), maps))
+    with pytest.raises(ValueError, match="expected 3 input channels"):  # a real tensor is still checked
+        model(torch.randn(1, 1, 64, 64))
