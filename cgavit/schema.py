@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -52,8 +53,13 @@ _TRAINING_REQUIRED = ("model", "optimizer", "scheduler", "next_epoch", "args")
 # ------------------------------------------------------------------------------------------ strings
 def shown(value: object, limit: int = 80) -> str:
     """``value`` as it may be printed: its ``repr`` (which escapes control and format characters such
-    as NUL, CR, ESC and U+202E), cut to ``limit`` characters."""
-    text = repr(value)
+    as NUL, CR, ESC and U+202E), cut to ``limit`` characters. Containers are shown a few levels and items
+    deep (:mod:`reprlib`): a pickle can nest them without end or share one object at every level, so that
+    the whole ``repr`` would be endless or exponentially long."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = short.maxfrozenset = short.maxdeque = 4
+    text = short.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -448,7 +454,7 @@ def check_meta_against_shapes(meta: WeightsMeta, shapes: Mapping[str, tuple[int,
 # ------------------------------------------------------------------------------ training checkpoints
 def is_training_checkpoint(obj: object) -> bool:
     """Whether ``obj`` (what ``torch.load`` returned) is a checkpoint written by ``cgavit train``."""
-    return isinstance(obj, Mapping) and str(obj.get("format", "")).startswith("cgavit-train")
+    return isinstance(obj, Mapping) and isinstance(mark := obj.get("format"), str) and mark.startswith("cgavit-train")
 
 
 def check_training_checkpoint(ckpt: object, source: str) -> None:

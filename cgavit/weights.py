@@ -131,6 +131,10 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
+#: how many dicts (``model``, ``state_dict``, ...) may wrap a state dict, one inside another
+MAX_WRAPPERS = 8
+
+
 def unwrap_state_dict(obj: object, source: object = "checkpoint", prefer_ema: bool = False) -> dict[str, torch.Tensor]:
     """The state dict inside ``obj`` (a state dict, or a dict wrapping one under ``model``,
     ``state_dict``, ``model_ema``, ...; a DDP ``module.`` prefix is dropped), checked by
@@ -139,11 +143,18 @@ def unwrap_state_dict(obj: object, source: object = "checkpoint", prefer_ema: bo
     Raises:
         CheckpointError: no state dict inside, or one that the schema refuses.
     """
+    order = _WRAPPER_KEYS if prefer_ema else _WRAPPER_KEYS[2:] + _WRAPPER_KEYS[:2]
+    for _ in range(MAX_WRAPPERS + 1):  # a file can nest wrappers without end
+        if not isinstance(obj, Mapping):
+            break
+        inner = next((obj[key] for key in order if isinstance(obj.get(key), Mapping)), None)
+        if inner is None:
+            break
+        obj = inner
+    else:
+        raise CheckpointError(f"{source} nests more than {MAX_WRAPPERS} wrapping dicts around its state dict: it is "
+                              "damaged or not a checkpoint")
     if isinstance(obj, Mapping):
-        order = _WRAPPER_KEYS if prefer_ema else _WRAPPER_KEYS[2:] + _WRAPPER_KEYS[:2]
-        for key in order:
-            if isinstance(obj.get(key), Mapping):
-                return unwrap_state_dict(obj[key], source, prefer_ema)
         tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
         if tensors and len(tensors) >= len(obj) / 2:
             sd = check_state_dict(tensors, str(source))

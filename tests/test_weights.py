@@ -439,3 +439,28 @@ def test_argument_types_are_named(tmp_path):
     torch.save(cgavit.create_model("efficientvit_m0", img_size=64).state_dict(), tmp_path / "sd.pth")
     with pytest.raises(TypeError, match="dials must be a mapping"):
         cgavit.load_model(tmp_path / "sd.pth", "efficientvit_m0", ["cascade"])
+
+
+def test_values_a_pickle_nests_without_end_are_refused_in_a_line():
+    """A .pt of 9 MB hung predict (and took memory without bound): its 'format' was 40 tuples, each holding the one
+    below twice, whose repr is 2**40 items long; values nested 200,000 deep, or 50,000 dicts each wrapping the next
+    under 'model', raised RecursionError."""
+    from cgavit.schema import is_training_checkpoint, shown
+    from cgavit.weights import unwrap_state_dict
+
+    tower, deep = [], []
+    for _ in range(40):
+        tower = (tower, tower)
+    for _ in range(200_000):
+        deep = [deep]
+    assert len(shown(tower)) <= 80 and len(shown(deep)) <= 80 and shown("a\x1b[31m") == "'a\\x1b[31m'"
+    assert not is_training_checkpoint({"format": tower}) and not is_training_checkpoint({"format": deep})
+    chain = cgavit.create_model("m0", num_classes=2, embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2)).state_dict()
+    for _ in range(3):
+        chain = {"model": chain}
+    assert set(unwrap_state_dict(chain)) == set(cgavit.create_model(
+        "m0", num_classes=2, embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2)).state_dict())
+    for _ in range(50_000):
+        chain = {"model": chain}
+    with pytest.raises(CheckpointError, match="nests more than 8 wrapping dicts"):
+        unwrap_state_dict(chain, "f.pt")
