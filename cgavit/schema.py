@@ -193,10 +193,16 @@ def check_tensor(key: str, value: torch.Tensor, want: torch.Tensor, source: str)
     )
 
 
+#: the floating-point types whose values ``torch.isfinite`` takes as they are
+_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_finite(state_dict: Mapping[str, torch.Tensor], source: object) -> None:
     """Raise :class:`CheckpointError` when a floating-point tensor holds NaN or inf (a run that diverged,
     or a damaged file): such weights predict nonsense."""
     for key, value in state_dict.items():
+        if value.is_floating_point() and value.dtype not in _FINITE_CHECKED:
+            value = value.float()  # float8: torch has no isfinite for it
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise CheckpointError(
                 f"{source}: the checkpoint's weights contain NaN/inf (first in {shown(key)}); the training diverged or "

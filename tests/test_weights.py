@@ -464,3 +464,16 @@ def test_values_a_pickle_nests_without_end_are_refused_in_a_line():
         chain = {"model": chain}
     with pytest.raises(CheckpointError, match="nests more than 8 wrapping dicts"):
         unwrap_state_dict(chain, "f.pt")
+
+
+def test_float8_weights_are_checked_for_nan_as_others():
+    """float8 tensors raised NotImplementedError ("isfinite" not implemented for 'Float8_e4m3fn') in the NaN check."""
+    small = dict(num_classes=2, embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
+    sd = {k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
+          for k, v in randomize_(cgavit.create_model("m0", **small), 1).state_dict().items()}
+    model = cgavit.create_model("m0", **small)
+    load_checkpoint(model, sd)
+    assert torch.equal(model.head.linear.weight, sd["head.linear.weight"].float())
+    sd["head.linear.weight"][0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="NaN/inf"):
+        load_checkpoint(cgavit.create_model("m0", **small), sd)
