@@ -632,3 +632,92 @@ def test_an_opened_file_is_its_own_copy_and_serves_threads(suffix, digits_export
     torch.testing.assert_close(module(images[:5]), torch.cat(expected)[:5], rtol=1e-5, atol=1e-5)  # a new batch size
     with pytest.raises(TypeError, match="cannot be copied or pickled: keep the file"):
         copy.deepcopy(module)
+
+
+def _small_onnx(tmp_path, name: str, *, logits=("batch", 3), twice=False, reshape=None, batch="batch",
+                elem=None, channels=3) -> "Path":
+    """An .onnx file with cgavit's metadata (3 classes, 32 px) whose network pools its (batch, 3, 32, 32) images to
+    (batch, 3) logits, declaring its output ``logits``; ``twice``: it returns them twice side by side (batch, 6);
+    ``reshape``: reshaped to that fixed shape; ``batch``/``elem``/``channels``: its input's batch dimension, element
+    type and channels."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from cgavit.deploy.metadata import ExportInfo
+    from cgavit.deploy.onnx import with_onnx_metadata
+
+    nodes = [helper.make_node("GlobalAveragePool", ["images"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"])]
+    inits, last = [], "flat"
+    if twice:
+        nodes.append(helper.make_node("Concat", ["flat", "flat"], ["both"], axis=1))
+        last = "both"
+    if reshape:
+        inits.append(helper.make_tensor("shape", TensorProto.INT64, [len(reshape)], list(reshape)))
+        nodes.append(helper.make_node("Reshape", [last, "shape"], ["shaped"]))
+        last = "shaped"
+    nodes.append(helper.make_node("Identity", [last], ["logits"]))
+    graph = helper.make_graph(
+        nodes, "small", [helper.make_tensor_value_info("images", elem or TensorProto.FLOAT, [batch, channels, 32, 32])],
+        [helper.make_tensor_value_info("logits", elem or TensorProto.FLOAT, list(logits))], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    data = with_onnx_metadata(model.SerializeToString(), ExportInfo(class_names=("a", "b", "c"), img_size=(32, 32)))
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(data)
+    return path
+
+
+@need("onnx")
+def test_exported_files_cgavit_cannot_feed_are_refused_in_one_line(tmp_path):
+    """A hostile review's .onnx files: one declaring (N, 3) logits and computing others gave wrong metrics (top-5 of 3
+    classes) or an IndexError; a fixed batch of 1, a float16 input, or a Reshape fixed at batch 1 gave the runtime's
+    traceback, and a dynamic channel count let mean and std of another length through. Now the file's form is checked when it is opened and its outputs on every call."""
+    from onnx import TensorProto
+
+    from cgavit.deploy import open_exported
+
+    x = torch.randn(2, 3, 32, 32)
+    module, info = open_exported(_small_onnx(tmp_path, "good"))
+    assert info.class_names == ("a", "b", "c") and torch.allclose(module(x), x.mean((2, 3)), atol=1e-6)
+    refused = {"batch1": (dict(batch=1), "its batch is fixed at 1"),
+               "fp16": (dict(elem=TensorProto.FLOAT16), "its input is not float32"),
+               "channels": (dict(channels="C"), r"its input's shape is not a fixed \(batch, channels, height, width\)")}
+    for name, (change, words) in refused.items():
+        with pytest.raises(ValueError, match=f"{name}.onnx: {words}.*export it again"):
+            open_exported(_small_onnx(tmp_path, name, **change))
+    twice, _ = open_exported(_small_onnx(tmp_path, "twice", twice=True, reshape=(-1, 3)))  # declares (batch, 3)
+    with pytest.raises(ValueError, match=r"twice.onnx: it returned \(4, 3\) for 2 images, not the \(batch, 3\) logits"):
+        twice(x)
+    fixed, _ = open_exported(_small_onnx(tmp_path, "fixed", reshape=(1, 3)))
+    assert fixed(x[:1]).shape == (1, 3)
+    with pytest.raises(ValueError, match=r"fixed.onnx: its runtime could not run it on \(2, 3, 32, 32\) images"):
+        fixed(x)
+
+
+@need("openvino")
+def test_openvino_files_cgavit_cannot_feed_are_refused_in_one_line(tmp_path):
+    """A hostile review's OpenVINO files opened and then crashed on the first call (dynamic height and width, a dynamic
+    rank, two inputs) or gave a RuntimeError traceback when opened (an rt_info 'cgavit' entry that is a value, not a
+    section of keys)."""
+    import openvino
+
+    from cgavit.deploy import open_exported
+    from cgavit.deploy.metadata import ExportInfo
+    from cgavit.deploy.openvino import save_openvino
+
+    info = ExportInfo(class_names=("a", "b", "c"), img_size=(32, 32))
+    model = openvino.convert_model(str(_small_onnx(tmp_path, "small")))
+    save_openvino(model, tmp_path / "good.xml", info)
+    module, read = open_exported(tmp_path / "good.xml")
+    assert read.class_names == ("a", "b", "c") and module(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+    model.reshape([-1, 3, -1, -1])
+    save_openvino(model, tmp_path / "dynamic.xml", info)
+    with pytest.raises(ValueError, match=r"dynamic.xml: its input's shape is not a fixed .*\(None, 3, None, None\)"):
+        open_exported(tmp_path / "dynamic.xml")
+    text = (tmp_path / "good.xml").read_text()
+    flat = re.sub(r"<cgavit>.*</cgavit>", '<cgavit value="x" />', text, flags=re.S)
+    assert flat != text
+    (tmp_path / "flat.xml").write_text(flat)
+    shutil.copy(tmp_path / "good.bin", tmp_path / "flat.bin")
+    with pytest.raises(ValueError, match="flat.xml: its cgavit metadata .* is not a section of keys"):
+        open_exported(tmp_path / "flat.xml")

@@ -239,6 +239,30 @@ def check_parity(
 SUFFIX_FORMATS = {".onnx": "onnx", ".xml": "openvino"}
 
 
+def _check_runnable(module: RuntimeModule, format: str, source: str) -> None:
+    """Refuse a network that cgavit cannot feed as its exports are fed: one float32 input of images
+    ``(B, C, H, W)`` of a fixed channel count and size (and, in ONNX, any batch), and ``(B, classes)`` logits out.
+
+    Raises:
+        ValueError: the first way the network differs, naming ``source``.
+    """
+    def fail(what: str) -> ValueError:
+        return ValueError(f"{source}: {what}; cgavit reads what cgavit export writes (one float32 image input of a fixed "
+                          "size, logits out): export it again")
+
+    inputs, outputs = module.input_shape, module.output_shape
+    if module.inputs != 1:
+        raise fail(f"its network takes {module.inputs} inputs, not one batch of images")
+    if not module.input_float32:
+        raise fail("its input is not float32")
+    if inputs is None or len(inputs) != 4 or None in inputs[1:]:
+        raise fail(f"its input's shape is not a fixed (batch, channels, height, width): {inputs or 'not declared'}")
+    if format == "onnx" and inputs[0] is not None:
+        raise fail(f"its batch is fixed at {inputs[0]}")
+    if outputs is None or len(outputs) != 2 or outputs[1] is None:
+        raise fail(f"its output is not declared as (batch, classes) logits: {outputs or 'not declared'}")
+
+
 def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[RuntimeModule, ExportInfo]:
     """An exported ``.onnx`` or OpenVINO ``.xml`` file as a callable model, with the metadata it carries.
 
@@ -261,8 +285,11 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
 
     Raises:
         ValueError: not an ``.onnx``/``.xml`` file, a missing ``.bin``, its runtime not installed, a file its
-            runtime cannot read (truncated, corrupt), no (or malformed) cgavit metadata, or metadata that does not
-            fit the network (image size, channels, class count: :meth:`ExportInfo.check_network`).
+            runtime cannot read (truncated, corrupt), no (or malformed) cgavit metadata, a network cgavit cannot feed
+            (not one float32 input of a fixed channel count and size, an ONNX batch fixed, logits not ``(B, classes)``),
+            or metadata that does not fit the network (image size, channels, class count:
+            :meth:`ExportInfo.check_network`). The model's calls raise ValueError too, naming the file, where its
+            runtime cannot run it or it returns other than ``(B, classes)`` logits.
         UnreadableFileError: the file is missing or unreadable.
     """
     path = check_readable_file(path, "exported model")
@@ -274,11 +301,13 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     require_format(format)
     module = OpenVinoModule(path, threads) if format == "openvino" else OnnxModule(path, threads)
     info = ExportInfo.from_props(module.metadata, str(path))
+    _check_runnable(module, format, str(path))
     info.check_network(module.input_shape, module.output_shape, str(path))
     module.precision = info.precision
     float_part = info.int8.get("float_part", "fp32")
     if format == "openvino" and info.precision != "fp32":
         module = OpenVinoModule(module.model, threads, info.precision, float_part)
+    module.source, module.classes = str(path), module.output_shape[1]
     features = cpu_features() if format == "openvino" else cpu_features(environ={})  # MLAS ignores oneDNN's ISA cap
     for warning in (weight_range_warning(str(info.int8.get("weight_range", "")), features),
                     float_part_warning(float_part, features) if format == "openvino" else None,

@@ -113,6 +113,7 @@ class OnnxModule(RuntimeModule):
         metadata: the file's ``metadata_props`` (``{key: value}``; cgavit's keys: :mod:`cgavit.deploy.metadata`).
         input_shape, output_shape: the shapes of its first input and output as the file declares them (None for
             a dynamic dimension).
+        inputs, input_float32: how many inputs the graph has; whether its first takes float32.
 
     Raises:
         ValueError: a file ONNX Runtime cannot load (truncated, corrupt, not ONNX), or a graph without an input
@@ -144,6 +145,8 @@ class OnnxModule(RuntimeModule):
         self.input_name = inputs[0].name
         self.input_shape, self.output_shape = (tuple(d if isinstance(d, int) else None for d in arg.shape)
                                                for arg in (inputs[0], outputs[0]))
+        self.inputs, self.input_float32 = len(inputs), inputs[0].type == "tensor(float)"
+        self.runtime_errors = (errors.Fail, errors.InvalidArgument, errors.RuntimeException, errors.NotImplemented)
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -518,12 +518,20 @@ def write_openvino(ov_model, path: Path, info: ExportInfo) -> Path:
     return path
 
 
-def openvino_metadata(ov_model) -> dict[str, str]:
-    """The cgavit keys of an OpenVINO model's ``rt_info`` (``{"cgavit.KEY": json text}``)."""
+def openvino_metadata(ov_model, source: str = "the OpenVINO model") -> dict[str, str]:
+    """The cgavit keys of an OpenVINO model's ``rt_info`` (``{"cgavit.KEY": json text}``).
+
+    Raises:
+        ValueError: an ``rt_info`` whose ``cgavit`` entry is not a section of keys (OpenVINO cannot look into it).
+    """
     props = {}
     for key in KEYS:
-        if ov_model.has_rt_info([PREFIX, key]):
-            props[f"{PREFIX}.{key}"] = ov_model.get_rt_info([PREFIX, key]).astype(str)
+        try:
+            if ov_model.has_rt_info([PREFIX, key]):
+                props[f"{PREFIX}.{key}"] = ov_model.get_rt_info([PREFIX, key]).astype(str)
+        except RuntimeError:
+            raise ValueError(f"{source}: its cgavit metadata (rt_info '{PREFIX}') is not a section of keys; export it "
+                             "again") from None
     return props
 
 
@@ -574,6 +582,7 @@ class OpenVinoModule(RuntimeModule):
         metadata: cgavit's keys of the model's ``rt_info`` (:mod:`cgavit.deploy.metadata`).
         input_shape, output_shape: the shapes of its first input and output (None for a dynamic dimension, or
             for a shape whose rank is dynamic).
+        inputs, input_float32: how many inputs the model has; whether its first takes float32.
 
     Raises:
         ValueError: an unknown precision or float part, or a file :func:`read_openvino` refuses.
@@ -590,7 +599,11 @@ class OpenVinoModule(RuntimeModule):
         self.model = read_openvino(model) if isinstance(model, (str, os.PathLike)) else model
         self.input_shape, self.output_shape = (_declared_shape(port)
                                                for port in (self.model.input(0), self.model.output(0)))
-        self.metadata = openvino_metadata(self.model)
+        self.inputs = len(self.model.inputs)
+        self.input_float32 = self.model.input(0).get_element_type().get_type_name() == "f32"
+        self.runtime_errors = (RuntimeError,)
+        self.metadata = openvino_metadata(self.model, str(model) if isinstance(model, (str, os.PathLike)) else
+                                          "the OpenVINO model")
         self.float_part = float_part if precision == "int8" else precision
         hint = PRECISION_HINT[compile_precision(float_part) if precision == "int8" else precision]
         if hint == PRECISION_HINT["bf16"] and (error := capped_bf16_error(cpu_features())):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..io import printable
+
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +49,12 @@ class RuntimeModule(nn.Module):
     """
 
     input_shape: tuple[int | None, ...] | None = None
+    #: the file it was opened from (:func:`~cgavit.deploy.open_exported`), and the class count it declares: its
+    #: runtime's errors, and outputs other than ``(B, classes)``, are then the file's fault, one ValueError naming it
+    source: str | None = None
+    classes: int | None = None
+    #: the exceptions its runtime raises when it cannot run a call (a runtime's own sets them)
+    runtime_errors: tuple[type[BaseException], ...] = ()
     #: Whether it can be copied and pickled (``copy.deepcopy``, ``torch.save``): a torch module can; a runtime's
     #: compiled session cannot, and says so in one line instead of the runtime's TypeError.
     copyable: bool = True
@@ -77,8 +85,24 @@ class RuntimeModule(nn.Module):
             raise ValueError(f"this {self.precision} {type(self).__name__} takes images ({shown}), got {tuple(x.shape)}: {fix}")
         if isinstance(x, torch.Tensor) and x.ndim == 4 and x.shape[0] == 0:
             # an empty batch: the runtimes' reshapes cannot infer a batch of 0; one image's logits give the shape
-            return super().__call__(x.new_zeros(1, *x.shape[1:]), *args, **kwargs)[:0]
-        return super().__call__(x, *args, **kwargs)
+            return self._run(x.new_zeros(1, *x.shape[1:]), *args, **kwargs)[:0]
+        return self._run(x, *args, **kwargs)
+
+    def _run(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The call, for a file's module (:attr:`source`) with its runtime's errors and an output other than the
+        logits it declares raised as one ValueError."""
+        if self.source is None:
+            return super().__call__(x, *args, **kwargs)
+        try:
+            out = super().__call__(x, *args, **kwargs)
+        except self.runtime_errors as err:
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            raise ValueError(f"{self.source}: its runtime could not run it on {tuple(x.shape)} images "
+                             f"({printable(lines[-1][:200])}); export it again") from None
+        if out.ndim != 2 or out.shape[0] != len(x) or (self.classes is not None and out.shape[1] != self.classes):
+            raise ValueError(f"{self.source}: it returned {tuple(out.shape)} for {len(x)} images, not the (batch, "
+                             f"{self.classes}) logits it declares; export it again")
+        return out
 
 
 def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
