@@ -235,6 +235,7 @@ def load_model(
     with torch.device("meta"):  # the architecture, allocating nothing, to check the tensors against
         shape = _build(meta, size)
     fitted, report = fit_state_dict(sd, shape.state_dict(), str(wf.path), meta.num_classes)
+    _check_recorded_heads(meta, report, wf.path, recorded)
     check_finite(fitted, wf.path)
     model = _build(meta, size)
     model.load_state_dict(fitted, strict=False)
@@ -244,6 +245,14 @@ def load_model(
                      interpolation=meta.interpolation, mean=meta.mean, std=meta.std, source=str(wf.path),
                      extra=dict(meta.extra), names_recorded=meta.class_names is not None)
     return model.eval().to(device), info
+
+
+def _check_recorded_heads(meta: WeightsMeta, report: dict[str, list[str]], source: object, recorded: bool) -> None:
+    """Refuse a file that records a distillation head (its metadata's own) and holds none of its tensors: its
+    logits would average in a head of random weights."""
+    if recorded and meta.distillation and any(k.startswith("head_dist.") for k in report["missing"]):
+        raise CheckpointError(f"{source} records a distillation head but holds no head_dist tensors: it is incomplete "
+                              "(its logits would average in a head of random weights); save the model again")
 
 
 def _build(meta: WeightsMeta, img_size: int | tuple[int, int]) -> EfficientViT:

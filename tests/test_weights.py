@@ -477,3 +477,32 @@ def test_float8_weights_are_checked_for_nan_as_others():
     sd["head.linear.weight"][0, 0] = float("nan")
     with pytest.raises(CheckpointError, match="NaN/inf"):
         load_checkpoint(cgavit.create_model("m0", **small), sd)
+
+
+def test_a_file_recording_a_distillation_head_it_does_not_hold_is_refused(tmp_path):
+    """A file whose metadata said distillation=True without head_dist tensors loaded with a head of random weights
+    averaged into every logit (other logits on each load), and the note about it reached no one."""
+    from safetensors.torch import load_file, save_file
+
+    small = dict(num_classes=3, embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
+    model = randomize_(cgavit.create_model("m0", distillation=True, **small), 2)
+    path = save_weights(model, tmp_path / "whole.safetensors")
+    assert cgavit.load_model(path)[0].head_dist is not None
+    cut = {k: v for k, v in load_file(path).items() if not k.startswith("head_dist.")}
+    save_file(cut, tmp_path / "cut.safetensors", metadata=read_metadata(path))
+    with pytest.raises(CheckpointError, match="records a distillation head but holds no head_dist tensors"):
+        cgavit.load_model(tmp_path / "cut.safetensors")
+
+
+def test_predict_and_eval_name_a_model_without_a_classifier(tmp_path, capsys):
+    """cgavit predict on a saved feature extractor (num_classes=0) crashed with IndexError."""
+    from PIL import Image
+
+    from cgavit.cli import main
+
+    small = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
+    path = save_weights(cgavit.create_model("m0", num_classes=0, **small), tmp_path / "features.safetensors")
+    Image.new("RGB", (40, 40), (120, 30, 200)).save(tmp_path / "x.png")
+    assert main(["predict", str(tmp_path / "x.png"), "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "has no classifier (num_classes 0: a feature extractor)" in err and len(err.strip().splitlines()) == 1, err

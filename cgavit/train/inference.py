@@ -195,11 +195,14 @@ def open_for_inference(
     Raises:
         ValueError: an exported file with options that only a checkpoint takes (``--model``, dials,
             ``--ema``, ``--pretrained``, ``--trust-checkpoint``), another device than the CPU, an
-            ``--img-size`` other than the file's, or a file without cgavit metadata.
+            ``--img-size`` other than the file's, a file without cgavit metadata, or a network without a classifier.
         CheckpointError: an unreadable or damaged checkpoint.
     """
     if checkpoint is None or Path(checkpoint).suffix.lower() not in EXPORTED_SUFFIXES:
         model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
+        if model.num_classes == 0:
+            raise ValueError(f"{checkpoint} has no classifier (num_classes 0: a feature extractor), and eval and predict "
+                             "need one: fine-tune it for your classes with cgavit train --finetune")
         return model, info, model.num_classes
     name = Path(checkpoint).name
     given = [flag for flag, value in (("--model", model_name), ("dial flags", dials), ("--ema", use_ema),
@@ -228,7 +231,8 @@ def exported_model_info(exported: ExportInfo, name: str, img_size: int | None = 
         raise ValueError(f"{name} was exported for {h} px images; drop --img-size {img_size}, or export it at that size")
     names = list(exported.class_names)
     if not names:
-        raise ValueError(f"{name} records no class names; export it again with cgavit export")
+        raise ValueError(f"{name} records no class names, so it is no classifier (a model without one, num_classes=0, "
+                         "exports so); export a classifier's checkpoint with cgavit export")
     return ModelInfo(class_names=names, img_size=h, crop_pct=exported.crop_pct, interpolation=exported.interpolation,
                      mean=tuple(exported.mean), std=tuple(exported.std), source=name,
                      names_recorded=names != class_names(len(names)))
