@@ -190,7 +190,8 @@ def _per_channel(values: object, name: str, bounds: tuple[float, float]) -> tupl
 
 def _int8_record(int8: object) -> dict:
     """How an int8 file was made and judged: an object whose float part is one of
-    :data:`~cgavit.deploy.int8.FLOAT_PARTS`, whose float layers are a list of names, and whose other text is
+    :data:`~cgavit.deploy.int8.FLOAT_PARTS`, whose float layers are a list of names, whose verdict
+    (``meets_target``, ``agreement``, ``accuracy_change``) has its types and ranges, and whose other text is
     printable and numbers finite."""
     if not isinstance(int8, dict):
         raise ValueError(f"its int8 record must be an object, got {shown(int8)}")
@@ -201,6 +202,12 @@ def _int8_record(int8: object) -> dict:
         raise ValueError(f"its int8 float layers must be a list of layer names, got {shown(layers)}")
     for layer in layers:
         check_name(layer, "its int8 float layer")
+    if not isinstance(int8.get("meets_target", False), bool):
+        raise ValueError(f"its int8 meets_target must be true or false, got {shown(int8['meets_target'])}")
+    for key, low, high in (("agreement", 0, 1), ("accuracy_change", -100, 100)):
+        value = int8.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high):
+            raise ValueError(f"its int8 {key} must be a number from {low} to {high}, got {shown(value)}")
     for key, value in int8.items():
         if isinstance(value, str) and value:
             check_name(value, f"its int8 {key}")
