@@ -247,6 +247,11 @@ def load_model(
     return model.eval().to(device), info
 
 
+class UnrecordedArchitecture(ValueError):
+    """A file that does not record its network (a bare state dict, an official or timm file) loaded without a
+    variant name."""
+
+
 def _check_recorded_heads(meta: WeightsMeta, report: dict[str, list[str]], source: object, recorded: bool) -> None:
     """Refuse a file that records a distillation head (its metadata's own) and holds none of its tensors: its
     logits would average in a head of random weights."""
@@ -280,7 +285,7 @@ def _what_it_holds(
         return (*training_meta(wf.content, source, use_ema), True)
     sd = unwrap_state_dict(wf.content, source, prefer_ema=use_ema)
     if not model_name:
-        raise ValueError(f"{source} does not record its architecture; name its variant (--model NAME, or load_model(path, 'efficientvit_m4')) and the dials it was trained with")
+        raise UnrecordedArchitecture(f"{source} does not record its architecture; name its variant (--model NAME, or load_model(path, 'efficientvit_m4')) and the dials it was trained with")
     key = resolve_name(model_name)
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     ours = convert_state_dict(sd)  # official and timm names as this package's, to read the shapes by one name

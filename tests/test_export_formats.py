@@ -323,6 +323,10 @@ def with_metadata(path, folder, name: str, **values: str):
     ({"int8": "[1, 2]"}, "its int8 record must be an object, got [1, 2]"),
     ({"int8": json.dumps({"float_layers": 5})}, "its int8 float layers must be a list of layer names"),
     ({"int8": "[" * 100 + "]" * 100}, "nested deeper than"),
+    # a hostile review: "false" counted as a met target, true as 100 % agreement, 1e400 as an int overflowed
+    ({"int8": json.dumps({"meets_target": "false", "agreement": 0.999})}, "its int8 meets_target must be true or false"),
+    ({"int8": json.dumps({"meets_target": True, "agreement": True})}, "its int8 agreement must be a number from 0 to 1"),
+    ({"int8": '{"meets_target": true, "agreement": 1' + "0" * 400 + "}"}, "its int8 agreement must be a number from 0"),
     ({"class_names": json.dumps(["\x1b[31mRED\x1b[0m", "\n", *"23456789"])}, "control or formatting characters"),
     ({"class_names": json.dumps(["x" * 100_000] * 10)}, "must be text of 1 to 1024 characters"),
     # folder 8 was scored against the last output named 8: 88.9 % where the file keeps 99.7 %
@@ -721,3 +725,28 @@ def test_openvino_files_cgavit_cannot_feed_are_refused_in_one_line(tmp_path):
     shutil.copy(tmp_path / "good.bin", tmp_path / "flat.bin")
     with pytest.raises(ValueError, match="flat.xml: its cgavit metadata .* is not a section of keys"):
         open_exported(tmp_path / "flat.xml")
+
+
+@need("onnx")
+def test_trust_checkpoint_applies_to_the_reference_of_an_exported_file(digits_exports, trained_digits, tmp_path, capsys):
+    """--trust-checkpoint for a pickled reference was refused because the evaluated file is exported ("drop
+    --trust-checkpoint"), and a reference that does not record its network was told to give --model, which a
+    reference never takes."""
+    import fractions
+
+    from cgavit import load_model
+
+    model, _ = load_model(trained_digits.checkpoint)
+    torch.save({"model": model.state_dict(), "share": fractions.Fraction(1, 3)}, tmp_path / "pickled.pt")
+    torch.save(model.state_dict(), tmp_path / "bare.pt")
+    run = ["eval", "--data", str(trained_digits.data), "--checkpoint", str(digits_exports[".onnx"]), "--workers", "0"]
+    said = []
+    for extra in ([], ["--trust-checkpoint"]):
+        assert main([*run, "--reference", str(tmp_path / "pickled.pt"), *extra]) == 2
+        said.append(capsys.readouterr().err)
+    assert "holds pickled Python objects" in said[0] and "--trust-checkpoint" in said[0]
+    assert "does not record its network" in said[1] and "--model" not in said[1]  # it was read: trust applied to it
+    assert main([*run, "--reference", str(tmp_path / "bare.pt")]) == 2
+    assert "--reference bare.pt does not record its network" in capsys.readouterr().err
+    assert main([*run, "--trust-checkpoint"]) == 2  # without a reference the flag has nothing to apply to
+    assert "drop --trust-checkpoint" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from torch import nn
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE
 from ..classes import check_classes, model_indices
 from ..deploy import ExportInfo, open_exported
-from ..factory import ModelInfo, load_model
+from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
 from ..io import DataError
 from ..weights import save_weights
@@ -89,9 +89,10 @@ def evaluate_checkpoint(
     root = check_folder(data)
     env = setup(device)
     try:
-        model, info, num_classes = open_for_inference(
-            checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust,
-            device=env.device)
+        exported = Path(checkpoint).suffix.lower() in EXPORTED_SUFFIXES if checkpoint is not None else False
+        model, info, num_classes = open_for_inference(  # with a reference, --trust-checkpoint may be for it alone
+            checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained,
+            trust=trust and not (exported and reference is not None), device=env.device)
         split_dir = root / (split or "val") if (root / (split or "val")).is_dir() or split else root
         size, pct, interp = img_size or info.img_size, crop_pct or info.crop_pct, interpolation or info.interpolation
         ds = _eval_dataset(split_dir, info, num_classes, size, pct, interp)
@@ -136,6 +137,10 @@ def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, tr
     try:
         model, ref, classes = open_for_inference(reference, img_size=None if exported else size, device=device,
                                                  trust=trust and not exported)
+    except UnrecordedArchitecture:
+        raise ValueError(f"--reference {name} does not record its network (a bare state dict, an official or timm "
+                         "file); give a checkpoint written by cgavit, such as the one the evaluated file was made "
+                         "from") from None
     except ValueError as err:
         raise ValueError(f"--reference {name}: {err}") from None
     if exported and ref.img_size != size:
