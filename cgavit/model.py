@@ -206,6 +206,9 @@ class EfficientViT(nn.Module):
         feature_info: channels and stride of each stage, for feature extraction.
     """
 
+    #: ``"avg"`` or ``""`` (see ``global_pool`` above); a class default too, for a model pickled whole before it existed
+    global_pool: str = "avg"
+
     def __init__(
         self,
         cfg: EfficientViTConfig,
