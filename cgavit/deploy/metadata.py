@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
-from ..io import printable
 from ..schema import MEAN_RANGE, STD_RANGE, bounded_floats, bounded_json, check_class_names, check_name, shown
 from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from .int8 import FLOAT_PARTS, Int8Options, weight_range_label
+from .runtime import runtime_reason
 
 #: The prefix of every key cgavit writes (ONNX: ``cgavit.class_names``; OpenVINO: ``rt_info["cgavit"]``).
 PREFIX = "cgavit"
@@ -145,9 +145,7 @@ def unreadable_file(source: str | os.PathLike, kind: str, err: BaseException) ->
     """The one line for an exported file that its runtime cannot read (cut short, or not such a file at all):
     ``kind`` (``"an ONNX model"``, ...) and the runtime's reason, the last line of its message (OpenVINO's first
     lines name the place in its source that raised it)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-    reason = printable(lines[-1][:200]).rstrip(".")
-    return ValueError(f"cannot read {source} as {kind} (truncated or corrupt?): {reason}; export it again")
+    return ValueError(f"cannot read {source} as {kind} (truncated or corrupt?): {runtime_reason(err)}; export it again")
 
 
 def int8_info(info: ExportInfo, options: Int8Options, float_part: str = "fp32") -> ExportInfo:

@@ -96,13 +96,19 @@ class RuntimeModule(nn.Module):
         try:
             out = super().__call__(x, *args, **kwargs)
         except self.runtime_errors as err:
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
             raise ValueError(f"{self.source}: its runtime could not run it on {tuple(x.shape)} images "
-                             f"({printable(lines[-1][:200])}); export it again") from None
+                             f"({runtime_reason(err)}); export it again") from None
         if out.ndim != 2 or out.shape[0] != len(x) or (self.classes is not None and out.shape[1] != self.classes):
             raise ValueError(f"{self.source}: it returned {tuple(out.shape)} for {len(x)} images, not the (batch, "
                              f"{self.classes}) logits it declares; export it again")
         return out
+
+
+def runtime_reason(err: BaseException) -> str:
+    """A runtime's error in a line: the last line of its message (OpenVINO's first lines name the place in its
+    source that raised it), printable and at most 200 characters, without a final full stop."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    return printable(lines[-1][:200]).rstrip(".")
 
 
 def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
