@@ -231,6 +231,17 @@ class CascadedGroupAttention(CascadedHeads):
         return self.attention_biases[:, idx]
 
     @torch.no_grad()
+    def set_window(self, window: int) -> None:
+        """Attend over ``window x window`` windows from now on: the bias table is resized (bicubic, as
+        :func:`~cgavit.loading.fit_state_dict` resizes a file's table for a model built at another size)."""
+        if window == self.window:
+            return
+        table = resize_bias_table(self.attention_biases.detach(), window)
+        self.attention_biases = nn.Parameter(table, requires_grad=self.attention_biases.requires_grad)
+        self.window = window
+        self._rebuild_index()
+
+    @torch.no_grad()
     def fuse(self) -> "FusedCascadedGroupAttention":
         """Inference copy: every Conv-BN folded to a Conv2d, the bias gathered once into a buffer."""
         return FusedCascadedGroupAttention(self)
@@ -268,6 +279,17 @@ class FusedCascadedGroupAttention(CascadedHeads):
         """Replace the bias with the one a ``(heads, window**2)`` offset table gives."""
         idx = relative_bias_index(self.window, self.window, self.window, self.bias_full.device)
         self.bias_full.copy_(table.to(self.bias_full)[:, idx])
+
+    @torch.no_grad()
+    def set_window(self, window: int) -> None:
+        """As :meth:`CascadedGroupAttention.set_window`. The offset table is the bias of the window's first
+        token to every other (row 0 of ``bias_full``: token ``(dy, dx)`` sits at ``dy * window + dx``)."""
+        if window == self.window:
+            return
+        table = resize_bias_table(self.bias_full[:, 0, :], window)
+        self.window = window
+        self.bias_full = torch.empty(self.num_heads, window**2, window**2).to(self.bias_full)
+        self.set_bias_table(table)
 
     def fuse(self) -> "FusedCascadedGroupAttention":
         """Already fused: a copy."""
@@ -330,6 +352,13 @@ class LocalWindowAttention(nn.Module):
             raise ValueError(f"window size must be positive, got {window}")
         self.window = window
         self.attn = CascadedGroupAttention(dim, window=window, **attn_kwargs)
+
+    def set_window(self, window: int) -> None:
+        """Attend over ``window x window`` windows from now on (the attention's bias table is resized)."""
+        if window < 1:
+            raise ValueError(f"window size must be positive, got {window}")
+        self.attn.set_window(window)
+        self.window = window
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x.shape

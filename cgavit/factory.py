@@ -24,7 +24,7 @@ from .hub import download_release
 from .imagenet import class_names
 from .io import CheckpointError
 from .loading import fit_state_dict, load_checkpoint
-from .model import EfficientViT, convert_state_dict
+from .model import EfficientViT, floating_dtype, convert_state_dict
 from .schema import (
     WeightsMeta,
     check_finite,
@@ -77,6 +77,9 @@ def create_model(
     distillation: bool = False,
     drop_path_rate: float = 0.0,
     global_pool: str = "avg",
+    drop_rate: float = 0.0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
     **dials,
 ) -> EfficientViT:
     """Build a registered EfficientViT, optionally with weights.
@@ -93,6 +96,9 @@ def create_model(
         distillation: add the distillation head.
         drop_path_rate: stochastic depth for training.
         global_pool: ``"avg"``, or ``""`` with ``num_classes=0``: ``forward`` gives the last stage's map (timm's).
+        drop_rate: dropout before the classifier while training (timm's ``drop_rate``).
+        device, dtype: where and in what floating-point type the model ends up; weights are loaded first, at
+            the file's precision, then the model is moved (``device="meta"`` gives a model without data).
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``,
             ``group_split``, ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``,
             ``allocation``) and its other fields (``num_heads``, ``embed_dim``, ``depth``,
@@ -106,6 +112,19 @@ def create_model(
     key = resolve_name(name)
     info = VARIANTS[key]
     cfg = info.cfg.with_dials(**dials) if dials else info.cfg
+    _check_weights_args(pretrained, checkpoint_path)
+    model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
+                         distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool,
+                         drop_rate=drop_rate)
+    floating_dtype(dtype)  # refused before any download
+    if pretrained:
+        load_pretrained(model, key)
+    elif checkpoint_path is not None:
+        load_checkpoint(model, checkpoint_path)
+    return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
+
+
+def _check_weights_args(pretrained: object, checkpoint_path: object) -> None:
     if not isinstance(pretrained, bool):  # a path or "False" would fetch the published weights
         raise TypeError(f"pretrained must be True or False, got {pretrained!r}; to load a file, give checkpoint_path=")
     if pretrained and checkpoint_path is not None:
@@ -113,13 +132,6 @@ def create_model(
     if checkpoint_path is not None and not isinstance(checkpoint_path, (str, os.PathLike, Mapping)):
         raise TypeError(f"checkpoint_path must be a file path (or a state dict), got {checkpoint_path!r} "
                         f"({type(checkpoint_path).__name__})")
-    model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
-                         distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool)
-    if pretrained:
-        load_pretrained(model, key)
-    elif checkpoint_path is not None:
-        load_checkpoint(model, checkpoint_path)
-    return model
 
 
 def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:

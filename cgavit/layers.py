@@ -73,11 +73,15 @@ class BNLinear(nn.Sequential):
         in_features: input features.
         out_features: output features (classes).
         std: standard deviation of the truncated-normal weight initialisation. Default 0.02.
+        drop: dropout between the two while training (a ``drop`` module only when above 0, so the
+            head's modules are the official ones by default). Default 0.
     """
 
-    def __init__(self, in_features: int, out_features: int, std: float = 0.02) -> None:
+    def __init__(self, in_features: int, out_features: int, std: float = 0.02, drop: float = 0.0) -> None:
         super().__init__()
         self.bn = nn.BatchNorm1d(in_features)
+        if drop > 0:
+            self.drop = nn.Dropout(drop)
         self.linear = nn.Linear(in_features, out_features)
         nn.init.trunc_normal_(self.linear.weight, std=std)
         nn.init.zeros_(self.linear.bias)

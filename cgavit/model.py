@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .bounds import IMG_SIZE_RANGE, IN_CHANS_RANGE, MAX_CLASSES, MIN_INPUT_SIZE
+from .attention import LocalWindowAttention
 from .layers import BNLinear, ConvBN, PatchMerging
 from .sandwich import SandwichBlock, dw_ffn_pair
 from .variants import EfficientViTConfig, pretrained_cfg
@@ -127,13 +128,25 @@ def _check_build_args(
     if len(sizes) != 2:
         raise ValueError(f"img_size must be an int or (H, W), got {img_size!r}")
     img_hw = tuple(_count(s, "img_size", *IMG_SIZE_RANGE) for s in sizes)
-    if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, numbers.Real):
-        raise ValueError(f"drop_path_rate must be a number in [0, 1), got {drop_path_rate!r} ({type(drop_path_rate).__name__})")
-    if not (math.isfinite(drop_path_rate) and 0.0 <= drop_path_rate < 1.0):
-        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
     if not isinstance(distillation, bool):  # a truthy "no" or "False" would add a head
         raise ValueError(f"distillation must be True or False, got {distillation!r}")
-    return num_classes, in_chans, img_hw, float(drop_path_rate)
+    return num_classes, in_chans, img_hw, _rate(drop_path_rate, "drop_path_rate")
+
+
+def _rate(value: object, name: str) -> float:
+    """``value`` as a probability in [0, 1); ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and 0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
+def floating_dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` if it is None or a floating-point ``torch.dtype``; ``ValueError`` otherwise."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+    return dtype
 
 
 def _checked_pool(global_pool: object, num_classes: int) -> str:
@@ -162,14 +175,19 @@ def _patch_embed(in_chans: int, dim: int) -> nn.Sequential:
     )
 
 
+def stage_window(cfg: EfficientViTConfig, i: int, img_hw: tuple[int, int]) -> int:
+    """Stage ``i``'s attention window for a network built for ``img_hw`` images: the official
+    ``min(window_size, stage resolution)``, the resolution being the smaller side's."""
+    return min(cfg.window_size[i], *(stage_resolution(s, i) for s in img_hw))
+
+
 def _stage(cfg: EfficientViTConfig, i: int, img_hw: tuple[int, int], drop_paths: list[float]) -> Stage:
-    """Stage ``i`` with the official window ``min(window_size, stage resolution)``."""
-    res = min(stage_resolution(s, i) for s in img_hw)
+    """Stage ``i`` with its window for ``img_hw`` (:func:`stage_window`)."""
     return Stage(
         in_dim=cfg.embed_dim[max(i - 1, 0)],
         dim=cfg.embed_dim[i],
         depth=cfg.depth[i],
-        window=min(cfg.window_size[i], res),
+        window=stage_window(cfg, i, img_hw),
         downsample=i > 0,
         ffn_ratio=cfg.ffn_ratio,
         drop_paths=drop_paths,
@@ -198,6 +216,10 @@ class EfficientViT(nn.Module):
         name: the registered variant it was built from (recorded in ``pretrained_cfg``).
         global_pool: ``"avg"`` (default), or ``""`` (no pooling: :meth:`forward_head` and ``forward`` give the last
             stage's map ``(B, C3, h, w)``, as in timm; only without a classifier, ``num_classes=0``).
+        drop_rate: dropout before the classifier's linear layer while training, as timm's ``drop_rate``. Default 0
+            (the paper's recipe has none).
+        device, dtype: where and in what floating-point type the parameters live, as in timm and torch's
+            layers (the model is built, then moved). Default: torch's defaults.
 
     Attributes:
         pretrained_cfg: timm's per-model preprocessing record (input size, mean, std, crop_pct,
@@ -208,6 +230,8 @@ class EfficientViT(nn.Module):
 
     #: ``"avg"`` or ``""`` (see ``global_pool`` above); a class default too, for a model pickled whole before it existed
     global_pool: str = "avg"
+    #: the classifier's dropout (``drop_rate`` above); a class default for the same reason
+    drop_rate: float = 0.0
 
     def __init__(
         self,
@@ -219,12 +243,17 @@ class EfficientViT(nn.Module):
         drop_path_rate: float = 0.0,
         name: str = "",
         global_pool: str = "avg",
+        drop_rate: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         num_classes, in_chans, img_hw, drop_path_rate = _check_build_args(
             cfg, num_classes, in_chans, img_size, drop_path_rate, distillation
         )
         self.global_pool = _checked_pool(global_pool, num_classes)
+        self.drop_rate = _rate(drop_rate, "drop_rate")
+        dtype = floating_dtype(dtype)
         self.cfg = cfg
         self.img_size = img_hw
         self.in_chans = in_chans
@@ -239,11 +268,13 @@ class EfficientViT(nn.Module):
         ]
         self.stages = nn.Sequential(*stages)
         self.distillation = distillation
-        self.head = BNLinear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = BNLinear(self.num_features, num_classes, drop=self.drop_rate) if num_classes > 0 else nn.Identity()
         self.head_dist = (
-            BNLinear(self.num_features, num_classes) if distillation and num_classes > 0 else None
+            BNLinear(self.num_features, num_classes, drop=self.drop_rate) if distillation and num_classes > 0 else None
         )
         self.pretrained_cfg = pretrained_cfg(name, num_classes, img_hw, in_chans)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
 
     # ----------------------------------------------------------------------------- interface
     def check_input(self, x: torch.Tensor) -> None:
@@ -425,10 +456,32 @@ class EfficientViT(nn.Module):
         ref = next(self.parameters())
 
         def fresh() -> nn.Module:  # the model's device, dtype and mode (an eval-mode model gets an eval-mode head)
-            return BNLinear(self.num_features, num_classes).to(device=ref.device, dtype=ref.dtype).train(self.training)
+            head = BNLinear(self.num_features, num_classes, drop=self.drop_rate)
+            return head.to(device=ref.device, dtype=ref.dtype).train(self.training)
 
         self.head = fresh() if num_classes > 0 else nn.Identity()
         self.head_dist = fresh() if self.distillation and num_classes > 0 else None
+
+    def set_input_size(self, img_size: int | tuple[int, int]) -> None:
+        """Make this the model built for ``img_size`` images, as timm's ``set_input_size``: each stage's window
+        becomes ``min(window_size, stage resolution)`` for that size, and the attention-bias tables whose window
+        changes are resized (bicubic). The result equals :func:`~cgavit.create_model` with ``img_size`` given
+        these weights. Works on the model as built or fused (:func:`cgavit.deploy.fuse`); call it before a fast
+        path converts the model and before an optimizer is made (a resized table is a new parameter).
+
+        Raises:
+            ValueError: a bad size, or a model whose attention modules a fast path replaced.
+        """
+        _, _, img_hw, _ = _check_build_args(self.cfg, self.num_classes, self.in_chans, img_size, 0.0)
+        stages = [[m for m in stage.modules() if isinstance(m, LocalWindowAttention)] for stage in self.stages]
+        if [len(attentions) for attentions in stages] != list(self.cfg.depth[: len(stages)]):
+            raise ValueError("set_input_size needs the model's attention modules as built or fused; call it before "
+                             "a fast path (cgavit.fast, optimize) converts them")
+        for i, attentions in enumerate(stages):
+            for attention in attentions:
+                attention.set_window(stage_window(self.cfg, i, img_hw))
+        self.img_size = img_hw
+        self.pretrained_cfg = dict(self.pretrained_cfg, input_size=(self.in_chans, *img_hw))
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

@@ -271,3 +271,69 @@ def test_symbolic_tracing_with_the_attention_as_a_leaf():
         assert all(torch.equal(a, b) for a, b in zip(timms(x), maps))
     with pytest.raises(ValueError, match="expected 3 input channels"):  # a real tensor is still checked
         model(torch.randn(1, 1, 64, 64))
+
+
+def test_set_input_size_is_the_model_built_for_that_size(tmp_path, monkeypatch):
+    """timm's ``set_input_size``: the windows of the new size, the bias tables resized. It must equal a model built
+    for that size given the same weights (trainable and fused forms), and timm's port once timm resizes as we do."""
+    weights = randomize_(cgavit.create_model("m0", num_classes=10), 5).state_dict()
+    for size, windows in ((384, [7, 7, 6]), (96, [6, 3, 2]), ((160, 256), [7, 5, 3])):
+        hw = (size, size) if isinstance(size, int) else size
+        built = cgavit.create_model("m0", num_classes=10, img_size=size, checkpoint_path=weights).eval()
+        resized = cgavit.create_model("m0", num_classes=10, checkpoint_path=weights).eval()
+        fused = cgavit.deploy.fuse(resized)
+        resized.set_input_size(size)
+        fused.set_input_size(size)
+        assert [s.blocks[0].mixer.m.window for s in resized.stages] == windows
+        assert resized.img_size == hw and resized.pretrained_cfg["input_size"] == (3, *hw)
+        x = torch.randn(2, 3, *hw)
+        with torch.no_grad():
+            assert torch.equal(resized(x), built(x))
+            torch.testing.assert_close(fused(x), built(x), rtol=0, atol=1e-4)
+        cgavit.save_weights(resized, tmp_path / "r.safetensors")  # the file rebuilds the new size
+        assert cgavit.load_model(tmp_path / "r.safetensors")[0].img_size == hw
+    monkeypatch.setattr("timm.models.efficientvit_msra.resize_rel_pos_bias_table_levit",
+                        lambda table, size: resize_rel_pos_bias_table_levit(table, size, antialias=False))
+    theirs = timm.create_model("efficientvit_m0", num_classes=10).eval()
+    theirs.load_state_dict(cgavit.model.to_timm_state_dict(weights))
+    theirs.set_input_size(384)
+    x = torch.randn(2, 3, 384, 384)
+    with torch.no_grad():
+        torch.testing.assert_close(resized_at(weights, 384)(x), theirs(x), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="img_size must be >= 32"):
+        resized.set_input_size(16)
+    with pytest.raises(ValueError, match="before a fast path"):
+        cgavit.deploy.fusion.export_form(built, (384, 384)).set_input_size(384)
+    pruned = cgavit.create_model("m0", num_classes=0, checkpoint_path=weights)
+    pruned.prune_intermediate_layers([0])  # the stages a pruned model keeps are resized
+    pruned.set_input_size(96)
+    assert [s.blocks[0].mixer.m.window for s in pruned.stages] == [6]
+
+
+def resized_at(weights: dict, size: int) -> torch.nn.Module:
+    model = cgavit.create_model("m0", num_classes=10, checkpoint_path=weights).eval()
+    model.set_input_size(size)
+    return model
+
+
+def test_drop_rate_device_and_dtype_as_timm_takes_them():
+    """timm's ``drop_rate`` (dropout before the classifier), ``device`` and ``dtype`` were "unknown option(s)"."""
+    model = cgavit.create_model("m0", num_classes=10, drop_rate=0.5, dtype=torch.bfloat16)
+    assert model.head.drop.p == 0.5 and model.head_dist is None
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    x = torch.randn(4, 3, 64, 64, dtype=torch.bfloat16)
+    model.train()
+    assert not torch.equal(model(x), model(x))  # the dropout is live in training
+    model.eval()
+    assert torch.equal(model(x), model(x)) and model(x).dtype == torch.bfloat16
+    model.reset_classifier(5)
+    assert model.head.drop.p == 0.5 and model.head.linear.weight.dtype == torch.bfloat16
+    assert not hasattr(cgavit.create_model("m0").head, "drop")  # the official head's modules by default
+    assert next(cgavit.create_model("m0", device="meta").parameters()).is_meta
+    weights = randomize_(cgavit.create_model("m0"), 2).state_dict()
+    loaded = cgavit.create_model("m0", checkpoint_path=weights, dtype=torch.float64)
+    assert torch.equal(loaded.head.linear.weight, weights["head.linear.weight"].double())
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+        cgavit.create_model("m0", dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"drop_rate must be in \[0, 1\)"):
+        cgavit.create_model("m0", drop_rate=1.0)

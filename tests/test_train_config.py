@@ -57,6 +57,7 @@ def test_validate_names_the_option_to_change():
         (dict(workers=-1), "--workers"),
         (dict(crop_pct=1.5), "--crop-pct"),
         (dict(model_ema_decay=1.0), "--model-ema-decay"),
+        (dict(drop=1.0), "--drop"),
         (dict(interpolation="lanczos"), "--interpolation"),
         (dict(clip_mode="max"), "--clip-mode"),
         (dict(distillation_type="soft"), "--teacher"),
@@ -68,6 +69,12 @@ def test_validate_names_the_option_to_change():
     for change, match in cases:
         with pytest.raises(ValueError, match=match):
             replace(ok, **change).validate()
+
+
+def test_drop_is_the_classifiers_dropout():
+    from cgavit.train.recipe import build_model
+    assert build_model(TrainConfig(data="d", drop=0.25), 10).head.drop.p == 0.25
+    assert not hasattr(build_model(TrainConfig(data="d"), 10).head, "drop")  # none in the official recipe
 
 
 def _fake_checkpoint(path: Path, record: dict) -> Path:

@@ -47,6 +47,7 @@ _BIG = 1_000_000
 #: each option to them, whether it was typed or read from a checkpoint.
 BOUNDS: dict[str, tuple[float, float]] = {
     "img_size": IMG_SIZE_RANGE, "crop_pct": CROP_PCT_RANGE, "workers": (0, 1024), "drop_path": (0.0, 1.0),
+    "drop": (0.0, 1.0),
     "epochs": (1, _BIG), "cooldown_epochs": (0, _BIG), "batch_size": (2, 65536), "lr": (0.0, 10.0),
     "lr_base": (0.0, 10.0), "lr_base_size": (1, 2**31), "opt_eps": (0.0, 1.0), "momentum": (0.0, 1.0),
     "weight_decay": (0.0, 10.0), "warmup_epochs": (0, _BIG), "warmup_lr": (0.0, 10.0), "min_lr": (0.0, 10.0),
@@ -59,7 +60,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
 }
 #: The options of :data:`BOUNDS` whose high bound is excluded: 1.0 drops every block's path, smooths every label to
 #: uniform, or freezes the EMA.
-BELOW_HIGH = frozenset({"drop_path", "smoothing", "model_ema_decay"})
+BELOW_HIGH = frozenset({"drop_path", "drop", "smoothing", "model_ema_decay"})
 
 
 @dataclass
@@ -86,6 +87,7 @@ class TrainConfig:
     model: str = option("efficientvit_m0", "variant efficientvit_m0..m5 (dials below change it)")
     dials: dict = field(default_factory=dict)  # design dials changing the variant, e.g. {"cascade": False}
     drop_path: float = option(0.0, "stochastic-depth rate")
+    drop: float = option(0.0, "dropout before the classifier (timm's --drop; the official recipe has none)")
     finetune: str | None = option(
         None, "start from these weights (official, timm or cgavit file); a classifier for another class count is replaced",
         metavar="CKPT",

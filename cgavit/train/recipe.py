@@ -40,13 +40,14 @@ def peak_lr(cfg: TrainConfig, world: int) -> float:
 
 # ------------------------------------------------------------------------------------------ builders
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
-    """The student network from ``model``, the dials, ``drop_path`` and ``distillation_type``."""
+    """The student network from ``model``, the dials, ``drop_path``, ``drop`` and ``distillation_type``."""
     return create_model(
         cfg.model,
         num_classes=num_classes,
         img_size=cfg.img_size,
         distillation=cfg.distillation_type != "none",
         drop_path_rate=cfg.drop_path,
+        drop_rate=cfg.drop,
         **cfg.dials,
     )
 
