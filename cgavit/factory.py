@@ -23,7 +23,7 @@ import torch
 from .hub import download_release
 from .imagenet import class_names
 from .io import CheckpointError
-from .loading import fit_state_dict, load_checkpoint
+from .loading import adapt_first_conv, fit_state_dict, load_checkpoint
 from .model import EfficientViT, floating_dtype, convert_state_dict
 from .schema import (
     WeightsMeta,
@@ -138,22 +138,19 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
     """Load the published ImageNet-1k weights of variant ``name`` into ``model``, downloading the release
     file once into the torch hub cache (:func:`cgavit.hub.download_release`). As :func:`load_checkpoint`:
     a classifier for another class count (or the whole classifier, for ``num_classes=0``) is dropped and
-    attention-bias tables of other windows are resized.
+    attention-bias tables of other windows are resized. A model with ``in_chans`` other than 3 gets the RGB
+    first convolution adapted as timm does (:func:`~cgavit.loading.adapt_first_conv`).
 
     Returns:
         ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
 
     Raises:
-        CheckpointError: ``model`` cannot take them (``in_chans`` other than 3, or changed dials: the message
-            names them); the download failed; or the cached file is damaged (the message says which file to
+        CheckpointError: ``model`` cannot take them (changed dials: the message names them); the download failed; or the cached file is damaged (the message says which file to
             delete).
         WriteError: the cache folder cannot be written.
     """
     key = resolve_name(name)
     published = f"the published {key} weights"
-    if model.in_chans != 3:  # refused, not adapted: summing or repeating the RGB filters is a guess, not these weights
-        raise CheckpointError(f"{published} are for in_chans=3; in_chans={model.in_chans} cannot load them: build "
-                              "the model with in_chans=3 (and feed RGB images), or without pretrained=True")
     changed = [f"{k}={getattr(model.cfg, k)!r}" for k in model.cfg.differs_from(VARIANTS[key].cfg)]
     if changed:
         log.warning("loading published weights into a model with changed dials %s", ", ".join(changed))
@@ -162,6 +159,8 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
         sd = read_state_dict(cached)
     except CheckpointError as err:  # the file itself: damaged since, or cached unchecked by an older version
         raise CheckpointError(f"{err}; it is the download cache: delete {cached} to download it again") from None
+    if model.in_chans != 3:
+        sd = adapt_first_conv(convert_state_dict(sd), model.in_chans)
     try:
         return load_checkpoint(model, sd, source=str(cached))
     except CheckpointError as err:

@@ -64,6 +64,27 @@ def fit_state_dict(
     return sd, report
 
 
+FIRST_CONV = "patch_embed.conv1.conv.weight"
+
+
+def adapt_first_conv(sd: Mapping[str, torch.Tensor], in_chans: int) -> dict[str, torch.Tensor]:
+    """``sd`` (this package's key names) with an RGB first convolution adapted to ``in_chans`` inputs, by timm's
+    rule: one channel takes the sum of the three filters, which is exact for a grey image repeated on three
+    channels with one mean and std; more channels repeat R, G, B in turn, scaled by ``3 / in_chans`` so the
+    response to the same value on every channel is kept. A file whose first convolution is not RGB is left as it
+    is (the usual shape checks judge it)."""
+    sd = dict(sd)
+    weight = sd.get(FIRST_CONV)
+    if in_chans == 3 or weight is None or weight.ndim != 4 or weight.shape[1] != 3:
+        return sd
+    if in_chans == 1:
+        sd[FIRST_CONV] = weight.sum(dim=1, keepdim=True)
+    else:
+        sd[FIRST_CONV] = weight.repeat(1, math.ceil(in_chans / 3), 1, 1)[:, :in_chans] * (3 / in_chans)
+    log.info("first convolution adapted from 3 input channels to %d", in_chans)
+    return sd
+
+
 def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: object) -> None:
     """Skip a distillation head the model lacks, and a classifier for another class count: its linear
     layer, or the whole classifier (its BatchNorm too) when the model has none (``num_classes=0``)."""
