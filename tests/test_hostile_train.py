@@ -662,6 +662,21 @@ def test_write_errors_keep_their_cause_and_say_what_to_do(tmp_path, mount_tmpfs)
     assert (disk / "old.txt").read_text() == "kept" and sorted(p.name for p in disk.iterdir()) == ["old.txt"]
 
 
+def test_a_file_staged_beside_its_destination_is_named_as_the_destination_when_it_fails(tmp_path):
+    """Export, quantize and the reports write a set of files in a temporary folder first: a full disk there said
+    "cannot write .../.m0.xml.scrtpuke/m0.xml", a name the user never gave."""
+    from cgavit.io import staging
+
+    (tmp_path / "m0.xml").write_text("kept")
+    with pytest.raises(WriteError) as info:
+        with staging(tmp_path / "m0.xml") as tmp:
+            write_text(tmp / "m0.bin", "x")
+            atomic_write(tmp / "m0.xml", lambda t: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+    assert str(info.value) == (f"cannot write {tmp_path / 'm0.xml'}: the disk is full (the previous file is untouched); "
+                               "free some space and run again")
+    assert info.value.errno == errno.ENOSPC and sorted(p.name for p in tmp_path.iterdir()) == ["m0.xml"]
+
+
 def test_resume_continues_as_the_network_it_is(world, tmp_path):
     """Issue 19: resuming with another --model ran the checkpoint's M0 weights labelled M1."""
     run = tmp_path / "run"
@@ -1243,14 +1258,38 @@ def test_a_classifier_of_another_width_is_not_called_another_class_count(caplog)
     assert "checkpoint classifier takes 48 features, the model's 192" in caplog.text and "3 classes" not in caplog.text
 
 
+def test_a_resume_into_another_folder_sets_aside_the_records_there(world, tmp_path, caplog):
+    """--resume with --output another run's folder (one that left no checkpoint) cut that run's metrics.jsonl to
+    the resumed epochs and presented its first row as this run's."""
+    other = tmp_path / "other"
+    other.mkdir()
+    rows = "".join(json.dumps({"epoch": e, "train_loss": 9.0, "lr": 1e-3, "val_loss": 9.0, "val_top1": 11.0 * e,
+                               "val_top5": 50.0, "img_per_s": 1.0, "epoch_s": 1.0, "skipped_images": 0}) + "\n"
+                   for e in range(3))
+    (other / "metrics.jsonl").write_text(rows)
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        train(TrainConfig.resume_from(world["root"] / "run" / "last.pt", epochs=2, workers=0, output=str(other)))
+    assert "held the records of an earlier run that left no last.pt" in caplog.text
+    aside = list(other.glob("metrics-before-*.jsonl"))
+    assert len(aside) == 1 and aside[0].read_text() == rows
+    assert [r["epoch"] for r in engine.records.read_metrics(other / "metrics.jsonl")] == [1]
+
+
 def test_a_run_resumed_elsewhere_or_finished_reports_the_whole_run(world, tmp_path, caplog):
     """Resumed into another --output, the result said 'epochs: 1' after 2 and named no best checkpoint without a
     word; a finished run resumed said final_top1 null."""
     run = tmp_path / "run"
     shutil.copytree(world["root"] / "run", run, ignore=shutil.ignore_patterns("run.lock"))
     recorded = engine.records.read_metrics(run / "metrics.jsonl")[-1]
-    again = train(TrainConfig.resume_from(run / "last.pt", workers=0))  # finished: nothing to train
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        again = train(TrainConfig.resume_from(run / "last.pt", workers=0))  # finished: nothing to train
     assert again.epochs == 1 and again.final_top1 == recorded["val_top1"] and again.final_loss == recorded["val_loss"]
+    assert "leaves nothing to train: the run is reported as it stands; give a larger --epochs" in caplog.text
+    # into another folder it made one holding a log and nothing else, and said "resumed"
+    with pytest.raises(ValueError, match=r"has trained its 1 epochs, and --epochs 1 leaves nothing to train; give a "
+                       r"larger --epochs \(e.g. --epochs 11\) to train on \(nothing was written\)"):
+        train(TrainConfig.resume_from(run / "last.pt", workers=0, output=str(tmp_path / "nothing")))
+    assert not (tmp_path / "nothing").exists()
     with caplog.at_level(logging.WARNING, logger="cgavit"):
         moved = train(TrainConfig.resume_from(run / "last.pt", epochs=2, workers=0, output=str(tmp_path / "elsewhere")))
     assert moved.epochs == 2 and "the best checkpoint of the epochs before" in caplog.text

@@ -33,7 +33,11 @@ def train_args(text: str) -> dict:
     """``--train-args`` (``cgavit train`` options in one string) as TrainConfig fields."""
     parser = _TrainArgsParser(prog="cgavit ablate --train-args", add_help=False)
     add_train_args(parser)
-    return typed_options(parser.parse_args(shlex.split(text)))
+    try:
+        words = shlex.split(text)
+    except ValueError as err:  # "No closing quotation"
+        raise ValueError(f"--train-args {text!r}: {str(err).lower()}; quote the options as a shell would") from None
+    return typed_options(parser.parse_args(words))
 
 
 def ablation_config(args: argparse.Namespace) -> AblationConfig:

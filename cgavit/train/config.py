@@ -401,7 +401,8 @@ def _is_number(v) -> bool:
 def _numbers(value, name: str, n: int) -> tuple[float, ...]:
     """``value`` as a tuple of ``n`` floats; ValueError naming the option otherwise."""
     if not isinstance(value, (list, tuple)) or len(value) != n or not all(_is_number(v) for v in value):
-        raise ValueError(f"--{_flag(name)} takes {n} numbers, got {value!r}")
+        finite = "" if not isinstance(value, (list, tuple)) or len(value) != n else " finite"
+        raise ValueError(f"--{_flag(name)} takes {n}{finite} numbers, got {value!r}")
     return tuple(float(v) for v in value)
 
 

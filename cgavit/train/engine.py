@@ -100,11 +100,12 @@ def train(cfg: TrainConfig) -> TrainResult:
             existed = _existing_folders(Path(cfg.output or "runs")) if env.is_main else None
             output = _make_output(cfg, env, resumed is not None)
             cfg = replace(cfg, output=str(output))
+            in_place = resumed is not None and _resumes_in_place(cfg, output)
             made = [p for p in (output, *output.parents) if p not in existed] if env.is_main else []
             fresh = output in made
             log_of = _RefusedRunLog(output, fresh)
             try:
-                with RunLock(output, env), log_of, _run_log(output, env, resumed is not None):
+                with RunLock(output, env), log_of, _run_log(output, env, in_place):
                     problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
                     problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
                     if problem:
@@ -561,7 +562,22 @@ def _resumed_config(cfg: TrainConfig, resumed: dict, env: DistEnv) -> TrainConfi
     elif env.is_main and Path(cfg.output).resolve() != before.resolve() and (before / "best.pt").exists():
         log.warning("resuming into %s: the best checkpoint of the epochs before (best.pt, best.safetensors) "
                     "stays in %s, and this folder's gets one only if a later epoch beats it", cfg.output, before)
+    _check_epochs_left(resumed, cfg, env)
     return cfg
+
+
+def _check_epochs_left(resumed: dict, cfg: TrainConfig, env: DistEnv) -> None:
+    """A finished run resumed with no epoch left: in its own folder the run is reported as it stands (said); into
+    another folder, which would get a log and nothing else, refused."""
+    done, total = resumed.get("next_epoch"), cfg.epochs + cfg.cooldown_epochs
+    if not isinstance(done, int) or isinstance(done, bool) or done < total:
+        return
+    what = (f"{cfg.resume} is a run that has trained its {done} epochs, and --epochs {cfg.epochs}"
+            f"{f' + --cooldown-epochs {cfg.cooldown_epochs}' if cfg.cooldown_epochs else ''} leaves nothing to train")
+    if Path(cfg.output).resolve() != Path(cfg.resume).resolve().parent:
+        raise ValueError(f"{what}; give a larger --epochs (e.g. --epochs {done + 10}) to train on (nothing was written)")
+    if env.is_main:
+        log.warning("%s: the run is reported as it stands; give a larger --epochs to train on", what)
 
 
 def _check_input_files(cfg: TrainConfig) -> None:
@@ -591,8 +607,7 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
     held = [name for name in RUN_FILES if (out / name).exists()] if env.is_main else []
-    own = resuming and out.is_dir() and Path(cfg.resume).resolve().parent == out.resolve()
-    taken = bool(held) and not own
+    taken = bool(held) and not (resuming and _resumes_in_place(cfg, out))
     if broadcast_object(env, taken):  # every rank raises, so none waits for the others
         again = (f"continue it with --resume {out / 'last.pt'}, or " if "last.pt" in held and not resuming else "")
         raise ValueError(f"{out} already holds a run ({', '.join(held)}); {again}choose another --output "
@@ -600,6 +615,11 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
     if env.is_main:
         make_folder(out, "run folder")
     return out
+
+
+def _resumes_in_place(cfg: TrainConfig, output: Path) -> bool:
+    """Whether the run resumes in the folder of its checkpoint (whose records it continues)."""
+    return bool(cfg.resume) and output.is_dir() and Path(cfg.resume).resolve().parent == output.resolve()
 
 
 class _RefusedRunLog:
@@ -658,11 +678,12 @@ def _quiet_unless_main(env: DistEnv) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _run_log(output: Path, env: DistEnv, resuming: bool) -> Iterator[None]:
+def _run_log(output: Path, env: DistEnv, in_place: bool) -> Iterator[None]:
     """For the block, under the run lock: on rank 0 ``train.log`` in the run folder gets the package's
     log lines (opened never through a link, never blocking on a pipe), temporaries left by an
-    interrupted write are removed, and a new run sets aside the records of an earlier one that left
-    no ``last.pt``. An error is raised on every rank, so none waits for the others."""
+    interrupted write are removed, and a run that does not continue this folder's records (``in_place``: it
+    resumes the checkpoint in this folder) sets aside those of an earlier one that left no ``last.pt``. An error
+    is raised on every rank, so none waits for the others."""
     handler, error = None, None
     if env.is_main:
         try:
@@ -670,7 +691,7 @@ def _run_log(output: Path, env: DistEnv, resuming: bool) -> Iterator[None]:
             handler.stream = open_append(output / "train.log", "run log")
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logging.getLogger("cgavit").addHandler(handler)
-            _tidy_run_folder(output, resuming)
+            _tidy_run_folder(output, in_place)
         except (ValueError, OSError) as err:  # DataError, a link or pipe as the log, WriteError
             error = err
     error = broadcast_object(env, error)
@@ -684,11 +705,11 @@ def _run_log(output: Path, env: DistEnv, resuming: bool) -> Iterator[None]:
             handler.close()
 
 
-def _tidy_run_folder(output: Path, resuming: bool) -> None:
+def _tidy_run_folder(output: Path, in_place: bool) -> None:
     for tmp in remove_stale_temporaries(output):
         log.info("removed %s, left by an interrupted write", tmp)
     metrics = output / "metrics.jsonl"
-    if records.read_metrics(metrics) and not resuming:
+    if records.read_metrics(metrics) and not in_place:
         aside = metrics.with_name(f"metrics-before-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
         os.replace(metrics, aside)
         log.warning("%s held the records of an earlier run that left no last.pt; moved them to %s", metrics, aside.name)

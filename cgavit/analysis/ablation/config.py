@@ -77,5 +77,8 @@ class AblationConfig:
         arch = {k: getattr(self, k) for k in ("embed_dim", "num_heads", "depth") if getattr(self, k) is not None}
         for seed in self.seeds:  # the training options every run gets, within the trainer's bounds
             run = TrainConfig(**budget, seed=seed, **{**self.train_args, "dials": arch})
-            run.check_values()
+            try:
+                run.check_values()
+            except ValueError as err:  # the study's --seeds, which the trainer calls --seed
+                raise ValueError(str(err).replace("--seed ", "--seeds ", 1)) from None
             run.check_batch()
