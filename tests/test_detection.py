@@ -418,7 +418,7 @@ def test_maskrcnn_roi_scales_do_not_depend_on_the_first_image():
     assert torch.equal(alone["masks"], after_strip["masks"])
 
 
-def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_path, caplog):
+def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_path, caplog, capsys):
     """torchvision hands names it does not know to its transform, which drops them: a misspelt --model-arg (or a Mask
     R-CNN name given to RetinaNet, as --help's examples were) trained without it, and was stored as if it had taken effect."""
     from cgavit.detection.models import build_detector
@@ -435,6 +435,16 @@ def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_pat
         _config(shapes, tmp_path / "run", epochs=1, model_kwargs={"min_size": 5}).validate()
     assert main(["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
                  "--output", str(tmp_path / "run"), "--model-arg", "scor_thresh=0.9"]) == 2
+    assert not (tmp_path / "run").exists()
+    # values of the wrong kind trained a whole epoch, then failed at evaluation (text) or dropped detections (-1)
+    for setting, says in (("detections_per_img=abc", "detections_per_img takes a whole number >= 1"),
+                          ("detections_per_img=-1", "detections_per_img takes a whole number >= 1"),
+                          ("score_thresh=0,5", "score_thresh takes a number in [0, 1]"),
+                          ("image_mean=[0.5,0.5]", "image_mean takes a list of 3 numbers"),
+                          ("head=1", "only Python can give")):
+        assert main(["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+                     "--output", str(tmp_path / "run"), "--model-arg", setting]) == 2
+        assert says in capsys.readouterr().err, setting
     assert not (tmp_path / "run").exists()
     # a file written before names were checked loads, without the setting that never took effect
     with caplog.at_level(logging.WARNING):

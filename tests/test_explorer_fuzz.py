@@ -250,14 +250,14 @@ def test_big_jpeg_decodes_at_a_reduced_scale(images):
     Image.new("RGB", (3000, 2000), (10, 120, 200)).save(buf, format="JPEG")
     local = ImageAttention(images.model, images.about)
     reply = local.add_image(buf.getvalue())
-    assert reply["original_size"] == [3000, 2000]
+    assert reply["original_size"] == [2000, 3000]  # (H, W), as "size" (it gave (W, H))
     assert local.pixels.peak <= (3000 // 8 + 1) * (2000 // 8 + 1)  # decoded at 1/8 scale
     # a phone photo stored sideways (EXIF orientation 6): the size as it is shown, upright (it gave the stored one)
     exif = Image.Exif()
     exif[0x0112] = 6
     buf = io.BytesIO()
     Image.new("RGB", (300, 200), (10, 120, 200)).save(buf, format="JPEG", exif=exif)
-    assert local.add_image(buf.getvalue())["original_size"] == [200, 300]
+    assert local.add_image(buf.getvalue())["original_size"] == [300, 200]
 
 
 @pytest.mark.parametrize(

@@ -168,8 +168,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         description="Run a trained detector on images and save them with boxes, labels, scores and masks drawn.")
     p.add_argument("images", nargs="+", help="image files")
     p.add_argument("--checkpoint", required=True, help="model.pth or checkpoint.pth written by `cgavit detect train`")
-    p.add_argument("--out", help="output image, PNG or JPEG by its suffix (one image), or folder (default: <image name>_pred.png "
-                   "in the current folder; images of the same name get -2, -3, ...); never one of the images")
+    p.add_argument("--output", "--out", dest="out", help="output image (one image; its format by its suffix: .png, "
+                   ".jpg, ...), or folder (default: <image name>_pred.png in the current folder; images of the same "
+                   "name get -2, -3, ...); never one of the images")
     p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.set_defaults(func=run_predict)
@@ -177,7 +178,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("shapes", help="write a small generated COCO-format dataset of coloured shapes (for trying the pipeline)",
                         description="Generate coloured squares, circles and triangles on plain backgrounds with boxes and "
                         "polygon/RLE masks, as train/ + train.json and val/ + val.json. A smoke test, not a benchmark.")
-    s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--output", "--out", dest="out", required=True, help="output folder")
     s.add_argument("--num-train", type=int, default=200, help="training images (default 200)")
     s.add_argument("--num-val", type=int, default=50, help="validation images (default 50)")
     s.add_argument("--size", type=int, default=192, help="image side in pixels (default 192)")

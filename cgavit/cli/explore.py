@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"CGA Explorer: {server.url}", flush=True)
     print(f"image panel model: {loaded.about}", flush=True)
     if args.host not in LOCAL_NAMES:
-        print(f"warning: listening on {args.host}, reachable from other machines", flush=True)
+        print(f"warning: listening on {args.host or 'every interface'}, reachable from other machines", flush=True)
     print("press Ctrl-C to stop", flush=True)
     try:
         server.serve_forever()

@@ -149,7 +149,7 @@ def _verdict(ann_file: Path, problems: Problems, strict: bool, any_kept: bool, s
 def _problems_error(ann_file: Path, problems: Problems) -> DataError:
     text = "".join(f"\n  {len(v)} {k}:{_listing(v)}" for k, v in problems.items())
     return DataError(
-        f"{ann_file} has problems, nothing was trained:{text}\n"
+        f"{ann_file} has problems, so it was not used:{text}\n"
         "Fix or remove these entries (or point --*-images at the folder that holds the files)."
     )
 

@@ -25,6 +25,7 @@ from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.poolers import initLevelMapper
 
+from ..schema import shown
 from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
 
 log = logging.getLogger(__name__)
@@ -154,11 +155,58 @@ def unknown_settings(kind: str, settings: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: The settings taking lists, and what each list holds: ``(length, whole numbers, least value)``.
+LIST_SETTINGS = {"image_mean": (3, False, 0.0), "image_std": (3, False, 1e-6), "bbox_reg_weights": (4, False, 1e-6),
+                 "fixed_size": (2, True, 1)}
+
+
+def _setting_defaults(kind: str) -> dict[str, Any]:
+    """Each setting of a ``kind`` detector and its default in torchvision's signatures."""
+    defaults: dict[str, Any] = {name: False for name in TRANSFORM_KWARGS}
+    for cls in (RetinaNet if kind == "retinanet" else MaskRCNN, GeneralizedRCNNTransform):
+        for name, p in inspect.signature(cls.__init__).parameters.items():
+            defaults.setdefault(name, p.default)
+    return {name: defaults.get(name) for name in detector_settings(kind)}
+
+
+def bad_setting_value(name: str, value: Any, default: Any) -> str | None:
+    """What is wrong with ``value`` for the torchvision setting ``name`` whose default is ``default``, or None (null
+    is the default, always allowed). Thresholds and fractions are shares in [0, 1], counts whole numbers >= 1 (as
+    their defaults are), lists those of :data:`LIST_SETTINGS`, and the settings that take a module none from here."""
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if name in LIST_SETTINGS:
+        n, whole, low = LIST_SETTINGS[name]
+        ok = isinstance(value, (list, tuple)) and len(value) == n and all(
+            isinstance(v, int if whole else (int, float)) and not isinstance(v, bool) and v >= low for v in value)
+        return None if ok else f"takes a list of {n} {'whole numbers' if whole else 'numbers'} >= {low:g}"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "takes true or false"
+    if isinstance(default, int):
+        ok = number and isinstance(value, int) and value >= 1
+        return None if ok else "takes a whole number >= 1 (a count)"
+    if isinstance(default, float):
+        ok = number and (0 <= value <= 1 if name.endswith(("_thresh", "_fraction")) else True)
+        return None if ok else ("takes a number in [0, 1]" if name.endswith(("_thresh", "_fraction")) else "takes a number")
+    if isinstance(value, nn.Module) or callable(value):  # given in Python: torchvision's to judge
+        return None
+    return "takes a torchvision module, which only Python can give (build the detector there)"
+
+
 def check_settings(kind: str, settings: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` when a name in ``settings`` is not a setting of a ``kind`` detector (:func:`unknown_settings`)."""
+    """Raise ``ValueError`` when a name in ``settings`` is not a setting of a ``kind`` detector (:func:`unknown_settings`)
+    or its value is not one the setting takes (:func:`bad_setting_value`): checked before training, where a wrong
+    type failed only at the first evaluation, a whole epoch later, and ``detections_per_img=-1`` dropped each
+    image's last detection."""
     problem = unknown_settings(kind, settings)
     if problem:
         raise ValueError(f"detector setting (--model-arg): {problem}")
+    defaults = _setting_defaults(kind)
+    for name, value in settings.items():
+        problem = bad_setting_value(name, value, defaults[name])
+        if problem:
+            raise ValueError(f"detector setting (--model-arg) {name}={shown(value)}: {name} {problem}")
 
 
 class PyramidRoIAlign(MultiScaleRoIAlign):

@@ -95,9 +95,9 @@ def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
     """
     if out is not None and out.suffix and not out.is_dir():
         if len(images) > 1:
-            raise ValueError(f"--out {out} looks like a file but {len(images)} images were given; pass a folder")
+            raise ValueError(f"--output {out} looks like a file but {len(images)} images were given; pass a folder")
         if _image_format(out) not in Image.SAVE:
-            raise ValueError(f"--out {out}: {out.suffix} is not an image format that can be written; "
+            raise ValueError(f"--output {out}: {out.suffix} is not an image format that can be written; "
                              "name it .png or .jpg, or give a folder")
         drawn = [out]
     else:

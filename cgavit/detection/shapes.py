@@ -85,12 +85,12 @@ def check_shapes_destination(root: str | Path, split: str) -> None:
         except (OSError, ValueError, AttributeError):
             ours = False
         if not ours:
-            raise ValueError(f"{ann} exists and is not a shapes dataset's annotations; give --out a new or empty folder "
+            raise ValueError(f"{ann} exists and is not a shapes dataset's annotations; give --output a new or empty folder "
                              "(nothing was written)")
     elif image_dir.is_dir():  # images it writes before the json: an earlier run stopped midway left them
         own = re.compile(rf"\.?{re.escape(split)}_\d{{5}}\.png(\..*)?")  # atomic_write's temporaries too
         if any(not own.fullmatch(p.name) for p in image_dir.iterdir()):
-            raise ValueError(f"{image_dir} holds files of its own; give --out a new or empty folder (nothing was written)")
+            raise ValueError(f"{image_dir} holds files of its own; give --output a new or empty folder (nothing was written)")
 
 
 def write_shapes_dataset(

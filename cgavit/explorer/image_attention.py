@@ -150,7 +150,7 @@ class ImageAttention:
         buf = io.BytesIO()
         view.save(buf, format="PNG")
         preview = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-        return dict(image_id=image_id, original_size=list(orig), size=[H, W], preview=preview)
+        return dict(image_id=image_id, original_size=[orig[1], orig[0]], size=[H, W], preview=preview)  # both (H, W)
 
     def has_image(self, image_id: str) -> bool:
         with self._lock:
