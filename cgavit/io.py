@@ -189,6 +189,32 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
             _remove(str(kept))
 
 
+@contextmanager
+def staging(dest: str | os.PathLike, folder: str | os.PathLike | None = None) -> Iterator[Path]:
+    """A temporary folder in ``folder`` (default: ``dest``'s), where a set of files is written before
+    :func:`replace_together` moves them into place; removed on leaving. A :class:`WriteError` for a file written in
+    it is raised again for the file of that name beside it, the one the user asked for (not the temporary one).
+
+    Raises:
+        WriteError: the folder cannot be made (``dest`` named in the message), or a file in it could not be written.
+    """
+    dest = Path(dest)
+    folder = Path(folder) if folder is not None else dest.parent
+    try:
+        scratch = tempfile.TemporaryDirectory(dir=folder, prefix=f".{dest.name}.")
+    except OSError as err:
+        raise write_error(dest, err) from None
+    with scratch as tmp:
+        try:
+            yield Path(tmp)
+        except WriteError as err:
+            inside = err.filename is not None and Path(tmp) in Path(err.filename).parents
+            if not inside:
+                raise
+            meant = folder / Path(err.filename).relative_to(tmp)
+            raise write_error(meant, OSError(err.errno, os.strerror(err.errno or errno.EIO))) from None
+
+
 def _remove(tmp: str) -> None:
     if os.path.lexists(tmp):
         os.unlink(tmp)
@@ -279,10 +305,11 @@ def write_error(path: Path, err: BaseException) -> WriteError:
     """The :class:`WriteError` for a failed write of ``path`` (:func:`atomic_write`, or a writer of several files)."""
     parent = next((p for p in path.parents if p.exists()), path.parent)
     if getattr(err, "errno", None) == errno.EEXIST and not parent.is_dir():  # mkdir(exist_ok) on a file
-        return WriteError(errno.ENOTDIR, f"cannot write {path}: {parent} is a file, not a folder; give a path under a folder")
+        return WriteError(errno.ENOTDIR, f"cannot write {path}: {parent} is a file, not a folder; give a path under a "
+                          "folder", str(path))
     code, reason, advice = write_reason(err, parent)
     kept = "the previous file is untouched" if path.is_file() else "nothing was written"
-    return WriteError(code, f"cannot write {path}: {reason} ({kept}); {advice}")
+    return WriteError(code, f"cannot write {path}: {reason} ({kept}); {advice}", str(path))
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -99,6 +99,20 @@ def stage_resolution(size: int, stage: int) -> int:
     return r
 
 
+def check_image_batch(x: object, name: str = "images") -> None:
+    """Raise ``ValueError`` unless ``x`` is a float tensor ``(B, C, H, W)``: not a numpy array, a single image, or
+    uint8 pixels straight from a decoder (``name`` says which images, for the message)."""
+    if not isinstance(x, torch.Tensor):
+        hint = ": torch.from_numpy(x)" if type(x).__module__ == "numpy" else ""
+        raise ValueError(f"expected a torch.Tensor batch of {name}, got {type(x).__name__}{hint}")
+    if x.ndim != 4:
+        hint = "; add a batch dimension with x.unsqueeze(0)" if x.ndim == 3 else ""
+        raise ValueError(f"expected a 4-D batch of {name} (B, C, H, W), got shape {tuple(x.shape)}{hint}")
+    if not x.is_floating_point():
+        raise ValueError(f"expected float {name} (normalised), got {x.dtype}; convert them, e.g. "
+                         "x.float() / 255, then subtract the mean and divide by the std")
+
+
 def _count(value: object, name: str, low: int, high: int | None = None) -> int:
     """``value`` as a whole number in ``low..high`` (ints and numpy integers; not bools, floats or text)."""
     if isinstance(value, bool):
@@ -124,13 +138,19 @@ def _check_build_args(
         raise ValueError(f"cfg must be an EfficientViTConfig, got {type(cfg).__name__}")
     num_classes = _count(num_classes, "num_classes", 0, MAX_CLASSES)
     in_chans = _count(in_chans, "in_chans", *IN_CHANS_RANGE)
-    sizes = [img_size, img_size] if not isinstance(img_size, (tuple, list)) else list(img_size)
-    if len(sizes) != 2:
-        raise ValueError(f"img_size must be an int or (H, W), got {img_size!r}")
-    img_hw = tuple(_count(s, "img_size", *IMG_SIZE_RANGE) for s in sizes)
+    img_hw = image_size_pair(img_size)
     if not isinstance(distillation, bool):  # a truthy "no" or "False" would add a head
         raise ValueError(f"distillation must be True or False, got {distillation!r}")
     return num_classes, in_chans, img_hw, _rate(drop_path_rate, "drop_path_rate")
+
+
+def image_size_pair(img_size: object) -> tuple[int, int]:
+    """``img_size``, one side or ``(H, W)``, as ``(H, W)`` of whole numbers in :data:`~cgavit.bounds.IMG_SIZE_RANGE`;
+    ``ValueError`` otherwise."""
+    sizes = [img_size, img_size] if not isinstance(img_size, (tuple, list)) else list(img_size)
+    if len(sizes) != 2:
+        raise ValueError(f"img_size must be an int or (H, W), got {img_size!r}")
+    return tuple(_count(s, "img_size", *IMG_SIZE_RANGE) for s in sizes)
 
 
 def _rate(value: object, name: str) -> float:
@@ -282,11 +302,7 @@ class EfficientViT(nn.Module):
         trace's ``torch.fx.Proxy`` passes: its shape is not known yet)."""
         if isinstance(x, torch.fx.Proxy):
             return
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"expected a torch.Tensor image batch, got {type(x).__name__}")
-        if x.ndim != 4:
-            hint = "; add a batch dimension with x.unsqueeze(0)" if x.ndim == 3 else ""
-            raise ValueError(f"expected a 4-D batch (B, C, H, W), got shape {tuple(x.shape)}{hint}")
+        check_image_batch(x)
         if x.shape[1] != self.in_chans:
             raise ValueError(
                 f"expected {self.in_chans} input channels, got {x.shape[1]} (shape {tuple(x.shape)}); "
@@ -298,9 +314,6 @@ class EfficientViT(nn.Module):
                 f"images must be at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE} pixels, got "
                 f"{x.shape[2]}x{x.shape[3]}; resize them up first"
             )
-        if not x.is_floating_point():  # uint8 pixels straight from a decoder
-            raise ValueError(f"expected float images (normalised), got {x.dtype}; convert them, e.g. "
-                             "x.float() / 255, then subtract the mean and divide by the std")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Image batch ``(B, 3, H, W)`` to the last stage's map: ``(B, C3, ~H/64, ~W/64)`` (fewer stages once

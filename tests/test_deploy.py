@@ -149,6 +149,12 @@ def test_optimize_rejects_bad_arguments():
         optimize(model, torch.randn(1, 3, 64, 64), "int8", calibration=[torch.randn(4, 3, 32, 32)])
     with pytest.raises(ValueError, match="calibration must be image batches"):
         optimize(model, torch.randn(1, 3, 64, 64), "int8", calibration=[[1, 2]])
+    pixels = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)  # cast to float and used as they were
+    for kwargs, says in ((dict(example_input=pixels), "expected float example_input images"),
+                         (dict(example_input=pixels.float(), precision="int8", calibration=[pixels]),
+                          "expected float calibration images")):
+        with pytest.raises(ValueError, match=says):
+            optimize(model, **kwargs)
     broken = tiny()
     with torch.no_grad():
         next(broken.parameters()).fill_(float("nan"))

@@ -89,6 +89,18 @@ def test_export_cli_int8_with_data(trained_digits, tmp_path, capsys):
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_fp32_export_with_data_is_checked_on_the_validation_images_alone(trained_digits, tmp_path, capsys):
+    """fp32 --data loaded 256 training images it never used, said "fp32 calibrated on 256 images", and refused a
+    folder without a training split."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val").symlink_to(trained_digits.data / "val", target_is_directory=True)
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--data", str(data), "--eval-images", "40",
+                 "--output", str(tmp_path / "m")]) == 0
+    text = capsys.readouterr().out
+    assert "calibrated" not in text and "40 images" in text
+
+
 @need("executorch")
 def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
     """ExecuTorch's threadpool starts with a thread per core: the module sets it to ``threads`` (the
@@ -116,14 +128,25 @@ def test_an_export_named_without_its_suffix_gets_it(tmp_path, capsys):
 
 def test_export_exits_1_when_its_own_check_fails(trained_digits, tmp_path, capsys, monkeypatch):
     """The check after writing is what makes a file shippable: a failed one (here logits that are not finite) is exit
-    status 1 and a line saying not to ship the file, not a 0 under a TOO LARGE."""
+    status 1 and a line saying not to ship the file, not a 0 under a TOO LARGE; and it replaced the good file that
+    was there."""
     from cgavit.cli import export as export_cli
     from cgavit.deploy.formats import ParityCheck
 
-    monkeypatch.setattr(export_cli, "check_parity", lambda *a, **k: ParityCheck("ONNX Runtime", "fp32", {1: float("nan")}))
-    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--output", str(tmp_path / "m")]) == 1
+    good = tmp_path / "m.xml"
+    good.write_text("the user's file")
+    good.with_suffix(".bin").write_text("its weights")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(export_cli, "check_parity", lambda *a, **k: ParityCheck("OpenVINO", "fp32", {1: float("nan")}))
+    argv = ["export", "--checkpoint", str(trained_digits.checkpoint), "--output", str(good), "--img-size", "40"]
+    assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "relative error nan NOT FINITE" in out and "does not pass its check (above): it was written, but do not ship" in out
+    assert "relative error nan NOT FINITE" in out and "m.failed.xml does not pass its check (above)" in out
+    assert f"{good} was not written (the file there is as it was)" in out
+    # a failed build never replaces the user's good file: it goes beside it, its weights with it
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.failed.bin", "m.failed.xml", "m.xml"]
+    assert cgavit.deploy.open_exported(tmp_path / "m.failed.xml")[1].img_size == (40, 40)
 
 
 def test_export_takes_the_checkpoints_model_and_refuses_what_contradicts_it(trained_digits, tmp_path, capsys):
@@ -150,6 +173,12 @@ def test_openvino_export_never_writes_through_a_folder_of_that_name(tmp_path, ca
     assert (tmp_path / "m.bin").read_text() == "the user's file"
     assert main(["export", "--model", "efficientvit_m0", "--output", "", *small]) == 2
     assert "the output is a file name" in capsys.readouterr().err
+    # a folder's name, with or without a separator, wrote NAME.onnx beside the folder; quantize refused both
+    (tmp_path / "out").mkdir()
+    for name, says in ((tmp_path / "out", "is a folder; give a file name inside it"), (f"{tmp_path}/m0/", "is a file name")):
+        assert main(["export", "--model", "efficientvit_m0", "--output", str(name), *small]) == 2
+        assert says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.xml", "out"]
 
 
 _CTRL_C_IN_CONVERSION = """
@@ -581,6 +610,22 @@ def test_export_info_records_the_models_own_preprocessing():
     assert export_info(made, (96, 96)).img_size == (96, 96) and export_info(made, (96, 96)).mean == made.mean
     with pytest.raises(ValueError, match="2 mean and 2 std values for a 3-channel network"):
         export_info(ExportInfo(mean=(0.5, 0.5), std=(0.2, 0.2)), (48, 48))
+
+
+def test_an_exported_file_records_its_own_precision_and_the_models_classes(trained_digits, tmp_path):
+    """export_model given an int8 file's ExportInfo wrote an fp32 file claiming int8 and cgavit quantize's verdict
+    (which optimize then trusted); an info naming 2 classes for a 10-class model was written, then refused on opening."""
+    from cgavit.deploy import open_exported
+    from cgavit.deploy.metadata import ExportInfo
+
+    verdict = {"runtime": "onnxruntime", "agreement": 1.0, "meets_target": True, "weight_range": "8-bit"}
+    theirs = ExportInfo(class_names=tuple("0123456789"), img_size=(48, 48), precision="int8", int8=verdict)
+    path = export_model(trained_digits.model, tmp_path / "m", "onnx", (48, 48), info=theirs)
+    _, info = open_exported(path)
+    assert (info.precision, dict(info.int8), info.class_names) == ("fp32", {}, theirs.class_names)
+    with pytest.raises(ValueError, match="info names 2 classes but the model predicts 10"):
+        export_model(trained_digits.model, tmp_path / "n", "onnx", (48, 48), info=ExportInfo(class_names=("a", "b")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
 @pytest.mark.parametrize("suffix", EXPORTED)

@@ -925,6 +925,13 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
             (renamed / split / ("nine" if folder.name == "9" else folder.name)).symlink_to(folder)
     assert main(base[:4] + [str(renamed), "--output", str(tmp_path / "q")]) == 2
     assert "'nine' is not among them; '9' is missing" in capsys.readouterr().err
+    with tempfile.TemporaryDirectory() as elsewhere:  # a file that does not record its network takes --model, as
+        plain = Path(elsewhere) / "sd.pt"                 # export's and eval's do (the message said to give it: refused)
+        torch.save(cgavit.create_model("m0", num_classes=10).state_dict(), plain)
+        assert main([*base[:2], str(plain), *base[3:]]) == 2
+        assert "does not record its architecture; name its variant (--model NAME" in capsys.readouterr().err
+        assert main([*base[:2], str(plain), *base[3:], "--model", "efficientvit_m0", "--eval-images", "1"]) == 2
+        assert "leaves a part empty" in capsys.readouterr().err  # loaded, and judged as far as the images
     monkeypatch.setattr(quantize_cli, "openvino_available", lambda: False)
     assert main(base[:-2] + ["--runtime", "openvino"]) == 2
     assert "pip install 'cgavit[openvino]'" in capsys.readouterr().err
@@ -1193,6 +1200,27 @@ def test_info_that_does_not_fit_the_model_or_the_images_is_refused_before_the_se
         with pytest.raises(ValueError, match=message):
             assess(model, b"not looked at", cal, x, info=wrong, labels=y, **QUICK_ASSESS)
     assert quantize(model, cal, x, info=info, **kwargs).info.class_names == tuple(info.class_names)
+
+
+def test_images_that_are_not_what_the_model_takes_are_refused(trained_digits, tmp_path):
+    """uint8 pixels were cast to float and judged (a verdict on 0..255 inputs), the calibration images given again
+    as the evaluation ones gave 100 %, and an opened file took uint8 and said "build it again" of a single image."""
+    from cgavit.deploy import open_exported
+
+    cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
+    kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, **QUICK)
+    pixels = (x * 50 + 128).clamp(0, 255).to(torch.uint8)
+    for calibration, evaluation, message in ((cal, pixels, "expected float evaluation images"),
+                                             ([cal.to(torch.uint8)], x, "expected float calibration images"),
+                                             (cal, cal[:40].numpy(), "got ndarray: torch.from_numpy"),
+                                             (x, x, "the evaluation images are the calibration images")):
+        with pytest.raises(ValueError, match=message):
+            quantize(trained_digits.model, calibration, evaluation, **kwargs)
+    module, _ = open_exported(export_model(trained_digits.model, tmp_path / "m", "onnx", (48, 48)))
+    for images, message in ((pixels, "expected float images"), (x[0], "add a batch dimension with x.unsqueeze"),
+                            (x.numpy(), "torch.from_numpy")):
+        with pytest.raises(ValueError, match=message):
+            module(images)
 
 
 @pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from ..factory import ModelInfo, create_model, load_model
 from ..fields import option
 from ..imagenet import class_names
-from ..io import replace_together, write_error, write_json
+from ..io import replace_together, staging, write_error, write_json
 from ..classes import check_classes, class_difference, model_indices
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
@@ -235,14 +234,13 @@ def write_outputs(
     report_path = out / f"{name}.json"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        staging = tempfile.TemporaryDirectory(dir=out, prefix=f".{name}.")
     except OSError as err:
         raise write_error(report_path, err) from None
-    with staging as tmp:
-        drawn = draw(Path(tmp))
+    with staging(report_path) as tmp:
+        drawn = draw(tmp)
         plots = [out / p.name for p in drawn]
         stale = [out / f for f in FIGURES[name] if out / f not in plots and (out / f).exists()]
-        written = write_json(Path(tmp) / report_path.name, json_ready(report))
+        written = write_json(tmp / report_path.name, json_ready(report))
         replace_together([*zip(drawn, plots), (written, report_path), *((None, p) for p in stale)])
     return report_path, plots
 

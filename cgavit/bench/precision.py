@@ -174,9 +174,7 @@ def calibration_and_evaluation(
     else:
         for split, classes in folders.items():
             check_classes(Path(root) / split, classes, info, num_classes)
-    if eval_images > len(splits[val_split][1]):  # 0: all of them
-        raise ValueError(f"{val_dir} holds {len(splits[val_split][1])} images, fewer than --eval-images {eval_images}; "
-                         "give a smaller count, or 0 for all of them")
+    _check_eval_count(val_dir, len(splits[val_split][1]), eval_images)
     calib = load_calibration(root, train_split, info, calibration_images)
     evaluated = load_labelled(root, val_split, info, eval_images)
     shared = same_files(calib.files, evaluated.files)
@@ -190,6 +188,29 @@ def calibration_and_evaluation(
         raise ValueError(f"{calib.source} holds {len(calib.images)} images, fewer than --calibration-images "
                          f"{calibration_images}; give more images or a smaller count")
     return calib, evaluated
+
+
+def evaluation_images(root: str | Path, split: str, info: ModelInfo, num_classes: int | None,
+                      eval_images: int = 0) -> LabelledImages:
+    """The labelled images of ``root/split`` a file is judged on where nothing is calibrated (fp32): as the
+    evaluation half of :func:`calibration_and_evaluation`, without a training split.
+
+    Raises:
+        ValueError: a missing or malformed folder, class folders unlike the model's, fewer images than
+            ``eval_images``.
+    """
+    classes, files = list_split(root, split)
+    if num_classes is not None:
+        check_classes(Path(root) / split, classes, info, num_classes)
+    _check_eval_count(Path(root) / split, len(files), eval_images)
+    evaluated = load_labelled(root, split, info, eval_images)
+    return _in_model_order(evaluated, info) if num_classes is not None and info.names_recorded else evaluated
+
+
+def _check_eval_count(folder: Path, held: int, eval_images: int) -> None:
+    if eval_images > held:  # 0: all of them
+        raise ValueError(f"{folder} holds {held} images, fewer than --eval-images {eval_images}; "
+                         "give a smaller count, or 0 for all of them")
 
 
 def same_files(these: Sequence[str], those: Sequence[str]) -> list[str]:

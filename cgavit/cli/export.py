@@ -8,9 +8,11 @@ from pathlib import Path
 
 from torch import nn
 
-from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation
+from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, evaluation_images
 from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
+from ..deploy.fusion import named_output
+from ..io import replace_together, staging
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, create_model, load_model
 from .common import add_dial_args, dials_from_args, image_size
@@ -35,7 +37,7 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
 
 
 def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[LabelledImages | None, LabelledImages | None]:
-    """With ``--data``: training images to calibrate int8 on and validation images to check against."""
+    """With ``--data``: training images to calibrate int8 on (none for fp32) and validation images to check against."""
     if args.calibration_images < 1 or args.eval_images < 0 or args.batch < 1:
         raise ValueError("--calibration-images and --batch must be at least 1, --eval-images at least 0")
     ignored = [flag for flag, given in (
@@ -52,6 +54,8 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
         return None, None
     num_classes = len(info.class_names) if info.names_recorded else None  # a file without names: any labelled folder
+    if args.precision != "int8":  # nothing to calibrate: DIR/val alone
+        return None, evaluation_images(args.data, args.val_split, info, num_classes, args.eval_images)
     return calibration_and_evaluation(args.data, args.train_split, args.val_split, info, num_classes,
                                       args.calibration_images, args.eval_images,
                                       all_calibration_images=args.precision == "int8")  # never fewer than asked
@@ -71,11 +75,20 @@ def output_format(args: argparse.Namespace) -> str:
     return args.format or named or "onnx"
 
 
+def files_of(out: Path) -> list[Path]:
+    """An exported file and, for an OpenVINO ``.xml``, the ``.bin`` of weights beside it."""
+    return [out] + ([out.with_suffix(".bin")] if out.suffix == ".xml" else [])
+
+
 def written(out: Path) -> str:
-    """The file written and its size; an OpenVINO ``.xml`` with the ``.bin`` of weights beside it, which holds
-    nearly all of the size."""
-    files = [out] + ([out.with_suffix(".bin")] if out.suffix == ".xml" and out.with_suffix(".bin").is_file() else [])
+    """The file written and its size (an OpenVINO ``.bin`` holds nearly all of it)."""
+    files = files_of(out)
     return f"{' + '.join(str(f) for f in files)} ({sum(f.stat().st_size for f in files) / 1e6:.1f} MB)"
+
+
+def failed_name(out: Path) -> Path:
+    """Where a build that fails its check goes, so that a file already at ``out`` is kept: ``NAME.failed.onnx``."""
+    return out.with_name(f"{out.stem}.failed{out.suffix}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,20 +101,24 @@ def run(args: argparse.Namespace) -> int:
         )
     fmt = require_format(args.format, args.precision)
     model, info, size = load_for_export(args)
-    calib, check = calibration_and_check(args, info)
-    batches = list(calib.images.split(16)) if calib is not None else None
-    out = export_model(model, args.output, args.format, size, args.precision, batches, args.batch,
-                       info=export_info(info, size, getattr(model, "in_chans", 3)))
+    out = named_output(args.output, fmt.suffix, f"a file for {fmt.runtime}")
+    with staging(out) as tmp:  # the build is made and checked beside its destination, moved there if it passes
+        calib, check = calibration_and_check(args, info)
+        batches = list(calib.images.split(16)) if calib is not None else None
+        built = export_model(model, tmp / out.name, args.format, size, args.precision, batches, args.batch,
+                             info=export_info(info, size, getattr(model, "in_chans", 3)))
+        parity = check_parity(load_exported(built, args.format, args.precision), model, size, args.precision,
+                              fmt.runtime, check.images if check else None, check.labels if check else None)
+        dest = out if parity.ok else failed_name(out)
+        replace_together([(f, dest.with_suffix(f.suffix)) for f in reversed(files_of(built))])  # OpenVINO's .bin first
     batch = f"batch {args.batch} fixed" if fmt.fixed_batch else "batch dynamic"
-    print(f"wrote {written(out)}, {batch}, size {size[0]}x{size[1]} fixed"
+    print(f"wrote {written(dest)}, {batch}, size {size[0]}x{size[1]} fixed"
           + (f", {args.precision} calibrated on {len(calib.images)} images of {calib.source}" if calib else ""))
-    module = load_exported(out, args.format, args.precision)
-    parity = check_parity(module, model, size, args.precision, fmt.runtime,
-                          check.images if check else None, check.labels if check else None)
     for line in parity.lines():
         print(line)
     if not parity.ok:
-        print(f"{out} does not pass its check (above): it was written, but do not ship it; exit status 1")
+        print(f"{dest} does not pass its check (above): it is kept for a look under that name, and {out} was not "
+              f"written{' (the file there is as it was)' if out.exists() else ''}; do not ship it; exit status 1")
         return 1
     return 0
 

@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -21,14 +20,15 @@ from pathlib import Path
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
-from ..deploy.fusion import WRITTEN_SUFFIXES, output_path
+from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.openvino import openvino_available
 from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import atomic_write, replace_together, write_error, write_json, write_text
+from ..io import atomic_write, replace_together, staging, write_json, write_text
+from .common import add_dial_args, dials_from_args
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +127,10 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
             unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, one of the
             files to write is a folder, or OpenVINO asked for and not installed.
     """
-    raw = args.output
-    if not raw.strip() or raw.endswith(("/", os.sep)) or Path(raw).name in ("", ".", ".."):
-        raise ValueError(f"--output is a file name, e.g. q/digits_int8 (.onnx or .xml is added); got {raw!r}")
-    out = output_path(raw)
-    if out.is_dir():
-        raise ValueError(f"--output {raw} is a folder; give a file name inside it, e.g. {out / 'int8'}")
+    out = file_name(args.output, "q/digits_int8 (.onnx or .xml is added)")
     implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
     if implied and args.runtime and implied != args.runtime:
-        raise ValueError(f"--output {out.name} is a {implied} file but --runtime is {args.runtime}; "
+        raise ValueError(f"--output {out.name} names an {implied} file but --runtime is {args.runtime}; "
                          "give a matching suffix, or NAME alone")
     if not implied and out.suffix.lower() in WRITTEN_SUFFIXES:
         raise ValueError(f"--output {out.name} names another kind of file; give NAME, NAME.onnx or NAME.xml")
@@ -191,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if qat_only and not args.qat:
         raise ValueError(f"{', '.join(qat_only)} {'is' if len(qat_only) == 1 else 'are'} read by --qat alone; add it, "
                          "or leave them out")
-    model, info = load_model(args.checkpoint, trust=args.trust_checkpoint)
+    model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, trust=args.trust_checkpoint)
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
                                                   all_calibration_images=True)
@@ -295,12 +290,8 @@ def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool,
     its target then writes ``NAME.quantize-missed.*``). Returns the int8 file (None) and the report's files."""
     out = None
     missed = not result.meets_target and earlier
-    try:
-        scratch = tempfile.TemporaryDirectory(dir=outputs.stem.parent, prefix=f".{outputs.stem.name}.")
-    except OSError as err:
-        raise write_error(outputs.stem, err) from None
-    with scratch as tmp:
-        temporary = Outputs(Path(tmp) / outputs.stem.name)
+    with staging(outputs.stem) as tmp:
+        temporary = Outputs(tmp / outputs.stem.name)
         moves: list[tuple[Path | None, Path]] = []
         if result.meets_target:
             made = result.save(temporary.stem)
@@ -359,7 +350,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "report (NAME.quantize.json, .md, .png). When nothing meets the target no int8 file is written and the "
         "exit status is 1.",
     )
-    p.add_argument("--checkpoint", required=True, help="trained weights written by cgavit train (best.pt, .safetensors)")
+    p.add_argument("--checkpoint", required=True, help="trained weights: written by cgavit train (best.pt, "
+                   ".safetensors; they record the network), or an official or timm file with --model")
+    p.add_argument("--model", help="variant name, e.g. efficientvit_m0, for a file that does not record its network "
+                   "(with the dials below if it was trained with changed ones); a check for one that does")
     p.add_argument("--data", required=True, help="image folder: calibration on DIR/train, judged on DIR/val")
     p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml, in a "
                    "folder that exists; a run replaces the NAME.* files it writes, and its answer also the other "
@@ -413,4 +407,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per build (default 3)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per build (default 10)")
+    add_dial_args(p)
     p.set_defaults(func=run)

@@ -76,6 +76,6 @@ def quantized_artifact(quantized: QuantizeResult | str | os.PathLike) -> Quantiz
     path = Path(quantized)
     module, info = open_exported(path)
     if info.precision != "int8":
-        raise ValueError(f"{path.name} is a {info.precision} file; quantized= takes an int8 file from cgavit quantize")
+        raise ValueError(f"{path.name} holds {info.precision}, not int8; quantized= takes an int8 file from cgavit quantize")
     runtime = FORMAT_RUNTIMES[SUFFIX_FORMATS[path.suffix.lower()]]
     return QuantizedArtifact(module, runtime, info.img_size, dict(info.int8), path.name)

@@ -16,6 +16,7 @@ from torch import nn
 from ..fast import swap_fast_modules
 from ..kernels import interpreted, triton_available
 from ..kernels import load as load_kernels
+from ..model import check_image_batch
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
 from .artifact import QuantizedArtifact, quantized_artifact
@@ -199,6 +200,8 @@ def _checked_inputs(
                                        for b in batches):
         raise ValueError(f"calibration must be image batches shaped like example_input, (B, {', '.join(map(str, shape))}), "
                          "preprocessed the same way")
+    for images, name in [(example_input, "example_input images"), *((b, "calibration images") for b in batches or [])]:
+        check_image_batch(images, name)  # uint8 pixels were cast and used as they were
     batches = None if batches is None else [b.float() for b in batches]
     return example_input.float(), batches, _checked_evaluation(evaluation, precision, shape)
 
@@ -218,6 +221,8 @@ def _checked_evaluation(evaluation: Iterable[torch.Tensor] | None, precision: st
     if not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[1:]) == shape for b in batches):
         raise ValueError(f"evaluation must be image batches shaped like example_input, (B, {', '.join(map(str, shape))}), "
                          "preprocessed the same way (a list of batches, or [images] for one)")
+    for b in batches:
+        check_image_batch(b, "evaluation images")
     return [b.float() for b in batches]
 
 

@@ -12,13 +12,15 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..factory import ModelInfo
 from ..io import check_readable_file
+from ..model import check_image_batch, image_size_pair
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
 from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
@@ -27,7 +29,7 @@ from .openvino import OpenVinoModule, export_openvino, openvino_available, openv
 from .fusion import example_batch, fuse, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
-from .metadata import ExportInfo, export_info
+from .metadata import ExportInfo, check_info_classes, export_info, model_classes
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
 
@@ -108,23 +110,24 @@ def export_model(
         options: int8 in ONNX Runtime and OpenVINO: how to quantise (default: for this CPU,
             :class:`~cgavit.deploy.int8.Int8Options`).
         info: ONNX and OpenVINO: the metadata the file carries (class names, preprocessing;
-            :class:`~cgavit.deploy.metadata.ExportInfo`; default: the image size alone).
+            :class:`~cgavit.deploy.metadata.ExportInfo` or the ``ModelInfo`` of :func:`~cgavit.load_model`; default:
+            the image size alone). Its image size becomes ``img_size``, its precision the file's: an int8
+            ``ExportInfo``'s record of how that file was made and judged is not copied.
 
     Raises:
-        ValueError: see :func:`require_format`; int8 without calibration; a missing output folder; a name
-            ending in another format's suffix.
+        ValueError: see :func:`require_format`; a bad size; int8 without calibration, or fp32 with it; a missing
+            output folder; a name
+            ending in another format's suffix; ``info`` naming other than one class per model output.
     """
     fmt = require_format(format, precision)
-    img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-    if precision == "int8" and calibration is None:
-        raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
-    if calibration is not None:
-        calibration = list(calibration)
-        if not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[2:]) == img_size for b in calibration):
-            raise ValueError(f"calibration must be image batches (B, C, {img_size[0]}, {img_size[1]}), preprocessed like "
-                             "the input the file takes")
+    img_size = image_size_pair(img_size)
+    calibration = _checked_calibration(calibration, precision, img_size)
+    if info is not None and not isinstance(info, (ExportInfo, ModelInfo)):
+        raise ValueError(f"info must be an ExportInfo, or the ModelInfo load_model returns; got {type(info).__name__}")
     path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
-    info = export_info(info, img_size, getattr(model, "in_chans", 3))  # checked before anything is written
+    check_info_classes(info, model_classes(model))  # checked before anything is written
+    # the file's own precision: an int8 build records how it was made; no verdict carries over from another file
+    info = replace(export_info(info, img_size, getattr(model, "in_chans", 3)), precision="fp32", int8={})
     if format == "openvino":
         return export_openvino(model, path, img_size, precision, calibration, options, info)
     if format == "executorch":
@@ -136,6 +139,25 @@ def export_model(
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size, fold_residuals=False)
         return quantize_onnx(fp32, path, calibration, options, info=info)
+
+
+def _checked_calibration(calibration: Iterable[torch.Tensor] | None, precision: str,
+                         img_size: tuple[int, int]) -> list[torch.Tensor] | None:
+    """The calibration batches int8 needs (None for another precision, which has nothing to calibrate), checked."""
+    if precision == "int8" and calibration is None:
+        raise ValueError("int8 needs calibration images: give a few hundred training images (--data DIR)")
+    if precision != "int8" and calibration is not None:
+        raise ValueError(f"calibration images are read for int8 only ({precision} has nothing to calibrate): "
+                         "leave calibration out")
+    if calibration is None:
+        return None
+    calibration = list(calibration)
+    if not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[2:]) == img_size for b in calibration):
+        raise ValueError(f"calibration must be image batches (B, C, {img_size[0]}, {img_size[1]}), preprocessed like "
+                         "the input the file takes")
+    for batch in calibration:
+        check_image_batch(batch, "calibration images")  # uint8 pixels would calibrate ranges the input never has
+    return calibration
 
 
 def load_exported(path: str | os.PathLike, format: str, precision: str = "fp32", threads: int | None = None) -> RuntimeModule:

@@ -84,6 +84,21 @@ def output_path(path: str | os.PathLike) -> Path:
     return path
 
 
+def file_name(path: str | os.PathLike, example: str) -> Path:
+    """``path`` as a Path when it names a file that can be written in a folder that exists (:func:`output_path`).
+
+    Raises:
+        ValueError: an empty name, one ending in a separator or in ``.``/``..``, or the name of a folder (a file
+            written beside it under another name would surprise); ``example`` shows a good name.
+    """
+    raw = os.fspath(path)
+    if not raw.strip() or raw.endswith(("/", os.sep)) or Path(raw).name in ("", ".", ".."):
+        raise ValueError(f"the output is a file name, e.g. {example}; got {raw!r}")
+    if Path(raw).is_dir():
+        raise ValueError(f"the output {raw} is a folder; give a file name inside it, e.g. {Path(raw) / 'm0'}")
+    return output_path(raw)
+
+
 #: The suffixes of the files cgavit writes: an output name ending in one of them names that kind of file.
 WRITTEN_SUFFIXES = (".onnx", ".xml", ".bin", ".pte", ".tflite", ".pt", ".safetensors")
 
@@ -102,9 +117,7 @@ def named_output(path: str | os.PathLike, suffix: str, what: str) -> Path:
         ValueError: no file name, the folder does not exist, the name ends in another format's suffix, or the file
             to write is a folder.
     """
-    if not str(path).strip() or Path(path).name in ("", ".", ".."):
-        raise ValueError(f"the output is a file name, e.g. m0 or m0{suffix}; got {str(path)!r}")
-    path = output_path(path)
+    path = file_name(path, f"m0 or m0{suffix}")
     if path.suffix.lower() != suffix:
         if path.suffix.lower() in WRITTEN_SUFFIXES:
             raise ValueError(f"{what} is written as NAME{suffix}: give NAME or NAME{suffix}, not {path.name}")

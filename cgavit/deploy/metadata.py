@@ -141,6 +141,21 @@ def export_info(info: object | None, size: tuple[int, int], in_chans: int = 3) -
     return made
 
 
+def model_classes(model: object) -> int | None:
+    """How many classes ``model`` predicts, where it says (cgavit's models and timm's do)."""
+    count = getattr(model, "num_classes", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+
+
+def check_info_classes(info: object, classes: int | None) -> None:
+    """``info`` names no classes or one per model output (``classes``, where known); ValueError otherwise (a file
+    recording other names could not be opened)."""
+    names = tuple(getattr(info, "class_names", ()))
+    if names and classes is not None and len(names) != classes:
+        raise ValueError(f"info names {len(names)} classes but the model predicts {classes}: give this model's info "
+                         "(the ModelInfo load_model returned with it)")
+
+
 def unreadable_file(source: str | os.PathLike, kind: str, err: BaseException) -> ValueError:
     """The one line for an exported file that its runtime cannot read (cut short, or not such a file at all):
     ``kind`` (``"an ONNX model"``, ...) and the runtime's reason, the last line of its message (OpenVINO's first

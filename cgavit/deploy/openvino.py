@@ -20,7 +20,6 @@ import importlib.util
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import warnings
 from collections import defaultdict
@@ -31,7 +30,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ..io import replace_together, stop_signals_deferred, write_error
+from ..io import replace_together, staging, stop_signals_deferred, write_error
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .first_layer import gptq_convolution
 from .fusion import example_batch, export_form, named_output
@@ -492,12 +491,8 @@ def save_openvino(ov_model, path: Path, info: ExportInfo) -> None:
     Raises:
         WriteError: the files could not be written (a full disk, permissions; the old pair is kept).
     """
-    try:
-        scratch = tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.")
-    except OSError as err:
-        raise write_error(path, err) from None
-    with scratch as tmp:
-        xml = write_openvino(ov_model, Path(tmp) / path.name, info)
+    with staging(path) as tmp:
+        xml = write_openvino(ov_model, tmp / path.name, info)
         replace_together([(xml.with_suffix(".bin"), path.with_suffix(".bin")), (xml, path)])
 
 

@@ -28,6 +28,7 @@ images is optimistic by construction.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import tempfile
 import warnings
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from ..io import atomic_write
+from ..model import check_image_batch
 from ..timing import other_load, round_robin
 from .agreement import (
     AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, NoiseFloor, compare_logits, noise_floor,
@@ -49,7 +51,7 @@ from .agreement import (
 from .cpu import CpuFeatures, architecture, cpu_features
 from .fusion import fuse, named_output
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
-from .metadata import ExportInfo, export_info, int8_info
+from .metadata import ExportInfo, check_info_classes, export_info, int8_info, model_classes
 from .onnx import (
     OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, onnxruntime_conv_times, with_onnx_metadata,
 )
@@ -95,6 +97,10 @@ class QuantizeTarget:
     accuracy_tolerance: float = QUANTIZE_ACCURACY_TOLERANCE
 
     def __post_init__(self) -> None:
+        for name in ("agreement", "accuracy_tolerance"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # True would be a 100 % target
+                raise ValueError(f"the {name} target must be a number, got {value!r} ({type(value).__name__})")
         if not 0 < self.agreement <= 1:
             raise ValueError(f"the agreement target is a share in (0, 1], e.g. 0.995 for 99.5 %; got {self.agreement}")
         if not 0 <= self.accuracy_tolerance <= 100:
@@ -376,7 +382,7 @@ def quantize(
     Raises:
         ValueError: bad images, labels, runtime, target, holdout, ``info`` (:func:`_check_info`), or a bf16 float part.
     """
-    runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, _classes(model))
+    runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, model_classes(model))
     _check_settings(target, options, (batch, threads, warmup, repeats))
     if max_float_layers is not None and (isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int)
                                          or max_float_layers < 0):
@@ -429,7 +435,7 @@ def assess(
         ValueError: as :func:`quantize`.
     """
     runtimes = quant_runtimes(runtime)
-    cal, ev = _checked_images(calibration, evaluation, labels, _classes(reference))
+    cal, ev = _checked_images(calibration, evaluation, labels, model_classes(reference))
     _check_settings(target, options, (batch, threads, warmup, repeats))
     features = features or cpu_features()
     opts = options.for_cpu(features)
@@ -462,7 +468,7 @@ def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> 
                       "names; pass the ModelInfo that load_model returned (or an ExportInfo) so that it records the "
                       "model's own", RuntimeWarning, stacklevel=3)
     else:
-        _check_info(info, size, _classes(model))
+        _check_info(info, size, model_classes(model))
     return export_info(info, size, getattr(model, "in_chans", 3))
 
 
@@ -474,10 +480,7 @@ def _check_info(info: object, size: tuple[int, int], classes: int | None) -> Non
     if given != tuple(size):
         raise ValueError(f"the images are {size[0]}x{size[1]} but info is for {'x'.join(map(str, given)) or 'no'} "
                          "images: preprocess them with the model's own transform, or give the info that fits them")
-    names = tuple(getattr(info, "class_names", ()))
-    if names and classes is not None and len(names) != classes:
-        raise ValueError(f"info names {len(names)} classes but the model predicts {classes}: give this model's info "
-                         "(the ModelInfo load_model returned with it)")
+    check_info_classes(info, classes)
 
 
 def quant_runtimes(runtime: str | None) -> list[str]:
@@ -513,10 +516,14 @@ def _checked_images(
         if batches is None or not all(isinstance(b, torch.Tensor) for b in batches):
             raise ValueError("calibration must be training images (N, C, H, W) or batches of them, as tensors "
                              f"preprocessed like the input; got {type(calibration).__name__}")
-        cal = torch.cat([b.float() for b in batches]) if batches else torch.empty(0)
-    if not isinstance(evaluation, torch.Tensor) or evaluation.ndim != 4 or not len(evaluation):
+        for b in batches:
+            check_image_batch(b, "calibration images")
+        cal = torch.cat([b.float() for b in batches]) if batches else torch.empty(0, 1, 1, 1)
+    check_image_batch(cal, "calibration images")
+    check_image_batch(evaluation, "evaluation images")
+    if not len(evaluation):
         raise ValueError("evaluation must be a non-empty image tensor (M, C, H, W) of held-out images")
-    if cal.ndim != 4 or not len(cal):
+    if not len(cal):
         raise ValueError("calibration must be training images (N, C, H, W), a few hundred, or batches of them")
     if cal.shape[1:] != evaluation.shape[1:]:
         raise ValueError(f"calibration images are {tuple(cal.shape[1:])} but evaluation images "
@@ -525,6 +532,9 @@ def _checked_images(
     for name, images in (("calibration", cal), ("evaluation", evaluation)):
         if not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold NaN or infinite values: preprocess real images")
+    if cal.shape == evaluation.shape and torch.equal(cal, evaluation):
+        raise ValueError("the evaluation images are the calibration images: int8 judged on its own calibration "
+                         "images says nothing about other images; give held-out images to evaluate on")
     if labels is not None:
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (len(evaluation),):
             raise ValueError(f"labels must be a tensor of shape ({len(evaluation)},), one class index per evaluation "
@@ -535,12 +545,6 @@ def _checked_images(
             raise ValueError(f"labels must be class indices in 0..{num_classes - 1 if num_classes else 'N-1'}, got "
                              f"values from {int(labels.min())} to {int(labels.max())}")
     return cal, evaluation
-
-
-def _classes(model: nn.Module) -> int | None:
-    """How many classes ``model`` predicts, where it says (cgavit's models and timm's do)."""
-    count = getattr(model, "num_classes", None)
-    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
 
 def _check_settings(target: object, options: object, timing: tuple) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..io import printable
+from ..model import check_image_batch
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +74,17 @@ class RuntimeModule(nn.Module):
         return super().__reduce_ex__(protocol)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        check_image_batch(x)
         takes = self.input_shape
-        if isinstance(x, torch.Tensor) and takes is not None and len(takes) == 4 and (
-                x.ndim != 4 or any(t is not None and t != n for t, n in zip(takes[1:], x.shape[1:]))):
+        if takes is not None and len(takes) == 4 and any(t is not None and t != n for t, n in zip(takes[1:], x.shape[1:])):
             shown = ", ".join("B" if t is None else str(t) for t in (None, *takes[1:]))
-            if x.ndim == 4 and takes[1] is not None and takes[1] != x.shape[1]:  # the size may be right: the channels are not
+            if takes[1] is not None and takes[1] != x.shape[1]:  # the size may be right: the channels are not
                 fix = (f"it takes {takes[1]}-channel images: convert them (grayscale or RGB), or export a model built "
                        f"with in_chans={x.shape[1]}")
             else:
                 fix = "build it again for that size (optimize, or cgavit export --img-size)"
             raise ValueError(f"this {self.precision} {type(self).__name__} takes images ({shown}), got {tuple(x.shape)}: {fix}")
-        if isinstance(x, torch.Tensor) and x.ndim == 4 and x.shape[0] == 0:
+        if x.shape[0] == 0:
             # an empty batch: the runtimes' reshapes cannot infer a batch of 0; one image's logits give the shape
             return self._run(x.new_zeros(1, *x.shape[1:]), *args, **kwargs)[:0]
         return self._run(x, *args, **kwargs)
