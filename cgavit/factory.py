@@ -24,7 +24,7 @@ from .hub import download_release
 from .imagenet import class_names
 from .io import CheckpointError
 from .loading import adapt_first_conv, fit_state_dict, load_checkpoint
-from .model import EfficientViT, floating_dtype, convert_state_dict
+from .model import EfficientViT, convert_state_dict, floating_dtype
 from .schema import (
     WeightsMeta,
     check_finite,
@@ -145,8 +145,8 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
         ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
 
     Raises:
-        CheckpointError: ``model`` cannot take them (changed dials: the message names them); the download failed; or the cached file is damaged (the message says which file to
-            delete).
+        CheckpointError: ``model`` cannot take them (changed dials: the message names them); the download
+            failed; or the cached file is damaged (the message says which file to delete).
         WriteError: the cache folder cannot be written.
     """
     key = resolve_name(name)

@@ -32,7 +32,11 @@ TMP_SUFFIX = ".tmp"
 class WriteError(OSError):
     """A file could not be written (disk full, permission, ...); whatever stood at the path before is
     untouched. ``errno`` is the real cause (``ENOSPC``, ``EISDIR``, ``EROFS``, ...); the message (all
-    that ``str()`` gives, without an ``[Errno N]`` prefix) says which file, why, and what to do."""
+    that ``str()`` gives, without an ``[Errno N]`` prefix) says which file, why, and what to do; ``filename``,
+    ``reason`` and ``advice`` are its parts."""
+
+    reason: str = ""
+    advice: str = ""
 
     def __str__(self) -> str:
         return self.strerror if isinstance(self.strerror, str) else super().__str__()
@@ -166,6 +170,9 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
     Raises:
         WriteError: a move failed (every destination is as it was).
     """
+    for _, dest in moves:  # a folder is never moved aside (nor removed): refused before anything moves
+        if Path(dest).is_dir() and not Path(dest).is_symlink():
+            raise write_error(Path(dest), IsADirectoryError(errno.EISDIR, "Is a directory"))
     aside: list[tuple[Path, Path]] = []  # (destination, its old file, moved aside until the end)
     placed: list[Path] = []
     with stop_signals_deferred():
@@ -190,8 +197,8 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
 
 
 @contextmanager
-def staging(dest: str | os.PathLike, folder: str | os.PathLike | None = None) -> Iterator[Path]:
-    """A temporary folder in ``folder`` (default: ``dest``'s), where a set of files is written before
+def staging(dest: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder in ``dest``'s folder, where a set of files is written before
     :func:`replace_together` moves them into place; removed on leaving. A :class:`WriteError` for a file written in
     it is raised again for the file of that name beside it, the one the user asked for (not the temporary one).
 
@@ -199,7 +206,7 @@ def staging(dest: str | os.PathLike, folder: str | os.PathLike | None = None) ->
         WriteError: the folder cannot be made (``dest`` named in the message), or a file in it could not be written.
     """
     dest = Path(dest)
-    folder = Path(folder) if folder is not None else dest.parent
+    folder = dest.parent
     try:
         scratch = tempfile.TemporaryDirectory(dir=folder, prefix=f".{dest.name}.")
     except OSError as err:
@@ -212,7 +219,8 @@ def staging(dest: str | os.PathLike, folder: str | os.PathLike | None = None) ->
             if not inside:
                 raise
             meant = folder / Path(err.filename).relative_to(tmp)
-            raise write_error(meant, OSError(err.errno, os.strerror(err.errno or errno.EIO))) from None
+            reason = err.reason or os.strerror(err.errno or errno.EIO)
+            raise _described(meant, err.errno, reason, err.advice or "check the disk and run again") from None
 
 
 def _remove(tmp: str) -> None:
@@ -307,9 +315,16 @@ def write_error(path: Path, err: BaseException) -> WriteError:
     if getattr(err, "errno", None) == errno.EEXIST and not parent.is_dir():  # mkdir(exist_ok) on a file
         return WriteError(errno.ENOTDIR, f"cannot write {path}: {parent} is a file, not a folder; give a path under a "
                           "folder", str(path))
-    code, reason, advice = write_reason(err, parent)
+    return _described(path, *write_reason(err, parent))
+
+
+def _described(path: Path, code: int, reason: str, advice: str) -> WriteError:
+    """The :class:`WriteError` saying that ``path`` could not be written, why and what to do (kept on it as
+    ``reason`` and ``advice``, for :func:`staging` to say of another path)."""
     kept = "the previous file is untouched" if path.is_file() else "nothing was written"
-    return WriteError(code, f"cannot write {path}: {reason} ({kept}); {advice}", str(path))
+    err = WriteError(code, f"cannot write {path}: {reason} ({kept}); {advice}", str(path))
+    err.reason, err.advice = reason, advice
+    return err
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

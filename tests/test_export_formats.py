@@ -99,6 +99,9 @@ def test_fp32_export_with_data_is_checked_on_the_validation_images_alone(trained
                  "--output", str(tmp_path / "m")]) == 0
     text = capsys.readouterr().out
     assert "calibrated" not in text and "40 images" in text
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--data", str(data), "--train-split", "x",
+                 "--output", str(tmp_path / "m")]) == 2
+    assert "--train-split would change nothing here" in capsys.readouterr().err
 
 
 @need("executorch")
@@ -173,6 +176,11 @@ def test_openvino_export_never_writes_through_a_folder_of_that_name(tmp_path, ca
     assert (tmp_path / "m.bin").read_text() == "the user's file"
     assert main(["export", "--model", "efficientvit_m0", "--output", "", *small]) == 2
     assert "the output is a file name" in capsys.readouterr().err
+    # NAME.bin a folder: the build was made and checked, then the folder moved aside and the move failed half-done
+    (tmp_path / "w.bin").mkdir()
+    assert main(["export", "--model", "efficientvit_m0", "--output", str(tmp_path / "w.xml"), *small]) == 2
+    assert f"cannot write {tmp_path / 'w.bin'}: it is a folder (nothing was written)" in capsys.readouterr().err
+    (tmp_path / "w.bin").rmdir()
     # a folder's name, with or without a separator, wrote NAME.onnx beside the folder; quantize refused both
     (tmp_path / "out").mkdir()
     for name, says in ((tmp_path / "out", "is a folder; give a file name inside it"), (f"{tmp_path}/m0/", "is a file name")):

@@ -665,7 +665,7 @@ def test_write_errors_keep_their_cause_and_say_what_to_do(tmp_path, mount_tmpfs)
 def test_a_file_staged_beside_its_destination_is_named_as_the_destination_when_it_fails(tmp_path):
     """Export, quantize and the reports write a set of files in a temporary folder first: a full disk there said
     "cannot write .../.m0.xml.scrtpuke/m0.xml", a name the user never gave."""
-    from cgavit.io import staging
+    from cgavit.io import replace_together, staging, write_error
 
     (tmp_path / "m0.xml").write_text("kept")
     with pytest.raises(WriteError) as info:
@@ -675,6 +675,18 @@ def test_a_file_staged_beside_its_destination_is_named_as_the_destination_when_i
     assert str(info.value) == (f"cannot write {tmp_path / 'm0.xml'}: the disk is full (the previous file is untouched); "
                                "free some space and run again")
     assert info.value.errno == errno.ENOSPC and sorted(p.name for p in tmp_path.iterdir()) == ["m0.xml"]
+    # a runtime's own words for the failure are kept, said of the destination
+    with pytest.raises(WriteError) as info:
+        with staging(tmp_path / "m0.xml") as tmp:
+            raise write_error(tmp / "m0.xml", RuntimeError("serialize.cpp:1290: Failed to write: No space left"))
+    assert str(info.value).startswith(f"cannot write {tmp_path / 'm0.xml'}: serialize.cpp:1290: Failed to write")
+    # a folder where a file of the set goes is refused before anything moves (it was moved aside, then unlinked)
+    (tmp_path / "m0.bin").mkdir()
+    with pytest.raises(WriteError, match="m0.bin: it is a folder"):
+        with staging(tmp_path / "m0.xml") as tmp:
+            replace_together([(write_text(tmp / "m0.bin", "w"), tmp_path / "m0.bin"),
+                              (write_text(tmp / "m0.xml", "x"), tmp_path / "m0.xml")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m0.bin", "m0.xml"] and (tmp_path / "m0.xml").read_text() == "kept"
 
 
 def test_resume_continues_as_the_network_it_is(world, tmp_path):
@@ -1286,7 +1298,7 @@ def test_a_run_resumed_elsewhere_or_finished_reports_the_whole_run(world, tmp_pa
     assert again.epochs == 1 and again.final_top1 == recorded["val_top1"] and again.final_loss == recorded["val_loss"]
     assert "leaves nothing to train: the run is reported as it stands; give a larger --epochs" in caplog.text
     # into another folder it made one holding a log and nothing else, and said "resumed"
-    with pytest.raises(ValueError, match=r"has trained its 1 epochs, and --epochs 1 leaves nothing to train; give a "
+    with pytest.raises(ValueError, match=r"has trained its 1 epoch, and --epochs 1 leaves nothing to train; give a "
                        r"larger --epochs \(e.g. --epochs 11\) to train on \(nothing was written\)"):
         train(TrainConfig.resume_from(run / "last.pt", workers=0, output=str(tmp_path / "nothing")))
     assert not (tmp_path / "nothing").exists()

@@ -12,9 +12,9 @@ from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_an
 from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported
 from ..deploy.formats import require_format
 from ..deploy.fusion import named_output
-from ..io import replace_together, staging
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, create_model, load_model
+from ..io import replace_together, staging
 from .common import add_dial_args, dials_from_args, image_size
 
 __all__ = ["EXPORT_TOLERANCE", "register", "run"]
@@ -43,12 +43,13 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
     ignored = [flag for flag, given in (
         ("--batch", args.batch != 1 and not FORMATS[args.format].fixed_batch),
         ("--calibration-images", args.calibration_images != CALIBRATION_IMAGES and args.precision != "int8"),
-        ("--eval-images", args.eval_images and not args.data), ("--train-split", args.train_split != "train" and not args.data),
+        ("--eval-images", args.eval_images and not args.data),
+        ("--train-split", args.train_split != "train" and (not args.data or args.precision != "int8")),
         ("--val-split", args.val_split != "val" and not args.data)) if given]
     if ignored:
         raise ValueError(f"{', '.join(ignored)} would change nothing here (--batch is fixed in executorch and tflite files "
-                         "only; --calibration-images is read for --precision int8, the splits and --eval-images with "
-                         "--data): leave them out")
+                         "only; --calibration-images and --train-split are read for --precision int8, --val-split "
+                         "and --eval-images with --data): leave them out")
     if not args.data:
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
@@ -102,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     fmt = require_format(args.format, args.precision)
     model, info, size = load_for_export(args)
     out = named_output(args.output, fmt.suffix, f"a file for {fmt.runtime}")
+    for path in files_of(out):  # refused before the work, not when the build is moved into place
+        if path.is_dir():
+            raise ValueError(f"cannot write {path}: it is a folder (nothing was written); give another --output")
     with staging(out) as tmp:  # the build is made and checked beside its destination, moved there if it passes
         calib, check = calibration_and_check(args, info)
         batches = list(calib.images.split(16)) if calib is not None else None

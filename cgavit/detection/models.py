@@ -11,6 +11,7 @@ import difflib
 import inspect
 import logging
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -175,16 +176,17 @@ def bad_setting_value(name: str, value: Any, default: Any) -> str | None:
     their defaults are), lists those of :data:`LIST_SETTINGS`, and the settings that take a module none from here."""
     if value is None:
         return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if name in LIST_SETTINGS:
         n, whole, low = LIST_SETTINGS[name]
-        ok = isinstance(value, (list, tuple)) and len(value) == n and all(
-            isinstance(v, int if whole else (int, float)) and not isinstance(v, bool) and v >= low for v in value)
+        items = value.tolist() if isinstance(value, np.ndarray) else value
+        ok = isinstance(items, (list, tuple)) and len(items) == n and all(
+            _finite(v) and (not whole or isinstance(v, numbers.Integral)) and v >= low for v in items)
         return None if ok else f"takes a list of {n} {'whole numbers' if whole else 'numbers'} >= {low:g}"
     if isinstance(default, bool):
-        return None if isinstance(value, bool) else "takes true or false"
+        return None if isinstance(value, (bool, np.bool_)) else "takes true or false"
+    number = _finite(value)
     if isinstance(default, int):
-        ok = number and isinstance(value, int) and value >= 1
+        ok = number and isinstance(value, numbers.Integral) and value >= 1
         return None if ok else "takes a whole number >= 1 (a count)"
     if isinstance(default, float):
         ok = number and (0 <= value <= 1 if name.endswith(("_thresh", "_fraction")) else True)
@@ -192,6 +194,16 @@ def bad_setting_value(name: str, value: Any, default: Any) -> str | None:
     if isinstance(value, nn.Module) or callable(value):  # given in Python: torchvision's to judge
         return None
     return "takes a torchvision module, which only Python can give (build the detector there)"
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (numpy's too; not a bool, nor an int too large for a float)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_settings(kind: str, settings: Mapping[str, Any]) -> None:

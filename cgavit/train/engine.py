@@ -572,7 +572,7 @@ def _check_epochs_left(resumed: dict, cfg: TrainConfig, env: DistEnv) -> None:
     done, total = resumed.get("next_epoch"), cfg.epochs + cfg.cooldown_epochs
     if not isinstance(done, int) or isinstance(done, bool) or done < total:
         return
-    what = (f"{cfg.resume} is a run that has trained its {done} epochs, and --epochs {cfg.epochs}"
+    what = (f"{cfg.resume} is a run that has trained its {done} epoch{'s' if done != 1 else ''}, and --epochs {cfg.epochs}"
             f"{f' + --cooldown-epochs {cfg.cooldown_epochs}' if cfg.cooldown_epochs else ''} leaves nothing to train")
     if Path(cfg.output).resolve() != Path(cfg.resume).resolve().parent:
         raise ValueError(f"{what}; give a larger --epochs (e.g. --epochs {done + 10}) to train on (nothing was written)")
