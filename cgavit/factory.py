@@ -22,7 +22,7 @@ import torch
 
 from .hub import download_release
 from .imagenet import class_names
-from .io import CheckpointError
+from .io import CheckpointError, require_flag
 from .loading import adapt_first_conv, fit_state_dict, load_checkpoint
 from .model import EfficientViT, convert_state_dict, floating_dtype
 from .schema import (
@@ -196,6 +196,15 @@ class ModelInfo:
     names_recorded: bool = False
 
 
+def _check_load_switches(path: object, model_name: object, pretrained: object, use_ema: object, trust: object) -> None:
+    for flag, value in (("pretrained", pretrained), ("use_ema", use_ema), ("trust", trust)):
+        require_flag(value, flag)
+    if path is not None and pretrained:  # the file's weights would be loaded, the published ones silently not
+        raise ValueError("give a checkpoint file or pretrained=True (--pretrained) for the published weights, not both")
+    if path is None and not (pretrained and model_name):
+        raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
+
+
 def load_model(
     path: str | os.PathLike | None,
     model_name: str | None = None,
@@ -227,9 +236,8 @@ def load_model(
         ValueError: not enough information to build the model.
         TypeError: ``dials`` that is not a mapping.
     """
+    _check_load_switches(path, model_name, pretrained, use_ema, trust)
     if path is None:
-        if not (pretrained and model_name):
-            raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
         model = create_model(model_name, pretrained=True, **({"img_size": img_size} if img_size else {}), **(dials or {}))
         return model.eval().to(device), ModelInfo(class_names(model.num_classes), img_size=model.img_size[0],
                                                    source=f"{model_name} (published)")

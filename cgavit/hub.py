@@ -16,6 +16,7 @@ from typing import BinaryIO
 import torch
 
 from .io import CheckpointError, WriteError, make_folder, process_alive, write_reason
+from .weights import read_state_dict
 
 try:
     from tqdm import tqdm  # the progress bar torch.hub shows; optional (the deploy extra has no tqdm)
@@ -29,6 +30,9 @@ MIRROR_ENV = "CGAVIT_WEIGHTS_MIRROR"
 #: Seconds a download waits for the server to answer, or for its next bytes, before it gives up.
 STALL_TIMEOUT = 60.0
 _CHUNK = 128 * 1024  # bytes read at a time (torch.hub's size)
+#: The least a download must receive in each :data:`STALL_TIMEOUT` (about 1 KB/s): a server that trickles bytes in
+#: slower than that is given up on as one that sends nothing (the 9.8 MB of M0's weights would take weeks).
+MIN_BYTES_PER_WINDOW = 64 * 1024
 _MOVE_CACHE = "set TORCH_HOME=DIR (or call torch.hub.set_dir(DIR)) to keep the weights cache in a folder you can write"
 
 
@@ -104,27 +108,35 @@ def _fetch(url: str, part: Path, timeout: float, progress: bool) -> None:
         with out, urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "cgavit"}),
                                          timeout=timeout) as response:
             size = int(response.headers.get("Content-Length") or 0) or None
-            got = _copy(response, out, size, progress)
+            got = _copy(response, out, size, progress, timeout)
     except WriteError:
         raise
     except (OSError, ValueError, http.client.HTTPException) as err:  # URLError and socket timeouts are OSErrors
         if isinstance(err, urllib.error.HTTPError):
             err.close()  # it holds the error page's connection
         if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
-            raise CheckpointError(f"could not download {url}: no data for {timeout:g} s (the server or mirror does "
-                                  f"not answer); nothing was cached. {_by_hand()}") from None
+            slow = "no data" if not str(err).startswith("under ") else str(err)
+            raise CheckpointError(f"could not download {url}: {slow} for {timeout:g} s (the server or mirror does "
+                                  f"not answer, or too slowly); nothing was cached. {_by_hand()}") from None
         raise CheckpointError(f"could not download {url} ({err}). {_by_hand()}") from None
     if size is not None and got < size:
         raise CheckpointError(f"could not download {url}: the connection closed after {got} of {size} bytes; "
                               f"nothing was cached. Try again. {_by_hand()}")
 
 
-def _copy(response: BinaryIO, out: BinaryIO, size: int | None, progress: bool) -> int:
-    """Copy ``response`` into ``out`` (a progress bar on stderr when asked and tqdm is installed); bytes copied."""
+def _copy(response: BinaryIO, out: BinaryIO, size: int | None, progress: bool, timeout: float) -> int:
+    """Copy ``response`` into ``out`` (a progress bar on stderr when asked and tqdm is installed); bytes copied.
+    ``TimeoutError`` when fewer than :data:`MIN_BYTES_PER_WINDOW` come in ``timeout`` seconds."""
     bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress) if tqdm else None
-    got = 0
+    read = getattr(response, "read1", response.read)  # what has come, not a whole chunk's wait
+    got, window_start, window_got = 0, time.monotonic(), 0
     try:
-        while chunk := response.read(_CHUNK):
+        while chunk := read(_CHUNK):
+            window_got += len(chunk)
+            if time.monotonic() - window_start >= timeout:
+                if window_got < MIN_BYTES_PER_WINDOW:
+                    raise TimeoutError(f"under {MIN_BYTES_PER_WINDOW // 1024} KiB")
+                window_start, window_got = time.monotonic(), 0
             try:
                 out.write(chunk)
             except OSError as err:  # a full disk: the cache's problem, not the server's
@@ -139,12 +151,14 @@ def _copy(response: BinaryIO, out: BinaryIO, size: int | None, progress: bool) -
 
 
 def _check_weights(part: Path, url: str) -> None:
-    """Raise unless the downloaded ``part`` reads as a weights file (safely: no code runs)."""
+    """Raise unless the downloaded ``part`` reads as a weights file as ``--checkpoint`` reads one (safely: no code
+    runs; a state dict of tensors, unwrapped from the dict around it)."""
     try:
-        torch.load(part, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"the download of {url} is not a weights file (cut short, or an error page: "
-                              f"{' '.join(str(err).split())[:200]}); nothing was cached. {_by_hand()}") from None
+        read_state_dict(part)
+    except CheckpointError as err:
+        reason = " ".join(str(err).replace(str(part), "it").split())[:200]
+        raise CheckpointError(f"the download of {url} is not a weights file (cut short, or an error page: {reason}); "
+                              f"nothing was cached. {_by_hand()}") from None
 
 
 def _remove_dead_downloads(folder: Path, name: str, timeout: float) -> None:

@@ -66,6 +66,8 @@ def check_readable_file(path: str | os.PathLike, what: str = "file", allow_empty
     """Return ``path`` if it is a regular, readable, non-empty file; raise
     :class:`UnreadableFileError` otherwise, without ever opening a FIFO or device (which could block).
     """
+    if not os.fspath(path).strip():  # Path("") is ".", the current folder
+        raise UnreadableFileError(f"{what} path is empty; give the path of a file")
     path = Path(path)
     try:
         st = path.stat()
@@ -108,7 +110,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
     Raises:
         WriteError: the folder or file could not be written (the old file, if any, is kept); its
             ``errno`` is the cause and its message says what to do (:func:`write_reason`).
+        ValueError: an empty path (``Path("")`` is the current folder).
     """
+    if not os.fspath(path).strip():
+        raise ValueError("the path to write is empty; give a file name")
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +245,14 @@ _WRITE_REASONS = {
     errno.ENAMETOOLONG: ("its name is too long", "choose a shorter path"),
 }
 _LOW_SPACE = 64 * 2**20  # bytes: a write failing with less than this left is taken for a full disk
+
+
+def require_flag(value: object, name: str) -> bool:
+    """``value`` if it is True or False; ``TypeError`` naming ``name`` otherwise. A switch such as ``trust`` read as
+    text from a config file ("no", "False") is truthy: it would turn on what it was meant to turn off."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def write_reason(err: BaseException, folder: str | os.PathLike) -> tuple[int, str, str]:

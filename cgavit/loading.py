@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .attention import resize_bias_table
-from .io import CheckpointError
+from .io import CheckpointError, require_flag
 from .model import convert_state_dict
 from .schema import check_finite, check_state_dict, check_tensor, shown
 from .weights import read_state_dict, unwrap_state_dict
@@ -150,6 +150,8 @@ def load_checkpoint(
         CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
             and both shapes).
     """
+    require_flag(trust, "trust")
+    require_flag(prefer_ema, "prefer_ema")
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
     raw = (unwrap_state_dict(path, source, prefer_ema) if isinstance(path, Mapping)  # as a file holding it
            else read_state_dict(path, trust=trust, prefer_ema=prefer_ema))

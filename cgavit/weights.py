@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .io import CheckpointError, UnreadableFileError, UnsafeCheckpointError, atomic_write, check_readable_file, sniff_format
+from .io import CheckpointError, UnreadableFileError, UnsafeCheckpointError, atomic_write, check_readable_file, require_flag, sniff_format
 from .schema import WeightsMeta, check_meta_against_shapes, check_state_dict, is_weights_meta, parse_weights_meta
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def read_weights_file(path: str | os.PathLike, trust: bool = False) -> WeightsFi
     Raises:
         CheckpointError: missing, empty, a folder or pipe, truncated, corrupt, unsafe, or neither format.
     """
+    require_flag(trust, "trust")
     path = checked_path(path)
     kind = sniff_format(path)
     if kind == "safetensors":
@@ -244,8 +245,12 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     Raises:
         ValueError: a fused model (:func:`cgavit.deploy.fuse`) or a pruned one (``prune_intermediate_layers``), whose
             tensors no model built here takes: save the model before fusing or pruning it; a record whose class names
-            are not one per class.
+            are not one per class, or any record load_model would refuse (nothing is written).
+        TypeError: ``model`` that is not a module (a state dict).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_weights takes the model (an nn.Module), got {type(model).__name__}; for a state dict, "
+                        "load it into its model first (cgavit.create_model(name, checkpoint_path=sd))")
     if hasattr(model, "cfg") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")
@@ -264,5 +269,11 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     if getattr(model, "cfg", None) is not None:  # what the tensors are, whatever a record says
         meta.pop("input_size", None)
         meta.update(_architecture(model, meta.get("img_size"), metadata))
+    if is_weights_meta(meta):  # what load_model will read back, read now: a record it refuses is never written
+        try:
+            parse_weights_meta(meta, str(path))
+        except CheckpointError as err:
+            raise ValueError(f"not saved: load_model would refuse this record ({str(err).split('bad metadata: ')[-1]}); "
+                             "give values it takes") from None
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return atomic_write(path, lambda tmp: _safetensors().torch.save_file(tensors, tmp, metadata=meta))

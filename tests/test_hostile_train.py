@@ -1305,3 +1305,20 @@ def test_a_run_resumed_elsewhere_or_finished_reports_the_whole_run(world, tmp_pa
     with caplog.at_level(logging.WARNING, logger="cgavit"):
         moved = train(TrainConfig.resume_from(run / "last.pt", epochs=2, workers=0, output=str(tmp_path / "elsewhere")))
     assert moved.epochs == 2 and "the best checkpoint of the epochs before" in caplog.text
+
+
+def test_eval_of_a_model_of_five_classes_or_fewer_says_top5_means_nothing(world, capsys):
+    """eval printed "top-5 100.00%" beside "top-1 0.00%" for a 3-class model; --split "" evaluated val."""
+    assert main(["eval", "--checkpoint", str(world["best_st"]), "--data", str(world["data"]), "--workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "top-5 n/a (3 classes)" in out and "top-5 100" not in out
+    assert main(["eval", "--checkpoint", str(world["best_st"]), "--data", str(world["data"]), "--split", ""]) == 2
+    assert "--split must name a folder" in capsys.readouterr().err
+
+
+def test_an_empty_path_is_named_as_empty(world, capsys):
+    """predict "" said "image . is a folder", and save_weights(model, "") "cannot write .: Device or resource busy"."""
+    assert main(["predict", "", "--checkpoint", str(world["best_st"])]) in (1, 2)
+    assert "path is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the path to write is empty"):
+        write_text("", "x")

@@ -22,7 +22,8 @@ NAME = "efficientvit_m0.pth"
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """``/ok/NAME`` serves the file, ``/slow/NAME`` in pieces, ``/hang/NAME`` never answers, ``/hangmid/NAME``
-    sends the headers and 1000 bytes then stalls, ``/redir/NAME`` redirects to ``/ok/NAME``."""
+    sends the headers and 1000 bytes then stalls, ``/trickle/NAME`` sends a byte every 20 ms, ``/redir/NAME``
+    redirects to ``/ok/NAME``."""
 
     protocol_version = "HTTP/1.1"
     data = b""
@@ -44,6 +45,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(self.data[:1000])
             self.wfile.flush()
             self.release.wait(30)
+        elif mode == "trickle":  # a byte at a time: never a pause long enough to time a read out
+            for i in range(len(self.data)):
+                if self.release.is_set():
+                    return
+                self.wfile.write(self.data[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.02)
         elif mode == "slow":
             for i in range(0, len(self.data), len(self.data) // 8 + 1):
                 self.wfile.write(self.data[i:i + len(self.data) // 8 + 1])
@@ -118,6 +126,35 @@ def test_a_server_that_stalls_ends_the_download_with_a_message(server, monkeypat
     assert isinstance(err, CheckpointError), err
     assert "no data for 0.5 s" in str(err) and "by hand" in str(err)
     assert os.listdir(_cache()) == []  # nothing cached, no temporary left
+
+
+def test_a_server_that_trickles_ends_the_download_with_a_message(server, monkeypatch):
+    """A byte every 20 ms never let a read time out: the 9.8 MB file would have taken days, "never hangs" did not hold."""
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/trickle")
+    monkeypatch.setattr(hub, "STALL_TIMEOUT", 0.5)
+    err = _in_thread(lambda: cgavit.create_model("efficientvit_m0", pretrained=True))
+    assert isinstance(err, CheckpointError) and "under 64 KiB for 0.5 s" in str(err), err
+    assert os.listdir(_cache()) == []
+
+
+def test_the_download_takes_what_a_checkpoint_file_takes_and_nothing_else(tmp_path, monkeypatch):
+    """The download's check was torch.load alone: a release file holding an argparse.Namespace (as training scripts
+    save their options) was refused though --checkpoint reads it, and a torch file of no weights (a lone tensor) was
+    cached, failing every later call."""
+    import argparse
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", mirror.as_uri())
+    weights = cgavit.create_model("efficientvit_m1").state_dict()
+    torch.save({"model": weights, "args": argparse.Namespace(lr=1e-3)}, mirror / "efficientvit_m1.pth")
+    torch.save(torch.zeros(3), mirror / NAME)
+    loaded = cgavit.create_model("efficientvit_m1", pretrained=True)
+    assert torch.equal(loaded.head.linear.weight, weights["head.linear.weight"])
+    with pytest.raises(CheckpointError, match="is not a weights file .*holds no state dict.*nothing was cached"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert os.listdir(_cache()) == ["efficientvit_m1.pth"]
 
 
 def test_files_left_by_killed_downloads_are_removed(server, monkeypatch):

@@ -517,3 +517,55 @@ def test_predict_and_eval_name_a_model_without_a_classifier(tmp_path, capsys):
     assert main(["predict", str(tmp_path / "x.png"), "--checkpoint", str(path)]) == 2
     err = capsys.readouterr().err
     assert "has no classifier (num_classes 0: a feature extractor)" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_switches_that_run_code_or_change_weights_take_true_or_false_only(tmp_path):
+    """trust="no" (a setting read as text) unpickled arbitrary objects; use_ema="no" took the EMA weights; a file with
+    pretrained=True loaded the file and silently not the published weights."""
+    model = cgavit.create_model("efficientvit_m0", num_classes=3)
+    torch.save({"model": model.state_dict(), "note": object.__new__(WrappedNote)}, tmp_path / "pickled.pt")
+    calls = [lambda v: cgavit.load_model(tmp_path / "pickled.pt", "efficientvit_m0", trust=v),
+             lambda v: load_checkpoint(model, tmp_path / "pickled.pt", trust=v),
+             lambda v: cgavit.weights.read_weights_file(tmp_path / "pickled.pt", trust=v),
+             lambda v: cgavit.load_model(tmp_path / "pickled.pt", "efficientvit_m0", use_ema=v),
+             lambda v: load_checkpoint(model, tmp_path / "pickled.pt", prefer_ema=v)]
+    for call in calls:
+        for value in ("no", "False", 0, None):
+            with pytest.raises(TypeError, match=r"must be True or False, got"):
+                call(value)
+    with pytest.raises(ValueError, match="not both"):
+        cgavit.load_model(tmp_path / "pickled.pt", "efficientvit_m0", pretrained=True)
+
+
+class WrappedNote:
+    """A class the weights-only loader refuses: what only trust=True may unpickle."""
+
+
+def test_inference_builds_the_network_for_the_size_asked(trained_digits):
+    """predict/eval --img-size kept the network built for the recorded size, where load_model(img_size=) rebuilds it:
+    the command line and the API ran different networks at the same size."""
+    from cgavit.train.inference import open_for_inference
+
+    model, info, _ = open_for_inference(trained_digits.checkpoint, img_size=128)
+    built, _ = cgavit.load_model(trained_digits.checkpoint, img_size=128)
+    windows = [[s.blocks[0].mixer.m.window for s in m.stages] for m in (model, built)]
+    assert windows[0] == windows[1] != [s.blocks[0].mixer.m.window for s in trained_digits.model.stages]
+    assert info.img_size == 48  # the recorded size stays the file's
+
+
+def test_a_record_load_model_would_refuse_is_not_saved(tmp_path):
+    """save_weights wrote a one-channel model's per-channel mean (0.5,) and img_size 9999, which load_model, predict
+    and eval then refused: "load_model rebuilds exactly what was saved" did not hold."""
+    from cgavit.weights import WeightsMeta
+
+    grey = cgavit.create_model("efficientvit_m0", in_chans=1, num_classes=3)
+    base = dict(model="efficientvit_m0", config=grey.cfg, num_classes=3, in_chans=1)
+    for record, says in ((WeightsMeta(**base, mean=(0.5,), std=(0.25,)), "mean must be a list of 3 numbers"),
+                         ({"img_size": "9999"}, "img_size must be in 32..4096")):
+        with pytest.raises(ValueError, match=rf"not saved: load_model would refuse this record \({says}"):
+            save_weights(grey, tmp_path / "g.safetensors", record)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(TypeError, match="save_weights takes the model"):
+        save_weights(grey.state_dict(), tmp_path / "g.safetensors")
+    save_weights(grey, tmp_path / "g.safetensors", WeightsMeta(**base, mean=(0.5,) * 3, std=(0.25,) * 3))
+    assert cgavit.load_model(tmp_path / "g.safetensors")[0].in_chans == 1

@@ -93,7 +93,9 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         print(
             f"{res['checkpoint']} on {res['data']} ({res['n']} images at {res['img_size']} px, crop {res['crop_pct']}): "
-            f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
+            f"top-1 {res['top1']:.2f}%  "
+            + (f"top-5 {res['top5']:.2f}%" if res["num_classes"] > 5 else f"top-5 n/a ({res['num_classes']} classes)")
+            + f"  loss {res['loss']:.4f}"
             + (f"  ({res['skipped']} unreadable images skipped)" if res["skipped"] else "")
         )
         if args.reference:
@@ -155,7 +157,9 @@ def _add_model_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrained", action="store_true", help="use the published ImageNet-1k weights of --model (downloads once)")
     p.add_argument("--ema", action="store_true", help="use the EMA weights of a training checkpoint")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled objects in a third-party file (runs its code)")
-    p.add_argument("--img-size", type=int, default=None, help="input size (default: the checkpoint's, else 224)")
+    p.add_argument("--img-size", type=int, default=None,
+                   help="input size, which the network is built for (its attention windows; default: the checkpoint's, "
+                   "else 224)")
     add_dial_args(p)
 
 

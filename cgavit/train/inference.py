@@ -93,7 +93,7 @@ def evaluate_checkpoint(
         model, info, num_classes = open_for_inference(  # with a reference, --trust-checkpoint may be for it alone
             checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained,
             trust=trust and not (exported and reference is not None), device=env.device)
-        split_dir = root / (split or "val") if (root / (split or "val")).is_dir() or split else root
+        split_dir = _split_folder(root, split)
         size, pct, interp = img_size or info.img_size, crop_pct or info.crop_pct, interpolation or info.interpolation
         ds = _eval_dataset(split_dir, info, num_classes, size, pct, interp)
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
@@ -102,10 +102,17 @@ def evaluate_checkpoint(
                                                                   env.device, trust)
         res = _checked_metrics(evaluate(model, loader, env, reference=against), len(ds), split_dir, checkpoint)
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
-                   world_size=env.world, **({} if reference is None else {"reference": str(reference)}))
+                   world_size=env.world, num_classes=num_classes, **({} if reference is None else {"reference": str(reference)}))
         return res
     finally:
         teardown(env)
+
+
+def _split_folder(root: Path, split: str | None) -> Path:
+    """``root/split``; without a split, ``root/val`` where it exists, else ``root`` itself."""
+    if split is not None and not str(split).strip():  # "" was read as "val"
+        raise ValueError("--split must name a folder of the data (e.g. val), got ''")
+    return root / (split or "val") if (root / (split or "val")).is_dir() or split else root
 
 
 def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, size: int, crop_pct: float,
@@ -204,7 +211,8 @@ def open_for_inference(
         CheckpointError: an unreadable or damaged checkpoint.
     """
     if checkpoint is None or Path(checkpoint).suffix.lower() not in EXPORTED_SUFFIXES:
-        model, info = load_model(checkpoint, model_name, dials, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
+        model, info = load_model(checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema,
+                                 pretrained=pretrained, trust=trust, device=device)  # built for --img-size, if given
         if model.num_classes == 0:
             raise ValueError(f"{checkpoint} has no classifier (num_classes 0: a feature extractor), and eval and predict "
                              "need one: fine-tune it for your classes with cgavit train --finetune")
