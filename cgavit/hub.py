@@ -33,6 +33,10 @@ _CHUNK = 128 * 1024  # bytes read at a time (torch.hub's size)
 #: The least a download must receive in each :data:`STALL_TIMEOUT` (about 1 KB/s): a server that trickles bytes in
 #: slower than that is given up on as one that sends nothing (the 9.8 MB of M0's weights would take weeks).
 MIN_BYTES_PER_WINDOW = 64 * 1024
+
+
+class _TooSlow(TimeoutError):
+    """Bytes come, but under :data:`MIN_BYTES_PER_WINDOW` in a :data:`STALL_TIMEOUT`."""
 _MOVE_CACHE = "set TORCH_HOME=DIR (or call torch.hub.set_dir(DIR)) to keep the weights cache in a folder you can write"
 
 
@@ -115,7 +119,7 @@ def _fetch(url: str, part: Path, timeout: float, progress: bool) -> None:
         if isinstance(err, urllib.error.HTTPError):
             err.close()  # it holds the error page's connection
         if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
-            slow = "no data" if not str(err).startswith("under ") else str(err)
+            slow = f"under {MIN_BYTES_PER_WINDOW // 1024} KiB" if isinstance(err, _TooSlow) else "no data"
             raise CheckpointError(f"could not download {url}: {slow} for {timeout:g} s (the server or mirror does "
                                   f"not answer, or too slowly); nothing was cached. {_by_hand()}") from None
         raise CheckpointError(f"could not download {url} ({err}). {_by_hand()}") from None
@@ -135,7 +139,7 @@ def _copy(response: BinaryIO, out: BinaryIO, size: int | None, progress: bool, t
             window_got += len(chunk)
             if time.monotonic() - window_start >= timeout:
                 if window_got < MIN_BYTES_PER_WINDOW:
-                    raise TimeoutError(f"under {MIN_BYTES_PER_WINDOW // 1024} KiB")
+                    raise _TooSlow()
                 window_start, window_got = time.monotonic(), 0
             try:
                 out.write(chunk)
