@@ -13,6 +13,7 @@ from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load
 from ..deploy.formats import require_format
 from ..deploy.fusion import named_output
 from ..deploy.metadata import export_info
+from ..deploy.openvino import ir_path
 from ..factory import ModelInfo, create_model, load_model
 from ..io import replace_together, staging
 from .common import add_dial_args, dials_from_args, image_size
@@ -102,10 +103,9 @@ def run(args: argparse.Namespace) -> int:
         )
     fmt = require_format(args.format, args.precision)
     model, info, size = load_for_export(args)
-    out = named_output(args.output, fmt.suffix, f"a file for {fmt.runtime}")
-    for path in files_of(out):  # refused before the work, not when the build is moved into place
-        if path.is_dir():
-            raise ValueError(f"cannot write {path}: it is a folder (nothing was written); give another --output")
+    # refused before the work, not when the build is moved into place: a folder where the file (or .bin) goes
+    out = ir_path(args.output) if args.format == "openvino" else named_output(args.output, fmt.suffix,
+                                                                               f"a file for {fmt.runtime}")
     with staging(out) as tmp:  # the build is made and checked beside its destination, moved there if it passes
         calib, check = calibration_and_check(args, info)
         batches = list(calib.images.split(16)) if calib is not None else None

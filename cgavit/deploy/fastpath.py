@@ -24,6 +24,7 @@ from .auto import auto_candidates, precision_warning, untried_paths
 from .cpu import CpuFeatures, cpu_features
 from .fusion import fuse
 from .int8 import fastest_float_part
+from .metadata import model_classes
 from .onnx import onnxruntime_available, onnxruntime_path
 from .openvino import openvino_available, openvino_path
 from .quantize import QuantizeResult
@@ -374,8 +375,8 @@ def _check_artifact_fits(model: nn.Module, example_input: torch.Tensor, artifact
         raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
                          f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
     outputs = getattr(artifact.module, "output_shape", None)
-    classes = getattr(model, "num_classes", None)
-    if outputs and outputs[-1] is not None and isinstance(classes, int) and outputs[-1] != classes:
+    classes = model_classes(model)
+    if outputs and outputs[-1] is not None and classes is not None and outputs[-1] != classes:
         raise ValueError(f"the quantized artifact returns {outputs[-1]} logits and the model {classes}: it is another "
                          "model's file; give the one cgavit quantize wrote for this model")
 
