@@ -35,7 +35,7 @@ from .schema import (
     parse_weights_meta,
     training_meta,
 )
-from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS
+from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, WEIGHTS_TAG
 from .weights import EMA_KEYS, WeightsFile, read_state_dict, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,17 @@ def resolve_name(name: str) -> str:
     """The registered variant for ``name`` (``m4``, timm tags accepted); ValueError with a suggestion."""
     if not isinstance(name, str):
         raise ValueError(f"a model name must be text, got {type(name).__name__}")
-    key = name.split(".")[0].lower().replace("-", "_")  # accept timm tags: efficientvit_m0.r224_in1k
+    key, dot, tag = name.partition(".")  # timm's tag: efficientvit_m0.r224_in1k
+    key = key.lower().replace("-", "_")
     if key not in VARIANTS and f"efficientvit_{key}" in VARIANTS:  # "m4"
         key = f"efficientvit_{key}"
     if key not in VARIANTS:
         close = difflib.get_close_matches(key, list(VARIANTS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
+    if dot and tag.lower() != WEIGHTS_TAG:
+        raise ValueError(f"unknown weights tag {tag!r} in {name!r}: {key}'s published weights are tagged "
+                         f"{WEIGHTS_TAG!r}; give {key!r} or '{key}.{WEIGHTS_TAG}'")
     return key
 
 

@@ -298,7 +298,8 @@ class EfficientViT(nn.Module):
 
     # ----------------------------------------------------------------------------- interface
     def check_input(self, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``x`` is a float image batch ``(B, in_chans, H>=32, W>=32)`` (a symbolic
+        """Raise ``ValueError`` unless ``x`` is a float image batch ``(B, in_chans, H>=32, W>=32)`` of the weights'
+        dtype (any float dtype under ``torch.autocast``; a symbolic
         trace's ``torch.fx.Proxy`` passes: its shape is not known yet)."""
         if isinstance(x, torch.fx.Proxy):
             return
@@ -314,6 +315,10 @@ class EfficientViT(nn.Module):
                 f"images must be at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE} pixels, got "
                 f"{x.shape[2]}x{x.shape[3]}; resize them up first"
             )
+        weight = next(self.parameters(), None)
+        if weight is not None and x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"the images are {x.dtype} and the model's weights {weight.dtype}; convert one to the "
+                             f"other (x.to({weight.dtype}) or model.to({x.dtype})), or run under torch.autocast")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Image batch ``(B, 3, H, W)`` to the last stage's map: ``(B, C3, ~H/64, ~W/64)`` (fewer stages once

@@ -29,6 +29,8 @@ MAX_ATTN_RATIO = 64.0
 #: Most query kernels a config may list (one per head is used; the last repeats for more heads).
 MAX_KERNELS = CONFIG_LIMITS["num_heads"][1]
 
+#: the tag timm gives the published weights (``efficientvit_m0.r224_in1k``): the only one a name may carry
+WEIGHTS_TAG = "r224_in1k"
 RELEASE_URL = "https://github.com/xinyuliu-jeffrey/EfficientViT_Model_Zoo/releases/download/v1.0/{name}.pth"
 
 _PER_STAGE = ("embed_dim", "depth", "num_heads", "window_size", "key_dim")
@@ -218,7 +220,7 @@ def pretrained_cfg(name: str, num_classes: int = 1000, img_size: tuple[int, int]
     return dict(
         url=info.url if info else "",
         architecture=name,
-        tag="r224_in1k" if info else "",
+        tag=WEIGHTS_TAG if info else "",
         input_size=(in_chans, *img_size),
         fixed_input_size=False,
         interpolation="bicubic",

@@ -105,6 +105,13 @@ def test_unknown_model_name():
     assert cgavit.create_model("m1").cfg == cgavit.VARIANTS["efficientvit_m1"].cfg
 
 
+def test_a_timm_tag_must_be_the_published_weights_one():
+    assert cgavit.create_model("efficientvit_m1.r224_in1k").cfg == cgavit.VARIANTS["efficientvit_m1"].cfg
+    for name in ("efficientvit_m1.in22k", "efficientvit_m1."):  # a tag with no weights was taken as the model's
+        with pytest.raises(ValueError, match="published weights are tagged 'r224_in1k'"):
+            cgavit.create_model(name)
+
+
 @pytest.mark.parametrize(
     "x, match",
     [
