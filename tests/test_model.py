@@ -119,12 +119,21 @@ def test_a_timm_tag_must_be_the_published_weights_one():
         (torch.randn(1, 1, 64, 64), "3 input channels"),
         (torch.randn(1, 3, 31, 64), "at least 32x32"),
         (torch.randn(2, 3, 64), "4-D"),
+        (torch.randn(1, 3, 64, 64, dtype=torch.float64), "images are torch.float64 and the model's weights torch.float32"),
     ],
 )
 def test_bad_input_raises_value_error(x, match):
     model = _tiny().eval()
     with pytest.raises(ValueError, match=match):
         model(x)
+
+
+def test_images_of_another_float_dtype_run_under_autocast():
+    model = _tiny().eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x.bfloat16()).dtype == torch.bfloat16
+    assert model.double()(x.double()).dtype == torch.float64
 
 
 SIZES = [(32, 32), (33, 47), (64, 200), (95, 95), (224, 224), (225, 161), (320, 250)]
