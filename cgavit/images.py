@@ -123,11 +123,12 @@ def decode(img: Image.Image, name: str = "the image", *, exif_transpose: bool = 
         BadImageError: the body is truncated or corrupt (found only now, while decoding).
     """
     try:
+        sixteen_bit = is_sixteen_bit(img)  # read from the file's format, which the turned copy no longer has
         if exif_transpose:
             img = ImageOps.exif_transpose(img)
         else:
             img.load()
-        return to_rgb(img)
+        return to_rgb(img, sixteen_bit=sixteen_bit)
     except Exception as err:  # Pillow's decoders raise OSError, ValueError, SyntaxError, struct.error, ...
         raise BadImageError(f"cannot read {name}: {_reason(err)}") from None
 
@@ -156,16 +157,33 @@ def load_image(
         return decode(img, name, exif_transpose=upright)
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
+def is_sixteen_bit(img: Image.Image) -> bool:
+    """Whether ``img`` holds 16-bit samples, by its mode or its file's format: Pillow opens a 16-bit PGM/PPM
+    (any maxval above 255, scaled by Pillow to 0-65535) as mode ``I``, as it may a 16-bit PNG or TIFF."""
+    if img.mode.startswith("I;16"):
+        return True
+    if img.mode != "I":
+        return False
+    if img.format in ("PPM", "PNG"):
+        return True
+    bits = img.tag_v2.get(258) if img.format == "TIFF" and hasattr(img, "tag_v2") else None  # BitsPerSample
+    return bool(bits) and max(bits) <= 16
+
+
+def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
     """Any PIL image as 8-bit RGB.
 
-    Transparent images (RGBA, LA, PA, palette with transparency) are composited on white; 16-bit,
-    32-bit integer and float images are scaled to 0-255 by their value range; CMYK, grayscale, 1-bit
-    and palette images go through PIL's conversion.
+    Transparent images (RGBA, LA, PA, palette with transparency) are composited on white; 16-bit images
+    (``sixteen_bit``, default :func:`is_sixteen_bit`) are scaled from 0-65535 to 0-255 whatever values they
+    hold; 32-bit integer and float images, which have no standard range, by their values' range (kept as they
+    are within 0-255; floats within 0-1 scaled by 255); CMYK, grayscale, 1-bit and palette images go through
+    PIL's conversion.
     """
+    if sixteen_bit is None:
+        sixteen_bit = is_sixteen_bit(img)
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         arr = np.asarray(img, dtype=np.float32)
-        if img.mode.startswith("I;16"):
+        if sixteen_bit:
             arr = arr / 257.0
         elif img.mode == "F" and arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
             arr = arr * 255.0

@@ -13,7 +13,7 @@ from PIL import Image
 from cgavit import create_model
 from cgavit.cli import main
 from cgavit import load_model
-from cgavit.images import to_rgb
+from cgavit.images import load_image, to_rgb
 from cgavit.imagenet import imagenet_classes
 from cgavit.train import predict, train
 from cgavit.weights import read_weights_meta, save_weights
@@ -53,6 +53,16 @@ def test_to_rgb_scales_deep_images():
     clear = Image.new("RGBA", (2, 2), (10, 20, 30, 0))  # fully transparent -> white background
     assert np.asarray(to_rgb(clear))[0, 0].tolist() == [255, 255, 255]
     assert to_rgb(Image.new("CMYK", (3, 3))).mode == "RGB"
+
+
+def test_a_16_bit_pgm_is_scaled_by_its_depth_not_its_values(tmp_path):
+    # Pillow opens a PGM with maxval above 255 as mode I, scaled to 0-65535; 255 was read as 8-bit white, 256 as black
+    grey = {}
+    for value, maxval in ((255, 65535), (256, 65535), (65535, 65535), (1023, 1023), (200, 1023)):
+        path = tmp_path / f"{value}-{maxval}.pgm"
+        path.write_bytes(b"P5 2 2 %d\n" % maxval + np.full(4, value, ">u2").tobytes())
+        grey[value, maxval] = int(np.asarray(load_image(path))[0, 0, 0])
+    assert grey == {(255, 65535): 1, (256, 65535): 1, (65535, 65535): 255, (1023, 1023): 255, (200, 1023): 50}
 
 
 def test_predict_any_mode_and_size_with_dataset_names(tmp_path, capsys):
