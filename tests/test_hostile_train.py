@@ -738,7 +738,7 @@ def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys, monkeypa
     monkeypatch.setattr(logging.root, "level", logging.root.level)
     assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
     out, err = capsys.readouterr()
-    assert "skipped unreadable image" in err and "\\x1b[2J" in err, err  # the log line, escaped
+    assert "skipped an image: cannot read image" in err and "\\x1b[2J" in err, err  # the log line, escaped
     assert _terminal_safe(out) and _terminal_safe(err), err
 
 
@@ -1254,9 +1254,9 @@ def test_an_image_too_thin_for_the_evaluation_resize_is_an_unreadable_image(worl
     Image.new("RGB", (100_000, 1), (120, 30, 200)).save(thin)
     assert thin.stat().st_size < 2000
     rows = predict([str(world["image"]), str(thin)], str(world["best_pt"]))
-    assert "top" in rows[0] and "too thin for the evaluation resize" in rows[1]["error"]
+    assert "top" in rows[0] and f"image {thin}: a 100000x1 px image is too thin for the evaluation resize" in rows[1]["error"]
     ds = ImageFolderDataset([(str(thin), 0)], ["a"], build_transform(224, False))
-    assert "too thin" in ds[0].error
+    assert f"image {thin}: a 100000x1 px image is too thin" in ds[0].error  # the file named, as unreadable ones are
     assert build_transform(224, False).transforms[0].size == 256  # still timm's Compose, steps and all
 
 

@@ -236,6 +236,7 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
         res = train(tiny(**args, output=str(tmp_path / "run")))
     assert res.skipped_images == 2
     assert "broken.png" in caplog.text and "cut.jpg" in caplog.text
+    assert "broken.png: cannot identify an image format" in caplog.text  # why, not only which
     row = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert '"skipped_images": 2' in row
     with pytest.raises(BadImageError, match="broken.png|cut.jpg"):

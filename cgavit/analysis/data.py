@@ -12,8 +12,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ..io import DataError
-from ..images import BadImageError, load_image
-from ..train.data import build_transform
+from ..images import BadImageError
+from ..train.data import build_transform, load_transformed
 from ..train.data.layout import IMAGE_EXTENSIONS, files_under
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class ImageList(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        x = self.transform(load_image(self.paths[i]))
+        x = load_transformed(self.paths[i], self.transform)
         return x, (self.labels[i] if self.labels is not None else -1)
 
 
@@ -131,7 +131,7 @@ def load_images(
         try:
             items.append(ds[i])
         except BadImageError as err:
-            log.warning("skipped unreadable image: %s", err)
+            log.warning("skipped an image: %s", err)
     if not items:
         raise DataError(f"none of the {len(ds)} images chosen from {', '.join(map(str, sources))} could be read")
     x = torch.stack([t for t, _ in items])

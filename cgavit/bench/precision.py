@@ -29,7 +29,7 @@ from ..deploy.agreement import NoiseFloor, batched_logits, noise_floor
 from ..deploy.formats import runtime_path
 from ..factory import ModelInfo, load_model
 from ..timing import round_robin
-from ..train.data import build_transform, list_split, load_image
+from ..train.data import build_transform, list_split, load_transformed
 from ..train.data.layout import same_split
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0,
     _check_fits_in_memory(len(chosen), 4 * 3 * info.img_size ** 2, Path(root) / split)
     transform = build_transform(info.img_size, False, interpolation=info.interpolation, crop_pct=info.crop_pct,
                                 mean=info.mean, std=info.std)
-    images = torch.stack([transform(load_image(path)) for path, _ in chosen])  # (N, C, H, W)
+    images = torch.stack([load_transformed(path, transform) for path, _ in chosen])  # (N, C, H, W)
     labels = torch.tensor([label for _, label in chosen])
     return LabelledImages(images, labels, str(Path(root) / split), classes, len(samples), tuple(p for p, _ in chosen))
 

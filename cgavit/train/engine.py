@@ -213,17 +213,17 @@ def _fit(run: Run, t_start: float) -> TrainResult:
     for epoch in range(state.next_epoch, total_epochs):
         start_step = state.next_step if epoch == state.next_epoch else 0
         stats = train_one_epoch(run, epoch, total_epochs, start_step)
-        bad = sorted({p for paths in gather_objects(env, sorted(stats.bad)) for p in paths})
+        bad = dict(sorted(item for items in gather_objects(env, sorted(stats.bad.items())) for item in items))
         _report_bad(bad, skipped)
         if stats.updates == 0 and not stats.interrupted:
-            raise DataError(_no_update(epoch, bad, len(run.loaders.train.dataset)))
+            raise DataError(_no_update(epoch, list(bad), len(run.loaders.train.dataset)))
         if stats.interrupted:
             _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
             _report_stop(run, f"saved {output / 'last.pt'} at epoch {epoch + 1}, update {stats.next_step}")
             interrupted = True
             break
         val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
-        _report_bad(val["bad_paths"], skipped)
+        _report_bad(val["bad_errors"], skipped)
         if val["n"] == 0:
             raise DataError(
                 f"none of the {len(run.loaders.val.dataset)} validation images could be read (e.g. {val['bad_paths'][0]}); "
@@ -271,7 +271,7 @@ class EpochStats:
     seen: int = 0  # images trained on in the epoch
     timed: int = 0  # images trained on in this invocation, for the speed
     updates: int = 0  # optimiser updates made in this invocation (the same on every rank)
-    bad: set[str] = field(default_factory=set)  # unreadable images met, this rank
+    bad: dict[str, str] = field(default_factory=dict)  # unreadable images met, this rank: path -> what was wrong
     lr: float = 0.0  # the learning rate of the last update
     seconds: float = 0.0
     next_step: int = 0  # the update to continue from
@@ -310,7 +310,7 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     t0 = time.perf_counter()
     for step, batch in enumerate(loader, start=start_step):
         seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))  # mixup, drop path: keyed to the update
-        stats.bad.update(batch.bad)
+        stats.bad.update(zip(batch.bad, batch.errors))
         if cfg.sched_on_updates:  # counted in this run's batches, whatever batch the epochs before had
             run.scheduler.step_update(epoch * steps + step)
         stats.lr = run.optimizer.param_groups[0]["lr"]
@@ -404,10 +404,11 @@ def _record(run: Run, epoch: int, total_epochs: int, stats: EpochStats, val: dic
     return row, is_best
 
 
-def _report_bad(paths, seen: set[str]) -> None:
-    """Log each unreadable image once per run and add it to ``seen``."""
-    for path in sorted(set(paths) - seen):
-        log.warning("skipped unreadable image %s", path)
+def _report_bad(errors: dict[str, str], seen: set[str]) -> None:
+    """Log each image that could not be used (``errors``: path -> the line naming it and what was wrong) once per
+    run, and add it to ``seen``."""
+    for path in sorted(set(errors) - seen):
+        log.warning("skipped an image: %s", errors[path])
         seen.add(path)
 
 

@@ -33,7 +33,8 @@ def evaluate(
         reference: a model to compare top-1 classes with on the same images (an int8 file's fp32 checkpoint).
 
     Returns:
-        ``{"top1", "top5", "loss", "n", "skipped", "bad_paths", "nonfinite"}``: ``nonfinite`` counts the images
+        ``{"top1", "top5", "loss", "n", "skipped", "bad_paths", "bad_errors", "nonfinite"}``: ``bad_errors`` maps
+        each skipped image's path to what was wrong with it (one line naming the file); ``nonfinite`` counts the images
         whose logits are not all finite (a diverged model); they count as misses, and make the loss NaN or inf.
         With ``reference`` also ``"agreement"`` (percent of images whose top-1 class is the reference's) and
         ``"changed"`` (the images whose is not; a non-finite output on either side counts as changed).
@@ -44,7 +45,7 @@ def evaluate(
     device = next(model.parameters(), torch.empty(0)).device  # an exported file's runtime has none: CPU
     idx, losses, hit1, hit5, bad, broken, same = [], [], [], [], [], [], []
     for batch in loader:
-        bad.extend(batch.bad)
+        bad.extend(zip(batch.bad, batch.errors))
         if batch.images is None:
             continue
         x = batch.images.to(device, non_blocking=True)
@@ -75,7 +76,8 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _merge(parts: list[tuple], compared: bool = False) -> dict:
-    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, bad paths, non-finite outputs, top-1 classes equal to
+    """Every rank's ``(indices, losses, top-1 hits, top-5 hits, (bad path, its error) pairs, non-finite outputs, top-1
+    classes equal to
     the reference's)`` as one set of metrics, each dataset index counted once (with ``compared``, the agreement too)."""
     all_idx = torch.cat([p[0] for p in parts])
     order = torch.argsort(all_idx, stable=True)
@@ -86,7 +88,7 @@ def _merge(parts: list[tuple], compared: bool = False) -> dict:
     loss = torch.cat([p[1] for p in parts])[pick]
     h1 = torch.cat([p[2] for p in parts])[pick]
     h5 = torch.cat([p[3] for p in parts])[pick]
-    bad_paths = sorted({b for p in parts for b in p[4]})
+    bad_errors = dict(sorted(b for p in parts for b in p[4]))
     nonfinite = int(torch.cat([p[5] for p in parts])[pick].sum())
     n = int(pick.numel())
     res = {
@@ -94,8 +96,9 @@ def _merge(parts: list[tuple], compared: bool = False) -> dict:
         "top5": 100.0 * float(h5.double().sum()) / max(n, 1),
         "loss": float(loss.sum()) / max(n, 1),
         "n": n,
-        "skipped": len(bad_paths),
-        "bad_paths": bad_paths,
+        "skipped": len(bad_errors),
+        "bad_paths": list(bad_errors),
+        "bad_errors": bad_errors,
         "nonfinite": nonfinite,
     }
     if compared:

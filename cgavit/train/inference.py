@@ -25,7 +25,7 @@ from ..io import DataError
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
-from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, eval_sampler, list_split, load_image, make_loader
+from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, eval_sampler, list_split, load_transformed, make_loader
 from .distributed import resolve_device, setup, teardown
 from .evaluation import evaluate
 from .records import weights_meta
@@ -174,8 +174,9 @@ def _close(a, b) -> bool:
 def _checked_metrics(res: dict, images: int, split_dir: Path, checkpoint: object) -> dict:
     """:func:`evaluate`'s metrics, once they mean something: unreadable images warned about; none read, or
     outputs that are not finite (a diverged model), refused."""
-    for p in res.pop("bad_paths"):
-        log.warning("skipped unreadable image %s", p)
+    res.pop("bad_paths")
+    for error in res.pop("bad_errors").values():
+        log.warning("skipped an image: %s", error)
     if res["n"] == 0:
         raise DataError(f"none of the {images} images in {split_dir} could be read; no metrics to report")
     broken = res.pop("nonfinite")
@@ -332,7 +333,7 @@ def predict(
     out = []
     for path in images:
         try:
-            x = transform(load_image(path)).unsqueeze(0).to(device)  # (1, 3, size, size)
+            x = load_transformed(path, transform).unsqueeze(0).to(device)  # (1, 3, size, size)
         except BadImageError as err:
             out.append({"image": str(path), "error": str(err)})
             continue

@@ -16,7 +16,7 @@ from ...images import BadImageError, load_image, to_rgb
 from .layout import IMAGE_EXTENSIONS, check_folder, check_layout, list_split, unreadable_classes
 from .loaders import Batch, BadSample, ImageFolderDataset, collate, make_loader
 from .samplers import EpochRandomSampler, PaddedEvalSampler, SeededSampler, epoch_seed, eval_sampler, seed_all, train_sampler
-from .transforms import build_transform
+from .transforms import build_transform, load_transformed
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -35,6 +35,7 @@ __all__ = [
     "eval_sampler",
     "list_split",
     "load_image",
+    "load_transformed",
     "make_loader",
     "seed_all",
     "to_rgb",

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ...images import BadImageError, load_image
+from .transforms import load_transformed
 from .samplers import seed_all
 
 
@@ -62,11 +63,10 @@ class ImageFolderDataset(Dataset):
         alone (not on which loader worker draws it, nor on what that worker drew before)."""
         index, seed = item if isinstance(item, tuple) else (item, None)
         path, label = self.samples[index]
+        if seed is not None:
+            seed_all(seed)
         try:
-            img = load_image(path)
-            if seed is not None:
-                seed_all(seed)
-            return (self.transform(img) if self.transform else img), label, index
+            return (load_transformed(path, self.transform) if self.transform else load_image(path)), label, index
         except BadImageError as err:  # unreadable, or one the evaluation resize refuses (too thin)
             return BadSample(path, str(err))
 

@@ -11,7 +11,7 @@ from timm.data.auto_augment import posterize
 from torchvision.transforms import Compose
 
 from ...bounds import MAX_IMAGE_PIXELS
-from ...images import BadImageError
+from ...images import BadImageError, load_image
 
 
 def build_transform(
@@ -75,6 +75,17 @@ class BoundedEvalTransform(Compose):
                 f"make it {resized / 1e6:.0f} megapixels, above {MAX_IMAGE_PIXELS / 1e6:.0f}); crop it nearer to square"
             )
         return super().__call__(img)
+
+
+def load_transformed(path, transform: Callable):
+    """The image file at ``path`` read upright as RGB (:func:`~cgavit.images.load_image`) and passed through
+    ``transform``: each :class:`~cgavit.images.BadImageError` names the file, the evaluation resize's too (a
+    too-thin image) as well as the reader's."""
+    img = load_image(path)
+    try:
+        return transform(img)
+    except BadImageError as err:
+        raise BadImageError(f"image {path}: {err}") from None
 
 
 #: What ``--aa`` may say for no auto-augmentation (any case).
