@@ -11,12 +11,24 @@ Only torch is imported here.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from .factory import ModelInfo
+
+
+def class_name(name: str) -> str:
+    """A class name as it is compared and recorded: in Unicode's composed form (NFC), so that a folder ``café``
+    stored decomposed (as macOS stores names) is the class ``café`` of a checkpoint trained elsewhere."""
+    return unicodedata.normalize("NFC", name)
+
+
+def same_classes(a: Sequence[str], b: Sequence[str]) -> bool:
+    """Whether two class lists name the same classes in the same order (:func:`class_name`'s form)."""
+    return [class_name(n) for n in a] == [class_name(n) for n in b]
 
 
 def check_classes(source: str | Path, classes: Sequence[str], info: ModelInfo, num_classes: int, *,
@@ -40,7 +52,9 @@ def check_classes(source: str | Path, classes: Sequence[str], info: ModelInfo, n
             raise ValueError(f"{source} has {len(classes)} class folders, but the checkpoint predicts {num_classes} "
                              "classes: give the folder the model was trained on")
         return
-    want = [name for name in info.class_names if name in classes] if subset else list(info.class_names)
+    classes = [class_name(n) for n in classes]
+    recorded = [class_name(n) for n in info.class_names]
+    want = [name for name in recorded if name in classes] if subset else recorded
     if sorted(classes) != sorted(want):
         raise ValueError(f"{source}'s class folders are not the checkpoint's classes: "
                          f"{class_difference(list(classes), want)}; give the folder the model was trained on")
@@ -49,8 +63,8 @@ def check_classes(source: str | Path, classes: Sequence[str], info: ModelInfo, n
 def model_indices(classes: Sequence[str], info: ModelInfo) -> torch.Tensor:
     """The checkpoint's index of each of a folder's classes (checked by :func:`check_classes`):
     ``model_indices(classes, info)[label]`` is the model's class of an image the folder labels ``label``."""
-    named = list(info.class_names)
-    return torch.tensor([named.index(name) for name in classes])
+    named = [class_name(n) for n in info.class_names]
+    return torch.tensor([named.index(class_name(name)) for name in classes])
 
 
 def class_difference(have: list[str], want: list[str]) -> str:

@@ -267,7 +267,51 @@ def test_layout_problems_reported_before_training(tmp_path):
     (root / "train" / "empty_class").rmdir()
     with pytest.raises(ValueError, match="does not exist"):
         train(tiny(data=str(root), val_split="test", output=str(tmp_path / "r")))
+    for blank in ("", " "):  # "" read the dataset's train/ and val/ folders as two classes
+        with pytest.raises(ValueError, match="a split must name a folder inside"):
+            train(tiny(data=str(root), train_split=blank, output=str(tmp_path / "r")))
     assert not (tmp_path / "r").exists()
+
+
+def test_files_a_split_leaves_out_are_warned_about_and_linked_val_folders_refused(tmp_path, caplog):
+    root = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
+    (root / "train" / "loose.JPG").write_bytes((root / "train" / "class_0" / "0.png").read_bytes())
+    os.symlink(root / "gone.png", root / "train" / "class_0" / "dangling.png")
+    os.symlink("l2.png", root / "train" / "class_1" / "l1.png")
+    os.symlink("l1.png", root / "train" / "class_1" / "l2.png")
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        layout = check_layout(root)
+    assert len(layout["train"]) == 4  # these were dropped without a word
+    assert "1 file(s) directly in" in caplog.text and "loose.JPG" in caplog.text
+    assert "3 link(s) in" in caplog.text and "dangling.png" in caplog.text
+    for c in ("class_0", "class_1"):  # each val class folder a link to train's: every val image a training image
+        (root / "val2" / c).parent.mkdir(exist_ok=True)
+        os.symlink(root / "train" / c, root / "val2" / c)
+    with pytest.raises(DataError, match="reaches images of --train-split 'train' through links"):
+        check_layout(root, val_split="val2")
+
+
+def test_class_folders_are_matched_across_unicode_forms(tmp_path):
+    """A folder named in decomposed form (as macOS stores names) was another class than the same name composed."""
+    import unicodedata
+
+    from cgavit.classes import check_classes, model_indices
+    from cgavit.factory import ModelInfo
+    from cgavit.train.data import list_split
+
+    composed, decomposed = "caf\u00e9", unicodedata.normalize("NFD", "caf\u00e9")
+    root = make_folder(tmp_path / "ds", classes=2, train=1, val=1)
+    (root / "train" / "class_1").rename(root / "train" / composed)
+    (root / "val" / "class_1").rename(root / "val" / decomposed)
+    layout = check_layout(root)
+    assert layout["classes"] == [composed, "class_0"]
+    info = ModelInfo(class_names=["class_0", decomposed], names_recorded=True)  # a checkpoint trained on a Mac
+    classes, _ = list_split(root, "val")
+    check_classes(root / "val", classes, info, 2)
+    assert model_indices(classes, info).tolist() == [1, 0]
+    os.mkdir(root / "val" / composed)
+    with pytest.raises(DataError, match="the same name in two Unicode forms"):
+        list_split(root, "val")
 
 
 def test_corrupt_checkpoint_refused_and_left_alone(data, tmp_path):

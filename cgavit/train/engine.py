@@ -35,6 +35,7 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
 
+from ..classes import same_classes
 from ..io import CheckpointError, DataError, make_folder, open_append, remove_stale_temporaries
 from ..loading import load_checkpoint
 from ..schema import check_finite
@@ -95,7 +96,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         _check_input_files(cfg)
         with _quiet_unless_main(env):
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split)
-            if resumed is not None and resumed.get("classes") and list(resumed["classes"]) != layout["classes"]:
+            if resumed is not None and resumed.get("classes") and not same_classes(resumed["classes"], layout["classes"]):
                 raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
             existed = _existing_folders(Path(cfg.output or "runs")) if env.is_main else None
             output = _make_output(cfg, env, resumed is not None)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE
-from ..classes import check_classes, model_indices
+from ..classes import check_classes, model_indices, same_classes
 from ..deploy import ExportInfo, open_exported
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
@@ -157,7 +157,7 @@ def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, tr
         log.warning("--reference %s records crop %s and %s resizing; it is given the evaluated model's images (crop %s, "
                     "%s)", name, ref.crop_pct, ref.interpolation, crop_pct, interpolation)
     if classes != num_classes or (ref.names_recorded and info.names_recorded and
-                                  list(ref.class_names) != list(info.class_names)):
+                                  not same_classes(ref.class_names, info.class_names)):
         raise ValueError(f"--reference {name} predicts other classes ({classes}: {', '.join(ref.class_names[:3])}, ...) "
                          f"than the model evaluated ({num_classes}: {', '.join(info.class_names[:3])}, ...); give the "
                          "checkpoint it was exported or quantised from")
@@ -270,7 +270,7 @@ def split_for_model(split_dir: Path, info: ModelInfo, num_classes: int) -> tuple
         raise DataError(str(err)) from None
     if not info.names_recorded:
         return classes, samples
-    if set(classes) != set(info.class_names):  # the checkpoint's own order need not be sorted
+    if len(classes) != len(info.class_names):  # a subset (check_classes: each folder is one of the checkpoint's)
         log.warning("evaluating %d of the checkpoint's %d classes (%s), matched by name", len(classes),
                     len(info.class_names), ", ".join(classes[:5]) + (" ..." if len(classes) > 5 else ""))
     index = model_indices(classes, info).tolist()

@@ -18,7 +18,7 @@ from timm.scheduler import CosineLRScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..classes import class_difference
+from ..classes import class_difference, same_classes
 from ..factory import create_model, load_model, resolve_name
 from ..loading import load_checkpoint
 from ..schema import check_finite
@@ -164,7 +164,7 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
     num_classes = len(classes)
     if Path(cfg.teacher).is_file():
         teacher, info = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
-        if info.names_recorded and list(info.class_names) != list(classes):
+        if info.names_recorded and not same_classes(info.class_names, classes):
             diff = class_difference(list(info.class_names), list(classes))
             raise ValueError(
                 f"the teacher {cfg.teacher} was trained on other classes than {cfg.data} holds: "

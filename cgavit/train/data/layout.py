@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ...classes import class_name
 from ...images import BadImageError, load_image
 from ...io import DataError
 from ...schema import MAX_NAME_LENGTH, shown
@@ -25,10 +26,11 @@ log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 
 
-def files_under(folder: str | Path) -> list[Path]:
+def files_under(folder: str | Path, dangling: list[Path] | None = None) -> list[Path]:
     """Every file in ``folder`` and its sub-folders, sorted, found as torchvision's ``ImageFolder`` finds them: linked
     folders are followed (each real folder once, so a link loop ends), and hidden files and folders (a name starting
-    with a dot) are left out, with everything in them."""
+    with a dot) are left out, with everything in them. Links that lead to no file (a target gone, a loop) are left
+    out too, and added to ``dangling`` when it is given."""
     found, seen = [], set()
     for top, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(top)
@@ -37,7 +39,14 @@ def files_under(folder: str | Path) -> list[Path]:
             continue
         seen.add(real)
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        found += [Path(top, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(top, n))]
+        for name in names:
+            path = os.path.join(top, name)
+            if name.startswith("."):
+                continue
+            if os.path.isfile(path):
+                found.append(Path(path))
+            elif dangling is not None and os.path.islink(path):
+                dangling.append(Path(path))
     return sorted(found)
 
 
@@ -65,9 +74,11 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
         split: ``"train"``, ``"val"``, ... or None.
 
     Raises:
-        DataError: the folder is missing, not a folder, has no class folders, or a class folder holds
-            no image; the message names the folder and says what the layout must be.
+        DataError: a blank ``split``; the folder is missing, not a folder, has no class folders, or a class folder
+            holds no image; the message names the folder and says what the layout must be.
     """
+    if split is not None and not split.strip():  # "" read the dataset's own split folders as classes
+        raise DataError(f"a split must name a folder inside {root} (e.g. train or val), got {split!r}")
     if split:
         check_folder(root)
     folder = Path(root) / split if split else Path(root)
@@ -77,7 +88,14 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
             f"DIR/train/<class>/<image> and DIR/val/<class>/<image>"
         )
     check_folder(folder)
-    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    folders = {}  # class name -> its folder's name, in the folder names' sorted order (the class indices)
+    for name in sorted(p.name for p in entries if p.is_dir()):
+        if class_name(name) in folders:
+            raise DataError(f"{folder} has two class folders named {shown(folders[class_name(name)])} and "
+                            f"{shown(name)}, the same name in two Unicode forms; merge them")
+        folders[class_name(name)] = name
+    classes = list(folders)
     if not classes:
         raise DataError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
     odd = [c for c in classes if not (c.isprintable() and len(c) <= MAX_NAME_LENGTH)]
@@ -87,9 +105,13 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
             f"{', '.join(shown(c) for c in odd[:5])}: rename them"
         )
     samples: list[tuple[str, int]] = []
-    empty, left_out = [], []
+    empty, left_out, dangling = [], [], []
+    loose = [p for p in entries if not p.is_dir()]
+    if loose:  # beside the class folders, no image has a class
+        log.warning("%d file(s) directly in %s are left out: a split's images go in its class folders, %s/<class>/ "
+                    "(e.g. %s)", len(loose), folder, folder, ", ".join(shown(p.name) for p in sorted(loose)[:3]))
     for idx, name in enumerate(classes):
-        found = files_under(folder / name)
+        found = files_under(folder / folders[name], dangling)
         files = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS]
         left_out += [p for p in found if p.suffix.lower() not in IMAGE_EXTENSIONS]
         if not files:
@@ -99,6 +121,9 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
         log.warning("%d file(s) in %s are left out: their names do not end in an image suffix read here (%s), e.g. "
                     "%s; rename the images among them (a .jfif is a .jpg)", len(left_out), folder,
                     " ".join(IMAGE_EXTENSIONS), ", ".join(shown(p.name) for p in sorted(left_out)[:3]))
+    if dangling:
+        log.warning("%d link(s) in %s are left out: they lead to no file (a target moved or deleted, or a loop), e.g. "
+                    "%s", len(dangling), folder, ", ".join(shown(str(p)) for p in sorted(dangling)[:3]))
     if empty:
         raise DataError(
             f"{len(empty)} class folder(s) in {folder} hold no images ({_first_few(empty)}); remove them or add images "
@@ -120,8 +145,9 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
         ``{"classes": [...], "train": samples, "val": samples}``.
 
     Raises:
-        DataError: a missing or empty split or class folder, class sets that differ, one folder for both
-            (validated on its training images, a run would choose its best checkpoint on them), or a single class
+        DataError: a missing or empty split or class folder, class sets that differ, one folder for both or a
+            folder of images in both through links (validated on its training images, a run would choose its best
+            checkpoint on them), or a single class
             (nothing to learn: every prediction would be right).
     """
     if same_split(root, train_split, val_split):
@@ -130,6 +156,12 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
                         "them); give a held-out split")
     train_classes, train_samples = list_split(root, train_split)
     val_classes, val_samples = list_split(root, val_split)
+    shared = _real_folders(train_samples).keys() & _real_folders(val_samples).keys()
+    if shared:  # a class folder of val linked to train's: the same refusal as the whole split linked
+        example = _real_folders(val_samples)[min(shared)]
+        raise DataError(f"--val-split {val_split!r} reaches images of --train-split {train_split!r} through links "
+                        f"({len(shared)} folder(s), e.g. {shown(example)}): validation on the training images says "
+                        "nothing about others (and best.* would be chosen on them); give a held-out split")
     if train_classes != val_classes:
         only_t = sorted(set(train_classes) - set(val_classes))[:5]
         only_v = sorted(set(val_classes) - set(train_classes))[:5]
@@ -143,6 +175,11 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
             f"nothing to learn and scores 100 %; add a folder of images for each other class (DIR/{train_split}/<class>/)"
         )
     return {"classes": train_classes, "train": train_samples, "val": val_samples}
+
+
+def _real_folders(samples: Sequence[tuple[str, int]]) -> dict[str, str]:
+    """The real folder (links resolved) of each folder holding one of ``samples`` -> that folder as listed."""
+    return {os.path.realpath(parent): parent for parent in {os.path.dirname(path) for path, _ in samples}}
 
 
 def unreadable_classes(layout: dict, root: str | Path, train_split: str = "train", val_split: str = "val") -> str | None:
