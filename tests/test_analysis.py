@@ -252,6 +252,21 @@ def test_analysis_runs_typed(tmp_path, trained_digits):
         run_heads(AnalysisConfig(output=str(tmp_path), data=str(data), images=("a.png",)))
 
 
+def test_a_checkpoint_is_analysed_as_the_network_built_for_the_image_size(trained_digits):
+    """--img-size 112 analysed the network built for the recorded 48 px (its windows), not eval's or predict's."""
+    from cgavit import load_model
+
+    cfg = AnalysisConfig(output="unused", checkpoint=str(trained_digits.checkpoint), img_size=112)
+    model, info = reports.load_analysis_model(cfg)
+    built, _ = load_model(trained_digits.checkpoint, img_size=112)
+    windows = [m.window for m in model.modules() if isinstance(m, CascadedGroupAttention)]
+    assert info.img_size == 112 and windows == [m.window for m in built.modules() if isinstance(m, CascadedGroupAttention)]
+    assert windows != [m.window for m in trained_digits.model.modules() if isinstance(m, CascadedGroupAttention)]
+    x = torch.randn(2, 3, 112, 112)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), built.eval()(x))
+
+
 def test_analyze_bad_input(tmp_path, capsys):
     assert main(["analyze", "heads", "--data", str(tmp_path / "missing"), "--output", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -145,8 +145,9 @@ def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, ModelInfo]:
             raise ValueError("give --checkpoint FILE or --pretrained, not both")
         if cfg.num_classes is not None:
             raise ValueError("--num-classes is for randomly initialised models; a checkpoint sets its own class count")
+        # built for --img-size as eval, predict and load_model build it (windows and bias tables for that size)
         model, info = load_model(cfg.checkpoint, cfg.model, cfg.dials or None, pretrained=cfg.pretrained,
-                                 trust=cfg.trust_checkpoint)
+                                 trust=cfg.trust_checkpoint, img_size=cfg.img_size)
         return model, replace(info, img_size=cfg.img_size or info.img_size, crop_pct=cfg.crop_pct or info.crop_pct)
     log.warning("no --checkpoint: analysing randomly initialised weights")
     size = cfg.img_size or 224
