@@ -107,6 +107,10 @@ class CascadedHeads(nn.Module, ABC):
 
     def _run_heads(self, x: torch.Tensor, maps: list[torch.Tensor] | None) -> torch.Tensor:
         B, C, H, W = x.shape
+        if H > self.window or W > self.window:  # offsets past the table would read another offset's bias
+            raise ValueError(f"a {H}x{W} map is larger than this attention's {self.window}x{self.window} window; give "
+                             "it to LocalWindowAttention, which splits a map into windows, or build this one with "
+                             f"window={max(H, W)}")
         bias = self.attention_bias(H, W)  # (heads, N, N)
         groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
         outs = []

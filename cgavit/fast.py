@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention import FusedCascadedGroupAttention, LocalWindowAttention, window_bias
 from .layers import Residual, conv_like
+from .model import image_size_pair
 
 
 class FastCascadedGroupAttention(nn.Module):
@@ -176,10 +177,17 @@ def swap_fast_modules(
     fold every depthwise residual into its conv (``fold_residuals``) and make every ReLU in-place
     (saves one allocation per activation); returns ``model``.
 
-    With ``img_size`` the fast modules are specialised to the maps ``img_size`` images give (the form
-    for exporting: an image of another size is then refused); without it they take any size.
+    With ``img_size`` (one side, or ``(H, W)``) the fast modules are specialised to the maps ``img_size`` images give
+    (the form for exporting: an image of another size is then refused); without it they take any size.
+
+    Raises:
+        ValueError: a model not fused (:func:`cgavit.fuse`; refused before anything changes), or a bad ``img_size``.
     """
-    sizes = window_input_sizes(model, img_size) if img_size is not None else {}
+    unfused = [name for name, m in model.named_modules()
+               if isinstance(m, LocalWindowAttention) and not isinstance(m.attn, FusedCascadedGroupAttention)]
+    if unfused:  # refused before anything is swapped: the caller's model is left as it was
+        raise ValueError(f"swap_fast_modules needs a fused model (cgavit.fuse first); {unfused[0]} is not fused")
+    sizes = window_input_sizes(model, image_size_pair(img_size)) if img_size is not None else {}
     _swap(model, sizes, fold_residuals)
     return model
 

@@ -21,8 +21,10 @@ from torch import nn
 from .attention import resize_bias_table
 from .io import CheckpointError, require_flag
 from .model import convert_state_dict
-from .schema import check_finite, check_state_dict, check_tensor, shown
-from .weights import read_state_dict, unwrap_state_dict
+from .schema import (check_finite, check_state_dict, check_tensor, check_training_checkpoint, is_training_checkpoint,
+                     is_weights_meta, parse_weights_meta, shown, training_meta)
+from .variants import EfficientViTConfig
+from .weights import WeightsFile, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +155,12 @@ def load_checkpoint(
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
-    raw = (unwrap_state_dict(path, source, prefer_ema) if isinstance(path, Mapping)  # as a file holding it
-           else read_state_dict(path, trust=trust, prefer_ema=prefer_ema))
+    if isinstance(path, Mapping):
+        raw = unwrap_state_dict(path, source, prefer_ema)  # as a file holding it
+    else:
+        wf = read_weights_file(path, trust)
+        raw = unwrap_state_dict(wf.content, source, prefer_ema)
+        check_recorded_architecture(model, recorded_config(wf, source), source)
     sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))
     check_finite(sd, source)
     model.load_state_dict(sd, strict=False)
@@ -167,3 +173,37 @@ def load_checkpoint(
                 "%s has a distillation head and the model none: the model's outputs are its class head's alone, where "
                 "the checkpoint's network averaged both heads; build it with distillation=True to use both", source)
     return report
+
+
+def recorded_config(wf: WeightsFile, source: str) -> EfficientViTConfig | None:
+    """The architecture a cgavit file records (its safetensors metadata, or a training checkpoint's options); None for
+    a file that records none (official, timm, a bare state dict).
+
+    Raises:
+        CheckpointError: a record that is malformed or out of bounds.
+    """
+    if wf.kind == "safetensors" and is_weights_meta(wf.metadata):
+        return parse_weights_meta(wf.metadata, source).config
+    if is_training_checkpoint(wf.content):
+        check_training_checkpoint(wf.content, source)
+        return training_meta(wf.content, source)[0].config
+    return None
+
+
+def check_recorded_architecture(model: nn.Module, recorded: EfficientViTConfig | None, source: str) -> None:
+    """Refuse a file whose recorded architecture differs from ``model``'s in a dial no tensor shape shows (the
+    cascade: a model built without it takes the tensors and computes another function); warn about other
+    differences, which either do not fit (refused by the tensors' check) or are fitted (bias tables resized)."""
+    built = getattr(model, "cfg", None)
+    if recorded is None or not isinstance(built, EfficientViTConfig):
+        return
+    changed = built.differs_from(recorded)
+    if "cascade" in changed:
+        raise CheckpointError(
+            f"{source} records cascade={recorded.cascade} and the model was built with cascade={built.cascade}: the "
+            f"tensors fit either, but the outputs would be another network's; build it with cascade={recorded.cascade}, "
+            "or open the file with cgavit.load_model, which builds the network it records")
+    if changed:
+        log.warning("%s records another architecture than the model's (%s): loading what fits; cgavit.load_model "
+                    "builds the network it records", source,
+                    ", ".join(f"{k}={getattr(recorded, k)!r} in the file, {getattr(built, k)!r} in the model" for k in changed))

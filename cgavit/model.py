@@ -61,9 +61,11 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
             return self.blocks(self.downsample(x))
+        compiling = torch.compiler.is_compiling()  # dynamo takes no context_fn; its recompute mutates no buffer
         for part in (self.downsample, *self.blocks):
             # keep only this part's input; recompute its inside during backward
-            x = checkpoint(part, x, use_reentrant=False, context_fn=lambda p=part: (_nothing(), _bn_stats_frozen(p)))
+            x = (checkpoint(part, x, use_reentrant=False) if compiling else
+                 checkpoint(part, x, use_reentrant=False, context_fn=lambda p=part: (_nothing(), _bn_stats_frozen(p))))
         return x
 
 
@@ -111,6 +113,14 @@ def check_image_batch(x: object, name: str = "images") -> None:
     if not x.is_floating_point():
         raise ValueError(f"expected float {name} (normalised), got {x.dtype}; convert them, e.g. "
                          "x.float() / 255, then subtract the mean and divide by the std")
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (False for a type autocast does not know, e.g. meta)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # "unknown device type for autocast"
+        return False
 
 
 def _count(value: object, name: str, low: int, high: int | None = None) -> int:
@@ -316,7 +326,7 @@ class EfficientViT(nn.Module):
                 f"{x.shape[2]}x{x.shape[3]}; resize them up first"
             )
         weight = next(self.parameters(), None)
-        if weight is not None and x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        if weight is not None and x.dtype != weight.dtype and not _autocast_on(x.device.type):
             raise ValueError(f"the images are {x.dtype} and the model's weights {weight.dtype}; convert one to the "
                              f"other (x.to({weight.dtype}) or model.to({x.dtype})), or run under torch.autocast")
 

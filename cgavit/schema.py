@@ -187,6 +187,12 @@ def check_tensor(key: str, value: torch.Tensor, want: torch.Tensor, source: str)
         return "resize"
     if value.ndim == 2 and want.ndim == 4 and tuple(want.shape[2:]) == (1, 1) and tuple(value.shape) == tuple(want.shape[:2]):
         return "reshape"
+    if key.startswith("patch_embed.conv1.") and value.ndim == want.ndim == 4 and value.shape[1] != want.shape[1] \
+            and (value.shape[0], *value.shape[2:]) == (want.shape[0], *want.shape[2:]):
+        raise CheckpointError(
+            f"{source}: its first convolution takes {value.shape[1]} input channels and the model's {want.shape[1]} "
+            f"(in_chans): build the model with in_chans={value.shape[1]}, or, for the published weights, "
+            f"pretrained=True adapts their RGB filters to in_chans={want.shape[1]}")
     raise CheckpointError(
         f"{source}: shape mismatch at {shown(key)}: checkpoint {tuple(value.shape)}, model {tuple(want.shape)}; "
         "the file is probably for another variant or other dial settings"

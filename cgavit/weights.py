@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .io import CheckpointError, UnreadableFileError, UnsafeCheckpointError, atomic_write, check_readable_file, require_flag, sniff_format
+from .layers import ConvBN
 from .schema import WeightsMeta, check_meta_against_shapes, check_state_dict, is_weights_meta, parse_weights_meta
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,8 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_weights takes the model (an nn.Module), got {type(model).__name__}; for a state dict, "
                         "load it into its model first (cgavit.create_model(name, checkpoint_path=sd))")
-    if hasattr(model, "cfg") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+    # fused: no Conv-BN pair left (a BatchNorm alone is no sign: reset_classifier gives a fused model a BN head again)
+    if hasattr(model, "cfg") and not any(isinstance(m, ConvBN) for m in model.modules()):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")
     if hasattr(model, "cfg") and hasattr(model, "stages") and len(model.stages) < len(model.cfg.depth):

@@ -86,3 +86,13 @@ def test_gradients_exact_at_batch_one(batch, train):
     attn = randomize_(CascadedGroupAttention(8, key_dim=2, num_heads=2, window=3)).double().train(train)
     x = torch.randn(batch, 8, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(attn, (x,), eps=1e-6, atol=1e-5)
+
+
+def test_a_map_wider_than_the_window_is_refused_not_given_another_offsets_bias():
+    """At 5x9 with window 7, offset (0, +7) read table entry 7, the bias of offset (+1, 0); 8x8 was an IndexError."""
+    attn = CascadedGroupAttention(16, key_dim=4, num_heads=2, window=7).eval()
+    for module in (attn, attn.fuse()):
+        for h, w in ((5, 9), (8, 8)):
+            with pytest.raises(ValueError, match=f"a {h}x{w} map is larger than this attention's 7x7 window"):
+                module(torch.randn(1, 16, h, w))
+        assert module(torch.randn(1, 16, 5, 7)).shape == (1, 16, 5, 7)

@@ -71,6 +71,22 @@ def test_size_specialised_fast_modules_match_and_refuse_other_sizes(size):
             fast(torch.randn(1, 3, size + 32, size + 32))
 
 
+def test_swap_fast_modules_takes_one_side_and_refuses_an_unfused_model_untouched():
+    """img_size=64 was a TypeError; an unfused model was refused after four of its ReLUs were made in-place."""
+    model = tiny(img_size=64)
+    before = {name: type(m) for name, m in model.named_modules()}, [m.inplace for m in model.modules() if isinstance(m, torch.nn.ReLU)]
+    with pytest.raises(ValueError, match="needs a fused model"):
+        swap_fast_modules(model)
+    assert ({name: type(m) for name, m in model.named_modules()},
+            [m.inplace for m in model.modules() if isinstance(m, torch.nn.ReLU)]) == before
+    fast = swap_fast_modules(cgavit.fuse(model), img_size=64)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) <= 1e-5
+    with pytest.raises(ValueError, match="img_size must be a whole number"):
+        swap_fast_modules(cgavit.fuse(model), img_size="64")
+
+
 @pytest.mark.skipif(not onnxruntime_available(), reason="needs the deploy extra (onnxruntime)")
 def test_onnx_export_has_no_shape_arithmetic(tmp_path):
     """The exported graph computes no shapes at run time: no Shape/Gather ops; one Conv per conv, each

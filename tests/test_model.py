@@ -134,6 +134,9 @@ def test_images_of_another_float_dtype_run_under_autocast():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(x.bfloat16()).dtype == torch.bfloat16
     assert model.double()(x.double()).dtype == torch.float64
+    meta = cgavit.create_model("m0", device="meta").eval()  # autocast knows no meta device: the check's own error
+    with pytest.raises(ValueError, match="images are torch.bfloat16"):
+        meta(torch.randn(1, 3, 64, 64, device="meta", dtype=torch.bfloat16))
 
 
 SIZES = [(32, 32), (33, 47), (64, 200), (95, 95), (224, 224), (225, 161), (320, 250)]

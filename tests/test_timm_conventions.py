@@ -92,6 +92,21 @@ def test_grad_checkpointing_gives_the_same_gradients_and_statistics():
         torch.testing.assert_close(ckpt.eval()(x), plain.eval()(x))
 
 
+def test_grad_checkpointing_compiles_with_the_same_gradients_and_statistics():
+    """torch.compile failed on the checkpoint's context_fn (InternalTorchDynamoError)."""
+    torch.manual_seed(0)
+    plain = randomize_(cgavit.create_model("m0", num_classes=10, img_size=64)).train()
+    ckpt = copy.deepcopy(plain)
+    ckpt.set_grad_checkpointing(True)
+    x = torch.randn(2, 3, 64, 64)
+    plain(x).sum().backward()
+    torch.compile(ckpt, backend="aot_eager")(x).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=f"{name}: a statistic counted twice")
+
+
 _MEASURE = """
 import sys, torch, cgavit
 torch.set_num_threads(1)

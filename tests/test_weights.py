@@ -251,6 +251,10 @@ def test_what_cannot_be_loaded_back_is_not_saved(tmp_path):
     built for a size a file may not record was made."""
     with pytest.raises(ValueError, match="fused model"):
         save_weights(cgavit.fuse(cgavit.create_model("m0")), tmp_path / "f.safetensors")
+    fused = cgavit.fuse(cgavit.create_model("m0"))
+    fused.reset_classifier(10)  # a new head brings a BatchNorm back, which was taken for "not fused"
+    with pytest.raises(ValueError, match="fused model"):
+        save_weights(fused, tmp_path / "f.safetensors")
     assert not (tmp_path / "f.safetensors").exists()
     with pytest.raises(ValueError, match="img_size must be <= 4096"):
         cgavit.create_model("m0", img_size=4100)
@@ -569,3 +573,26 @@ def test_a_record_load_model_would_refuse_is_not_saved(tmp_path):
         save_weights(grey.state_dict(), tmp_path / "g.safetensors")
     save_weights(grey, tmp_path / "g.safetensors", WeightsMeta(**base, mean=(0.5,) * 3, std=(0.25,) * 3))
     assert cgavit.load_model(tmp_path / "g.safetensors")[0].in_chans == 1
+
+
+def test_a_file_recording_another_cascade_is_refused_by_a_model_built_without_it(tmp_path, caplog):
+    """cascade changes no tensor shape: a cascade-off file loaded into a default model gave another network silently."""
+    saved = randomize_(cgavit.create_model("efficientvit_m0", cascade=False, img_size=64)).eval()
+    path = save_weights(saved, tmp_path / "no-cascade.safetensors")
+    with pytest.raises(CheckpointError, match="records cascade=False and the model was built with cascade=True"):
+        cgavit.create_model("efficientvit_m0", checkpoint_path=path, img_size=64)
+    same = cgavit.create_model("efficientvit_m0", checkpoint_path=path, img_size=64, cascade=False).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x), saved(x))
+    windows = save_weights(cgavit.create_model("efficientvit_m0", window_size=3, img_size=64), tmp_path / "w3.safetensors")
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0", img_size=64), windows)  # tables resized, and said
+    assert "window_size=(3, 3, 3) in the file, (7, 7, 7) in the model" in caplog.text
+
+
+def test_a_file_for_other_input_channels_is_named_as_such(tmp_path):
+    path = save_weights(cgavit.create_model("m0", img_size=64), tmp_path / "rgb.safetensors")
+    with pytest.raises(CheckpointError, match=r"takes 3 input channels and the model's 1 \(in_chans\): build the model "
+                                              r"with in_chans=3"):
+        cgavit.create_model("m0", img_size=64, in_chans=1, checkpoint_path=path)

@@ -171,7 +171,7 @@ def optimize(
     backend = choose_backend(precision, backend, example_input.device)  # also checks the precision
     if on_cpu:
         _warn_if_slow(precision, features or cpu_features(), batches)
-    fused = fuse(model)
+    fused = fuse(model).float()  # the paths take float32 images (_checked_inputs), whatever the model's dtype
     reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
     result = _build(fused, example_input, precision, backend, batches, opts)
     result.rel_err = _check(result, example_input, reference, precision) if check else None
@@ -333,7 +333,7 @@ def _optimize_auto(
         candidates, passed = auto_candidates(*row), untried_paths(*row)
     where = "the evaluation images" if evaluation else "the calibration images" if calibration else "the example input"
     images = torch.cat(evaluation or calibration or [example_input])
-    reference = batched_logits(fuse(model), images)
+    reference = batched_logits(fuse(model).float(), images)
     if not torch.isfinite(reference).all():
         raise _not_finite(where)
     in_row = artifact is not None and ("int8", artifact.runtime) in [(c.precision, c.backend) for c in candidates]
@@ -347,7 +347,7 @@ def _optimize_auto(
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
         openvino_int8 = features is not None and (cand.precision, cand.backend) == ("int8", "openvino")
         part = fastest_float_part(features) if openvino_int8 else "fp32"
-        result = artifact.module if given else _build(fuse(model), example_input, cand.precision, cand.backend,
+        result = artifact.module if given else _build(fuse(model).float(), example_input, cand.precision, cand.backend,
                                                        calibration, opts, part)
         agreement = None if cand.precision == "fp32" else compare_logits(batched_logits(result, images), reference)
         if agreement is None or agreement.meets_target:

@@ -27,7 +27,8 @@ def _swap_fused(module: nn.Module) -> None:
 
 @torch.no_grad()
 def fuse(model: nn.Module) -> nn.Module:
-    """Return an eval-mode inference copy of ``model`` with every BatchNorm folded away.
+    """Return an eval-mode inference copy of ``model`` with every BatchNorm folded away (in float32, whatever the
+    model's dtype, which the copy keeps).
 
     Conv-BN pairs become one ``nn.Conv2d``, BN+Linear heads one ``nn.Linear``, and each attention's
     relative-position bias is gathered once into a buffer. ``model`` itself is not modified;
@@ -38,7 +39,10 @@ def fuse(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"fuse expects an nn.Module, got {type(model).__name__}")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     fused = copy.deepcopy(model).eval()
+    if dtype != torch.float32:  # folded in float32 and cast back once: a bf16 fold rounded every step
+        fused.float()
     if isinstance(fused, FUSABLE):
         fused = fused.fuse().eval()
     else:
@@ -48,7 +52,7 @@ def fuse(model: nn.Module) -> nn.Module:
         raise ValueError(f"these BatchNorm layers have no conv/linear to fold into: {left}")
     for p in fused.parameters():
         p.requires_grad_(False)
-    return fused
+    return fused.to(dtype)
 
 
 def export_form(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True) -> nn.Module:
