@@ -3,6 +3,7 @@
 import argparse
 import json
 import signal
+from pathlib import Path
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -158,6 +159,44 @@ def test_a_subset_smaller_than_the_classes_is_refused_before_anything_is_written
         runs.prepare_data(data, tmp_path / "study", train_subset=1, val_subset=0)
     assert not (tmp_path / "study").exists()
     assert runs.prepare_data(data, tmp_path / "study", train_subset=classes, val_subset=0) == tmp_path / "study" / "data"
+
+
+def test_subset_links_keep_every_image_and_a_stopped_subset_is_made_again(tmp_path, monkeypatch):
+    """Same-named files in nested folders became one link (12 images -> 6); a subset stopped halfway was taken as
+    made on the next run, with more images than its subset.json said."""
+    data = _dataset(tmp_path / "data", per_class=3, held=2)
+    for c in range(2):
+        nested = data / "train" / f"class{c}" / "more"
+        nested.mkdir()
+        for f in sorted((data / "train" / f"class{c}").glob("*.png")):
+            (nested / f.name).write_bytes(f.read_bytes())
+    calls = []
+    real_symlink = Path.symlink_to
+
+    def stop_on_fifth(self, target, *args):
+        calls.append(self)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_symlink(self, target, *args)
+
+    monkeypatch.setattr(Path, "symlink_to", stop_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        runs.prepare_data(data, tmp_path / "study", train_subset=0, val_subset=0)
+    assert not (tmp_path / "study" / "data").exists()
+    monkeypatch.setattr(Path, "symlink_to", real_symlink)
+    dest = runs.prepare_data(data, tmp_path / "study", train_subset=0, val_subset=0)
+    assert len(list((dest / "train").rglob("*.png"))) == 12 and len(list((dest / "val").rglob("*.png"))) == 4
+    assert not (tmp_path / "study" / "data.partial").exists()
+    (tmp_path / "other" / "data").mkdir(parents=True)  # a folder this command did not make is not filled in
+    with pytest.raises(ValueError, match="holds no subset.json"):
+        runs.prepare_data(data, tmp_path / "other", train_subset=4, val_subset=0)
+
+
+def test_a_balanced_subset_gives_the_count_asked_for_when_a_class_is_short():
+    from cgavit.analysis.data import balanced_subset
+
+    picked = balanced_subset([0] + [1] + [2] * 1000, 1002, 300)
+    assert len(picked) == 300 and len(set(picked)) == 300 and {0, 1} <= set(picked)  # was 102
 
 
 def test_a_signal_after_a_runs_last_epoch_stops_the_study(tmp_path, monkeypatch, capsys):

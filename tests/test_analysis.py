@@ -181,6 +181,11 @@ def test_taylor_predictions_as_targets():
     a = taylor_importance(model, [(x, None)])
     b = taylor_importance(model, [(x, pred)])
     assert torch.equal(a[0].channels()["ffn"], b[0].channels()["ffn"])
+    with torch.no_grad():  # a RuntimeError "element 0 of tensors does not require grad" before
+        c = taylor_importance(model, [(x, pred)])
+    assert torch.equal(c[0].channels()["ffn"], b[0].channels()["ffn"])
+    with torch.inference_mode(), pytest.raises(ValueError, match="torch.inference_mode"):
+        taylor_importance(model, [(x, pred)])
 
 
 def test_pruning_order_and_kept_fraction():
@@ -265,6 +270,21 @@ def test_a_checkpoint_is_analysed_as_the_network_built_for_the_image_size(traine
     x = torch.randn(2, 3, 112, 112)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(x), built.eval()(x))
+
+
+def test_images_beside_class_folders_are_warned_about(tmp_path, caplog):
+    """A folder of 36 images with one sub-folder of thumbnails was read as one class of 2 images, without a word."""
+    import logging
+
+    from cgavit.analysis.data import list_images
+
+    (tmp_path / "thumbs").mkdir()
+    for name in ("a.png", "b.png", "thumbs/c.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        files, labels, classes = list_images([tmp_path])
+    assert classes == ["thumbs"] and len(files) == 1
+    assert "2 image(s) directly in" in caplog.text and "are left out" in caplog.text
 
 
 def test_analyze_bad_input(tmp_path, capsys):

@@ -52,6 +52,11 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
                 found = _images_in(root / name)
                 files += found
                 labels += [i] * len(found)
+            loose = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+            if loose:  # read as a labelled folder: images beside the class folders have no class
+                log.warning("%d image(s) directly in %s are left out: it has class folders (%s), so it is read as "
+                            "DIR/<class>/<image>; move them into a class folder, or give them as files", len(loose),
+                            root, ", ".join(classes[:3]) + (" ..." if len(classes) > 3 else ""))
             return files, labels, classes
         files = _images_in(root)
         if not files:
@@ -66,7 +71,8 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
 
 
 def balanced_subset(labels: Sequence[int] | None, count: int, n: int, seed: int = 0) -> list[int]:
-    """Indices of ``n`` items out of ``count``: the same number per class when labelled, seeded.
+    """Indices of ``n`` items out of ``count``: the same number per class when labelled (a class with fewer items
+    gives all it has, and the others make up the rest), seeded.
 
     With ``n <= 0`` or ``n >= count`` all indices are returned (in order).
     """
@@ -85,6 +91,9 @@ def balanced_subset(labels: Sequence[int] | None, count: int, n: int, seed: int 
         idx = by_class[c]
         take = min(len(idx), per + (1 if j < extra else 0))
         out += rng.sample(idx, take)
+    if len(out) < n:  # classes with fewer images than their share: the rest drawn from the others, so n are given
+        chosen = set(out)
+        out += rng.sample([i for i in range(count) if i not in chosen], n - len(out))
     return sorted(out)
 
 

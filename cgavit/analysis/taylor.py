@@ -153,13 +153,16 @@ def taylor_importance(
     n_all = sum(x.shape[0] for x, _ in batches)
     if not n_all:
         raise ValueError("no images given to taylor_importance")
+    if torch.is_inference_mode_enabled():
+        raise ValueError("taylor_importance needs gradients, which torch.inference_mode() turns off: call it outside")
     try:
-        for x, y in batches:
-            logits = model(x)
-            target = logits.detach().argmax(1) if y is None else y
-            # sum of per-image losses / all images = the mean over the whole sample
-            loss = F.cross_entropy(logits, target, reduction="sum") / n_all
-            loss.backward()
+        with torch.enable_grad():  # inside torch.no_grad() too: the importance is made of gradients
+            for x, y in batches:
+                logits = model(x)
+                target = logits.detach().argmax(1) if y is None else y
+                # sum of per-image losses / all images = the mean over the whole sample
+                loss = F.cross_entropy(logits, target, reduction="sum") / n_all
+                loss.backward()
         out = [_block_importance(stage, index, blk) for stage, index, blk in blocks]
     finally:
         model.zero_grad(set_to_none=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
 
     ``data`` needs ``train/`` and ``val/`` (or ``test/``) class folders. When a subset is asked for, or
     the held-out split is named ``test``, ``out/data/{train,val}/<class>/`` is filled with links to the
-    chosen files (once; a later call with other sizes is refused).
+    chosen files, each at its path under its class folder (once; a later call with other sizes is refused). They are
+    made in ``out/data.partial`` and renamed to ``out/data`` when all are there.
     """
     root = check_folder(data)
     held = next((s for s in ("val", "test") if (root / s).is_dir()), None)
@@ -57,6 +59,9 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
         if json.loads(marker.read_text()) != spec:
             raise ValueError(f"{dest} was made from other data or subset sizes ({marker.read_text().strip()}); use another --output")
         return dest
+    if dest.exists():  # not made here (every folder made here has its marker): never filled in, never removed
+        raise ValueError(f"{dest} exists and holds no subset.json, so it is no subset this command made; move it away "
+                         "or use another --output")
     splits = (("train", "train", train_subset, "--train-subset"), ("val", held, val_subset, "--val-subset"))
     listed = [list_images([root / src]) for _, src, _, _ in splits]
     for (_, src, n, flag), (_, labels, classes) in zip(splits, listed):
@@ -65,13 +70,17 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
         if 0 < n < len(classes):  # checked before anything is written: a refused run leaves no marker behind
             raise ValueError(f"{flag} {n} is below the number of classes ({len(classes)}): a balanced subset needs at "
                              f"least one image of each; give {flag} {len(classes)} or more (0: every image)")
-    for (split, _, n, _), (paths, labels, classes) in zip(splits, listed):
+    partial = out / "data.partial"  # filled, then renamed: a stopped run leaves no half-made subset at dest
+    if partial.exists():
+        shutil.rmtree(partial)
+    for (split, src, n, _), (paths, labels, classes) in zip(splits, listed):
         for i in balanced_subset(labels, len(paths), n, seed):
-            link = dest / split / classes[labels[i]] / paths[i].name
+            class_dir = classes[labels[i]]
+            link = partial / split / class_dir / paths[i].relative_to(root / src / class_dir)  # a/0.png and b/0.png
             link.parent.mkdir(parents=True, exist_ok=True)
-            if not link.exists():
-                link.symlink_to(paths[i].resolve())
-    write_json(marker, spec)
+            link.symlink_to(paths[i].resolve())
+    write_json(partial / "subset.json", spec)
+    partial.rename(dest)
     return dest
 
 
