@@ -30,5 +30,8 @@ MAX_IMAGE_PIXELS = 50_000_000
 #: Largest image an explorer upload may decode to (a 5 KB PNG can declare 6300x6300).
 MAX_UPLOAD_PIXELS = 16_000_000
 
+#: Threads a command may run with (``--threads``): more than any CPU has; 100,000 asked for memory a process has not.
+THREADS_RANGE = (1, 1024)
+
 #: The resize interpolations a checkpoint, a training run or a command may name.
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")

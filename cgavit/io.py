@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -345,14 +346,46 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def json_ready(value):
+    """``value`` with every float that is not finite (NaN, inf: "no value") replaced by None, so that it is strict
+    JSON, which every parser reads (Python's ``json`` writes ``NaN``, which most refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
 def write_json(path: str | os.PathLike, obj, indent: int | None = 1) -> Path:
-    """Write ``obj`` as JSON to ``path`` atomically."""
-    return write_text(path, json.dumps(obj, indent=indent) + "\n")
+    """Write ``obj`` as strict JSON (:func:`json_ready`: a float that is not finite as null) to ``path`` atomically."""
+    return write_text(path, json.dumps(json_ready(obj), indent=indent, allow_nan=False) + "\n")
 
 
 def save_torch(path: str | os.PathLike, obj) -> Path:
     """``torch.save(obj)`` to ``path`` atomically."""
     return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def read_json_record(path: str | os.PathLike, keys: Iterable[str] = ()) -> dict:
+    """The JSON object a command of this package wrote to ``path``, holding at least ``keys``.
+
+    Raises:
+        DataError: the file is not UTF-8 JSON, not an object, or lacks one of ``keys`` (file and keys named): not a
+            record this package wrote, or one cut short.
+    """
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise DataError(f"{path} is not a JSON record ({' '.join(str(err).split())[:80]}); move it away, or use "
+                        "another --output") from None
+    missing = [k for k in keys if not isinstance(record, dict) or k not in record]
+    if not isinstance(record, dict) or missing:
+        raise DataError(f"{path} is not a record this command wrote (" + (f"no {', '.join(missing)}" if isinstance(
+            record, dict) else f"a JSON {type(record).__name__}") + "); move it away, or use another --output")
+    return record
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

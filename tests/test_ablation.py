@@ -290,6 +290,7 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch, sigterm_after):
     # a finished study is only re-summarised; other settings in the same folder are refused
     calls.clear()
     assert main([*common, "--no-throughput"]) == 0 and calls == []
+    assert not (out / "ablation_speed_accuracy.png").exists()  # the earlier run's plot of figures no longer there
     assert main([*common[:6], "2", *common[7:]]) == 2
     # ... --heads-images too (the finished runs' head similarity was silently kept, measured on other images);
     # and a study run again for fewer rungs keeps the others in its summary (it rewrote it with those alone)
@@ -300,3 +301,28 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch, sigterm_after):
     assert main(["analyze", "heads", "--checkpoint", str(out / "runs/cascade/seed0/last.pt"), "--data", str(data / "test"), "--output", str(tmp_path / "h")]) == 0
     rep = json.loads((tmp_path / "h" / "heads.json").read_text())
     assert rep["img_size"] == 32 and rep["config"]["cascade"] is True and rep["num_images"] == 10
+
+
+def test_records_are_strict_json_and_bad_ones_are_named(tmp_path):
+    """A one-seed study wrote NaN (which strict parsers refuse); a study.json or result.json of {} was a KeyError
+    traceback, an empty one a JSON error naming no file; --output naming a file was a NotADirectoryError."""
+    from cgavit.analysis.ablation import summary
+    from cgavit.analysis.ablation.config import AblationConfig
+    from cgavit.analysis.ablation.study import run_ablation
+    from cgavit.io import DataError, read_json_record, write_json
+
+    path = write_json(tmp_path / "r.json", {"sd": float("nan"), "rows": [float("inf"), 1.5]})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == {"sd": None, "rows": [None, 1.5]}
+    result = dict(rung="standard", seed=0, dials={"depth": [1, 1, 1]}, params=1, macs=1, top1=50.0,
+                  head_similarity=None, head_similarity_blocks=[], train_epoch_s=1.0)  # one head: none, read back
+    rows = summary.summarize([result], None, ["standard"])
+    assert "| 50.00 | 50.00 | n/a |" in summary.table_markdown(rows)
+    for text, says in (("", "is not a JSON record"), ("[1]", "a JSON list"), ("{}", "no rung, seed")):
+        (tmp_path / "result.json").write_text(text)
+        with pytest.raises(DataError, match=f"result.json {says}" if text == "" else says):
+            read_json_record(tmp_path / "result.json", runs.RESULT_KEYS)
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="--output .* is a file"):
+        run_ablation(AblationConfig(data=str(data), output=str(tmp_path / "file"), epochs=1))
+    assert (tmp_path / "file").read_text() == "mine"

@@ -228,7 +228,7 @@ def test_analyze_commands(tmp_path, capsys, trained_digits):
     assert main(["analyze", "taylor", *files, "--output", str(tmp_path / "t"), "--prune-ratio", "0.5", *ckpt]) == 0
     rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
     assert rep["loss_targets"] == "predictions" and rep["num_images"] == 3
-    assert rep["pruned_count"] > 0 and set(rep["kept_fraction"]) == {"1", "2", "3"}
+    assert rep["pruned_count"] > 0 and set(rep["kept_fraction"]) == {"0", "1", "2"}  # stages from 0, as in "blocks"
     assert (tmp_path / "t" / "taylor_spread.png").exists() and (tmp_path / "t" / "taylor_pruning.png").exists()
     # a labelled folder of the checkpoint's classes: labels are used
     val = str(trained_digits.data / "val")
@@ -352,7 +352,7 @@ def test_taylor_no_gradient_kinds_are_marked_and_not_pruned(tmp_path, capsys, tr
     assert main(["analyze", "taylor", "--checkpoint", str(trained_digits.checkpoint), "--data", val, "--num-images", "20",
                  "--output", str(tmp_path / "t")]) == 0
     rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
-    assert rep["kept_fraction"]["3"]["q"] is None and rep["no_gradient"] == {"stages.2.blocks.0": ["q", "k"]}
+    assert rep["kept_fraction"]["2"]["q"] is None and rep["no_gradient"] == {"stages.2.blocks.0": ["q", "k"]}
     assert rep["blocks"][2]["no_gradient"] == ["q", "k"]
     assert "stage 3: Q no gradient  K no gradient  V " in capsys.readouterr().out
 

@@ -8,7 +8,6 @@ analysis, write its JSON report and figures.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from ..factory import ModelInfo, create_model, load_model
 from ..fields import option
 from ..imagenet import class_names
-from ..io import replace_together, staging, write_error, write_json
+from ..io import json_ready, replace_together, staging, write_error, write_json
 from ..classes import check_classes, class_difference, model_indices
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
@@ -246,17 +245,6 @@ def write_outputs(
     return report_path, plots
 
 
-def json_ready(value: Any) -> Any:
-    """``value`` with every NaN float replaced by None, so the report is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value
-
-
 def run_heads(cfg: AnalysisConfig) -> HeadsRun:
     """Head similarity of every block; writes ``heads.json``, ``heads_matrices.png`` and ``heads_mean.png``.
 
@@ -338,7 +326,7 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
         loss_targets="labels" if y is not None else "predictions",
         loss_targets_reason=why,
         prune_ratio=prune_ratio,
-        kept_fraction={str(s + 1): v for s, v in kept["kept"].items()},
+        kept_fraction={str(s): v for s, v in kept["kept"].items()},  # stages from 0, as every stage field
         no_gradient={b.name: list(b.no_gradient) for b in blocks if b.no_gradient},
         pruned_first=kept["pruned"][:list_pruned],
         pruned_count=len(kept["pruned"]),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..bounds import THREADS_RANGE
 from ..deploy import NoiseFloor, PathChoice, cpu_features
 from ..deploy.auto import auto_candidates
 from ..deploy.fastpath import backend_available
@@ -191,6 +192,8 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
     for flag, value, low in least:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if cfg.threads is not None and cfg.threads > THREADS_RANGE[1]:
+        raise ValueError(f"--threads must be at most {THREADS_RANGE[1]}, got {cfg.threads}")
     check_precision_inputs(cfg)
     return BenchProtocol(
         device=device,

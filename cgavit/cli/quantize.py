@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bounds import THREADS_RANGE
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
@@ -162,6 +163,8 @@ def checked_numbers(args: argparse.Namespace) -> None:
             or (args.max_float_layers is not None and args.max_float_layers < 0):
         raise ValueError("--calibration-images, --repeats and --threads must be at least 1, --eval-images, --warmup, "
                          "--qat-float-layers and --max-float-layers at least 0")
+    if args.threads > THREADS_RANGE[1]:
+        raise ValueError(f"--threads must be at most {THREADS_RANGE[1]}, got {args.threads}")
     if not 0 <= args.holdout < 1:
         raise ValueError(f"--holdout is the share of the evaluation images held out of the search, in [0, 1), e.g. "
                          f"0.5 (0: none); got {args.holdout:g}")

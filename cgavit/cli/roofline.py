@@ -9,13 +9,14 @@ from dataclasses import asdict
 
 import torch
 
+from ..bounds import THREADS_RANGE
 from ..analysis.roofline import build, format_rows, format_summary, given_peaks, measure_peaks, profile_model, summarize
 from .common import image_size
 
 #: Most input pixels one profiled batch may hold (batch x H x W): 768 MiB of fp32 RGB input, e.g. 1024 x 256 x 256.
 MAX_BATCH_PIXELS = 2**26
 #: (flag, lowest, highest) of the whole-number options.
-INT_BOUNDS = (("--batch", 1, 4096), ("--threads", 1, 1024), ("--repeats", 1, 1000), ("--top", 1, 100_000))
+INT_BOUNDS = (("--batch", 1, 4096), ("--threads", *THREADS_RANGE), ("--repeats", 1, 1000), ("--top", 1, 100_000))
 
 
 def check_args(args: argparse.Namespace) -> None:

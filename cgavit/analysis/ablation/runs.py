@@ -3,7 +3,6 @@ measurements, written to ``runs/<rung>/seed<seed>/result.json``."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
@@ -13,7 +12,7 @@ import torch
 
 from ...factory import load_model
 from ...info import count_macs
-from ...io import write_json
+from ...io import read_json_record, write_json
 from ...train import TrainConfig, TrainResult, evaluate_checkpoint, train
 from ...train import checkpoint as train_checkpoint
 from ...train.data import check_folder
@@ -38,6 +37,11 @@ class StudyStopped(Exception):
         self.signum = signum if signum is not None else signal.SIGINT
 
 
+#: What a run's ``result.json`` holds that the study's summary reads.
+RESULT_KEYS = ("rung", "seed", "dials", "params", "macs", "top1", "head_similarity", "head_similarity_blocks",
+               "train_epoch_s")
+
+
 def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int, seed: int = 0) -> Path:
     """The dataset folder the trainer reads: ``data`` itself, or balanced, seeded subsets as symlinks.
 
@@ -56,7 +60,7 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
     spec = dict(source=str(root.resolve()), train_subset=train_subset, val_subset=val_subset, seed=seed)
     marker = dest / "subset.json"
     if marker.exists():
-        if json.loads(marker.read_text()) != spec:
+        if read_json_record(marker) != spec:
             raise ValueError(f"{dest} was made from other data or subset sizes ({marker.read_text().strip()}); use another --output")
         return dest
     if dest.exists():  # not made here (every folder made here has its marker): never filled in, never removed
@@ -122,7 +126,7 @@ def run_variant(variant: Variant, seed: int, cfg: AblationConfig, data_dir: Path
     result_file = run_dir / "result.json"
     if result_file.exists():
         log.info("%s seed %d: done before, reading %s", variant.rung, seed, result_file)
-        return json.loads(result_file.read_text())
+        return read_json_record(result_file, RESULT_KEYS)
     options = train_options(cfg, variant, seed, data_dir, run_dir)
     last = run_dir / "last.pt"
     summary = _train_variant(cfg, variant, seed, options, last)

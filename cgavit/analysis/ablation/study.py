@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ...factory import create_model
-from ...io import write_json, write_text
+from ...io import DataError, read_json_record, write_json, write_text
 from ...train import TrainConfig
 from ...train.config import normalize_dials
 from ...train.data import list_split
@@ -87,8 +87,11 @@ def _prepare_study(cfg: AblationConfig, out: Path) -> _Study:
         dict(rung=v.rung, dials={k: list(x) if isinstance(x, tuple) else x for k, x in v.dials.items()}) for v in variants
     ]))
     if spec_file.exists():
-        before = json.loads(spec_file.read_text())
+        before = read_json_record(spec_file, ("spec",))
         old = before["spec"]
+        if not isinstance(old, dict):
+            raise DataError(f"{spec_file} is not a record this command wrote (its spec is no object); move it away, "
+                            "or use another --output")
         if isinstance(old.get("train_args"), dict):  # a study written before run-only options were left out
             old["train_args"] = _result_args(old["train_args"])
         if old != spec:
@@ -116,6 +119,8 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     cfg.validate()
     torch.set_num_threads(max(1, cfg.threads))
     out = Path(cfg.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is a file; give a folder for the study")
     t0 = time.perf_counter()
     study = _prepare_study(cfg, out)
     fed = TrainConfig(**cfg.train_args)  # the head-similarity images are fed as the runs are evaluated
@@ -136,6 +141,8 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     rows = summarize(results, throughput, [v.rung for v in study.variants])
     table = table_markdown(rows)
     plots = plot_study(rows, out)
+    for stale in set(out.glob("ablation_*.png")) - set(plots):  # e.g. a speed plot a run with --no-throughput left
+        stale.unlink()
     protocol = ("torch.set_num_threads(1), batch 16, fp32, BatchNorm fused, traced, random weights; "
                 f"{cfg.speed_rounds} interleaved rounds of ~{cfg.speed_seconds:g} s per variant, median")
     json_path = write_json(out / "ablation.json", dict(

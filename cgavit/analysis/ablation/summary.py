@@ -15,6 +15,11 @@ def _spread(vals: list[float]) -> float:
     return statistics.stdev(vals) if len(vals) > 1 else float("nan")
 
 
+def _number(value: float | None) -> float:
+    """A figure of a result file: null there (no value: e.g. head similarity with one head) is NaN here."""
+    return float("nan") if value is None else value
+
+
 def summarize(results: list[dict], throughput: dict | None, rungs: list[str]) -> list[dict]:
     """One row per rung: sizes, throughput, and top-1 / head similarity over seeds."""
     rows = []
@@ -22,8 +27,8 @@ def summarize(results: list[dict], throughput: dict | None, rungs: list[str]) ->
         rs = [x for x in results if x["rung"] == r]
         if not rs:
             continue
-        top1 = [x["top1"] for x in rs]
-        sim = [x["head_similarity"] for x in rs]
+        top1 = [_number(x["top1"]) for x in rs]
+        sim = [_number(x["head_similarity"]) for x in rs]
         row = dict(
             rung=r,
             title=RUNG_TITLES[r],
@@ -58,6 +63,8 @@ def _per_stage(results: list[dict]) -> dict[str, float]:
 
 
 def _fmt_sd(mean: float, sd: float, digits: int) -> str:
+    if math.isnan(mean):
+        return "n/a"
     return f"{mean:.{digits}f}" if math.isnan(sd) else f"{mean:.{digits}f} ± {sd:.{digits}f}"
 
 
