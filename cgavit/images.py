@@ -125,7 +125,9 @@ def decode(img: Image.Image, name: str = "the image", *, exif_transpose: bool = 
     try:
         sixteen_bit = is_sixteen_bit(img)  # read from the file's format, which the turned copy no longer has
         if exif_transpose:
-            img = ImageOps.exif_transpose(img)
+            with warnings.catch_warnings():
+                _quiet_exif_warning()
+                img = ImageOps.exif_transpose(img)
         else:
             img.load()
         return to_rgb(img, sixteen_bit=sixteen_bit)
@@ -216,7 +218,14 @@ def _open(source: Source, formats: tuple[str, ...]) -> Image.Image:
     # at once can only leave Pillow's bomb warning shown or hidden, never change what is refused.)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        _quiet_exif_warning()
         return Image.open(fp, formats=formats)
+
+
+def _quiet_exif_warning() -> None:
+    """Within a ``warnings.catch_warnings()`` block: hide Pillow's "Corrupt EXIF data" warning. A damaged EXIF block
+    only leaves the picture as stored (not turned), and the warning names no file."""
+    warnings.filterwarnings("ignore", message="Corrupt EXIF data", category=UserWarning)
 
 
 def _pillow_formats() -> tuple[str, ...]:

@@ -993,12 +993,32 @@ def test_a_demo_with_another_seed_replaces_the_split(tmp_path):
 
     root = tmp_path / "data"
     write_digits(root, seed=0)
-    (root / "train" / "3" / "mine.png").write_bytes(b"not the demo's")  # not a name the demo writes: kept
+    (root / "train" / "3" / "mine.png").write_bytes(b"not the demo's")  # not a name the demo writes: kept, refused
+    with pytest.raises(ValueError, match=r"holds what the demo did not write \(3/mine.png\)"):
+        write_digits(root, seed=1)
+    (root / "train" / "3" / "mine.png").rename(tmp_path / "mine.png")
     split = write_digits(root, seed=1)
     files = {s: {p.relative_to(root / s) for p in (root / s).rglob("[0-9]*.png")} for s in ("train", "val")}
     assert (len(files["train"]), len(files["val"])) == (split["train"], split["val"]) == (1437, 360)
     assert not files["train"] & files["val"]
-    assert json.loads((root / "SPLIT.json").read_text())["seed"] == 1 and (root / "train" / "3" / "mine.png").exists()
+    assert json.loads((root / "SPLIT.json").read_text())["seed"] == 1
+
+
+def test_a_demo_checks_its_data_folder_holds_its_split(tmp_path):
+    """An 11th class folder was trained on while the report said 10 classes; a removed class folder stopped every
+    later demo ("name different classes") after the earlier report was deleted."""
+    from cgavit.train.demo import write_digits
+
+    root = tmp_path / "data"
+    write_digits(root)
+    shutil.copytree(root / "val" / "7", root / "val" / "x")
+    with pytest.raises(ValueError, match=r"holds what the demo did not write \(x\)"):
+        write_digits(root)
+    shutil.rmtree(root / "val" / "x")
+    shutil.rmtree(root / "val" / "7")
+    (root / "train" / "2" / "0005.png").unlink(missing_ok=True)
+    split = write_digits(root)  # the split written again, whole
+    assert len(list((root / "val" / "7").iterdir())) == 36 and split["val"] == len(list((root / "val").rglob("*.png")))
 
 
 def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):

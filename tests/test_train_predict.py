@@ -55,6 +55,18 @@ def test_to_rgb_scales_deep_images():
     assert to_rgb(Image.new("CMYK", (3, 3))).mode == "RGB"
 
 
+def test_a_damaged_exif_block_is_read_quietly_as_stored(tmp_path):
+    """Pillow's "Corrupt EXIF data" warning reached predict's output, naming no file (and under -W error refused
+    the image)."""
+    import warnings
+
+    path = tmp_path / "exif.jpg"
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(path, exif=b"Exif\x00\x00II*\x00\x00\xff\xff\xff")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_image(path).size == (8, 6)
+
+
 def test_a_16_bit_pgm_is_scaled_by_its_depth_not_its_values(tmp_path):
     # Pillow opens a PGM with maxval above 255 as mode I, scaled to 0-65535; 255 was read as 8-bit white, 256 as black
     grey = {}

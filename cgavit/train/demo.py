@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import shlex
 import time
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..bounds import THREADS_RANGE
 from ..factory import load_model
 from ..io import make_folder, write_json, write_text
 from .config import TrainConfig, TrainResult
@@ -40,14 +42,18 @@ DEMO_DIALS = {"embed_dim": (32, 48, 64), "depth": (1, 1, 1), "num_heads": (2, 2,
 DEMO_EPOCHS = 15
 DIGITS_MEAN = (0.3, 0.3, 0.3)
 DIGITS_STD = (0.4, 0.4, 0.4)
+#: How the demo names a digit image: its index among scikit-learn's digits.
+_DEMO_NAME = re.compile(r"[0-9]{4}\.png")
 
 
 def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> dict:
     """Write scikit-learn's digits as ``root/{train,val}/<digit>/<n>.png`` (8x8 grayscale PNGs).
 
     The split is stratified by class with a fixed seed; an existing, complete folder of the same split is
-    reused. Any other split there (another seed or fraction, or a write that was stopped) is replaced: its
-    images are removed first, so no image of one split's training set is among another's held-out ones.
+    reused. Any other split there (another seed or fraction, a write that was stopped, images removed or added since)
+    is replaced: its images are removed first, so no image of one split's training set is among another's held-out
+    ones. What the demo did not write there (a class folder that is no digit, a file among the digits) is refused, and
+    nothing of it is removed.
 
     Returns:
         ``{"train": n_train, "val": n_val, "classes": ["0", ..., "9"]}``.
@@ -66,17 +72,45 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
     classes = [str(c) for c in range(10)]
     marker = root / "SPLIT.json"
     summary = {"train": len(idx_train), "val": len(idx_val), "classes": classes, "seed": seed, "val_fraction": val_fraction}
-    if marker.is_file() and json.loads(marker.read_text()) == summary:
+    expected = {(split, c): set() for split in ("train", "val") for c in classes}
+    for split, idx in (("train", idx_train), ("val", idx_val)):
+        for i in idx:
+            expected[split, str(labels[i])].add(f"{i:04d}.png")
+    _check_only_digits(root, classes)
+    if marker.is_file() and json.loads(marker.read_text()) == summary and _holds(root, expected):
         return summary
     marker.unlink(missing_ok=True)  # until the new split is whole, the folder holds no split
     for split, idx in (("train", idx_train), ("val", idx_val)):
         for c in classes:
             for earlier in make_folder(root / split / c, "demo data folder").glob("[0-9][0-9][0-9][0-9].png"):
-                earlier.unlink()  # an earlier split's image (the names are the demo's own: other files stay)
+                earlier.unlink()  # an earlier split's image (the names are the demo's own: _check_only_digits)
         for i in idx:
             Image.fromarray(images[i], mode="L").save(root / split / str(labels[i]) / f"{i:04d}.png")
     write_text(marker, json.dumps(summary))
     return summary
+
+
+def _holds(root: Path, expected: dict[tuple[str, str], set[str]]) -> bool:
+    """Whether each ``root/split/class`` folder holds exactly the images ``expected`` names (none removed, none
+    added since the split was written)."""
+    def names(folder: Path) -> set[str]:
+        return {p.name for p in folder.iterdir() if not p.name.startswith(".")} if folder.is_dir() else set()
+
+    return all(names(root / split / c) == want for (split, c), want in expected.items())
+
+
+def _check_only_digits(root: Path, classes: list[str]) -> None:
+    """Refuse what the demo did not write in its data folder, which training would learn too: class folders the
+    digits have not, and files among the digits not named as the demo names them (nothing of them is removed)."""
+    for split in ("train", "val"):
+        folder = root / split
+        entries = [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
+        other = sorted(p.name for p in entries if p.is_dir() and p.name not in classes)
+        other += sorted(str(f.relative_to(folder)) for p in entries if p.is_dir() and p.name in classes
+                        for f in p.iterdir() if not f.name.startswith(".") and not _DEMO_NAME.fullmatch(f.name))
+        if other:
+            raise ValueError(f"the demo's data folder {folder} holds what the demo did not write ({', '.join(other[:5])}): "
+                             "training would learn it too; move it away, or give the demo another --output")
 
 
 def demo_config(
@@ -129,8 +163,8 @@ def run_demo(
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {output} is not a folder; give a folder for the demo's data and run")
-    if threads is not None and not 1 <= threads <= 256:
-        raise ValueError(f"--threads must be within 1..256, got {threads}")
+    if threads is not None and not THREADS_RANGE[0] <= threads <= THREADS_RANGE[1]:
+        raise ValueError(f"--threads must be within {THREADS_RANGE[0]}..{THREADS_RANGE[1]}, got {threads}")
     run_dir = output / "run"
     cfg = demo_config(output / "data", run_dir, DEMO_EPOCHS if epochs is None else epochs, seed, progress)
     cfg.validate()
@@ -142,14 +176,14 @@ def _locked_demo(output: Path, cfg: TrainConfig, threads: int | None, seed: int,
     """:func:`run_demo` in its folder, which it holds: the earlier demo's files go first (the demo owns the
     folder), so a stopped demo leaves no report of another."""
     run_dir = Path(cfg.output)
+    t0, cpu0, children0 = time.perf_counter(), time.process_time(), _children_cpu()
+    split = write_digits(output / "data", seed=seed)  # first: data it refuses leaves the earlier demo's files as they were
     for path in [run_dir / name for name in DEMO_RUN_FILES] + [output / "report.json", output / "report.md"]:
         path.unlink(missing_ok=True)
     old_threads = torch.get_num_threads()
     threads = threads or max(1, min(4, (os.cpu_count() or 2) - 1))
     torch.set_num_threads(threads)
-    t0, cpu0, children0 = time.perf_counter(), time.process_time(), _children_cpu()
     try:
-        split = write_digits(output / "data", seed=seed)
         say(f"digits: {split['train']} train / {split['val']} held-out images, 10 classes -> {output / 'data'}")
         result = train(cfg)
         if result.interrupted:

@@ -117,19 +117,24 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
         if not files:
             empty.append(name)
         samples.extend((str(p), idx) for p in files)
-    if left_out:  # a .jfif or .avif photo, or a name without a suffix, would otherwise vanish without a word
-        log.warning("%d file(s) in %s are left out: their names do not end in an image suffix read here (%s), e.g. "
-                    "%s; rename the images among them (a .jfif is a .jpg)", len(left_out), folder,
-                    " ".join(IMAGE_EXTENSIONS), ", ".join(shown(p.name) for p in sorted(left_out)[:3]))
-    if dangling:
-        log.warning("%d link(s) in %s are left out: they lead to no file (a target moved or deleted, or a loop), e.g. "
-                    "%s", len(dangling), folder, ", ".join(shown(str(p)) for p in sorted(dangling)[:3]))
+    _warn_left_out(folder, left_out, dangling)
     if empty:
         raise DataError(
             f"{len(empty)} class folder(s) in {folder} hold no images ({_first_few(empty)}); remove them or add images "
             f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
         )
     return classes, samples
+
+
+def _warn_left_out(folder: Path, left_out: list[Path], dangling: list[Path]) -> None:
+    """Say which files of ``folder``'s class folders are not read, so that none vanishes without a word."""
+    if left_out:  # a .jfif or .avif photo, or a name without a suffix
+        log.warning("%d file(s) in %s are left out: their names do not end in an image suffix read here (%s), e.g. "
+                    "%s; rename the images among them (a .jfif is a .jpg)", len(left_out), folder,
+                    " ".join(IMAGE_EXTENSIONS), ", ".join(shown(p.name) for p in sorted(left_out)[:3]))
+    if dangling:
+        log.warning("%d link(s) in %s are left out: they lead to no file (a target moved or deleted, or a loop), e.g. "
+                    "%s", len(dangling), folder, ", ".join(shown(str(p)) for p in sorted(dangling)[:3]))
 
 
 def same_split(root: str | Path, a: str, b: str) -> bool:
