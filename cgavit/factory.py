@@ -10,7 +10,6 @@ checkpoint, ``list_models`` lists the variants.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import logging
 import os
@@ -35,7 +34,7 @@ from .schema import (
     parse_weights_meta,
     training_meta,
 )
-from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, WEIGHTS_TAG
+from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, resolve_name
 from .weights import EMA_KEYS, WeightsFile, read_state_dict, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
@@ -50,24 +49,6 @@ def list_models(pattern: str = "", pretrained: bool = False) -> list[str]:
     if any(c in pattern for c in "*?["):
         return sorted(fnmatch.filter(VARIANTS, pattern))
     return sorted(n for n in VARIANTS if pattern in n)
-
-
-def resolve_name(name: str) -> str:
-    """The registered variant for ``name`` (``m4``, timm tags accepted); ValueError with a suggestion."""
-    if not isinstance(name, str):
-        raise ValueError(f"a model name must be text, got {type(name).__name__}")
-    key, dot, tag = name.partition(".")  # timm's tag: efficientvit_m0.r224_in1k
-    key = key.lower().replace("-", "_")
-    if key not in VARIANTS and f"efficientvit_{key}" in VARIANTS:  # "m4"
-        key = f"efficientvit_{key}"
-    if key not in VARIANTS:
-        close = difflib.get_close_matches(key, list(VARIANTS), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
-    if dot and tag.lower() != WEIGHTS_TAG:
-        raise ValueError(f"unknown weights tag {tag!r} in {name!r}: {key}'s published weights are tagged "
-                         f"{WEIGHTS_TAG!r}; give {key!r} or '{key}.{WEIGHTS_TAG}'")
-    return key
 
 
 def create_model(

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+from pathlib import Path
 from collections.abc import Mapping
 
 import torch
@@ -155,12 +156,14 @@ def load_checkpoint(
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
-    if isinstance(path, Mapping):
-        raw = unwrap_state_dict(path, source, prefer_ema)  # as a file holding it
-    else:
-        wf = read_weights_file(path, trust)
-        raw = unwrap_state_dict(wf.content, source, prefer_ema)
-        check_recorded_architecture(model, recorded_config(wf, source), source)
+    wf = WeightsFile(Path(source), "torch", path) if isinstance(path, Mapping) else read_weights_file(path, trust)
+    raw = unwrap_state_dict(wf.content, source, prefer_ema)  # a mapping as a file holding it
+    try:
+        recorded = recorded_config(wf, source)
+    except CheckpointError as err:  # the tensors are checked on their own: a record is only compared
+        log.warning("%s; its architecture is not compared with the model's", err)
+        recorded = None
+    check_recorded_architecture(model, recorded, source)
     sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))
     check_finite(sd, source)
     model.load_state_dict(sd, strict=False)
@@ -176,8 +179,8 @@ def load_checkpoint(
 
 
 def recorded_config(wf: WeightsFile, source: str) -> EfficientViTConfig | None:
-    """The architecture a cgavit file records (its safetensors metadata, or a training checkpoint's options); None for
-    a file that records none (official, timm, a bare state dict).
+    """The architecture a cgavit file records (its safetensors metadata, or a training checkpoint's options, also as
+    ``torch.load`` returns them); None for a file that records none (official, timm, a bare state dict).
 
     Raises:
         CheckpointError: a record that is malformed or out of bounds.

@@ -61,12 +61,22 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
             return self.blocks(self.downsample(x))
-        compiling = torch.compiler.is_compiling()  # dynamo takes no context_fn; its recompute mutates no buffer
+        compiling = _compiling()  # dynamo takes no context_fn; its recompute mutates no buffer
         for part in (self.downsample, *self.blocks):
             # keep only this part's input; recompute its inside during backward
             x = (checkpoint(part, x, use_reentrant=False) if compiling else
                  checkpoint(part, x, use_reentrant=False, context_fn=lambda p=part: (_nothing(), _bn_stats_frozen(p))))
         return x
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this call (``torch.compiler.is_compiling``, torch >= 2.3; dynamo's own before)."""
+    check = getattr(torch.compiler, "is_compiling", None)
+    if check is None:
+        import torch._dynamo  # torch 2.1-2.2
+
+        check = torch._dynamo.is_compiling
+    return check()
 
 
 @contextmanager
@@ -121,6 +131,8 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:  # "unknown device type for autocast"
         return False
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
 def _count(value: object, name: str, low: int, high: int | None = None) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from .bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, IN_CHANS_RANGE, INTERPOLATIONS, MAX_CLASSES
 from .io import CheckpointError
-from .variants import CONFIG_LIMITS, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, DialError, EfficientViTConfig
+from .variants import CONFIG_LIMITS, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, DialError, EfficientViTConfig, resolve_name
 
 #: Most tensors a state dict may hold, and the longest tensor name.
 MAX_TENSORS = 100_000
@@ -436,15 +436,16 @@ def _parse_config(raw: Mapping[str, str]) -> tuple[str | None, EfficientViTConfi
 
 
 def variant_name(name: object) -> str:
-    """The registered variant a file names (``efficientvit_m0``, or ``m0``).
+    """The registered variant a file names, spelt in any way a command takes it (:func:`~cgavit.variants.resolve_name`:
+    ``efficientvit_m0``, ``m0``, ``EfficientViT-M0``, ``efficientvit_m0.r224_in1k``): a training checkpoint records
+    its ``--model`` as given.
 
     Raises:
         ValueError: anything else.
     """
-    key = name if name in VARIANTS else f"efficientvit_{name}" if isinstance(name, str) else None
-    if key not in VARIANTS:
+    if not isinstance(name, str):
         raise ValueError(f"unknown model {shown(name)}; known: {', '.join(sorted(VARIANTS))}")
-    return key
+    return resolve_name(name)
 
 
 def check_meta_against_shapes(meta: WeightsMeta, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import operator
@@ -248,3 +249,21 @@ VARIANTS: dict[str, VariantInfo] = {
     "efficientvit_m4": _variant("efficientvit_m4", (128, 256, 384), (1, 2, 3), (4, 4, 4), (7, 5, 3, 3), 8.8, 299, 74.3, 91.8, 15914),
     "efficientvit_m5": _variant("efficientvit_m5", (192, 288, 384), (1, 3, 4), (3, 3, 4), (7, 5, 3, 3), 12.4, 522, 77.1, 93.4, 10621),
 }
+
+
+def resolve_name(name: str) -> str:
+    """The registered variant for ``name`` (``m4``, timm tags accepted); ValueError with a suggestion."""
+    if not isinstance(name, str):
+        raise ValueError(f"a model name must be text, got {type(name).__name__}")
+    key, dot, tag = name.partition(".")  # timm's tag: efficientvit_m0.r224_in1k
+    key = key.lower().replace("-", "_")
+    if key not in VARIANTS and f"efficientvit_{key}" in VARIANTS:  # "m4"
+        key = f"efficientvit_{key}"
+    if key not in VARIANTS:
+        close = difflib.get_close_matches(key, list(VARIANTS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(sorted(VARIANTS))}")
+    if dot and tag.lower() != WEIGHTS_TAG:
+        raise ValueError(f"unknown weights tag {tag!r} in {name!r}: {key}'s published weights are tagged "
+                         f"{WEIGHTS_TAG!r}; give {key!r} or '{key}.{WEIGHTS_TAG}'")
+    return key

@@ -77,3 +77,32 @@ def test_fused_small_maps_and_dials():
 def test_fuse_rejects_non_module():
     with pytest.raises(ValueError, match="nn.Module"):
         cgavit.fuse("efficientvit_m0")
+
+
+SMALL = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
+
+
+def test_fuse_keeps_the_dtype_and_folds_16_bit_models_in_float32():
+    """A bf16 fold rounded every step; float64 must stay exact (a first fix folded it in float32 too)."""
+    torch.manual_seed(0)
+    model = randomize_(cgavit.create_model("m0", num_classes=5, img_size=64, **SMALL)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    wide = model.double()
+    with torch.no_grad():
+        assert cgavit.fuse(wide).head.weight.dtype == torch.float64
+        assert rel_err(cgavit.fuse(wide)(x.double()), wide(x.double())) < 1e-12
+        narrow = copy.deepcopy(wide).to(torch.bfloat16)
+        fused = cgavit.fuse(narrow)
+        assert fused.head.weight.dtype == torch.bfloat16
+        expected = cgavit.fuse(copy.deepcopy(narrow).float()).to(torch.bfloat16)  # folded in float32, rounded once
+        for (name, a), b in zip(fused.state_dict().items(), expected.state_dict().values()):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.bfloat16), ("fp32", torch.float64), ("auto", torch.bfloat16)])
+def test_optimize_takes_a_model_of_any_float_dtype(dtype, precision):
+    """The fast paths take float32 images; optimize judged them on the model in its own dtype and failed."""
+    model = randomize_(cgavit.create_model("m0", num_classes=5, img_size=64, **SMALL)).eval().to(dtype)
+    backend = dict(backend="torch") if precision == "fp32" else {}
+    result = cgavit.optimize(model, torch.randn(2, 3, 64, 64), precision, compile=False, **backend)
+    assert result.rel_err is not None and result.rel_err < 0.05

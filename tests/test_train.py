@@ -279,11 +279,13 @@ def test_files_a_split_leaves_out_are_warned_about_and_linked_val_folders_refuse
     os.symlink(root / "gone.png", root / "train" / "class_0" / "dangling.png")
     os.symlink("l2.png", root / "train" / "class_1" / "l1.png")
     os.symlink("l1.png", root / "train" / "class_1" / "l2.png")
+    os.symlink(root / "gone", root / "train" / "bird")  # a class folder's link to nothing: not a loose file
+    (root / "train" / "README.txt").write_text("not an image: not warned about")
     with caplog.at_level(logging.WARNING, logger="cgavit"):
         layout = check_layout(root)
     assert len(layout["train"]) == 4  # these were dropped without a word
-    assert "1 file(s) directly in" in caplog.text and "loose.JPG" in caplog.text
-    assert "3 link(s) in" in caplog.text and "dangling.png" in caplog.text
+    assert "1 image(s) directly in" in caplog.text and "loose.JPG" in caplog.text and "README" not in caplog.text
+    assert "4 link(s) in" in caplog.text and "dangling.png" in caplog.text
     for c in ("class_0", "class_1"):  # each val class folder a link to train's: every val image a training image
         (root / "val2" / c).parent.mkdir(exist_ok=True)
         os.symlink(root / "train" / c, root / "val2" / c)
@@ -300,15 +302,17 @@ def test_class_folders_are_matched_across_unicode_forms(tmp_path):
     from cgavit.train.data import list_split
 
     composed, decomposed = "caf\u00e9", unicodedata.normalize("NFD", "caf\u00e9")
-    root = make_folder(tmp_path / "ds", classes=2, train=1, val=1)
+    root = make_folder(tmp_path / "ds", classes=3, train=1, val=1)
     (root / "train" / "class_1").rename(root / "train" / composed)
     (root / "val" / "class_1").rename(root / "val" / decomposed)
+    for split in ("train", "val"):  # "caff" sorts before "café" composed and after it decomposed
+        (root / split / "class_2").rename(root / split / "caff")
     layout = check_layout(root)
-    assert layout["classes"] == [composed, "class_0"]
-    info = ModelInfo(class_names=["class_0", decomposed], names_recorded=True)  # a checkpoint trained on a Mac
+    assert layout["classes"] == ["caff", composed, "class_0"]
+    info = ModelInfo(class_names=["class_0", decomposed, "caff"], names_recorded=True)  # a checkpoint trained on a Mac
     classes, _ = list_split(root, "val")
-    check_classes(root / "val", classes, info, 2)
-    assert model_indices(classes, info).tolist() == [1, 0]
+    check_classes(root / "val", classes, info, 3)
+    assert model_indices(classes, info).tolist() == [2, 1, 0]
     os.mkdir(root / "val" / composed)
     with pytest.raises(DataError, match="the same name in two Unicode forms"):
         list_split(root, "val")

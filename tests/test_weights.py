@@ -596,3 +596,21 @@ def test_a_file_for_other_input_channels_is_named_as_such(tmp_path):
     with pytest.raises(CheckpointError, match=r"takes 3 input channels and the model's 1 \(in_chans\): build the model "
                                               r"with in_chans=3"):
         cgavit.create_model("m0", img_size=64, in_chans=1, checkpoint_path=path)
+
+
+def test_a_training_checkpoint_naming_its_model_as_a_command_takes_it_loads(tmp_path):
+    """A run trained with --model EfficientViT-M0 recorded that spelling; load_checkpoint then refused the file as
+    'unknown model', and a checkpoint's dict (torch.load of it) was not compared with the model at all."""
+    from cgavit.train import TrainConfig
+    from cgavit.train import checkpoint as train_checkpoint
+
+    model = cgavit.create_model("m0", num_classes=3, img_size=64, cascade=False)
+    cfg = TrainConfig(data=str(tmp_path), model="EfficientViT-M0", img_size=64, dials={"cascade": False})
+    path = train_checkpoint.save(tmp_path / "last.pt", {
+        "model": model.state_dict(), "model_ema": None, "optimizer": {}, "scheduler": {}, "scaler": None,
+        "next_epoch": 1, "next_step": 0, "global_step": 1, "rng": [], "progress": {}, "world_size": 1,
+        "args": cfg.to_record(), "classes": ["a", "b", "c"], "saved": "x"})
+    load_checkpoint(cgavit.create_model("m0", num_classes=3, img_size=64, cascade=False), path)
+    for given in (path, torch.load(path, weights_only=True)):
+        with pytest.raises(CheckpointError, match="records cascade=False"):
+            load_checkpoint(cgavit.create_model("m0", num_classes=3, img_size=64), given)

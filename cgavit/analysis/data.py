@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from ..io import DataError
 from ..images import BadImageError
 from ..train.data import build_transform, load_transformed
-from ..train.data.layout import IMAGE_EXTENSIONS, files_under
+from ..train.data.layout import IMAGE_EXTENSIONS, files_under, warn_loose_images
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,7 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
                 found = _images_in(root / name)
                 files += found
                 labels += [i] * len(found)
-            loose = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
-            if loose:  # read as a labelled folder: images beside the class folders have no class
-                log.warning("%d image(s) directly in %s are left out: it has class folders (%s), so it is read as "
-                            "DIR/<class>/<image>; move them into a class folder, or give them as files", len(loose),
-                            root, ", ".join(classes[:3]) + (" ..." if len(classes) > 3 else ""))
+            warn_loose_images(root)  # read as a labelled folder, DIR/<class>/<image>
             return files, labels, classes
         files = _images_in(root)
         if not files:

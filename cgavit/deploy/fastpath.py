@@ -171,11 +171,17 @@ def optimize(
     backend = choose_backend(precision, backend, example_input.device)  # also checks the precision
     if on_cpu:
         _warn_if_slow(precision, features or cpu_features(), batches)
-    fused = fuse(model).float()  # the paths take float32 images (_checked_inputs), whatever the model's dtype
+    fused = fused_fp32(model)
     reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
     result = _build(fused, example_input, precision, backend, batches, opts)
     result.rel_err = _check(result, example_input, reference, precision) if check else None
     return result
+
+
+def fused_fp32(model: nn.Module) -> nn.Module:
+    """:func:`fuse`'s copy of ``model`` in float32, the dtype every path takes its images in (:func:`_checked_inputs`)
+    and judges against, whatever the model's own (a bf16 or float64 model)."""
+    return fuse(model).float()
 
 
 def _checked_inputs(
@@ -333,7 +339,7 @@ def _optimize_auto(
         candidates, passed = auto_candidates(*row), untried_paths(*row)
     where = "the evaluation images" if evaluation else "the calibration images" if calibration else "the example input"
     images = torch.cat(evaluation or calibration or [example_input])
-    reference = batched_logits(fuse(model).float(), images)
+    reference = batched_logits(fused_fp32(model), images)
     if not torch.isfinite(reference).all():
         raise _not_finite(where)
     in_row = artifact is not None and ("int8", artifact.runtime) in [(c.precision, c.backend) for c in candidates]
@@ -347,7 +353,7 @@ def _optimize_auto(
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
         openvino_int8 = features is not None and (cand.precision, cand.backend) == ("int8", "openvino")
         part = fastest_float_part(features) if openvino_int8 else "fp32"
-        result = artifact.module if given else _build(fuse(model).float(), example_input, cand.precision, cand.backend,
+        result = artifact.module if given else _build(fused_fp32(model), example_input, cand.precision, cand.backend,
                                                        calibration, opts, part)
         agreement = None if cand.precision == "fp32" else compare_logits(batched_logits(result, images), reference)
         if agreement is None or agreement.meets_target:
@@ -363,7 +369,7 @@ def _optimize_auto(
     _warn_if_artifact_unused(artifact, result, unused)
     if check:
         with torch.no_grad():
-            result.rel_err = rel_err(result(example_input), batched_logits(fuse(model), example_input))
+            result.rel_err = rel_err(result(example_input), batched_logits(fused_fp32(model), example_input))
     return result
 
 

@@ -27,8 +27,8 @@ def _swap_fused(module: nn.Module) -> None:
 
 @torch.no_grad()
 def fuse(model: nn.Module) -> nn.Module:
-    """Return an eval-mode inference copy of ``model`` with every BatchNorm folded away (in float32, whatever the
-    model's dtype, which the copy keeps).
+    """Return an eval-mode inference copy of ``model`` with every BatchNorm folded away (a 16-bit model's in float32,
+    then cast back: the copy keeps the model's dtype).
 
     Conv-BN pairs become one ``nn.Conv2d``, BN+Linear heads one ``nn.Linear``, and each attention's
     relative-position bias is gathered once into a buffer. ``model`` itself is not modified;
@@ -41,7 +41,7 @@ def fuse(model: nn.Module) -> nn.Module:
         raise ValueError(f"fuse expects an nn.Module, got {type(model).__name__}")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     fused = copy.deepcopy(model).eval()
-    if dtype != torch.float32:  # folded in float32 and cast back once: a bf16 fold rounded every step
+    if dtype in (torch.float16, torch.bfloat16):  # folded in float32 and cast back once: a bf16 fold rounded each step
         fused.float()
     if isinstance(fused, FUSABLE):
         fused = fused.fuse().eval()

@@ -89,13 +89,13 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
         )
     check_folder(folder)
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
-    folders = {}  # class name -> its folder's name, in the folder names' sorted order (the class indices)
+    folders = {}  # class name -> its folder's name
     for name in sorted(p.name for p in entries if p.is_dir()):
         if class_name(name) in folders:
             raise DataError(f"{folder} has two class folders named {shown(folders[class_name(name)])} and "
                             f"{shown(name)}, the same name in two Unicode forms; merge them")
         folders[class_name(name)] = name
-    classes = list(folders)
+    classes = sorted(folders)  # the class indices: the names' order, whichever form the folders are stored in
     if not classes:
         raise DataError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
     odd = [c for c in classes if not (c.isprintable() and len(c) <= MAX_NAME_LENGTH)]
@@ -105,11 +105,9 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
             f"{', '.join(shown(c) for c in odd[:5])}: rename them"
         )
     samples: list[tuple[str, int]] = []
-    empty, left_out, dangling = [], [], []
-    loose = [p for p in entries if not p.is_dir()]
-    if loose:  # beside the class folders, no image has a class
-        log.warning("%d file(s) directly in %s are left out: a split's images go in its class folders, %s/<class>/ "
-                    "(e.g. %s)", len(loose), folder, folder, ", ".join(shown(p.name) for p in sorted(loose)[:3]))
+    empty, left_out = [], []
+    dangling = [p for p in entries if p.is_symlink() and not p.exists()]  # a class folder's link to nothing
+    warn_loose_images(folder)
     for idx, name in enumerate(classes):
         found = files_under(folder / folders[name], dangling)
         files = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS]
@@ -124,6 +122,16 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
             f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
         )
     return classes, samples
+
+
+def warn_loose_images(folder: Path) -> None:
+    """Warn about images directly in ``folder``, a folder of class folders: beside them, an image has no class and is
+    not read."""
+    loose = sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()
+                   and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if loose:
+        log.warning("%d image(s) directly in %s are left out: beside class folders an image has no class; move them "
+                    "into %s/<class>/ (e.g. %s)", len(loose), folder, folder, ", ".join(shown(p.name) for p in loose[:3]))
 
 
 def _warn_left_out(folder: Path, left_out: list[Path], dangling: list[Path]) -> None:
