@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import http.client
 import logging
 import os
@@ -71,6 +72,9 @@ def download_release(url: str, progress: bool = True, timeout: float | None = No
     dst = folder / url.rsplit("/", 1)[-1]
     if dst.is_file() and dst.stat().st_size > 0:
         return dst
+    if dst.exists() and not dst.is_file():  # found before the download, not after it (which was then thrown away)
+        raise WriteError(errno.EISDIR, f"the torch hub cache holds a folder (or other non-file) at {dst}, where the "
+                                       f"weights go; remove it, or {_MOVE_CACHE}")
     try:
         make_folder(folder, "torch hub cache folder")
     except WriteError as err:

@@ -73,9 +73,9 @@ def _compiling() -> bool:
     """Whether torch.compile is tracing this call (``torch.compiler.is_compiling``, torch >= 2.3; dynamo's own before)."""
     check = getattr(torch.compiler, "is_compiling", None)
     if check is None:
-        import torch._dynamo  # torch 2.1-2.2
+        from torch import _dynamo  # torch 2.1-2.2
 
-        check = torch._dynamo.is_compiling
+        check = _dynamo.is_compiling
     return check()
 
 

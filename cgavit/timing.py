@@ -13,7 +13,6 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -95,7 +94,7 @@ def round_robin(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     names = list(calls)
     out = {n: Timings([]) for n in names}
-    bar = partial(progress_bar, only_on_a_terminal=False) if progress else (lambda items, desc: items)
+    bar = progress_bar if progress else (lambda items, desc: items)  # on a terminal only: not in logs
     for n in bar(names, "warm-up"):
         for _ in range(warmup):
             calls[n]()

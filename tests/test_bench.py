@@ -146,8 +146,34 @@ def test_options_the_run_would_ignore_are_refused():
 def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):
     """--train --device cuda built its models and batch on the CPU, so its line was a CPU figure labelled GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match="--train times training steps on the CPU only"):
+    with pytest.raises(ValueError, match="--train runs on the CPU only"):
         resolve_protocol(BenchConfig(device="cuda", train=True))
+    with pytest.raises(ValueError, match="--precision-check runs on the CPU only"):  # it ran on the CPU at batch 2048
+        resolve_protocol(BenchConfig(device="cuda", precision_check=True, skip_table=True))
+
+
+def test_a_peer_at_a_size_it_cannot_run_is_refused_before_anything_is_built():
+    """timm's LeViT at 100 px failed with a traceback after every candidate was built (minutes at real sizes)."""
+    with pytest.raises(ValueError, match="levit_128s runs only at sides that are multiples of 16.*--img-size 96"):
+        resolve_protocol(BenchConfig(img_size=(100, 100)))
+    assert resolve_protocol(BenchConfig(img_size=(100, 100), peers=("deit_tiny_patch16_224",))).img_size == (100, 100)
+
+
+def test_a_missing_checkpoint_is_named_before_the_output_folder_is_made(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "--skip-table", "--precision-check", "--checkpoint", str(tmp_path / "missing.pt"),
+                 "--data", str(tmp_path), "--output", str(out)]) == 2
+    assert "missing.pt does not exist" in capsys.readouterr().err and not out.exists()
+
+
+def test_training_alone_records_the_protocol_it_ran(tmp_path, capsys):
+    """--train --skip-table printed and recorded batch 16, 0 warm-up, grad off: the table's protocol, not measured."""
+    code = main(["bench", "--models", "m0", "--peers", "none", "--img-size", "32", "--warmup", "0", "--repeats", "2",
+                 "--no-compile", "--no-onnx", "--train", "--skip-table", "--train-batch", "2", "--output", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "grad off" not in out and "batch 2, train mode, 1 warm-up + 2 timed rounds" in out
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert "batch" not in record["protocol"] and (record["training"][0]["batch"], record["training"][0]["warmup"]) == (2, 1)
 
 
 def test_a_reader_that_leaves_early_loses_nothing(tmp_path, monkeypatch):

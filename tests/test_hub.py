@@ -209,6 +209,20 @@ def test_a_cache_folder_that_cannot_be_made_is_one_clear_error(server, monkeypat
     assert "TORCH_HOME" in err and "Traceback" not in err
 
 
+def test_a_folder_where_the_weights_go_is_named_before_the_download(server, monkeypatch, tmp_path):
+    """A folder at the cached file's path was found after the whole download, which was then thrown away, and the
+    message named the cache folder, not what was in the way."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/ok")
+    in_the_way = tmp_path / "home" / "hub" / "checkpoints" / "efficientvit_m0.pth"
+    in_the_way.mkdir(parents=True)
+    fetched = []
+    monkeypatch.setattr(hub, "_fetch", lambda *args: fetched.append(args))
+    with pytest.raises(WriteError, match=rf"holds a folder .* at {in_the_way}, where the weights go"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert fetched == []
+
+
 def test_redirects_and_file_mirrors_still_work(server, monkeypatch, tmp_path, release_bytes):
     monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/redir")
     cgavit.create_model("efficientvit_m0", pretrained=True)

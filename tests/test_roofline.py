@@ -86,6 +86,20 @@ def test_roofline_names_are_checked_before_the_peaks_are_measured(capsys, monkey
     assert "unknown model 'no_such_model'" in capsys.readouterr().err
 
 
+def test_a_timm_model_is_built_for_the_size_or_refused_in_one_line(capsys, monkeypatch):
+    """Swin, BEiT and others were built for 224 px whatever --img-size said, and failed with a traceback."""
+    from cgavit.analysis.roofline import _timm_model
+    from cgavit.cli import main
+    import cgavit.cli.roofline as cli
+
+    pytest.importorskip("timm")
+    with torch.no_grad():
+        assert _timm_model("swin_tiny_patch4_window7_224", 64)(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+    monkeypatch.setattr(cli, "measure_peaks", lambda **kwargs: pytest.fail("measured before the model was checked"))
+    assert main(["roofline", "--model", "levit_128s", "--compare", "", "--img-size", "40"]) == 2
+    assert "timm's levit_128s cannot run 40x40 images" in capsys.readouterr().err
+
+
 def test_roofline_json_is_the_whole_output(capsys):
     """``--json`` printed the tables first and the JSON after them, so ``| jq`` or ``json.loads`` of the output failed."""
     import json

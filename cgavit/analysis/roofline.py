@@ -266,12 +266,21 @@ def _timm_model(name: str, img_size: int) -> nn.Module:
         raise ValueError(f"{name!r} is not a cgavit variant, and timm models need timm: "
                          "pip install 'cgavit[bench]'") from err
 
-    kwargs = {"img_size": img_size} if name.startswith(("deit", "vit", "levit")) else {}
     try:
-        model = timm.create_model(name, pretrained=False, **kwargs).eval()
+        try:  # built for the size, where the model takes one (ViT, Swin, BEiT, ...)
+            model = timm.create_model(name, pretrained=False, img_size=img_size).eval()
+        except TypeError:  # a convolutional model, of any size, takes no img_size
+            model = timm.create_model(name, pretrained=False).eval()
     except RuntimeError as err:
         raise ValueError(f"unknown model {name!r}: neither a cgavit variant nor a timm model ({err})") from err
     for m in model.modules():
         if hasattr(m, "fused_attn"):
             m.fused_attn = False
+    try:
+        with torch.no_grad():
+            model(torch.randn(1, 3, img_size, img_size))
+    except (RuntimeError, AssertionError, ValueError) as err:  # timm's models assert on sizes they cannot run
+        built = getattr(model, "pretrained_cfg", {}).get("input_size", ("?", "?", "?"))[1:]
+        raise ValueError(f"timm's {name} cannot run {img_size}x{img_size} images ({' '.join(str(err).split())[:120]}); "
+                         f"give another --img-size, e.g. the {built[0]}x{built[1]} it is made for") from None
     return model

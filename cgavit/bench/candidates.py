@@ -40,6 +40,10 @@ PEERS_TOP1 = {
     "deit_tiny_patch16_224": 72.2,
 }
 
+#: Peers that run only at sides that are a multiple of this: timm's LeViT sizes its attention for ``side // 16``
+#: tokens, while its stem's four stride-2 convolutions leave ``ceil(side / 16)`` (72 px: 4 against 5).
+PEER_SIDE_MULTIPLE = {"levit_128s": 16}
+
 
 @dataclass
 class Result:

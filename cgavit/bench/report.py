@@ -102,7 +102,8 @@ def format_auto_order(order: list[PathChoice]) -> str:
 def format_training(rows: list[TrainingRow]) -> str:
     """The training comparison: one line per variant."""
     return "\n".join(
-        f"training (forward+backward, batch {r['batch']}, train mode): {r['model']} cgavit "
+        f"training (forward+backward, batch {r['batch']}, train mode, {r['warmup']} warm-up + {r['repeats']} timed "
+        f"rounds): {r['model']} cgavit "
         f"{r['cgavit_ips']:.1f} img/s, timm {r['timm_ips']:.1f} img/s, ratio {r['ratio']:.2f}"
         for r in rows
     )

@@ -15,7 +15,9 @@ from ..deploy.fastpath import backend_available
 from ..deploy.formats import require_format
 from ..factory import resolve_name
 from ..io import make_folder
-from .candidates import PEERS_TOP1, Result, build_candidates, time_candidates
+from ..train.data import check_folder
+from ..weights import checked_path
+from .candidates import PEER_SIDE_MULTIPLE, PEERS_TOP1, Result, build_candidates, time_candidates
 from .ceiling import CeilingRow, fp32_ceilings
 from .precision import RUNTIME_FORMATS, RUNTIMES, PrecisionRow, checkpoint_precision
 from .report import environment, write_report
@@ -135,7 +137,10 @@ class BenchReport:
 
     def record(self) -> dict:
         """The bench.json content."""
-        rec = dict(protocol=self.protocol.record(), environment=self.environment,
+        protocol = self.protocol.record()
+        if not self.results and self.precision is None:  # training alone: its rows carry their batch and rounds
+            protocol = {k: protocol[k] for k in ("device", "threads", "img_size")}
+        rec = dict(protocol=protocol, environment=self.environment,
                    results=[asdict(r) | dict(median=r.median, iqr=list(r.iqr)) for r in self.results])
         if self.precision is not None:
             rec["precision"] = self.precision
@@ -179,14 +184,20 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {precision!r}")
     if precision == "amp" and not gpu:
         raise ValueError("--precision amp is the GPU protocol; on CPU use fp32 or bf16")
-    if cfg.train and gpu:  # its models and batch are built on the CPU: the line would be a CPU figure
-        raise ValueError("--train times training steps on the CPU only; run it with --device cpu")
+    if (cfg.train or cfg.precision_check) and gpu:  # built and run on the CPU: the line would be a CPU figure
+        raise ValueError(f"{'--train' if cfg.train else '--precision-check'} runs on the CPU only; run it with --device cpu")
     models = tuple(dict.fromkeys(resolve_name(m) for m in cfg.models))  # "unknown model ..." for a bad name
     unknown = [p for p in cfg.peers if p not in PEERS_TOP1]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS_TOP1)} or 'none'")
     if len(cfg.img_size) != 2 or min(cfg.img_size) < 32:
         raise ValueError(f"img_size must be (H, W) with both at least 32 pixels, got {cfg.img_size}")
+    for peer in dict.fromkeys(cfg.peers):
+        step = PEER_SIDE_MULTIPLE.get(peer, 1)
+        if any(side % step for side in cfg.img_size):
+            near = max(step * round(min(cfg.img_size) / step), 32)
+            raise ValueError(f"timm's {peer} runs only at sides that are multiples of {step}, and --img-size is "
+                             f"{cfg.img_size[0]}x{cfg.img_size[1]}; give e.g. --img-size {near}, or leave it out of --peers")
     least = (("--threads", cfg.threads, 1), ("--batch", cfg.batch, 1), ("--warmup", cfg.warmup, 0),
              ("--repeats", cfg.repeats, 1), ("--train-batch", cfg.train_batch, 1))
     for flag, value, low in least:
@@ -250,6 +261,9 @@ def check_precision_inputs(cfg: BenchConfig) -> None:
     if cfg.precision_check and not (cfg.checkpoint and cfg.data):
         raise ValueError("--precision-check needs a trained model: give --checkpoint FILE and --data DIR (DIR/val "
                          "evaluated, DIR/train for the int8 calibration); agreement on random weights measures noise")
+    if cfg.precision_check:  # before the output folder is made
+        checked_path(cfg.checkpoint)
+        check_folder(cfg.data)
     for flag, value in (("--calibration-images", cfg.calibration_images), ("--eval-images", cfg.eval_images)):
         if value < (1 if flag == "--calibration-images" else 0):
             raise ValueError(f"{flag} must be at least {1 if flag == '--calibration-images' else 0}, got {value}")

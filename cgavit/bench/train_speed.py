@@ -21,6 +21,8 @@ class TrainingRow(TypedDict):
 
     model: str
     batch: int
+    warmup: int  # untimed rounds first
+    repeats: int  # timed rounds
     cgavit_ips: float  # median over the timed rounds
     timm_ips: float
     ratio: float  # cgavit_ips / timm_ips
@@ -49,6 +51,6 @@ def train_throughput(
         timings = round_robin(calls, warmup, repeats)
         ips = {k: t.per_second(batch) for k, t in timings.items()}
         med = {k: t.median_rate(batch) for k, t in timings.items()}
-        rows.append(TrainingRow(model=name, batch=batch, cgavit_ips=med["cgavit"], timm_ips=med["timm"],
+        rows.append(TrainingRow(model=name, batch=batch, warmup=warmup, repeats=repeats, cgavit_ips=med["cgavit"], timm_ips=med["timm"],
                                 ratio=med["cgavit"] / med["timm"], cgavit_all=ips["cgavit"], timm_all=ips["timm"]))
     return rows

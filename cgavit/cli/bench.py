@@ -76,7 +76,8 @@ def print_section(section: str, report: BenchReport) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    print(resolve_protocol(cfg).describe(sized=not cfg.skip_table or cfg.train))
+    if not cfg.skip_table or cfg.precision_check:  # training alone prints its own protocol with its figures
+        print(resolve_protocol(cfg).describe(sized=not cfg.skip_table))
     report = run_bench(cfg, on_section=print_section)
     if report.files:
         print(f"wrote {', '.join(str(p) for p in report.files)}")

@@ -12,7 +12,7 @@ from .common import image_size
 
 def run(args: argparse.Namespace) -> int:
     size = image_size(args.img_size)
-    names = list_models() if not args.model else [resolve_name(m) for m in args.model]
+    names = list_models() if not args.model else list(dict.fromkeys(resolve_name(m) for m in args.model))  # once each
     rows = variant_rows(size, names)
     if args.json:
         print(json.dumps(rows, indent=1))
