@@ -1204,7 +1204,8 @@ def test_info_that_does_not_fit_the_model_or_the_images_is_refused_before_the_se
 
 def test_images_that_are_not_what_the_model_takes_are_refused(trained_digits, tmp_path):
     """uint8 pixels were cast to float and judged (a verdict on 0..255 inputs), the calibration images given again
-    as the evaluation ones gave 100 %, and an opened file took uint8 and said "build it again" of a single image."""
+    as the evaluation ones gave 100 % (some of them given again overstated it), and an opened file took uint8 and said
+    "build it again" of a single image."""
     from cgavit.deploy import open_exported
 
     cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
@@ -1213,7 +1214,8 @@ def test_images_that_are_not_what_the_model_takes_are_refused(trained_digits, tm
     for calibration, evaluation, message in ((cal, pixels, "expected float evaluation images"),
                                              ([cal.to(torch.uint8)], x, "expected float calibration images"),
                                              (cal, cal[:40].numpy(), "got ndarray: torch.from_numpy"),
-                                             (x, x, "the evaluation images are the calibration images")):
+                                             (x, x, "40 of the 40 evaluation images are calibration images too"),
+                                             (cal, torch.cat([x[:30], cal[5:15]]), "10 of the 40 evaluation images")):
         with pytest.raises(ValueError, match=message):
             quantize(trained_digits.model, calibration, evaluation, **kwargs)
     module, _ = open_exported(export_model(trained_digits.model, tmp_path / "m", "onnx", (48, 48)))

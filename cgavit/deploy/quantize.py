@@ -27,6 +27,7 @@ images is optimistic by construction.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 import os
@@ -532,9 +533,11 @@ def _checked_images(
     for name, images in (("calibration", cal), ("evaluation", evaluation)):
         if not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold NaN or infinite values: preprocess real images")
-    if cal.shape == evaluation.shape and torch.equal(cal, evaluation):
-        raise ValueError("the evaluation images are the calibration images: int8 judged on its own calibration "
-                         "images says nothing about other images; give held-out images to evaluate on")
+    shared = _shared_images(cal, evaluation)
+    if shared:
+        raise ValueError(f"{shared} of the {len(evaluation)} evaluation images are calibration images too: int8 "
+                         "judged on its own calibration images says nothing about other images; give held-out images "
+                         "to evaluate on")
     if labels is not None:
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (len(evaluation),):
             raise ValueError(f"labels must be a tensor of shape ({len(evaluation)},), one class index per evaluation "
@@ -545,6 +548,15 @@ def _checked_images(
             raise ValueError(f"labels must be class indices in 0..{num_classes - 1 if num_classes else 'N-1'}, got "
                              f"values from {int(labels.min())} to {int(labels.max())}")
     return cal, evaluation
+
+
+def _shared_images(calibration: torch.Tensor, evaluation: torch.Tensor) -> int:
+    """How many of ``evaluation``'s images are, bit for bit, among ``calibration``'s (a digest per image)."""
+    def digests(images: torch.Tensor) -> list[bytes]:
+        return [hashlib.blake2b(image.contiguous().numpy().tobytes(), digest_size=16).digest() for image in images]
+
+    seen = set(digests(calibration))
+    return sum(d in seen for d in digests(evaluation))
 
 
 def _check_settings(target: object, options: object, timing: tuple) -> None:
