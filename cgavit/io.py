@@ -27,6 +27,8 @@ from typing import TextIO
 
 import torch
 
+from .bounds import THREADS_RANGE
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -346,6 +348,13 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def check_threads(threads: object, flag: str = "--threads") -> None:
+    """Raise ``ValueError`` unless ``threads`` is a whole number in :data:`~cgavit.bounds.THREADS_RANGE`."""
+    lo, hi = THREADS_RANGE
+    if isinstance(threads, bool) or not isinstance(threads, int) or not lo <= threads <= hi:
+        raise ValueError(f"{flag} must be a whole number within {lo}..{hi}, got {threads!r}")
+
+
 def json_ready(value):
     """``value`` with every float that is not finite (NaN, inf: "no value") replaced by None, so that it is strict
     JSON, which every parser reads (Python's ``json`` writes ``NaN``, which most refuse)."""
@@ -378,6 +387,9 @@ def read_json_record(path: str | os.PathLike, keys: Iterable[str] = ()) -> dict:
     path = Path(path)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:  # a folder, or unreadable
+        raise DataError(f"{path} cannot be read as a record ({err.strerror or err}); move it away, or use another "
+                        "--output") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise DataError(f"{path} is not a JSON record ({' '.join(str(err).split())[:80]}); move it away, or use "
                         "another --output") from None

@@ -260,10 +260,15 @@ def resolve_name(name: str) -> str:
     if key not in VARIANTS and f"efficientvit_{key}" in VARIANTS:  # "m4"
         key = f"efficientvit_{key}"
     if key not in VARIANTS:
-        close = difflib.get_close_matches(key, list(VARIANTS), n=1)
+        close = difflib.get_close_matches(key, list(VARIANTS), n=1) if len(key) <= 64 else []
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(sorted(VARIANTS))}")
+        raise ValueError(f"unknown model {_cut(name)}.{hint} Available: {', '.join(sorted(VARIANTS))}")
     if dot and tag.lower() != WEIGHTS_TAG:
-        raise ValueError(f"unknown weights tag {tag!r} in {name!r}: {key}'s published weights are tagged "
+        raise ValueError(f"unknown weights tag {_cut(tag)} in {_cut(name)}: {key}'s published weights are tagged "
                          f"{WEIGHTS_TAG!r}; give {key!r} or '{key}.{WEIGHTS_TAG}'")
     return key
+
+
+def _cut(text: str, most: int = 80) -> str:
+    """``text``'s repr, cut to about ``most`` characters: a name read from a file may be a megabyte long."""
+    return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text):,} characters)"

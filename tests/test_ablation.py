@@ -321,6 +321,9 @@ def test_records_are_strict_json_and_bad_ones_are_named(tmp_path):
         (tmp_path / "result.json").write_text(text)
         with pytest.raises(DataError, match=f"result.json {says}" if text == "" else says):
             read_json_record(tmp_path / "result.json", runs.RESULT_KEYS)
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(DataError, match="folder.json cannot be read as a record"):
+        read_json_record(tmp_path / "folder.json")
     data = _dataset(tmp_path / "data", per_class=2, held=1)
     (tmp_path / "file").write_text("mine")
     with pytest.raises(ValueError, match="--output .* is a file"):

@@ -287,3 +287,20 @@ def test_an_option_that_takes_a_list_may_be_given_none(capsys):
     from cgavit.cli import main
 
     assert main(["info", "--model"]) == 0 and "efficientvit_m5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [
+    ["demo"], ["bench"], ["roofline"], ["quantize", "--checkpoint", "x.pt", "--data", "d", "--output", "q"],
+    ["ablate", "--data", "d", "--output", "o", "--epochs", "1"],
+])
+def test_every_threads_option_has_the_same_bounds(command, tmp_path, capsys, monkeypatch):
+    """--threads 100000 asked ablate for memory it had not (a MemoryError traceback); the commands bounded it at
+    256, 1024 or not at all."""
+    from cgavit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for threads in ("0", "100000"):
+        assert main([*command, "--threads", threads]) == 2
+        err = capsys.readouterr().err
+        assert "--threads must" in err and "1..1024" in err, err
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -1016,9 +1016,11 @@ def test_a_demo_checks_its_data_folder_holds_its_split(tmp_path):
         write_digits(root)
     shutil.rmtree(root / "val" / "x")
     shutil.rmtree(root / "val" / "7")
-    (root / "train" / "2" / "0005.png").unlink(missing_ok=True)
     split = write_digits(root)  # the split written again, whole
     assert len(list((root / "val" / "7").iterdir())) == 36 and split["val"] == len(list((root / "val").rglob("*.png")))
+    removed = sorted((root / "train" / "2").iterdir())[0]
+    removed.unlink()  # one image alone
+    assert write_digits(root) == split and removed.exists()
 
 
 def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):

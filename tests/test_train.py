@@ -313,6 +313,11 @@ def test_class_folders_are_matched_across_unicode_forms(tmp_path):
     classes, _ = list_split(root, "val")
     check_classes(root / "val", classes, info, 3)
     assert model_indices(classes, info).tolist() == [2, 1, 0]
+    # a run an earlier cgavit started indexed the folders as stored (decomposed "café" before "caff"): resumed, its own
+    # order is kept (a new order was refused as "other classes"); an order of other classes is not taken
+    earlier = [decomposed, "caff", "class_0"]
+    assert check_layout(root, order=earlier)["classes"] == [composed, "caff", "class_0"]
+    assert check_layout(root, order=["caff", "x", "class_0"])["classes"] == ["caff", composed, "class_0"]
     os.mkdir(root / "val" / composed)
     with pytest.raises(DataError, match="the same name in two Unicode forms"):
         list_split(root, "val")

@@ -12,6 +12,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ..io import DataError
+from ..classes import class_name
 from ..images import BadImageError
 from ..train.data import build_transform, load_transformed
 from ..train.data.layout import IMAGE_EXTENSIONS, files_under, warn_loose_images
@@ -45,11 +46,12 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
             raise FileNotFoundError(f"{p} does not exist")
     if len(paths) == 1 and paths[0].is_dir():
         root = paths[0]
-        classes = sorted(d.name for d in root.iterdir() if d.is_dir() and _images_in(d))
+        folders = sorted((class_name(d.name), d.name) for d in root.iterdir() if d.is_dir() and _images_in(d))
+        classes = [name for name, _ in folders]  # ordered and named as list_split orders and names them
         if classes:
             files, labels = [], []
-            for i, name in enumerate(classes):
-                found = _images_in(root / name)
+            for i, (_, folder) in enumerate(folders):
+                found = _images_in(root / folder)
                 files += found
                 labels += [i] * len(found)
             warn_loose_images(root)  # read as a labelled folder, DIR/<class>/<image>

@@ -269,7 +269,7 @@ def _timm_model(name: str, img_size: int) -> nn.Module:
     try:
         try:  # built for the size, where the model takes one (ViT, Swin, BEiT, ...)
             model = timm.create_model(name, pretrained=False, img_size=img_size).eval()
-        except TypeError:  # a convolutional model, of any size, takes no img_size
+        except (TypeError, AssertionError, ValueError):  # takes no img_size (a CNN), or asserts on it (XCiT, Twins)
             model = timm.create_model(name, pretrained=False).eval()
     except RuntimeError as err:
         raise ValueError(f"unknown model {name!r}: neither a cgavit variant nor a timm model ({err})") from err

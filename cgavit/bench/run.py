@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch
 
-from ..bounds import THREADS_RANGE
 from ..deploy import NoiseFloor, PathChoice, cpu_features
 from ..deploy.auto import auto_candidates
 from ..deploy.fastpath import backend_available
 from ..deploy.formats import require_format
 from ..factory import resolve_name
-from ..io import make_folder
+from ..io import check_threads, make_folder
 from ..train.data import check_folder
 from ..weights import checked_path
 from .candidates import PEER_SIDE_MULTIPLE, PEERS_TOP1, Result, build_candidates, time_candidates
@@ -192,19 +191,19 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
         raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS_TOP1)} or 'none'")
     if len(cfg.img_size) != 2 or min(cfg.img_size) < 32:
         raise ValueError(f"img_size must be (H, W) with both at least 32 pixels, got {cfg.img_size}")
-    for peer in dict.fromkeys(cfg.peers):
+    for peer in dict.fromkeys(cfg.peers) if not cfg.skip_table else ():  # peers are built for the table alone
         step = PEER_SIDE_MULTIPLE.get(peer, 1)
         if any(side % step for side in cfg.img_size):
             near = max(step * round(min(cfg.img_size) / step), 32)
             raise ValueError(f"timm's {peer} runs only at sides that are multiples of {step}, and --img-size is "
                              f"{cfg.img_size[0]}x{cfg.img_size[1]}; give e.g. --img-size {near}, or leave it out of --peers")
-    least = (("--threads", cfg.threads, 1), ("--batch", cfg.batch, 1), ("--warmup", cfg.warmup, 0),
+    least = (("--batch", cfg.batch, 1), ("--warmup", cfg.warmup, 0),
              ("--repeats", cfg.repeats, 1), ("--train-batch", cfg.train_batch, 1))
     for flag, value, low in least:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
-    if cfg.threads is not None and cfg.threads > THREADS_RANGE[1]:
-        raise ValueError(f"--threads must be at most {THREADS_RANGE[1]}, got {cfg.threads}")
+    if cfg.threads is not None:
+        check_threads(cfg.threads)
     check_precision_inputs(cfg)
     return BenchProtocol(
         device=device,

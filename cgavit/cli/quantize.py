@@ -17,7 +17,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bounds import THREADS_RANGE
 from ..bench.optional import matplotlib_agg
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
@@ -28,7 +27,7 @@ from ..deploy.openvino import openvino_available
 from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import atomic_write, replace_together, staging, write_json, write_text
+from ..io import atomic_write, check_threads, replace_together, staging, write_json, write_text
 from .common import add_dial_args, dials_from_args
 
 log = logging.getLogger(__name__)
@@ -158,13 +157,12 @@ def checked_numbers(args: argparse.Namespace) -> None:
     Raises:
         ValueError: a value out of range.
     """
-    if min(args.calibration_images, args.repeats, args.threads) < 1 \
+    check_threads(args.threads)
+    if min(args.calibration_images, args.repeats) < 1 \
             or min(args.eval_images, args.warmup, args.qat_float_layers) < 0 \
             or (args.max_float_layers is not None and args.max_float_layers < 0):
-        raise ValueError("--calibration-images, --repeats and --threads must be at least 1, --eval-images, --warmup, "
+        raise ValueError("--calibration-images and --repeats must be at least 1, --eval-images, --warmup, "
                          "--qat-float-layers and --max-float-layers at least 0")
-    if args.threads > THREADS_RANGE[1]:
-        raise ValueError(f"--threads must be at most {THREADS_RANGE[1]}, got {args.threads}")
     if not 0 <= args.holdout < 1:
         raise ValueError(f"--holdout is the share of the evaluation images held out of the search, in [0, 1), e.g. "
                          f"0.5 (0: none); got {args.holdout:g}")

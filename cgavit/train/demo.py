@@ -24,9 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..bounds import THREADS_RANGE
 from ..factory import load_model
-from ..io import make_folder, write_json, write_text
+from ..io import check_threads, make_folder, write_json, write_text
 from .config import TrainConfig, TrainResult
 from .distributed import DistEnv, RunLock
 from .engine import train
@@ -163,8 +162,8 @@ def run_demo(
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {output} is not a folder; give a folder for the demo's data and run")
-    if threads is not None and not THREADS_RANGE[0] <= threads <= THREADS_RANGE[1]:
-        raise ValueError(f"--threads must be within {THREADS_RANGE[0]}..{THREADS_RANGE[1]}, got {threads}")
+    if threads is not None:
+        check_threads(threads)
     run_dir = output / "run"
     cfg = demo_config(output / "data", run_dir, DEMO_EPOCHS if epochs is None else epochs, seed, progress)
     cfg.validate()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...bounds import THREADS_RANGE
+from ...io import check_threads
 from ...fields import option
 from ...train import TrainConfig
 from ...train.config import train_defaults
@@ -69,10 +69,9 @@ class AblationConfig:
         bad = sorted(set(self.train_args) - set(train_defaults()))
         if bad:
             raise ValueError(f"--train-args names no training option {bad}")
-        if self.threads < 1 or self.heads_images < 1 or self.train_subset < 0 or self.val_subset < 0:
-            raise ValueError("--threads and --heads-images must be at least 1, --train-subset and --val-subset at least 0")
-        if self.threads > THREADS_RANGE[1]:
-            raise ValueError(f"--threads must be at most {THREADS_RANGE[1]}, got {self.threads}")
+        check_threads(self.threads)
+        if self.heads_images < 1 or self.train_subset < 0 or self.val_subset < 0:
+            raise ValueError("--heads-images must be at least 1, --train-subset and --val-subset at least 0")
         budget = dict(data=self.data, model=self.model, epochs=self.epochs, batch_size=self.batch_size, img_size=self.img_size, lr=self.lr)
         owned = sorted(set(self.train_args) & {*budget, "seed", "output", "resume"})
         if owned:

@@ -65,13 +65,18 @@ def check_folder(path: str | Path, what: str = "data folder") -> Path:
     return path
 
 
-def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], list[tuple[str, int]]]:
+def list_split(
+    root: str | Path, split: str | None = None, order: Sequence[str] | None = None
+) -> tuple[list[str], list[tuple[str, int]]]:
     """Class names and ``(path, class index)`` samples of one image-folder split.
 
     Args:
         root: the dataset folder (``split`` is looked up inside it), or the split folder itself
             when ``split`` is None.
         split: ``"train"``, ``"val"``, ... or None.
+        order: the class order to index by, where the folders name exactly these classes (a resumed run's: an
+            earlier cgavit sorted the folder names as stored, and a name stored decomposed may sort elsewhere);
+            default, and for other folders, the names sorted.
 
     Raises:
         DataError: a blank ``split``; the folder is missing, not a folder, has no class folders, or a class folder
@@ -96,6 +101,8 @@ def list_split(root: str | Path, split: str | None = None) -> tuple[list[str], l
                             f"{shown(name)}, the same name in two Unicode forms; merge them")
         folders[class_name(name)] = name
     classes = sorted(folders)  # the class indices: the names' order, whichever form the folders are stored in
+    if order is not None and all(isinstance(c, str) for c in order) and sorted(map(class_name, order)) == classes:
+        classes = [class_name(c) for c in order]
     if not classes:
         raise DataError(f"{folder} has no class folders; put each class's images in {folder}/<class name>/")
     odd = [c for c in classes if not (c.isprintable() and len(c) <= MAX_NAME_LENGTH)]
@@ -151,8 +158,10 @@ def same_split(root: str | Path, a: str, b: str) -> bool:
     return a == b or (da.is_dir() and db.is_dir() and da.samefile(db))
 
 
-def check_layout(root: str | Path, train_split: str = "train", val_split: str = "val") -> dict:
-    """Check both splits before training starts: different folders that name the same classes.
+def check_layout(root: str | Path, train_split: str = "train", val_split: str = "val",
+                 order: Sequence[str] | None = None) -> dict:
+    """Check both splits before training starts: different folders that name the same classes (indexed in ``order``
+    where given and they are its classes: :func:`list_split`).
 
     Returns:
         ``{"classes": [...], "train": samples, "val": samples}``.
@@ -167,8 +176,8 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
         raise DataError(f"--train-split {train_split!r} and --val-split {val_split!r} are the same folder of {root}: "
                         "validation on the training images says nothing about others (and best.* would be chosen on "
                         "them); give a held-out split")
-    train_classes, train_samples = list_split(root, train_split)
-    val_classes, val_samples = list_split(root, val_split)
+    train_classes, train_samples = list_split(root, train_split, order)
+    val_classes, val_samples = list_split(root, val_split, order)
     shared = _real_folders(train_samples).keys() & _real_folders(val_samples).keys()
     if shared:  # a class folder of val linked to train's: the same refusal as the whole split linked
         example = _real_folders(val_samples)[min(shared)]
