@@ -192,7 +192,8 @@ def check_tensor(key: str, value: torch.Tensor, want: torch.Tensor, source: str)
         raise CheckpointError(
             f"{source}: its first convolution takes {value.shape[1]} input channels and the model's {want.shape[1]} "
             f"(in_chans): build the model with in_chans={value.shape[1]}, or, for the published weights, "
-            f"pretrained=True adapts their RGB filters to in_chans={want.shape[1]}")
+            f"pretrained=True adapts their RGB filters to in_chans={want.shape[1]} (offline, with the release file in "
+            "a folder named by CGAVIT_WEIGHTS_MIRROR=file:///FOLDER)")
     raise CheckpointError(
         f"{source}: shape mismatch at {shown(key)}: checkpoint {tuple(value.shape)}, model {tuple(want.shape)}; "
         "the file is probably for another variant or other dial settings"

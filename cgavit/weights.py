@@ -78,6 +78,7 @@ def read_weights_file(path: str | os.PathLike, trust: bool = False) -> WeightsFi
     path = checked_path(path)
     kind = sniff_format(path)
     if kind == "safetensors":
+        _safetensors()  # a missing package is said as such, not as a damaged file
         try:
             with _safetensors().safe_open(str(path), "pt") as f:
                 metadata = dict(f.metadata() or {})
@@ -182,6 +183,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     path = checked_path(path)
     if sniff_format(path) != "safetensors":
         return {}
+    _safetensors()  # a missing package is said as such
     try:
         with _safetensors().safe_open(str(path), "pt") as f:
             return dict(f.metadata() or {})

@@ -3,6 +3,7 @@ the layering of the training package (no argparse, our own imports at module top
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import ast
 import os
@@ -98,6 +99,9 @@ def test_resume_takes_the_stored_options_and_the_given_ones_win(tmp_path):
     defaults = TrainConfig()
     for name in NOT_RESUMED - {"resume"}:  # steer one invocation only: never from the checkpoint
         assert getattr(c, name) == getattr(defaults, name), name
+    said = dataclasses.fields(TrainConfig)[[f.name for f in dataclasses.fields(TrainConfig)].index("resume")].metadata
+    for name in NOT_RESUMED - {"resume", "finetune"}:  # --resume's help names each ("taken from it" was said of all)
+        assert f"--{name.replace('_', '-')}" in str(said), name
     c = TrainConfig.resume_from(ck, output="new", workers=0)
     assert (c.output, c.workers) == ("new", 0)
     with pytest.raises(CheckpointError):

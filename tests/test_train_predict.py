@@ -139,6 +139,13 @@ def test_weights_in_the_older_training_layout_still_load(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_one_epoch_demo_has_no_warm_up_to_warn_about():
+    """`cgavit demo --epochs 1` warned "give --warmup-epochs below --epochs", an option the demo does not take."""
+    from cgavit.train.demo import demo_config
+
+    assert demo_config("d", "r", epochs=1).warmup_epochs == 0 and demo_config("d", "r").warmup_epochs == 1
+
+
 def test_demo_data_loader(tmp_path):
     from sklearn.datasets import load_digits
 

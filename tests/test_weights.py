@@ -614,3 +614,15 @@ def test_a_training_checkpoint_naming_its_model_as_a_command_takes_it_loads(tmp_
     for given in (path, torch.load(path, weights_only=True)):
         with pytest.raises(CheckpointError, match="records cascade=False"):
             load_checkpoint(cgavit.create_model("m0", num_classes=3, img_size=64), given)
+
+
+def test_a_missing_safetensors_package_is_named_as_such(tmp_path, monkeypatch):
+    """Without the package a .safetensors file was called truncated or corrupt before the pip line."""
+    import sys
+
+    path = save_weights(cgavit.create_model("m0", img_size=64), tmp_path / "m.safetensors")
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    for read in (cgavit.load_model, read_metadata):
+        with pytest.raises(CheckpointError, match=r"^reading or writing \.safetensors files needs pip install"):
+            read(path)

@@ -147,7 +147,8 @@ class TrainConfig:
         None, "run folder for last.pt, best.pt, metrics.jsonl, curves.png (default runs/<model>-<time>)", metavar="DIR"
     )
     resume: str | None = option(
-        None, "continue the run saved in CKPT (e.g. DIR/last.pt); options not given again are taken from it",
+        None, "continue the run saved in CKPT (e.g. DIR/last.pt); options not given again are taken from it, except "
+              "--device, --workers, --log-interval, --progress and --trust-checkpoint (this machine's: give them again)",
         metavar="CKPT",
     )
     seed: int = option(0, "random seed")

@@ -119,12 +119,12 @@ def demo_config(
 
     Changes from the ImageNet recipe, for 1437 tiny grayscale images: 64 px; no horizontal flip
     (digits are not mirror-symmetric); crops of 60-100% of the area; a milder RandAugment (m6);
-    no mixup/cutmix and no repeated augmentation; batch 64 at lr 2e-3 with a one-epoch warm-up,
-    stepped every update; no EMA (0.99996 needs far more updates than 300); centre crop 1.0.
+    no mixup/cutmix and no repeated augmentation; batch 64 at lr 2e-3 with a one-epoch warm-up (none for a
+    one-epoch run), stepped every update; no EMA (0.99996 needs far more updates than 300); centre crop 1.0.
     """
     return TrainConfig(
         data=str(data), output=str(output), model="efficientvit_m0", dials=dict(DEMO_DIALS), img_size=IMG_SIZE,
-        crop_pct=1.0, epochs=epochs, batch_size=64, lr=2e-3, warmup_epochs=1, sched_on_updates=True,
+        crop_pct=1.0, epochs=epochs, batch_size=64, lr=2e-3, warmup_epochs=min(1, epochs - 1), sched_on_updates=True,
         aa="rand-m6-mstd0.5", hflip=0.0, scale=(0.6, 1.0), reprob=0.1, mixup=0.0, cutmix=0.0, aug_repeats=0,
         model_ema=False, mean=DIGITS_MEAN, std=DIGITS_STD, seed=seed, workers=1, log_interval=10, progress=progress,
     )

@@ -95,8 +95,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             cfg = _resumed_config(cfg, resumed, env)
         _check_input_files(cfg)
         with _quiet_unless_main(env):
-            layout = check_layout(cfg.data, cfg.train_split, cfg.val_split,
-                                  order=resumed.get("classes") if resumed is not None else None)  # the run's own
+            layout = check_layout(cfg.data, cfg.train_split, cfg.val_split, order=(resumed or {}).get("classes"))
             if resumed is not None and resumed.get("classes") and not same_classes(resumed["classes"], layout["classes"]):
                 raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
             existed = _existing_folders(Path(cfg.output or "runs")) if env.is_main else None

@@ -94,12 +94,7 @@ def list_split(
         )
     check_folder(folder)
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
-    folders = {}  # class name -> its folder's name
-    for name in sorted(p.name for p in entries if p.is_dir()):
-        if class_name(name) in folders:
-            raise DataError(f"{folder} has two class folders named {shown(folders[class_name(name)])} and "
-                            f"{shown(name)}, the same name in two Unicode forms; merge them")
-        folders[class_name(name)] = name
+    folders = _class_folders(folder, entries)
     classes = sorted(folders)  # the class indices: the names' order, whichever form the folders are stored in
     if order is not None and all(isinstance(c, str) for c in order) and sorted(map(class_name, order)) == classes:
         classes = [class_name(c) for c in order]
@@ -129,6 +124,21 @@ def list_split(
             f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
         )
     return classes, samples
+
+
+def _class_folders(folder: Path, entries: list[Path]) -> dict[str, str]:
+    """Class name (:func:`~cgavit.classes.class_name`) -> its folder's name, for the folders among ``entries``.
+
+    Raises:
+        DataError: two folders whose names are one name in two Unicode forms.
+    """
+    folders: dict[str, str] = {}
+    for name in sorted(p.name for p in entries if p.is_dir()):
+        if class_name(name) in folders:
+            raise DataError(f"{folder} has two class folders named {shown(folders[class_name(name)])} and "
+                            f"{shown(name)}, the same name in two Unicode forms; merge them")
+        folders[class_name(name)] = name
+    return folders
 
 
 def warn_loose_images(folder: Path) -> None:
