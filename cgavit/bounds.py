@@ -1,5 +1,5 @@
 """The one table of bounds on what a user or a file may ask for: image sizes, crops, class counts,
-decoded pixels and resize interpolations.
+decoded pixels, threads and resize interpolations (and :func:`check_threads`, the one check of a thread count).
 
 Everything that takes these values from outside (the model core, weights metadata, training and
 evaluation options, the command line, image decoding) reads them from here, so a bound changes in one
@@ -35,3 +35,10 @@ THREADS_RANGE = (1, 1024)
 
 #: The resize interpolations a checkpoint, a training run or a command may name.
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
+
+
+def check_threads(threads: object, flag: str = "--threads") -> None:
+    """Raise ``ValueError`` unless ``threads`` is a whole number in :data:`~cgavit.bounds.THREADS_RANGE`."""
+    lo, hi = THREADS_RANGE
+    if isinstance(threads, bool) or not isinstance(threads, int) or not lo <= threads <= hi:
+        raise ValueError(f"{flag} must be a whole number within {lo}..{hi}, got {threads!r}")

@@ -27,8 +27,6 @@ from typing import TextIO
 
 import torch
 
-from .bounds import THREADS_RANGE
-
 TMP_SUFFIX = ".tmp"
 
 
@@ -346,13 +344,6 @@ def _described(path: Path, code: int, reason: str, advice: str) -> WriteError:
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` atomically."""
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def check_threads(threads: object, flag: str = "--threads") -> None:
-    """Raise ``ValueError`` unless ``threads`` is a whole number in :data:`~cgavit.bounds.THREADS_RANGE`."""
-    lo, hi = THREADS_RANGE
-    if isinstance(threads, bool) or not isinstance(threads, int) or not lo <= threads <= hi:
-        raise ValueError(f"{flag} must be a whole number within {lo}..{hi}, got {threads!r}")
 
 
 def json_ready(value):

@@ -13,8 +13,8 @@ import logging
 import math
 import os
 import re
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from torch import nn

@@ -13,7 +13,8 @@ from ..deploy.auto import auto_candidates
 from ..deploy.fastpath import backend_available
 from ..deploy.formats import require_format
 from ..factory import resolve_name
-from ..io import check_threads, make_folder
+from ..bounds import check_threads
+from ..io import make_folder
 from ..train.data import check_folder
 from ..weights import checked_path
 from .candidates import PEER_SIDE_MULTIPLE, PEERS_TOP1, Result, build_candidates, time_candidates

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
+from ..bounds import check_threads
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
 from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
@@ -27,7 +28,7 @@ from ..deploy.openvino import openvino_available
 from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import atomic_write, check_threads, replace_together, staging, write_json, write_text
+from ..io import atomic_write, replace_together, staging, write_json, write_text
 from .common import add_dial_args, dials_from_args
 
 log = logging.getLogger(__name__)

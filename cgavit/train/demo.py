@@ -25,7 +25,8 @@ import torch
 from PIL import Image
 
 from ..factory import load_model
-from ..io import check_threads, make_folder, write_json, write_text
+from ..bounds import check_threads
+from ..io import make_folder, write_json, write_text
 from .config import TrainConfig, TrainResult
 from .distributed import DistEnv, RunLock
 from .engine import train

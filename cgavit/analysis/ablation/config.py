@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...io import check_threads
+from ...bounds import check_threads
 from ...fields import option
 from ...train import TrainConfig
 from ...train.config import train_defaults

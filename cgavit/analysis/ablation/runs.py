@@ -79,8 +79,8 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
         shutil.rmtree(partial)
     for (split, src, n, _), (paths, labels, classes) in zip(splits, listed):
         for i in balanced_subset(labels, len(paths), n, seed):
-            class_dir = classes[labels[i]]
-            link = partial / split / class_dir / paths[i].relative_to(root / src / class_dir)  # a/0.png and b/0.png
+            inside = paths[i].relative_to(root / src).parts[1:]  # under its class folder: a/0.png and b/0.png
+            link = partial / split / classes[labels[i]] / Path(*inside)
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(paths[i].resolve())
     write_json(partial / "subset.json", spec)
