@@ -968,13 +968,13 @@ def test_target_and_options_are_checked(trained_digits):
         QuantizeTarget(accuracy_tolerance=-0.1)
     with pytest.raises(ValueError, match="calibration must be one of"):
         Int8Options(calibration="kl")
-    x = trained_digits.images
+    x, cal = trained_digits.images, trained_digits.train_images[:8]  # held-out images judged, training ones calibrate
     with pytest.raises(ValueError, match="preprocess both"):
         quantize(trained_digits.model, torch.randn(8, 3, 32, 32), x, **QUICK)
     with pytest.raises(ValueError, match="labels"):
-        quantize(trained_digits.model, x[:8], x, labels=trained_digits.labels[:5], **QUICK)
+        quantize(trained_digits.model, cal, x, labels=trained_digits.labels[:5], **QUICK)
     with pytest.raises(ValueError, match="runtime"):
-        quantize(trained_digits.model, x[:8], x, runtime="tensorrt")
+        quantize(trained_digits.model, cal, x, runtime="tensorrt")
     bad = [(dict(labels=trained_digits.labels + 100), "class indices in 0..9"),
            (dict(labels=trained_digits.labels + 0.5), "whole class indices"),
            (dict(labels=list(trained_digits.labels)), "labels must be a tensor"),
@@ -982,11 +982,11 @@ def test_target_and_options_are_checked(trained_digits):
            (dict(batch=0), "at least 1"), (dict(threads=0), "at least 1"), (dict(max_float_layers="3"), "whole number")]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
-            quantize(trained_digits.model, x[:8], x, **{**QUICK, **kwargs})
+            quantize(trained_digits.model, cal, x, **{**QUICK, **kwargs})
     nan = x.clone()
     nan[3, 0, 5, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        quantize(trained_digits.model, x[:8], nan, **QUICK)
+        quantize(trained_digits.model, cal, nan, **QUICK)
     with pytest.raises(ValueError, match="got str"):
         quantize(trained_digits.model, "runs/demo/data/train", x, **QUICK)
 
