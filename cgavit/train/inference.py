@@ -25,7 +25,7 @@ from ..io import DataError
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
-from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, eval_sampler, list_split, load_transformed, make_loader
+from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, check_split_name, eval_sampler, list_split, load_transformed, make_loader
 from .distributed import resolve_device, setup, teardown
 from .evaluation import evaluate
 from .records import weights_meta
@@ -110,8 +110,7 @@ def evaluate_checkpoint(
 
 def _split_folder(root: Path, split: str | None) -> Path:
     """``root/split``; without a split, ``root/val`` where it exists, else ``root`` itself."""
-    if split is not None and not str(split).strip():  # "" was read as "val"
-        raise ValueError("--split must name a folder of the data (e.g. val), got ''")
+    check_split_name(root, split, "--split")  # "" was read as "val"
     return root / (split or "val") if (root / (split or "val")).is_dir() or split else root
 
 

@@ -82,8 +82,7 @@ def list_split(
         DataError: a blank ``split``; the folder is missing, not a folder, has no class folders, or a class folder
             holds no image; the message names the folder and says what the layout must be.
     """
-    if split is not None and not split.strip():  # "" read the dataset's own split folders as classes
-        raise DataError(f"a split must name a folder inside {root} (e.g. train or val), got {split!r}")
+    check_split_name(root, split)
     if split:
         check_folder(root)
     folder = Path(root) / split if split else Path(root)
@@ -124,6 +123,13 @@ def list_split(
             f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
         )
     return classes, samples
+
+
+def check_split_name(root: str | Path, split: str | None, flag: str = "a split") -> None:
+    """Refuse a blank ``split`` (``""`` read the dataset's own split folders as classes, or eval's default ``val``);
+    None, no split, is fine. ``flag`` names the option in the message."""
+    if split is not None and not split.strip():
+        raise DataError(f"{flag} must name a folder inside {root} (e.g. train or val), got {split!r}")
 
 
 def _class_folders(folder: Path, entries: list[Path]) -> dict[str, str]:
