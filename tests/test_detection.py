@@ -202,6 +202,14 @@ def test_schedule_and_weight_decay_groups():
 
 
 # -------------------------------------------------------------------------------------- data checks
+def test_train_prints_the_loss_and_the_coco_scores_only():
+    """RetinaNet's bbox_regression loss was printed among the bbox_* scores (its classification loss not)."""
+    from cgavit.cli.detect import shown_metrics
+
+    record = dict(type="epoch", epoch=1, lr=1e-4, loss=2.43621, bbox_regression=1.3, classification=1.1, bbox_AP=0.5, segm_AP50=0.25)
+    assert shown_metrics(record) == {"loss": 2.4362, "bbox_AP": 0.5, "segm_AP50": 0.25}
+
+
 def _bad_json(shapes, tmp_path, edit):
     data = json.loads(Path(shapes["train_json"]).read_text())
     edit(data)
@@ -306,7 +314,7 @@ def test_predict_checks_inputs_first(shapes, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- training
-def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path):
+def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path, caplog):
     out = tmp_path / "run"
     metrics = train(_config(shapes, out, epochs=8, hflip=0.0, val_json=shapes["val_json"], val_images=shapes["val_images"], eval_every=0))
     losses = [r["loss"] for r in _epoch_rows(out)]
@@ -325,7 +333,9 @@ def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path):
     typed, summary = evaluate_checkpoint(out / "model.pth", shapes["val_json"], shapes["val_images"], workers=0, device="cpu")
     assert typed["bbox_AP"] == pytest.approx(metrics["bbox_AP"]) and summary.startswith("bbox")
     image = Path(shapes["val_images"]) / "val_00001.png"
-    (pred,) = predict_images(out / "model.pth", [image], tmp_path / "drawn", score_threshold=0.0, device="cpu")
+    with caplog.at_level("WARNING"):
+        (pred,) = predict_images(out / "model.pth", [image], tmp_path / "drawn", score_threshold=0.0, device="cpu")
+    assert "--score-threshold 0 is under the detector's own score_thresh 0.05" in caplog.text
     assert pred.image == image and pred.drawn == tmp_path / "drawn" / "val_00001_pred.png" and pred.drawn.is_file()
     assert len(pred.names) == len(pred.scores) == len(pred.boxes) and set(pred.names) <= {"square", "circle", "triangle"}
 
@@ -349,6 +359,22 @@ def test_resume_continues_exactly(shapes, tmp_path):
         assert [r["lr"] for r in _epoch_rows(tmp_path / "straight") if r["epoch"] == epoch] == [last_step["lr"]]
     with pytest.raises(ValueError, match="must match to resume"):
         train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", backbone="efficientvit_m1"))
+    # another batch size moved the lr steps mid-epoch and the iteration count, without a word
+    with pytest.raises(ValueError, match=r"made 4 updates in 2 epochs \(2 per epoch\), and this run makes 1 .*--batch-size \(1\)"):
+        train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", **{**kw, "batch_size": 2}))
+    # a finished run resumed with no epoch left is left as it stands (model.pth was rewritten with a wrong epoch)
+    model_file = (tmp_path / "cut" / "model.pth").read_bytes()
+    assert train(_config(shapes, tmp_path / "cut", epochs=1, resume="auto", **kw)) == {}
+    assert (tmp_path / "cut" / "model.pth").read_bytes() == model_file
+    with pytest.raises(ValueError, match="leaves nothing to train; give a larger --epochs"):
+        train(_config(shapes, tmp_path / "elsewhere", epochs=2, resume=str(tmp_path / "cut" / "checkpoint.pth"), **kw))
+    assert not (tmp_path / "elsewhere").exists()
+    # the rows an interrupted epoch left are replaced by the epoch trained again, not kept beside it
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + json.dumps(dict(type="step", epoch=3, iter=5, lr=1.0, loss=9.0)) + "\n")
+    train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", **kw))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iter"] for r in rows if r["type"] == "step"] == [1, 2, 3, 4, 5, 6] and 9.0 not in [r["loss"] for r in rows]
 
 
 def test_maskrcnn_train_eval_predict_commands(shapes, tmp_path, capsys):
@@ -462,6 +488,9 @@ def test_shapes_never_writes_over_a_users_files(tmp_path, capsys):
     assert main(["detect", "shapes", "--out", str(user), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 2
     assert "train.json exists and is not a shapes dataset's annotations" in capsys.readouterr().err
     assert (user / "train.json").read_bytes() == before and sorted(p.name for p in user.iterdir()) == ["train.json"]
+    (tmp_path / "a-file").write_text("mine")  # a file for --out was a NotADirectoryError traceback
+    assert main(["detect", "shapes", "--out", str(tmp_path / "a-file"), "--num-train", "1", "--num-val", "1", "--size", "32"]) == 2
+    assert "a-file is a file, not a folder" in capsys.readouterr().err and (tmp_path / "a-file").read_text() == "mine"
     (user / "train.json").unlink()
     (user / "val").mkdir()
     (user / "val" / "photo.png").write_bytes(b"x")

@@ -36,7 +36,7 @@ from cgavit.detection import CocoDetection, check_coco, load_detector, write_sha
 from cgavit.detection.checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_config  # noqa: E402
 from cgavit.detection.coco import coco_metrics, decode_masks, encode_masks, segmentation_rle  # noqa: E402
 from cgavit.detection.engine import param_groups, plot_losses, read_checkpoint  # noqa: E402
-from cgavit.detection.models import build_detector  # noqa: E402
+from cgavit.detection.models import build_detector, detector_resize, resize_problem  # noqa: E402
 from cgavit.detection.schema import compressed_counts, segmentation_problem  # noqa: E402
 from cgavit.io import DataError, save_torch  # noqa: E402
 from cgavit.io import CheckpointError  # noqa: E402
@@ -314,14 +314,19 @@ def test_predicted_file_names_reach_the_terminal_escaped(files, tmp_path, capsys
     assert out and all(line.isprintable() for line in out.splitlines()) and "\\x1b]0;owned" in out, out
 
 
-def test_masks_need_image_sizes_and_crowd_masks_are_checked(files, tmp_path):
+def test_image_sizes_come_from_the_files_and_crowd_masks_are_checked(files, tmp_path):
     half = _write(tmp_path, _edited(files, lambda d: d["images"][0].pop("width")), "half.json")
-    with pytest.raises(DataError, match="image 1: needs both 'width' and 'height'"):
+    with pytest.raises(DataError, match="image 1: needs both 'width' and 'height', or neither"):
         check_coco(half, files["train_images"])
+    # docs/detection.md: an entry without them takes its file's; Mask R-CNN's masks too (they were refused)
     no_size = _write(tmp_path, _edited(files, lambda d: [d["images"][0].pop(k) for k in ("width", "height")]))
-    with pytest.raises(DataError, match="image 1: needs both 'width' and 'height'"):
-        check_coco(no_size, files["train_images"], require_masks=True)
-    assert check_coco(no_size, files["train_images"]).dataset  # boxes alone do not need them
+    for masks in (False, True):
+        image = check_coco(no_size, files["train_images"], require_masks=masks).dataset["images"][0]
+        assert (image["width"], image["height"]) == (SIZE, SIZE)
+    # a size that is not the file's stopped training an epoch in, at the image's first load
+    wrong = _write(tmp_path, _edited(files, lambda d: d["images"][1].update(width=SIZE + 16)), "wrong.json")
+    with pytest.raises(DataError, match=rf"image 2 \(train_00001.png\): the entry says {SIZE + 16}x{SIZE}, the file is {SIZE}x{SIZE}"):
+        check_coco(wrong, files["train_images"])
 
     def crowd(d):
         d["annotations"][0].update(iscrowd=1, segmentation={"size": [SIZE + 1, SIZE], "counts": [SIZE * SIZE + SIZE]})
@@ -478,8 +483,9 @@ def test_drawings_never_replace_an_image_nor_each_other(files, tmp_path, capsys)
     assert main([*run, str(mine), "--out", str(tmp_path / "drawn.jpg")]) == 0
     with Image.open(tmp_path / "drawn.jpg") as img:
         assert img.format == "JPEG"
-    assert main([*run, str(mine), "--out", str(tmp_path / "drawn.tiffx")]) == 2
-    assert "not an image format that can be written" in _one_error_line(capsys.readouterr().err)
+    for suffix in ("tiffx", "h5", "xbm"):  # HDF5: a stub writer; XBM: 1-bit only (both failed after the model ran)
+        assert main([*run, str(mine), "--out", str(tmp_path / f"drawn.{suffix}")]) == 2
+        assert "not an image format that can be written" in _one_error_line(capsys.readouterr().err)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     for folder in "ab":
         (tmp_path / folder / "img.png").write_bytes(kept)
@@ -500,6 +506,50 @@ def test_unreadable_training_images_stop_training_before_any_checkpoint(files, t
         line = _one_error_line(capsys.readouterr().err)
         assert "train_0000" in line and "image file is truncated" in line and "Caught" not in line
         assert not (out / "checkpoint.pth").exists() and not (out / "model.pth").exists()
+
+
+def test_an_unreadable_validation_image_keeps_the_epoch_it_evaluates(files, tmp_path, capsys):
+    """A validation image found damaged by the evaluation threw the epoch just trained away (no checkpoint, no
+    record): on COCO, hours. The checkpoint is now written first, and the record appended with the error."""
+    images = tmp_path / "val"
+    shutil.copytree(files["val_images"], images)
+    damaged = images / "val_00001.png"
+    damaged.write_bytes(damaged.read_bytes()[:200])  # its header is whole: found only when decoded
+    out = tmp_path / "run"
+    argv = ["detect", "train", "--train-json", str(files["train_json"]), "--train-images", str(files["train_images"]),
+            "--val-json", str(files["val_json"]), "--val-images", str(images), "--backbone", "m0", "--train-bn",
+            "--device", "cpu", "--workers", "0", "--epochs", "2", "--min-size", str(SIZE), "--max-size", str(SIZE),
+            "--output", str(out)]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "val_00001.png" in line and "Epoch 1 was saved before its evaluation" in line and "--resume auto" in line
+    assert read_checkpoint(out / "checkpoint.pth")["epoch"] == 1
+    assert [r["epoch"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "epoch"] == [1]
+
+
+def test_images_under_the_backbones_side_once_padded_are_skipped_by_name(files, tmp_path, capsys):
+    """With size_divisible=1 (a documented --model-arg), a wide image padded to under 32 px stopped `detect predict`
+    at that image (the others never drawn) and training mid-epoch, in the backbone's input check."""
+    config = {**CONFIG, "model_kwargs": {"size_divisible": 1}}
+    ckpt = save_torch(tmp_path / "div1.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=build_detector(config).state_dict()))
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (200, 50), (90, 30, 200)).save(wide)  # 64x16 at the resize, 64x16 padded to multiples of 1
+    out = tmp_path / "drawn"
+    argv = ["detect", "predict", str(wide), str(files["image"]), "--checkpoint", str(ckpt), "--device", "cpu", "--out", str(out)]
+    assert main(argv) == 1  # the other image is drawn
+    line = _one_error_line(capsys.readouterr().err)
+    assert "wide.png: too small: 200x50 px" in line and "padded to 64x16 (size_divisible 1)" in line
+    assert (out / "val_00000_pred.png").is_file()
+    resize = detector_resize(config)
+    assert resize_problem(64, 64, resize) is None and resize_problem(200, 50, detector_resize(CONFIG)) is None
+    assert "fixed_size" in resize_problem(64, 64, detector_resize({**CONFIG, "model_kwargs": {"fixed_size": [64, 16], "size_divisible": 8}}))
+    # training skips it before the first step, with its annotations, instead of stopping mid-epoch
+    data = _edited(files, lambda d: d["images"].append(dict(id=99, file_name="wide.png", width=200, height=50)))
+    folder = tmp_path / "images"
+    shutil.copytree(files["train_images"], folder)
+    shutil.copy(wide, folder / "wide.png")
+    check = check_coco(_write(tmp_path, data), folder, resize=resize)
+    assert [img["id"] for img in check.dataset["images"]] == [1, 2] and "wide.png: too small" in check.skipped[0]
 
 
 def test_no_annotations_warns_or_is_refused_with_strict(files, tmp_path, caplog, capsys):
@@ -582,6 +632,7 @@ BOUNDS = [
     (DETECT_TRAIN + ["--workers", "-1"], "--workers"), (DETECT_TRAIN + ["--seed", "-1"], "--seed"),
     (DETECT_TRAIN + ["--eval-every", "-1"], "--eval-every"), (DETECT_TRAIN + ["--log-every", "-1"], "--log-every"),
     (DETECT_TRAIN + ["--lr-steps", "-3"], "--lr-steps"), (DETECT_TRAIN + ["--model-arg", "x=[1e300]"], "--model-arg"),
+    (DETECT_TRAIN + ["--val-images", "v"], "--val-images needs --val-json"),
     (["detect", "eval", "--checkpoint", "m.pth", "--val-json", "v.json", "--val-images", "v", "--batch-size", "0"], "--batch-size"),
     (["detect", "predict", "a.png", "--checkpoint", "m.pth", "--score-threshold", "1.5"], "--score-threshold"),
     (["detect", "predict", "a.png", "--checkpoint", "m.pth", "--score-threshold", "-0.1"], "--score-threshold"),

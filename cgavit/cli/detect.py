@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
+from ..detection.coco import STAT_NAMES
 from ..detection.shapes import check_shapes_destination
 from ..io import DataError, printable
 from .common import add_dial_args, dials_from_args
@@ -70,12 +71,18 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = train_config(args)
     metrics = train(cfg)
     if metrics and _is_main():
-        shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("bbox_", "segm_")) or k == "loss"}
-        print(json.dumps(shown))
+        print(json.dumps(shown_metrics(metrics)))
         written = [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if (Path(cfg.output) / name).is_file()]
         note = "" if "loss.png" in written else " (no loss.png: no loss was logged; runs shorter than --log-every iterations log none)"
         print(f"{', '.join(written)} in {cfg.output}{note}")
     return 0
+
+
+def shown_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """What ``detect train`` prints of its last epoch's record: the loss and the COCO scores (``bbox_AP``, ...;
+    not RetinaNet's ``bbox_regression`` loss, whose name starts the same), rounded."""
+    scores = {f"{kind}_{stat}" for kind in ("bbox", "segm") for stat in STAT_NAMES}
+    return {k: round(v, 4) for k, v in record.items() if k in scores or k == "loss"}
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -171,7 +178,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "--out", dest="out", help="output image (one image; its format by its suffix: .png, "
                    ".jpg, ...), or folder (default: <image name>_pred.png in the current folder; images of the same "
                    "name get -2, -3, ...); never one of the images")
-    p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5)")
+    p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5; the detector returns none under its own "
+                   "score_thresh, 0.05 unless trained with another --model-arg)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.set_defaults(func=run_predict)
 

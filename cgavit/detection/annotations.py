@@ -24,7 +24,7 @@ from ..images import open_image
 from ..io import DataError, UnreadableFileError, check_readable_file
 from .coco import coco_index, rle_box_area, segmentation_rle, xyxy_boxes
 from ..schema import MAX_NAME_LENGTH, shown
-from .models import boxes_keep_area, resize_problem
+from .models import Resize, boxes_keep_area, resize_problem
 from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def check_coco(
     *,
     strict: bool = False,
     require_masks: bool = False,
-    resize: tuple[int, int] | None = None,
+    resize: Resize | tuple[int, int] | None = None,
 ) -> CocoCheck:
     """Read and check a COCO instances file against its image folder.
 
@@ -86,14 +86,16 @@ def check_coco(
     checkpoint with such a name could not be loaded); duplicate ids; image
     files missing from ``image_dir`` or not readable; annotations whose ``image_id`` is not an image,
     whose ``category_id`` is not a category, whose ``bbox`` is not four finite numbers, whose
-    ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; and with ``require_masks``, images without
-    ``width``/``height`` and annotations without a usable ``segmentation`` (polygons inside the
-    image's reach, run-length masks of exactly the image's size). An image entry without
-    ``width``/``height`` gets those its file's header declares.
+    ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; image entries whose ``width``/``height``
+    are not the size their file's header declares; and with ``require_masks``, annotations without a
+    usable ``segmentation`` (polygons inside the image's reach, run-length masks of exactly the
+    image's size). An image entry without ``width``/``height`` gets those its file's header
+    declares (each file's header is read; no pixel is decoded).
 
     Degenerate boxes (width or height <= 0, or none left as the detectors take them,
     :func:`~.coco.xyxy_boxes`), with ``require_masks`` segmentations that cover no pixel of the image
-    (crowd regions included), and with ``resize`` images the detectors' resize leaves a side of 0
+    (crowd regions included), and with ``resize`` images the detectors cannot take (their resize leaves a side of 0, or
+    their padded batch is under 32 px a side)
     (with their annotations) are dropped with one warning listing them all; a file left without
     annotations is trained on with a warning. With ``strict=True`` both are errors. A polygon of an
     odd count of numbers is an error. Without ``require_masks`` (RetinaNet) ``segmentation`` is never
@@ -105,8 +107,9 @@ def check_coco(
         strict: refuse what would be dropped (degenerate boxes, masks, images) and files without
             annotations instead of warning.
         require_masks: every annotation needs a segmentation (Mask R-CNN).
-        resize: the detector's ``(min_size, max_size)``, to drop images it cannot take
-            (:func:`~.models.resize_problem`); None checks no image's shape.
+        resize: the detector's :class:`~.models.Resize` (:func:`~.models.detector_resize`), or its
+            ``(min_size, max_size)``, to drop images it cannot take (:func:`~.models.resize_problem`);
+            None checks no image's shape.
 
     Raises:
         DataError: with the list of problems and what to do about them.
@@ -115,12 +118,13 @@ def check_coco(
     ann_file, image_dir = Path(ann_file), Path(image_dir)
     data = _read_instances(ann_file, image_dir)
     problems: Problems = defaultdict(list)  # kind of problem -> offending entries, in reading order
-    images, unusable = _check_images(data["images"], image_dir, require_masks, problems)
+    images, unusable = _check_images(data["images"], image_dir, problems)
     categories = _check_categories(data["categories"], problems)
     if not categories and not problems:
         problems["no categories"].append(f"{ann_file} lists no categories")
     if len(categories) > MAX_CATEGORIES:
         problems["too many categories"].append(f"{ann_file} lists {len(categories)}; at most {MAX_CATEGORIES} are supported")
+    resize = None if resize is None else Resize(*resize)
     thin = _unresizable_images(images, unusable, resize)
     found = _Found(images, unusable, categories, require_masks, set(thin), resize)
     kept, skipped = _check_annotations(data["annotations"], found, problems)
@@ -163,7 +167,7 @@ class _Found:
     categories: dict[int, str]  # category id -> name
     require_masks: bool
     dropped: set[int]  # ids of images skipped whole, their annotations with them
-    resize: tuple[int, int] | None  # the detector's (min_size, max_size), if known
+    resize: Resize | None  # the detector's, if known
 
     def where(self, ann: dict) -> str:
         img = self.images.get(ann.get("image_id")) if is_int(ann.get("image_id")) else None
@@ -190,7 +194,7 @@ def _read_instances(ann_file: Path, image_dir: Path) -> dict[str, Any]:
     return {**data, "annotations": data.get("annotations", [])}
 
 
-def _image_problem(img: Any, require_sizes: bool) -> str | None:
+def _image_problem(img: Any) -> str | None:
     """What is wrong with one ``images`` entry's fields, else None."""
     if not isinstance(img, dict):
         return f"not an object: {shown(img)}"
@@ -202,20 +206,20 @@ def _image_problem(img: Any, require_sizes: bool) -> str | None:
     parts = PurePosixPath(name.replace("\\", "/"))
     if parts.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in parts.parts:
         return f"'file_name' must be a path inside the image folder (no leading '/', no '..'), got {shown(name)}"
-    if "width" in img or "height" in img or require_sizes:
+    if "width" in img or "height" in img:
         if "width" not in img or "height" not in img:
-            return "needs both 'width' and 'height' (masks are checked and scored against them)"
+            return "needs both 'width' and 'height', or neither (its file's header then gives them)"
         return image_size_problem(img["width"], img["height"])
     return None
 
 
-def _check_images(entries: list, image_dir: Path, require_sizes: bool, problems: Problems) -> tuple[dict[int, dict], set[int]]:
+def _check_images(entries: list, image_dir: Path, problems: Problems) -> tuple[dict[int, dict], set[int]]:
     """``(id -> image entry, ids of unusable entries: malformed, or the file missing or unreadable)``;
     every problem noted."""
     images: dict[int, dict] = {}
     unusable = set()
     for i, img in enumerate(entries):
-        why = _image_problem(img, require_sizes)
+        why = _image_problem(img)
         has_id = isinstance(img, dict) and is_int(img.get("id"))
         if why:
             label = f"image {img['id']}" if has_id else f"images[{i}]"
@@ -232,19 +236,25 @@ def _check_images(entries: list, image_dir: Path, require_sizes: bool, problems:
 
 
 def _check_files(images: dict[int, dict], unusable: set[int], image_dir: Path, problems: Problems) -> None:
-    """Note each usable image whose file is missing or cannot be read (adding it to ``unusable``), and
-    give each usable entry without ``width``/``height`` the size its file's header declares (no pixel
-    is decoded): boxes are clipped to it and the detectors' resize judged by it before training."""
+    """Note each usable image whose file is missing or cannot be read, or whose entry's ``width``/``height``
+    are not the size its file's header declares (adding it to ``unusable``), and give each usable entry
+    without them that size (no pixel is decoded): boxes are clipped to it, masks drawn at it and the
+    detectors' resize judged by it before training, not an epoch into it."""
     for i, img in list(images.items()):
         if i in unusable:
             continue
         path = image_dir / img["file_name"]
         try:
             check_readable_file(path, "image file")
+            opened, (width, height) = open_image(path)
+            opened.close()
             if "width" not in img:
-                opened, (width, height) = open_image(path)
-                opened.close()
                 images[i] = {**img, "width": width, "height": height}
+            elif (img["width"], img["height"]) != (width, height):
+                unusable.add(i)
+                problems["image entries whose size is not their file's"].append(
+                    f"image {i} ({img['file_name']}): the entry says {img['width']}x{img['height']}, the file is "
+                    f"{width}x{height} (fix the entry, or drop its 'width' and 'height' to take the file's)")
         except UnreadableFileError as err:
             unusable.add(i)
             if os.path.lexists(path):
@@ -256,12 +266,12 @@ def _check_files(images: dict[int, dict], unusable: set[int], image_dir: Path, p
             problems[UNREADABLE_IMAGES].append(f"image {i}: {err}")
 
 
-def _unresizable_images(images: dict[int, dict], unusable: set[int], resize: tuple[int, int] | None) -> dict[int, str]:
-    """``image id -> "image <id> <file>: <why>"`` for each usable image the detectors' resize
-    ``(min_size, max_size)`` cannot take (:func:`~.models.resize_problem`)."""
+def _unresizable_images(images: dict[int, dict], unusable: set[int], resize: Resize | None) -> dict[int, str]:
+    """``image id -> "image <id> <file>: <why>"`` for each usable image the detectors cannot take after
+    ``resize`` (:func:`~.models.resize_problem`)."""
     thin = {}
     for i, img in images.items():
-        why = None if resize is None or i in unusable else resize_problem(img["width"], img["height"], *resize)
+        why = None if resize is None or i in unusable else resize_problem(img["width"], img["height"], resize)
         if why:
             thin[i] = f"image {i} {img['file_name']}: {why} (its annotations are left out with it)"
     return thin

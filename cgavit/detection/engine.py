@@ -30,7 +30,7 @@ from ..analysis.plots import training_curves
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
 from ..fields import option
-from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch
+from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch, write_jsonl
 from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
 from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
@@ -39,7 +39,7 @@ from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
 from .data import CocoDetection, Guarded, batches, collate, train_transform
-from .models import KINDS, build_detector, check_settings, coarsest_map_size, detector_resize, resized_size
+from .models import KINDS, Resize, build_detector, check_settings, coarsest_map_size, detector_resize
 from .schema import is_int, is_number
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,9 @@ class DetectionTrainConfig:
         check_settings(self.model, check_model_kwargs(self.model_kwargs))
         if not self.train_json or not self.train_images:
             raise ValueError("give the training data: --train-json FILE --train-images DIR (or --data COCO_ROOT)")
-        if self.val_json and not self.val_images:
-            raise ValueError("--val-json needs --val-images")
+        if bool(self.val_json) != bool(self.val_images):
+            raise ValueError("--val-json needs --val-images" if self.val_json else "--val-images needs --val-json (the "
+                             "instances file of those images); give both to evaluate, or neither")
         if os.path.lexists(self.output) and not os.path.isdir(self.output):
             raise ValueError(f"--output {self.output} is not a folder; give a folder for the run's files")
 
@@ -354,6 +355,8 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
     _check_one_image_batches(cfg, train_set, env.world)
     config = model_config(cfg, train_check.categories)
     resume, ckpt = _resume_checkpoint(cfg, config)
+    if ckpt is not None and not _epochs_left(cfg, env, resume, int(ckpt["epoch"])):
+        return {}
     if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
         log.warning(
             "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
@@ -361,6 +364,8 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
         )
     run = _setup(cfg, env, config, ckpt, train_set)
     start_epoch = int(ckpt["epoch"]) if ckpt is not None else 0
+    if ckpt is not None:
+        _check_iterations_per_epoch(run, resume, ckpt)
     if env.is_main:
         if ckpt is not None:
             log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
@@ -377,7 +382,9 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
             for tmp in remove_stale_temporaries(run.out):
                 log.info("removed %s, left by an interrupted write", tmp)
             try:  # a damaged record file stops the run now (every rank), not after its last epoch
-                read_jsonl(run.metrics_path)
+                rows = read_jsonl(run.metrics_path)
+                if ckpt is not None:
+                    _drop_rows_after(run.metrics_path, rows, start_epoch)
             except DataError as err:
                 damaged = str(err)
         damaged = broadcast_object(env, damaged)
@@ -386,23 +393,36 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
         return _epochs(run, val_set, start_epoch)
 
 
+def _drop_rows_after(path: Path, rows: list[dict], done: int) -> None:
+    """Drop the rows of epochs after ``done`` from ``metrics.jsonl``: an interrupted epoch's, which the resumed
+    run trains again and records anew (rows without an epoch number, edited by hand, are kept)."""
+    kept = [r for r in rows if not (_is_number(r.get("epoch")) and r["epoch"] > done)]
+    if len(kept) < len(rows):
+        write_jsonl(path, kept)
+        log.info("dropped %d rows of %s written after epoch %d's checkpoint (an interrupted epoch, trained again now)",
+                 len(rows) - len(kept), path, done)
+
+
 def _epochs(run: _Run, val_set: CocoDetection | None, start_epoch: int) -> dict[str, Any]:
-    """Epochs ``start_epoch + 1 .. cfg.epochs`` of ``run``, then the final weights; the last epoch's record."""
+    """Epochs ``start_epoch + 1 .. cfg.epochs`` of ``run``, then the final weights; the last epoch's record.
+
+    Each epoch's checkpoint is written before its evaluation, so an evaluation that fails (a damaged
+    validation image) does not lose the epoch; its record is appended after it, with its scores."""
     cfg, env = run.cfg, run.env
     row: dict[str, Any] = {}
     step = start_epoch * len(run.loader)
     for epoch in range(start_epoch, cfg.epochs):
         row, step = _train_epoch(run, epoch, step)
+        if env.is_main:
+            _save_checkpoint(run, row, step)
         last = epoch + 1 == cfg.epochs
         if val_set is not None and (last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0)):
-            metrics, summary = evaluate(run.raw_model, val_set, env, cfg.batch_size, cfg.workers)
-            row.update(metrics)
-            if env.is_main:
-                log.info("epoch %d COCO evaluation\n%s", epoch + 1, summary)
+            row.update(_evaluate_epoch(run, val_set, row))
         if env.is_main:
-            _save_epoch(run, row, epoch, step)
+            append_jsonl(run.metrics_path, row)
     if env.is_main:
-        save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), epoch=cfg.epochs))
+        done = max(cfg.epochs, start_epoch)  # more than --epochs: a finished run's missing model.pth (_epochs_left)
+        save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), epoch=done))
         plot_losses(run.metrics_path, run.out / "loss.png")
     barrier(env)
     return row
@@ -410,7 +430,7 @@ def _epochs(run: _Run, val_set: CocoDetection | None, start_epoch: int) -> dict[
 
 def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
     """``(training check, training set, validation set or None)``, every file checked first."""
-    masks, resize = cfg.model == "maskrcnn", (cfg.min_size, cfg.max_size)
+    masks, resize = cfg.model == "maskrcnn", _resize(cfg)
     train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks, resize=resize)
     val_set = None
     if cfg.val_json:
@@ -425,6 +445,11 @@ def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, Coco
     if len(train_set) == 0:
         raise ValueError(f"{cfg.train_json} lists no images the detector can take")
     return train_check, train_set, val_set
+
+
+def _resize(cfg: DetectionTrainConfig) -> Resize:
+    """How the run's detector resizes and pads its images."""
+    return detector_resize(dict(min_size=cfg.min_size, max_size=cfg.max_size, model_kwargs=cfg.model_kwargs))
 
 
 def _drop_last(cfg: DetectionTrainConfig, num_images: int, world: int) -> bool:
@@ -442,8 +467,8 @@ def _check_one_image_batches(cfg: DetectionTrainConfig, train_set: CocoDetection
         return  # with --train-bn every batch holds this many images (_drop_last)
     for image_id in train_set.ids:
         info = train_set.coco.imgs[image_id]
-        if coarsest_map_size(info["width"], info["height"], cfg.min_size, cfg.max_size) == (1, 1):
-            w, h = resized_size(info["width"], info["height"], cfg.min_size, cfg.max_size)
+        if coarsest_map_size(info["width"], info["height"], _resize(cfg)) == (1, 1):
+            w, h = _resize(cfg).resized(info["width"], info["height"])
             raise ValueError(
                 f"--train-bn with batches of one image cannot train on image {image_id} ({info['file_name']}): resized to "
                 f"{w}x{h} px (--min-size {cfg.min_size}, --max-size {cfg.max_size}), its stride-64 map is 1x1, one value per "
@@ -474,6 +499,40 @@ def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> 
                               "(model.pth holds weights only; resume from checkpoint.pth)")
     check_against_tensors(config, ckpt["model"], resume)
     return resume, ckpt
+
+
+def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, done: int) -> bool:
+    """Whether a resumed run has anything to do: epochs left, or, for a finished run in its own folder,
+    the ``model.pth`` it stopped before writing. A finished run is left as it stands (said); resumed
+    into another folder it is refused, as ``cgavit train`` does."""
+    if done < cfg.epochs:
+        return True
+    what = f"{resume} has trained {done} epoch{'s' if done != 1 else ''}, and --epochs {cfg.epochs} leaves nothing to train"
+    out = Path(cfg.output)
+    if out.resolve() != Path(resume).resolve().parent:
+        raise ValueError(f"{what}; give a larger --epochs (e.g. --epochs {done + 1}) to train on (nothing was written)")
+    missing = not os.path.lexists(out / "model.pth")
+    if env.is_main:
+        log.warning("%s: %s; give a larger --epochs to train on", what,
+                    "writing the model.pth it stopped before" if missing else f"the run in {out} is left as it stands")
+    return missing
+
+
+def _check_iterations_per_epoch(run: _Run, resume: str, ckpt: Mapping[str, Any]) -> None:
+    """Refuse to resume with another number of updates per epoch (batch size, processes or training
+    images changed): the schedule's milestones, counted in updates, would fall mid-epoch."""
+    done, made, per_epoch = int(ckpt["epoch"]), int(ckpt["iteration"]), len(run.loader)
+    if made == done * per_epoch:
+        return
+    old = ckpt.get("train_config")
+    old_batch = old.get("batch_size") if isinstance(old, dict) and is_int(old.get("batch_size")) else None
+    raise ValueError(
+        f"{resume} made {made} updates in {done} epoch{'s' if done != 1 else ''}"
+        f"{f' ({made / done:g} per epoch)' if done else ''}, and this run makes {per_epoch} per epoch "
+        f"({len(run.loader.dataset)} images, {run.env.world} process(es) x --batch-size {run.cfg.batch_size}): the learning-rate "
+        f"schedule would shift. Resume with the --batch-size{f' ({old_batch})' if old_batch else ''}, number of processes "
+        "and training images the run started with (nothing was written)"
+    )
 
 
 def _check_output_free(out: Path, resume: str | None) -> None:
@@ -570,16 +629,30 @@ def _train_step(run: _Run, images: Sequence[torch.Tensor], targets: Sequence[dic
     return {"loss": loss.item(), **{k: v.item() for k, v in losses.items()}}, lr
 
 
-def _save_epoch(run: _Run, row: dict[str, Any], epoch: int, step: int) -> None:
-    """Append the epoch's record and replace ``checkpoint.pth`` (rank 0)."""
-    append_jsonl(run.metrics_path, row)
-    ckpt_path = run.out / "checkpoint.pth"
+def _save_checkpoint(run: _Run, row: dict[str, Any], step: int) -> None:
+    """Replace ``checkpoint.pth`` with the state after the epoch ``row`` records (rank 0)."""
     state = dict(
         format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-        scheduler=run.scheduler.state_dict(), epoch=epoch + 1, iteration=step, train_config=_plain(asdict(run.cfg)),
+        scheduler=run.scheduler.state_dict(), epoch=row["epoch"], iteration=step, train_config=_plain(asdict(run.cfg)),
     )
-    save_torch(ckpt_path, state)
-    log.info("epoch %d: loss %.4f (%s), checkpoint %s", epoch + 1, row["loss"], f"{row['time_s']:.0f} s", ckpt_path)
+    ckpt_path = save_torch(run.out / "checkpoint.pth", state)
+    log.info("epoch %d: loss %.4f (%s), checkpoint %s", row["epoch"], row["loss"], f"{row['time_s']:.0f} s", ckpt_path)
+
+
+def _evaluate_epoch(run: _Run, val_set: CocoDetection, row: dict[str, Any]) -> dict[str, float]:
+    """COCOeval of the epoch just saved. A validation image that cannot be read stops the run with the
+    epoch's record appended and its checkpoint named (it was saved first)."""
+    cfg, env, epoch = run.cfg, run.env, row["epoch"]
+    try:
+        metrics, summary = evaluate(run.raw_model, val_set, env, cfg.batch_size, cfg.workers)
+    except DataError as err:
+        if env.is_main:
+            append_jsonl(run.metrics_path, row)
+        raise DataError(f"{err}. Epoch {epoch} was saved before its evaluation ({run.out / 'checkpoint.pth'}): fix "
+                        "the validation data, evaluate it with `cgavit detect eval`, and continue with --resume auto") from None
+    if env.is_main:
+        log.info("epoch %d COCO evaluation\n%s", epoch, summary)
+    return metrics
 
 
 def _plain(obj: Any) -> Any:

@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.poolers import initLevelMapper
 
+from ..bounds import MIN_INPUT_SIZE
 from ..schema import shown
 from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
 
@@ -42,9 +43,40 @@ ASPECT_RATIOS = (0.5, 1.0, 2.0)
 SIZE_DIVISIBLE = 32
 
 
-def detector_resize(config: Mapping[str, Any]) -> tuple[int, int]:
-    """``(min_size, max_size)`` of a detector config (defaults 800 and 1333, torchvision's)."""
-    return int(config.get("min_size", 800)), int(config.get("max_size", 1333))
+class Resize(NamedTuple):
+    """How the detectors resize and pad an image (torchvision's GeneralizedRCNNTransform, evaluating).
+
+    Attributes:
+        min_size, max_size: the shorter side goes to ``min_size`` unless the longer would exceed ``max_size``.
+        size_divisible: each side of a batch is padded up to a multiple of this.
+        fixed_size: ``(width, height)`` every image is resized to instead, or None.
+    """
+
+    min_size: int
+    max_size: int
+    size_divisible: int = SIZE_DIVISIBLE
+    fixed_size: tuple[int, int] | None = None
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` of a ``width x height`` image after the resize."""
+        if self.fixed_size is not None:
+            return int(self.fixed_size[0]), int(self.fixed_size[1])
+        return resized_size(width, height, self.min_size, self.max_size)
+
+    def padded(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` of the batch holding a ``width x height`` image alone: resized, then padded."""
+        d = self.size_divisible
+        w, h = self.resized(width, height)
+        return math.ceil(w / d) * d, math.ceil(h / d) * d
+
+
+def detector_resize(config: Mapping[str, Any]) -> Resize:
+    """The :class:`Resize` of a detector config: its ``min_size`` and ``max_size`` (defaults 800 and 1333,
+    torchvision's) and the ``size_divisible`` and ``fixed_size`` of its ``model_kwargs``."""
+    settings = config.get("model_kwargs") or {}
+    fixed = settings.get("fixed_size")
+    return Resize(int(config.get("min_size", 800)), int(config.get("max_size", 1333)),
+                  int(settings.get("size_divisible") or SIZE_DIVISIBLE), None if fixed is None else tuple(int(v) for v in fixed))
 
 
 def resized_size(width: int, height: int, min_size: int, max_size: int) -> tuple[int, int]:
@@ -55,20 +87,28 @@ def resized_size(width: int, height: int, min_size: int, max_size: int) -> tuple
     return math.floor(width * scale), math.floor(height * scale)
 
 
-def resize_problem(width: int, height: int, min_size: int, max_size: int) -> str | None:
-    """Why the detectors cannot run a ``width x height`` image (``"too thin: ..."``: its resize leaves a
-    side of 0 pixels), else None."""
-    w, h = resized_size(width, height, min_size, max_size)
-    if min(w, h) >= 1:
+def resize_problem(width: int, height: int, resize: Resize) -> str | None:
+    """Why the detectors cannot run a ``width x height`` image alone in its batch, else None: its resize
+    leaves a side of 0 pixels (``"too thin: ..."``), or the padded batch has a side under the
+    backbone's :data:`~cgavit.bounds.MIN_INPUT_SIZE` (``size_divisible`` or ``fixed_size`` set small)."""
+    w, h = resize.resized(width, height)
+    if min(w, h) < 1:
+        return (f"too thin: {width}x{height} px becomes {w}x{h} px at the detector's resize (shorter side to "
+                f"{resize.min_size}, longer side at most {resize.max_size}); crop it to a side ratio under {resize.max_size}:1")
+    pw, ph = resize.padded(width, height)
+    if min(pw, ph) >= MIN_INPUT_SIZE:
         return None
-    return (f"too thin: {width}x{height} px becomes {w}x{h} px at the detector's resize (shorter side to {min_size}, "
-            f"longer side at most {max_size}); crop it to a side ratio under {max_size}:1")
+    how = (f"resized to the fixed_size {w}x{h}" if resize.fixed_size is not None
+           else f"resized to {w}x{h} px (shorter side to {resize.min_size}, longer side at most {resize.max_size})")
+    return (f"too small: {width}x{height} px is {how} and padded to {pw}x{ph} (size_divisible {resize.size_divisible}), "
+            f"and the backbone takes at least {MIN_INPUT_SIZE} px a side; crop it to a side ratio nearer 1:1, or give "
+            f"the detector a larger {'fixed_size' if resize.fixed_size is not None else 'size_divisible'}")
 
 
-def boxes_keep_area(xyxy: np.ndarray, widths: ArrayLike, heights: ArrayLike, resize: tuple[int, int] | None = None) -> np.ndarray:
+def boxes_keep_area(xyxy: np.ndarray, widths: ArrayLike, heights: ArrayLike, resize: Resize | None = None) -> np.ndarray:
     """Which training boxes keep an area up to torchvision's check of them (it refuses a box with
     ``x1 <= x0`` or ``y1 <= y0`` mid-training): mirrored or not (the training augmentation) and, with
-    the detector's ``resize`` ``(min_size, max_size)``, resized as GeneralizedRCNNTransform resizes
+    the detector's ``resize`` (:class:`Resize`), resized as GeneralizedRCNNTransform resizes
     them, every step in float32 as torchvision computes it.
 
     Args:
@@ -84,19 +124,18 @@ def boxes_keep_area(xyxy: np.ndarray, widths: ArrayLike, heights: ArrayLike, res
     mirrored[:, [2, 0]] = -(xyxy[:, [0, 2]] - widths.astype(np.float32)[:, None])  # torchvision's horizontal flip
     boxes = [xyxy, mirrored]
     if resize is not None:
-        new = np.array([resized_size(w, h, *resize) for w, h in zip(widths.tolist(), heights.tolist())], dtype=np.float32)
+        new = np.array([resize.resized(w, h) for w, h in zip(widths.tolist(), heights.tolist())], dtype=np.float32)
         ratio = new.reshape(-1, 2) / np.stack([widths, heights], 1).astype(np.float32)  # (N, 2): x and y ratios
         boxes = [b * np.tile(ratio, 2) for b in boxes]  # torchvision's resize_boxes
     return np.logical_and.reduce([(b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1]) for b in boxes])
 
 
-def coarsest_map_size(width: int, height: int, min_size: int, max_size: int) -> tuple[int, int]:
+def coarsest_map_size(width: int, height: int, resize: Resize) -> tuple[int, int]:
     """``(width, height)`` of the backbone's stride-64 map of an image alone in its batch: resized,
-    padded to a multiple of :data:`SIZE_DIVISIBLE`, each stride-2 step rounding up. BatchNorm that
-    is trained cannot take a batch of one image whose map is 1x1 (one value per channel)."""
+    padded (:meth:`Resize.padded`), each stride-2 step rounding up. BatchNorm that is trained cannot
+    take a batch of one image whose map is 1x1 (one value per channel)."""
     stride = BACKBONE_STRIDES[-1]
-    return tuple(math.ceil(math.ceil(s / SIZE_DIVISIBLE) * SIZE_DIVISIBLE / stride)
-                 for s in resized_size(width, height, min_size, max_size))
+    return tuple(math.ceil(s / stride) for s in resize.padded(width, height))
 
 
 class PyramidAnchorGenerator(AnchorGenerator):
@@ -349,7 +388,7 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
         problem = unknown_settings(kind, {name: None})
         if problem:
             log.warning("left out the detector setting %s=%r, which never took effect: %s", name, extra.pop(name), problem)
-    min_size, max_size = detector_resize(config)
+    min_size, max_size = detector_resize(config)[:2]
     try:
         return build(
             config.get("backbone", "efficientvit_m4"),

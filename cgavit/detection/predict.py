@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from ..train.distributed import teardown as teardown_distributed
 from .checkpoint import load_detector
 from .draw import draw_detections
 from .models import detector_resize, resize_problem
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,7 +85,19 @@ def predict_images(
     except BaseException:
         teardown_distributed(env)
         raise
+    floor = detector_score_floor(model)
+    if score_threshold < floor:
+        log.warning("--score-threshold %g is under the detector's own score_thresh %g: it never returns detections scoring "
+                    "less, so none under %g are shown (train with --model-arg score_thresh=%g, or box_score_thresh for "
+                    "Mask R-CNN, to see them)", score_threshold, floor, floor, score_threshold)
     return _predictions(model, config, paths, drawn, score_threshold, env)
+
+
+def detector_score_floor(model: nn.Module) -> float:
+    """The score under which a torchvision detector drops its detections itself (RetinaNet's
+    ``score_thresh``, Mask R-CNN's ``roi_heads.score_thresh``)."""
+    heads = getattr(model, "roi_heads", model)
+    return float(getattr(heads, "score_thresh", 0.0))
 
 
 def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
@@ -96,7 +112,7 @@ def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
     if out is not None and out.suffix and not out.is_dir():
         if len(images) > 1:
             raise ValueError(f"--output {out} looks like a file but {len(images)} images were given; pass a folder")
-        if _image_format(out) not in Image.SAVE:
+        if not _writes_pictures(_image_format(out)):
             raise ValueError(f"--output {out}: {out.suffix} is not an image format that can be written; "
                              "name it .png or .jpg, or give a folder")
         drawn = [out]
@@ -113,6 +129,18 @@ def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
         if os.path.realpath(path) in given:
             raise ValueError(f"the drawing of {image} would replace the image {path}; give another --out")
     return drawn
+
+
+def _writes_pictures(image_format: str | None) -> bool:
+    """Whether Pillow writes a colour drawing in ``image_format``: a format it lists may only hold other modes
+    (XBM: 1-bit) or need a plug-in that is not installed (HDF5, GRIB, WMF), which is found by trying one pixel."""
+    if image_format not in Image.SAVE:
+        return False
+    try:
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=image_format)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 def _image_format(path: Path) -> str | None:
@@ -132,7 +160,7 @@ def _predictions(
             except (DataError, UnreadableFileError) as err:
                 skipped.append(str(err))
                 continue
-            problem = resize_problem(raw.shape[2], raw.shape[1], *detector_resize(config))
+            problem = resize_problem(raw.shape[2], raw.shape[1], detector_resize(config))
             if problem:
                 skipped.append(f"image {p}: {problem}")
                 continue

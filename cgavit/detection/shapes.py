@@ -11,6 +11,7 @@ from __future__ import annotations
 import colorsys
 import json
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -75,10 +76,14 @@ def check_shapes_destination(root: str | Path, split: str) -> None:
     Raises:
         ValueError: ``root/<split>.json`` exists and is not a shapes dataset's annotations (a user's own COCO file,
             say), or, with no annotations there, ``root/<split>/`` holds files of other names than the images
-            this writes (those an earlier run stopped midway left are its own).
+            this writes (those an earlier run stopped midway left are its own); ``root`` or ``root/<split>``
+            is a file.
     """
     root = Path(root)
     ann, image_dir = root / f"{split}.json", root / split
+    for path in (root, image_dir):
+        if os.path.lexists(path) and not path.is_dir():
+            raise ValueError(f"{path} is a file, not a folder; give --output a new or empty folder (nothing was written)")
     if ann.exists():
         try:
             ours = json.loads(ann.read_text()).get("categories") == list(SHAPE_CATEGORIES)
