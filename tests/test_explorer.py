@@ -282,6 +282,62 @@ def test_a_trained_checkpoint_sees_uploads_as_it_was_trained(trained_digits):
         shown = images.image(images.add_image(path.read_bytes())["image_id"])
         torch.testing.assert_close(shown, transform(load_image(path))[None], atol=1e-5, rtol=0)
 
+def test_a_checkpoint_of_other_input_channels_is_refused_at_start(tmp_path):
+    """A 1-channel model started, then answered every attention request with a 400 blaming the image."""
+    from cgavit import create_model, save_weights
+
+    path = save_weights(create_model("m0", num_classes=10, img_size=64, in_chans=1).eval(), tmp_path / "grey.safetensors")
+    with pytest.raises(ValueError, match="grey.safetensors is a model of 1 input channel; .* 3-channel models only"):
+        build_model(path)
+
+
+def test_the_random_model_is_the_same_at_every_start():
+    """Only its BatchNorm statistics and bias tables were seeded: each start drew other weights, other maps."""
+    before = torch.get_rng_state()
+    first, second = (build_model(None, None, 64).model.state_dict() for _ in range(2))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's generator is left as it was
+
+
+def test_non_finite_attention_is_a_server_error_said_as_such():
+    """A checkpoint whose weights overflow gave 400 'Out of range float values are not JSON compliant' (the
+    request blamed), and nothing in the log."""
+    model = build_model(None, None, 64).model
+    with torch.no_grad():
+        model.patch_embed.conv1.conv.weight.mul_(1e30)
+    srv = ExplorerServer(("127.0.0.1", 0), ImageAttention(model, "overflowing"))
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        status, up = get_json(srv, "/api/image", "POST", png_bytes())
+        assert status == 200
+        status, reply = get_json(srv, f"/api/attention?image={up['image_id']}&block=0")
+        assert status == 500 and "not finite (NaN or inf)" in reply["error"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_upload_cache_is_bounded_in_bytes():
+    """Eight images were kept whatever their size: at --img-size 4096, 1.6 GB."""
+    from cgavit.explorer.limits import Limits
+
+    loaded = build_model(None, None, 64)
+    one = 3 * 64 * 64 * 4
+    for cached, kept in ((2 * one, 2), (0, 1), (100 * one, 8)):
+        images = ImageAttention(*loaded, limits=Limits(cached_bytes=cached))
+        ids = [images.add_image(png_bytes((96 + i, 64)))["image_id"] for i in range(10)]
+        assert [images.has_image(i) for i in ids] == [False] * (10 - kept) + [True] * kept
+
+
+def test_loopback_addresses_are_local():
+    """`--host 127.0.0.2` warned it was reachable from other machines."""
+    from cgavit.explorer.guard import is_loopback
+
+    assert all(map(is_loopback, ("127.0.0.1", "127.0.0.2", "localhost", "LocalHost", "::1", "[::1]")))
+    assert not any(map(is_loopback, ("0.0.0.0", "", "::", "192.168.1.2", "example.org")))
+
+
 def test_random_model_says_so(server):
     status, info = get_json(server, "/api/model")
     assert status == 200 and "randomly initialised efficientvit_m0" in info["about"]

@@ -255,9 +255,10 @@ def test_big_jpeg_decodes_at_a_reduced_scale(images):
     # a phone photo stored sideways (EXIF orientation 6): the size as it is shown, upright (it gave the stored one)
     exif = Image.Exif()
     exif[0x0112] = 6
-    buf = io.BytesIO()
-    Image.new("RGB", (300, 200), (10, 120, 200)).save(buf, format="JPEG", exif=exif)
-    assert local.add_image(buf.getvalue())["original_size"] == [300, 200]
+    for fmt in ("JPEG", "PNG", "WEBP"):  # a PNG's or WebP's was turned for the view, its size not
+        buf = io.BytesIO()
+        Image.new("RGB", (300, 200), (10, 120, 200)).save(buf, format=fmt, exif=exif)
+        assert local.add_image(buf.getvalue())["original_size"] == [300, 200], fmt
 
 
 @pytest.mark.parametrize(
@@ -509,7 +510,12 @@ def test_allowed_and_wildcard_hosts(images):
         assert raw(srv, f"GET /api/model HTTP/1.1\r\nHost: other.lan:{port}\r\n\r\n".encode())[0] == 403
     check = HostCheck.for_address("0.0.0.0", 8765)
     check.check_host("192.168.1.20:8765", "HTTP/1.1")  # any IP address: it cannot be rebound
-    check.check_origin("http://192.168.1.20:8765")
+    check.check_origin("http://192.168.1.20:8765", "192.168.1.20:8765")
+    for origin in ("http://8.8.8.8:8765", "http://[2001:db8::1]:8765"):  # a page elsewhere: any IP was accepted
+        with pytest.raises(Refused):
+            check.check_origin(origin, "192.168.1.20:8765")
+        with pytest.raises(Refused):
+            check.check_origin(origin)
     with pytest.raises(Refused):
         check.check_host("attacker.example:8765", "HTTP/1.1")
 

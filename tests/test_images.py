@@ -133,5 +133,6 @@ def test_a_file_is_read_upright_as_the_explorer_reads_an_upload(tmp_path, fmt):
     assert read.size == upright.size  # 32 x 24, as shown, not 24 x 32 as stored
     if fmt == "PNG":  # lossless: the very picture
         assert np.array_equal(np.asarray(read), np.asarray(upright.convert("RGB")))
-    seen = model_view(open_upload(path.read_bytes(), 32)[0], (16, 16))
+    seen, turned = model_view(open_upload(path.read_bytes(), 32)[0], (16, 16))
+    assert turned
     assert np.array_equal(np.asarray(seen), np.asarray(ImageOps.fit(read, (16, 16), Image.Resampling.BICUBIC)))

@@ -7,7 +7,7 @@ import errno
 from pathlib import Path
 
 from ..explorer import ImageAttention, build_model, make_server
-from ..explorer.guard import LOCAL_NAMES, split_host
+from ..explorer.guard import is_loopback, split_host
 from . import Terminated
 from .common import add_dial_args, dials_from_args, image_size
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({err.strerror or err}); {fix}") from None
     print(f"CGA Explorer: {server.url}", flush=True)
     print(f"image panel model: {loaded.about}", flush=True)
-    if args.host not in LOCAL_NAMES:
+    if not is_loopback(args.host):
         print(f"warning: listening on {args.host or 'every interface'}, reachable from other machines", flush=True)
     print("press Ctrl-C to stop", flush=True)
     try:

@@ -8,8 +8,9 @@ stop it from reading or uploading anything:
   attacker's own name is pointed at ``127.0.0.1`` so the browser treats the server as that site.
   Behind a wildcard bind (``0.0.0.0``, ``::``) any IP address is accepted too (an IP address
   cannot be rebound), but no other name.
-* ``Origin``, when the browser sends one, must be ``http://`` plus such a host: a cross-site
-  ``fetch`` or form post carries the other site's origin and is refused.
+* ``Origin``, when the browser sends one, must be ``http://`` plus such a host, an IP address
+  only if it is the one the request was sent to: a cross-site ``fetch`` or form post carries the
+  other site's origin and is refused, one from a page at another IP address too.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ def _is_ip(name: str) -> bool:
     return True
 
 
-def _is_loopback(name: str) -> bool:
-    return _is_ip(name) and ipaddress.ip_address(name).is_loopback
+def is_loopback(name: str) -> bool:
+    """Whether a host name or address (IPv6 with or without brackets) reaches this machine only:
+    ``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``)."""
+    name = name.lower().strip("[]")
+    return name == "localhost" or (_is_ip(name) and ipaddress.ip_address(name).is_loopback)
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class HostCheck:
     def _names_this_server(self, name: str, port: int | None) -> bool:
         if (80 if port is None else port) != self.port:
             return False
-        return name in self.names or _is_loopback(name) or (self.any_ip and _is_ip(name))
+        return name in self.names or is_loopback(name) or (self.any_ip and _is_ip(name))
 
     def check_host(self, header: str | None, version: str) -> None:
         """Accept a request's ``Host`` header, or say why not.
@@ -106,11 +110,18 @@ class HostCheck:
                 "(or start cgavit explore with --allow-host NAME for a name of this machine)"
             )
 
-    def check_origin(self, header: str | None) -> None:
+    def check_origin(self, header: str | None, host: str | None = None) -> None:
         """Accept a request's ``Origin`` header (none: not a cross-site browser request), or refuse it.
 
+        Args:
+            header: the ``Origin`` header.
+            host: the request's ``Host`` (checked by :meth:`check_host`). The origin must be a name of
+                :attr:`names` or a loopback address, or, behind a wildcard bind, the very address the request
+                was sent to: not any IP address.
+
         Raises:
-            Refused: any origin but ``http://`` plus this server's host and port ("null" included).
+            Refused: any origin but ``http://`` plus this server's host and port ("null" included): behind a
+                wildcard bind, a page at another IP address than the one the request was sent to.
         """
         if header is None:
             return
@@ -119,5 +130,13 @@ class HostCheck:
             name, port = split_host(rest)
         except ValueError:
             name = port = None
-        if not (sep and scheme.lower() == "http" and name is not None and self._names_this_server(name, port)):
+        ok = bool(sep) and scheme.lower() == "http" and name is not None and self._names_this_server(name, port)
+        if ok and not (name in self.names or is_loopback(name)):  # an IP address behind a wildcard bind
+            ok = host is not None and _same_place(name, port, *split_host(host))
+        if not ok:
             raise Refused(f"cross-origin request from {header[:100]!r} refused: the explorer answers only its own page")
+
+
+def _same_place(name: str, port: int | None, other_name: str, other_port: int | None) -> bool:
+    """Whether two ``(host, port)`` pairs, ports defaulting to 80, name the same place."""
+    return (name, 80 if port is None else port) == (other_name, 80 if other_port is None else other_port)

@@ -33,22 +33,6 @@ from .limits import MAX_UPLOAD_BYTES, Budget, Limits
 from .uploads import model_view, open_upload
 
 
-#: The EXIF tag of a photo's orientation (5-8: stored turned by a quarter).
-ORIENTATION = 0x0112
-
-
-def _turned(img) -> bool:
-    """Whether a photo's EXIF orientation shows it turned by a quarter (a damaged EXIF block: no; the body is
-    checked when it is decoded). JPEG only (a camera's format), whose EXIF is in its header: a PNG's may follow
-    its pixels, and Pillow decodes them all to find it, outside the explorer's pixel budget."""
-    if img.format not in ("JPEG", "MPO"):
-        return False
-    try:
-        return img.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
-    except Exception:  # Pillow raises many types for damaged metadata
-        return False
-
-
 def _blocks(model: EfficientViT) -> list[tuple[int, int, LocalWindowAttention]]:
     return [
         (i, j, block.mixer.m)
@@ -71,9 +55,10 @@ class ImageAttention:
         about: one sentence on where the weights came from, shown on the page.
         info: how images are fed to it: the normalisation (``mean``, ``std``) and resize ``interpolation`` its
             checkpoint records (:func:`~cgavit.load_model`). Default: ImageNet's, bicubic.
-        cache_size: images kept. Default 8.
-        limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``). Default
-            :class:`~cgavit.explorer.limits.Limits`.
+        cache_size: images kept, at most: fewer when they would take more than ``limits.cached_bytes``
+            (large ``img_size``), at least one. Default 8.
+        limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``) and the cache's bytes
+            (``cached_bytes``). Default :class:`~cgavit.explorer.limits.Limits`.
     """
 
     def __init__(self, model: EfficientViT, about: str, info: ModelInfo | None = None, cache_size: int = 8,
@@ -91,7 +76,8 @@ class ImageAttention:
         )
         self._blocks = _blocks(model)
         self._images: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._cache_size = cache_size
+        one_image = 3 * self.img_size[0] * self.img_size[1] * 4  # a normalised float32 input
+        self._cache_size = max(1, min(cache_size, self.limits.cached_bytes // one_image))
         self._lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
@@ -136,10 +122,10 @@ class ImageAttention:
         """
         H, W = self.img_size
         img, orig = open_upload(data, max(H, W))
-        if _turned(img):  # shown turned a quarter: the size as the user sees it
-            orig = (orig[1], orig[0])
         with img, self.pixels.reserve(img.width * img.height, self.limits.budget_wait):
-            view = self._decoder.submit(model_view, img, (W, H), self.feed.interpolation).result()
+            view, turned = self._decoder.submit(model_view, img, (W, H), self.feed.interpolation).result()
+        if turned:  # shown turned a quarter: the size as the user sees it
+            orig = (orig[1], orig[0])
         arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]  # (1, 3, H, W)
         image_id = hashlib.sha256(data).hexdigest()[:16]
         with self._lock:

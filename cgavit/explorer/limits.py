@@ -54,6 +54,8 @@ class Limits:
         decoded_pixels: pixels being decoded at once, over all uploads. Default 2 maximal images.
         budget_wait: seconds an upload waits for room in the two budgets above before a 503.
             Default 5.
+        cached_bytes: the preprocessed uploads kept for later requests, in bytes (the last one always
+            kept, whatever its size). Default 256 MiB: eight images at 224 px take 5 MB, one at 4096 px 201 MB.
     """
 
     max_connections: int = 64
@@ -64,10 +66,13 @@ class Limits:
     upload_bytes: int = 4 * MAX_UPLOAD_BYTES
     decoded_pixels: int = 2 * MAX_UPLOAD_PIXELS
     budget_wait: float = 5.0
+    cached_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.listen_queue < 1:
             raise ValueError("max_connections and listen_queue must be at least 1")
+        if self.cached_bytes < 0:
+            raise ValueError("cached_bytes must be >= 0")
         if min(self.connection_wait, self.budget_wait) < 0 or min(self.idle_timeout, self.request_timeout) <= 0:
             raise ValueError("waits must be >= 0 seconds and timeouts > 0 seconds")
         if self.upload_bytes < MAX_UPLOAD_BYTES or self.decoded_pixels < MAX_UPLOAD_PIXELS:

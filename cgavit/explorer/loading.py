@@ -8,6 +8,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from ..factory import ModelInfo, create_model, load_model
 from ..imagenet import class_names
 from ..model import EfficientViT
@@ -36,26 +38,33 @@ def build_model(
     A checkpoint is rebuilt by :func:`cgavit.load_model`: a cgavit file from the architecture it
     records, an official or timm file as ``model_name`` (with ``dials``); images are then normalised
     and resized as the checkpoint records (its ``ModelInfo``). Without a checkpoint the model is a
-    randomly initialised ``model_name`` (default ``efficientvit_m0``), with BatchNorm statistics and
-    bias tables randomised (seed 0), fed as ImageNet models are. ``img_size`` (default: the size a
+    randomly initialised ``model_name`` (default ``efficientvit_m0``), its weights drawn, BatchNorm
+    statistics and bias tables randomised with seed 0 (the same model at every start), fed as ImageNet
+    models are. ``img_size`` (default: the size a
     checkpoint records, else 224) is the side images are resized to; a checkpoint built for another
     size gets its bias tables resized.
 
     Raises:
-        ValueError: unknown model, impossible dials, or an unusable checkpoint (``CheckpointError``).
+        ValueError: unknown model, impossible dials, an unusable checkpoint (``CheckpointError``), or one of
+            another number of input channels than 3.
     """
     if checkpoint is None:
         model_name = model_name or "efficientvit_m0"
-        model = create_model(model_name, img_size=img_size or 224, **dials)
+        with torch.random.fork_rng(devices=[]):  # the same weights at every start, the caller's generator untouched
+            torch.manual_seed(0)
+            model = create_model(model_name, img_size=img_size or 224, **dials)
         randomize_(model, 0)
         about = (
-            f"a randomly initialised {model_name} (no --checkpoint given; BatchNorm statistics and "
-            "bias tables randomised with seed 0). Its maps show how the mechanism mixes tokens, "
+            f"a randomly initialised {model_name} (no --checkpoint given; weights, BatchNorm statistics and "
+            "bias tables drawn with seed 0). Its maps show how the mechanism mixes tokens, "
             "not what a trained network looks at."
         )
         info = ModelInfo(class_names(model.num_classes), img_size=model.img_size[0], source=about)
         return ExplorerModel(model.eval(), about, info)
     model, info = load_model(checkpoint, model_name, dials or None, img_size=img_size, trust=trust)
+    if model.in_chans != 3:
+        raise ValueError(f"{checkpoint} is a model of {model.in_chans} input channel{'s' if model.in_chans != 1 else ''}; "
+                         "the explorer shows what a model sees of an RGB image, so it takes 3-channel models only")
     return ExplorerModel(model, f"checkpoint {Path(checkpoint).name} loaded into {_architecture(model)}.", info)
 
 

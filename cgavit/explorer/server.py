@@ -341,7 +341,7 @@ class ExplorerHandler(BaseHTTPRequestHandler):
                 host, self.path = _absolute_form(self.path)
             self.server.hosts.check_host(host, self.request_version)
             for origin in self.headers.get_all("Origin", []):
-                self.server.hosts.check_origin(origin)
+                self.server.hosts.check_origin(origin, host)
         except Refused as err:
             self.send_error(HTTPStatus.FORBIDDEN, str(err))
             return False
@@ -377,7 +377,13 @@ class ExplorerHandler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, payload: dict, status: int = HTTPStatus.OK) -> None:
-        self._send(status, json.dumps(payload, allow_nan=False).encode(), "application/json")
+        try:
+            body = json.dumps(payload, allow_nan=False)
+        except ValueError:  # the model's, not the request's: a 500, and in the log (it was a 400 naming JSON)
+            log.error("explorer request %s: the model gave values that are not finite", printable(self.path[:200]))
+            raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "the model gave values that are not finite (NaN or inf) for "
+                           "this request: its weights overflow in float32; check the checkpoint") from None
+        self._send(status, body.encode(), "application/json")
 
     def _error(self, status: int, message: str, extra: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps({"error": message}).encode(), "application/json", extra)

@@ -45,12 +45,17 @@ def open_upload(data: bytes, cover: int) -> tuple[Image.Image, tuple[int, int]]:
 RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR, "nearest": Image.Resampling.NEAREST}
 
 
-def model_view(img: Image.Image, size: tuple[int, int], interpolation: str = "bicubic") -> Image.Image:
+def model_view(img: Image.Image, size: tuple[int, int], interpolation: str = "bicubic") -> tuple[Image.Image, bool]:
     """Decode ``img`` (EXIF orientation applied, RGB), resize its short side to cover ``size``
     ``(W, H)`` (with ``interpolation``, one of :data:`RESAMPLE`) and crop the centre.
+
+    Returns:
+        ``(view, turned)``: the model's view, and whether the EXIF orientation turned the picture a quarter
+        (its sides as shown are then the header's swapped), in any format that carries one.
 
     Raises:
         BadImageError: the file breaks while decoding (a truncated or corrupt body surfaces only now).
     """
+    stored = img.size
     rgb = decode(img, UPLOAD_NAME, exif_transpose=True)
-    return ImageOps.fit(rgb, size, RESAMPLE[interpolation])
+    return ImageOps.fit(rgb, size, RESAMPLE[interpolation]), rgb.size != stored
