@@ -78,28 +78,24 @@ def check_coco(
 ) -> CocoCheck:
     """Read and check a COCO instances file against its image folder.
 
-    Errors (raised together in one :class:`~cgavit.io.DataError` that names every offending entry by
-    its id and field): unreadable or malformed JSON; image entries without an integer ``id``, a
-    ``file_name``, or with a ``width``/``height`` that is not a positive integer or exceeds
-    :data:`~.schema.MAX_IMAGE_PIXELS`; categories without an integer ``id``, or whose ``name`` is not
-    printable text of 1 to :data:`~.schema.MAX_NAME_LENGTH` characters (names are printed, and a
-    checkpoint with such a name could not be loaded); duplicate ids; image
-    files missing from ``image_dir`` or not readable; annotations whose ``image_id`` is not an image,
-    whose ``category_id`` is not a category, whose ``bbox`` is not four finite numbers, whose
-    ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; image entries whose ``width``/``height``
-    are not the size their file's header declares; and with ``require_masks``, annotations without a
-    usable ``segmentation`` (polygons inside the image's reach, run-length masks of exactly the
-    image's size). An image entry without ``width``/``height`` gets those its file's header
-    declares (each file's header is read; no pixel is decoded).
+    Errors (raised together in one :class:`~cgavit.io.DataError` that names every offending entry by its id
+    and field): unreadable or malformed JSON; image entries without an integer ``id``, a ``file_name``, or
+    with a ``width``/``height`` that is not a positive integer, exceeds :data:`~.schema.MAX_IMAGE_PIXELS` or
+    is not the size its file's header declares; categories without an integer ``id``, or whose ``name`` is
+    not printable text of 1 to :data:`~.schema.MAX_NAME_LENGTH` characters (names are printed, and stored in
+    checkpoints); duplicate ids; image files missing from ``image_dir`` or not readable; annotations whose
+    ``image_id`` is not an image, whose ``category_id`` is not a category, whose ``bbox`` is not four finite
+    numbers, whose ``iscrowd`` is not 0/1 or ``area`` not a number >= 0; and with ``require_masks``,
+    annotations without a usable ``segmentation`` (polygons inside the image's reach, run-length masks of
+    exactly the image's size). An entry without ``width``/``height`` gets its file's (no pixel is decoded).
 
     Degenerate boxes (width or height <= 0, or none left as the detectors take them,
     :func:`~.coco.xyxy_boxes`), with ``require_masks`` segmentations that cover no pixel of the image
-    (crowd regions included), and with ``resize`` images the detectors cannot take (their resize leaves a side of 0, or
-    their padded batch is under 32 px a side)
-    (with their annotations) are dropped with one warning listing them all; a file left without
-    annotations is trained on with a warning. With ``strict=True`` both are errors. A polygon of an
-    odd count of numbers is an error. Without ``require_masks`` (RetinaNet) ``segmentation`` is never
-    read or checked.
+    (crowd regions included), and with ``resize`` images the detectors cannot take (a side of 0 after the
+    resize, or under 32 px once padded) with their annotations are dropped with one warning listing them
+    all; a file left without annotations is trained on with a warning. With ``strict=True`` both are
+    errors. A polygon of an odd count of numbers is an error. Without ``require_masks`` (RetinaNet)
+    ``segmentation`` is never read or checked.
 
     Args:
         ann_file: instances JSON.
