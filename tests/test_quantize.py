@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -41,7 +42,7 @@ from cgavit.deploy.agreement import NOISE_GREY_LEVELS, compare_logits, noise_flo
 from cgavit.deploy.int8 import reduced_weight_range
 from cgavit.deploy.onnx import onnxruntime_available
 from cgavit.deploy.openvino import openvino_available
-from cgavit.deploy.quantize import split_holdout
+from cgavit.deploy.quantize import check_held_out, quant_runtimes, split_holdout
 from cgavit.deploy.qat import QatConfig, qat_available, qat_finetune, qat_onnx
 from cgavit.deploy import fastpath
 from cgavit.deploy.fusion import export_form
@@ -58,6 +59,7 @@ from test_precision import EPYC_AVX2, XEON_AMX, features, scrambled
 
 pytestmark = pytest.mark.skipif(not onnxruntime_available(), reason="quantize needs pip install 'cgavit[deploy]'")
 QUICK = dict(runtime="onnxruntime", warmup=0, repeats=1, sensitivity=False)
+quantize_mod = importlib.import_module("cgavit.deploy.quantize")  # the module: cgavit.deploy.quantize is its function
 QUICK_ASSESS = dict(runtime="onnxruntime", warmup=0, repeats=1)
 #: OpenVINO's builds without bias correction (NNCF's slowest step, about 12 s a build on the digits model), for tests
 #: that check the search, the report or the file rather than how close int8 comes to fp32
@@ -910,7 +912,12 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
              (["--qat", "--qat-lr", "nan"], "finite --qat-lr"), (["--qat", "--qat-images", "-5"], "--qat-images"),
              # accepted and ignored before
              (["--bias-correction", "none"], "--bias-correction is OpenVINO's"),
-             (["--epochs", "5", "--qat-lr", "1e-4"], "--epochs, --qat-lr are read by --qat alone")]
+             (["--epochs", "5", "--qat-lr", "1e-4"], "--epochs, --qat-lr are read by --qat alone"),
+             (["--qat-lr", "1e-5"], "--qat-lr is read by --qat alone"),  # its default, given: was taken and ignored
+             (["--img-size", "20"], "--img-size must be at least 32, got 20"),
+             (["--repeats", "0"], "--repeats must be at least 1, got 0")]
+    if qat_available():  # more than the split holds was cut to what it holds
+        cases.append((["--qat", "--qat-images", "5000"], "fewer than --qat-images 5000"))
     (tmp_path / "in" / "q.quantize.md").mkdir(parents=True)  # a folder where the report would go
     for extra, message in cases:
         assert main(base + extra) == 2, extra
@@ -932,7 +939,7 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
         assert "does not record its architecture; name its variant (--model NAME" in capsys.readouterr().err
         assert main([*base[:2], str(plain), *base[3:], "--model", "efficientvit_m0", "--eval-images", "1"]) == 2
         assert "leaves a part empty" in capsys.readouterr().err  # loaded, and judged as far as the images
-    monkeypatch.setattr(quantize_cli, "openvino_available", lambda: False)
+    monkeypatch.setattr(quantize_mod, "openvino_available", lambda: False)
     assert main(base[:-2] + ["--runtime", "openvino"]) == 2
     assert "pip install 'cgavit[openvino]'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "renamed", "wrong"]  # nothing half-written
@@ -1181,6 +1188,84 @@ def test_evaluation_images_that_are_calibration_images_by_another_name_are_refus
     err = capsys.readouterr().err
     assert code == 2 and "of the evaluation images are calibration images too, under another name" in err, err
     assert not list(tmp_path.glob("q*"))
+
+
+def test_a_copy_of_an_evaluation_image_among_the_training_images_is_named(trained_digits, tmp_path, capsys):
+    """The refusal said how many evaluation images were calibration images too, never which."""
+    data = tmp_path / "copy"
+    for split, count in (("train", 4), ("val", 6)):
+        for folder in sorted((trained_digits.data / split).iterdir()):
+            (data / split / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:count]:
+                (data / split / folder.name / image.name).symlink_to(image)
+    val_image = sorted((data / "val" / "6").iterdir())[0]
+    (data / "train" / "6" / "copy.png").write_bytes(val_image.read_bytes())
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(data), "--runtime",
+                 "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "41"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"1 of the 60 evaluation images are calibration images too, e.g. {val_image} is " in err, err
+    assert "copy.png" in err and not list(tmp_path.glob("q*"))
+
+
+def test_what_quantize_needs_is_said_before_any_work(trained_digits, tmp_path, capsys, monkeypatch):
+    """torchao missing was said after the whole post-training search, onnx missing as a disk problem in a temporary
+    folder, a runtime that is installed but fails to import as a traceback (after ONNX Runtime's whole search when not
+    asked for), and a checkpoint that records no size ran at 224 px with no way to give another."""
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--output", str(tmp_path / "q"), "--runtime", "onnxruntime"]
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    with monkeypatch.context() as m:
+        m.setattr(quantize_cli, "qat_available", lambda: False)
+        m.setattr(quantize_cli, "load_model", loaded)
+        assert main(base + ["--qat"]) == 2
+        assert "--qat needs torchao" in capsys.readouterr().err
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "onnx", None)  # not installed
+        with pytest.raises(ValueError, match=r"quantize needs onnx .*onnx is not installed; pip install 'cgavit\[deploy\]'"):
+            quant_runtimes("onnxruntime")
+    broken = tmp_path / "broken"
+    for name in ("openvino", "nncf"):
+        (broken / name).mkdir(parents=True)
+        (broken / name / "__init__.py").write_text("raise ImportError('libopenvino.so.2500: cannot open shared object file')\n")
+    with monkeypatch.context() as m:
+        m.syspath_prepend(str(broken))
+        for name in ("openvino", "nncf"):
+            m.delitem(sys.modules, name, raising=False)
+        with pytest.raises(ValueError, match="runtime openvino cannot be used: openvino is installed but cannot be imported"):
+            quant_runtimes("openvino")
+        assert quant_runtimes(None) == ["onnxruntime"]
+    plain = tmp_path / "sd.pt"  # a bare state dict records no size: --img-size builds and feeds it at the one given
+    torch.save(trained_digits.model.state_dict(), plain)
+    sizes = []
+
+    def images(root, train, val, info, *args, **kwargs):
+        sizes.append(info.img_size)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(quantize_cli, "calibration_and_evaluation", images)
+    dials = ["--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2,2,2", "--kernels", "5,5"]
+    assert main([*base[:2], str(plain), *base[3:], "--model", "efficientvit_m0", "--img-size", "48", *dials]) == 2
+    assert sizes == [48], capsys.readouterr().err
+
+
+@pytest.mark.skipif(not qat_available(), reason="needs torchao (cgavit[qat])")
+def test_qat_takes_one_training_image_and_none_it_is_judged_on(trained_digits):
+    """One training image was a torch.export traceback (the batch fixed at 1), after the whole search; and the
+    fine-tuning images were never checked against the evaluation ones."""
+    from cgavit.deploy import quantize_aware
+
+    calib = torch.cat(trained_digits.calibration(16))
+    graph = qat_finetune(trained_digits.model, calib[:1], reduce_range=True, config=QatConfig(epochs=1, batch_size=1))
+    assert graph(calib[:3]).shape == (3, 10)
+    with pytest.raises(ValueError, match="1 of the 40 evaluation images are training images too"):
+        quantize_aware(trained_digits.model, calib, torch.cat([calib, trained_digits.images[5:6]]),
+                       trained_digits.images[:40], labels=trained_digits.labels[:40], config=QatConfig(epochs=0),
+                       **QUICK_ASSESS)
+    with pytest.raises(ValueError, match="2 of the 4 evaluation images are calibration images too"):
+        check_held_out(calib, torch.cat([calib[3:5], trained_digits.images[:2]]), "calibration")
 
 
 def test_info_that_does_not_fit_the_model_or_the_images_is_refused_before_the_search(trained_digits, tmp_path):

@@ -14,7 +14,7 @@ import logging
 import math
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bench.optional import matplotlib_agg
@@ -24,19 +24,20 @@ from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, ope
 from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
-from ..deploy.openvino import openvino_available
-from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes
+from ..deploy.qat import qat_available
+from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes, shared_images
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import atomic_write, replace_together, staging, write_json, write_text
-from .common import add_dial_args, dials_from_args
+from .common import add_dial_args, dials_from_args, image_size
 
 log = logging.getLogger(__name__)
 
 #: Below this speed-up over fp32 ONNX Runtime the command says that int8 gains nothing here.
 NO_GAIN = 1.1
 
-#: The options read by ``--qat`` alone, and their defaults (given without ``--qat``, they are refused).
+#: The options read by ``--qat`` alone, and their defaults (given without ``--qat``, even at these values, they are
+#: refused: the parser's default is None).
 QAT_DEFAULTS = dict(epochs=2, qat_images=0, qat_lr=1e-5, qat_batch=64, qat_float_layers=1)
 
 #: The runtime each output suffix implies.
@@ -126,7 +127,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
     Raises:
         ValueError: not a file name (empty, ``.``, ``..``, a trailing ``/``, an existing folder), a missing or
             unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, one of the
-            files to write is a folder, or OpenVINO asked for and not installed.
+            files to write is a folder, or a runtime asked for (ONNX Runtime always) missing or broken.
     """
     out = file_name(args.output, "q/digits_int8 (.onnx or .xml is added)")
     implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
@@ -136,9 +137,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
     if not implied and out.suffix.lower() in WRITTEN_SUFFIXES:
         raise ValueError(f"--output {out.name} names another kind of file; give NAME, NAME.onnx or NAME.xml")
     runtime = args.runtime or implied
-    if runtime == "openvino" and not openvino_available():
-        raise ValueError("--runtime openvino is not installed: pip install 'cgavit[openvino]'")
-    quant_runtimes(runtime)  # ONNX Runtime missing: said before any image is read
+    quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read
     outputs = Outputs(out.with_suffix("") if implied else out)
     folders = [p for p in outputs.all() if p.is_dir()]
     if folders:
@@ -159,11 +158,14 @@ def checked_numbers(args: argparse.Namespace) -> None:
         ValueError: a value out of range.
     """
     check_threads(args.threads)
-    if min(args.calibration_images, args.repeats) < 1 \
-            or min(args.eval_images, args.warmup, args.qat_float_layers) < 0 \
-            or (args.max_float_layers is not None and args.max_float_layers < 0):
-        raise ValueError("--calibration-images and --repeats must be at least 1, --eval-images, --warmup, "
-                         "--qat-float-layers and --max-float-layers at least 0")
+    for flag, value, least in (("--calibration-images", args.calibration_images, 1), ("--repeats", args.repeats, 1),
+                               ("--eval-images", args.eval_images, 0), ("--warmup", args.warmup, 0),
+                               ("--qat-float-layers", args.qat_float_layers, 0), ("--img-size", args.img_size, 32),
+                               ("--max-float-layers", args.max_float_layers, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.img_size is not None:
+        image_size(args.img_size)
     if not 0 <= args.holdout < 1:
         raise ValueError(f"--holdout is the share of the evaluation images held out of the search, in [0, 1), e.g. "
                          f"0.5 (0: none); got {args.holdout:g}")
@@ -174,8 +176,16 @@ def checked_numbers(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    qat_only = [f"--{key.replace('_', '-')}" for key in QAT_DEFAULTS if getattr(args, key) is not None]
+    if qat_only and not args.qat:
+        raise ValueError(f"{', '.join(qat_only)} {'is' if len(qat_only) == 1 else 'are'} read by --qat alone; add it, "
+                         "or leave them out")
+    for key, default in QAT_DEFAULTS.items():
+        setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
     target = checked_target(args)
     checked_numbers(args)
+    if args.qat and not qat_available():  # said before the post-training search, not after it
+        raise ValueError("--qat needs torchao (PT2E quantisation-aware training): pip install 'cgavit[qat]'")
     outputs, runtime = checked_outputs(args)
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
     if runtime == "onnxruntime" and args.float_part != "auto":
@@ -184,14 +194,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--weights is ONNX Runtime's weight type; drop it, or use --runtime onnxruntime")
     if runtime == "onnxruntime" and args.bias_correction != "full":
         raise ValueError("--bias-correction is OpenVINO's (NNCF's); drop it, or use --runtime openvino")
-    qat_only = [f"--{key.replace('_', '-')}" for key, default in QAT_DEFAULTS.items() if getattr(args, key) != default]
-    if qat_only and not args.qat:
-        raise ValueError(f"{', '.join(qat_only)} {'is' if len(qat_only) == 1 else 'are'} read by --qat alone; add it, "
-                         "or leave them out")
-    model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, trust=args.trust_checkpoint)
+    model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
+                             trust=args.trust_checkpoint)
+    info = replace(info, img_size=args.img_size or info.img_size)
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
                                                   all_calibration_images=True)
+    check_held_out_files(calib, evaluated, "calibration")
+    train = qat_images(args, info, evaluated) if args.qat else None
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
           f"{evaluated.source} ({args.holdout:g} of them held out of the search); target: {target.describe()}")
@@ -201,26 +211,65 @@ def run(args: argparse.Namespace) -> int:
                       profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
                       holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
                       threads=args.threads, warmup=args.warmup, repeats=args.repeats)
-    if args.qat and not (result.meets_target and not result.float_layers):
-        result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
+    if args.qat and not (result.meets_target and set(result.float_layers) <= _no_faster(result)):
+        result = qat_result(args, model, info, (calib, train, evaluated), target, runtime, result, options)
     elif args.qat:
-        print("--qat: post-training int8 already meets the target with every layer int8; no fine-tuning needed")
+        print("--qat: post-training int8 already meets the target with every layer int8 that int8 makes faster; "
+              "no fine-tuning needed")
     return write_outputs(result, outputs)
 
 
-def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
-               target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
+def _no_faster(result: QuantizeResult) -> set[str]:
+    """The layers the answer's runtime runs no faster in int8 (kept float for speed, not for its decisions)."""
+    return {s.layer for s in result.no_faster.get(result.runtime, [])}
+
+
+def check_held_out_files(part: LabelledImages, evaluated: LabelledImages, role: str) -> None:
+    """Refuse evaluation images that are, bit for bit, ``role`` images too (a copy under another name), naming a
+    pair of files; the library refuses them as well, but knows no files.
+
+    Raises:
+        ValueError: how many, and the first pair.
+    """
+    shared = shared_images(part.images, evaluated.images)
+    if shared:
+        i, j = shared[0]
+        raise ValueError(f"{len(shared)} of the {len(evaluated.images)} evaluation images are {role} images too, e.g. "
+                         f"{evaluated.files[j]} is {part.files[i]}: int8 judged on its own {role} images says nothing "
+                         "about other images; remove the copies from one of the folders")
+
+
+def qat_images(args: argparse.Namespace, info: ModelInfo, evaluated: LabelledImages) -> LabelledImages:
+    """``--qat``'s training images, loaded and checked before the post-training search (none in common with the
+    evaluation images, as many as ``--qat-images`` asks).
+
+    Raises:
+        ValueError: fewer images than asked, or evaluation images among them.
+    """
+    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
+    if args.qat_images and len(train.images) < args.qat_images:
+        raise ValueError(f"{train.source} holds {len(train.images)} images, fewer than --qat-images {args.qat_images}; "
+                         "give at most that many, or 0 for all")
+    check_held_out_files(train, evaluated, "training")
+    return train
+
+
+def qat_result(args: argparse.Namespace, model, info: ModelInfo,
+               images: tuple[LabelledImages, LabelledImages, LabelledImages], target: QuantizeTarget,
+               runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
     """Fine-tune with fake quantisation on DIR/train (in float: the layers ONNX Runtime's int8 did not make
     faster, and the ``--qat-float-layers`` most sensitive others of the post-training search), write the
     int8 file with the learnt ranges and judge it like the post-training builds; the faster result that
-    meets the target (else the one that keeps more decisions)."""
-    calib, evaluated = images
-    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
+    meets the target (else the one that keeps more decisions). ``images``: calibration, training and evaluation."""
+    calib, train, evaluated = images
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
     slow = ptq.no_faster.get("onnxruntime", [])
     free = [s.layer for s in slow]
     ranked = ptq.sensitivity.get("onnxruntime") or next(iter(ptq.sensitivity.values()), [])  # the file is ONNX
     sensitive = [s.layer for s in ranked if s.layer not in free][:args.qat_float_layers]
+    if args.qat_float_layers and not ranked:
+        print("--qat: the post-training search measured no per-layer sensitivity (--skip-sensitivity, and its start met "
+              "the target), so --qat-float-layers keeps no sensitive layer in float")
     keep = free + sensitive
     kinds = [f"{', '.join(names)} ({why})" for names, why in ((free, "no faster in int8"),
                                                                  (sensitive, "the most sensitive")) if names]
@@ -357,6 +406,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="variant name, e.g. efficientvit_m0, for a file that does not record its network "
                    "(with the dials below if it was trained with changed ones); a check for one that does")
     p.add_argument("--data", required=True, help="image folder: calibration on DIR/train, judged on DIR/val")
+    p.add_argument("--img-size", type=int, metavar="N", help="input size N, which the network is built for and the images "
+                   "are resized to (default: the checkpoint's, else 224: give it for a file that records none, trained "
+                   "at another size)")
     p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml, in a "
                    "folder that exists; a run replaces the NAME.* files it writes, and its answer also the other "
                    "runtime's answer of an earlier run under NAME (NAME.quantize.json says so), never another file; "
@@ -398,12 +450,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-sensitivity", action="store_true",
                    help="measure the per-layer sensitivity only when layers must be kept in float (faster)")
     p.add_argument("--qat", action="store_true", help="also fine-tune with fake quantisation (torch PT2E QAT, needs cgavit[qat]), distilled from fp32")
-    p.add_argument("--epochs", type=int, default=QAT_DEFAULTS["epochs"], help="--qat: epochs of fine-tuning (default 2)")
-    p.add_argument("--qat-images", type=int, default=QAT_DEFAULTS["qat_images"],
-                   help="--qat: training images (default 0: all of DIR/train)")
-    p.add_argument("--qat-lr", type=float, default=QAT_DEFAULTS["qat_lr"], help="--qat: learning rate (default 1e-5)")
-    p.add_argument("--qat-batch", type=int, default=QAT_DEFAULTS["qat_batch"], help="--qat: batch size (default 64)")
-    p.add_argument("--qat-float-layers", type=int, default=QAT_DEFAULTS["qat_float_layers"], metavar="K",
+    p.add_argument("--epochs", type=int, help="--qat: epochs of fine-tuning (default 2)")
+    p.add_argument("--qat-images", type=int, help="--qat: training images (default 0: all of DIR/train; more than it "
+                   "holds is refused)")
+    p.add_argument("--qat-lr", type=float, help="--qat: learning rate (default 1e-5)")
+    p.add_argument("--qat-batch", type=int, help="--qat: batch size (default 64)")
+    p.add_argument("--qat-float-layers", type=int, metavar="K",
                    help="--qat: keep the K most sensitive layers of the post-training search in float (default 1; "
                         "0: every layer int8); the layers int8 makes no faster stay float as well")
     p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")

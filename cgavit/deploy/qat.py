@@ -48,7 +48,7 @@ from .fusion import export_form, fuse
 from .int8 import Int8Options
 from .metadata import ExportInfo, export_info
 from .onnx import with_onnx_metadata
-from .quantize import QuantizeResult, QuantizeTarget, assess
+from .quantize import QuantizeResult, QuantizeTarget, assess, check_held_out
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,8 @@ def qat_finetune(
     batch = torch.export.Dim("batch", min=1, max=1 << 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = torch.export.export(student, (images[:2],), dynamic_shapes=({0: batch},)).module()
+        example = images[:2] if len(images) > 1 else images.expand(2, -1, -1, -1)  # a batch of 1 would fix the batch size
+        graph = torch.export.export(student, (example,), dynamic_shapes=({0: batch},)).module()
         prepared = ao.prepare_qat_pt2e(graph, conv_quantizer(ao, reduce_range, float_layers))
     ao.to_train(prepared)
     with torch.no_grad():  # the observers' first ranges
@@ -276,6 +277,8 @@ def quantize_aware(
         raise ValueError("--qat needs torchao (PT2E quantisation-aware training): pip install 'cgavit[qat]'")
     if not isinstance(train_images, torch.Tensor) or train_images.ndim != 4 or not len(train_images):
         raise ValueError("QAT needs training images (N, C, H, W)")
+    if isinstance(evaluation, torch.Tensor) and evaluation.shape[1:] == train_images.shape[1:]:
+        check_held_out(train_images.float(), evaluation.float(), "training")
     features = features or cpu_features()
     # what the file holds, whatever the post-training recipe asked: signed weights (7-bit where the CPU needs it)
     # and ranges that start from moving-average min/max observers (conv_quantizer); the file records these

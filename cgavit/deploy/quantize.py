@@ -28,6 +28,8 @@ images is optimistic by construction.
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import logging
 import numbers
 import os
@@ -54,7 +56,7 @@ from .fusion import fuse, named_output
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, check_info_classes, export_info, int8_info, model_classes
 from .onnx import (
-    OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_available, onnxruntime_conv_times, with_onnx_metadata,
+    OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_conv_times, with_onnx_metadata,
 )
 from .openvino import (
     OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, openvino_conv_times, openvino_from_onnx,
@@ -485,22 +487,41 @@ def _check_info(info: object, size: tuple[int, int], classes: int | None) -> Non
 
 
 def quant_runtimes(runtime: str | None) -> list[str]:
-    """The runtimes a search builds int8 for: ``runtime``, or (None) every one installed.
+    """The runtimes a search builds int8 for: ``runtime``, or (None) every one installed and importable.
 
     Raises:
-        ValueError: an unknown runtime, ONNX Runtime missing (every build is timed beside it), or the runtime asked
-            for not installed (each message says what to install).
+        ValueError: an unknown runtime, ONNX Runtime or onnx missing or broken (every build is exported to ONNX and
+            timed beside fp32 ONNX Runtime), or the runtime asked for not installed or broken (each message says
+            what to install).
     """
     if runtime is not None and runtime not in QUANT_RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(QUANT_RUNTIMES)} (or None: every one installed), got {runtime!r}")
-    if not onnxruntime_available():
-        raise ValueError("quantize needs ONNX Runtime (every build is timed beside fp32 ONNX Runtime): "
-                         "pip install 'cgavit[deploy]'")
-    if runtime == "openvino" and not openvino_available():
-        raise ValueError("runtime openvino is not installed: pip install 'cgavit[openvino]'")
-    if runtime is not None:
+    for module in ("onnxruntime", "onnx"):
+        problem = _import_problem(module)
+        if problem:
+            raise ValueError(f"quantize needs {module} (every build is exported to ONNX and timed beside fp32 ONNX "
+                             f"Runtime): {problem}; pip install 'cgavit[deploy]'")
+    if runtime == "onnxruntime":
         return [runtime]
-    return ["onnxruntime"] + (["openvino"] if openvino_available() else [])
+    problem = None if openvino_available() else "openvino or nncf is not installed"
+    problem = problem or _import_problem("openvino") or _import_problem("nncf")
+    if runtime == "openvino" and problem:
+        raise ValueError(f"runtime openvino cannot be used: {problem}; pip install 'cgavit[openvino]'")
+    if problem and openvino_available():  # installed but broken: said, not a traceback after the ONNX Runtime search
+        log.warning("quantize: OpenVINO is installed but cannot be used (%s): searching ONNX Runtime alone", problem)
+    return [runtime] if runtime else ["onnxruntime"] + ([] if problem else ["openvino"])
+
+
+def _import_problem(module: str) -> str | None:
+    """Why ``module`` cannot be used (not installed, or installed and failing to import: a missing shared library, a
+    build for another Python or torch), or None."""
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or whatever the package's own start-up raises when broken
+        return f"{module} is installed but cannot be imported ({type(err).__name__}: {str(err)[:200]}); reinstall it"
+    return None
 
 
 def _checked_images(
@@ -533,11 +554,7 @@ def _checked_images(
     for name, images in (("calibration", cal), ("evaluation", evaluation)):
         if not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold NaN or infinite values: preprocess real images")
-    shared = _shared_images(cal, evaluation)
-    if shared:
-        raise ValueError(f"{shared} of the {len(evaluation)} evaluation images are calibration images too: int8 "
-                         "judged on its own calibration images says nothing about other images; give held-out images "
-                         "to evaluate on")
+    check_held_out(cal, evaluation, "calibration")
     if labels is not None:
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (len(evaluation),):
             raise ValueError(f"labels must be a tensor of shape ({len(evaluation)},), one class index per evaluation "
@@ -550,13 +567,27 @@ def _checked_images(
     return cal, evaluation
 
 
-def _shared_images(calibration: torch.Tensor, evaluation: torch.Tensor) -> int:
-    """How many of ``evaluation``'s images are, bit for bit, among ``calibration``'s (a digest per image)."""
-    def digests(images: torch.Tensor) -> list[bytes]:
-        return [hashlib.blake2b(image.contiguous().numpy().tobytes(), digest_size=16).digest() for image in images]
+def shared_images(images: torch.Tensor, evaluation: torch.Tensor) -> list[tuple[int, int]]:
+    """``(index in images, index in evaluation)`` of each of ``evaluation``'s images that is, bit for bit, one of
+    ``images`` (a digest per image)."""
+    def digests(batch: torch.Tensor) -> list[bytes]:
+        return [hashlib.blake2b(image.contiguous().numpy().tobytes(), digest_size=16).digest() for image in batch]
 
-    seen = set(digests(calibration))
-    return sum(d in seen for d in digests(evaluation))
+    seen = {d: i for i, d in enumerate(digests(images))}
+    return [(seen[d], j) for j, d in enumerate(digests(evaluation)) if d in seen]
+
+
+def check_held_out(images: torch.Tensor, evaluation: torch.Tensor, role: str) -> None:
+    """Refuse evaluation images that are also ``role`` images (calibration, training): int8 judged on images it was
+    calibrated or fine-tuned on says nothing about other images.
+
+    Raises:
+        ValueError: how many are shared.
+    """
+    shared = shared_images(images, evaluation)
+    if shared:
+        raise ValueError(f"{len(shared)} of the {len(evaluation)} evaluation images are {role} images too: int8 judged "
+                         f"on its own {role} images says nothing about other images; give held-out images to evaluate on")
 
 
 def _check_settings(target: object, options: object, timing: tuple) -> None:
