@@ -708,6 +708,56 @@ def test_resume_continues_as_the_network_it_is(world, tmp_path):
     assert same.model == "m0" and same.dials["embed_dim"] == (16, 32, 48)  # the same network, spelled out: fine
 
 
+def test_a_resumed_run_takes_the_options_it_records_and_refuses_what_its_state_cannot_take(world, tmp_path):
+    """Resuming with --weight-decay 0.5 --opt-eps 1e-3 recorded them and trained with the old ones (the optimiser's
+    state brought its groups' settings back); another --opt was a KeyError traceback at the first update, another
+    --img-size a state-dict dump; a damaged optimiser state failed mid-step or trained on NaN; and resuming best.pt
+    in its own folder replaced the later last.pt without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(world["root"] / "run", run, ignore=shutil.ignore_patterns("run.lock"))
+    first = run.parent / "first.pt"
+    shutil.copy(run / "last.pt", first)
+    train(TrainConfig.resume_from(run / "last.pt", epochs=2, weight_decay=0.5, opt_eps=1e-3))
+    groups = ckpt_io.load(run / "last.pt")["optimizer"]["param_groups"]
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.5] and {g["eps"] for g in groups} == {1e-3}
+    for option, says in ((dict(opt="sgd"), "--opt sgd: .* was trained with --opt adamw"),
+                         (dict(img_size=48), "--img-size 48: .* was trained with --img-size 32")):
+        with pytest.raises(ValueError, match=says):
+            train(TrainConfig.resume_from(run / "last.pt", epochs=3, **option))
+    shutil.copy(first, run / "best.pt")  # an earlier point than last.pt, in its folder
+    kept = (run / "last.pt").read_bytes()
+    with pytest.raises(ValueError, match="last.pt is a later point of this run"):
+        train(TrainConfig.resume_from(run / "best.pt", epochs=3))
+    assert (run / "last.pt").read_bytes() == kept
+    for damage, says in ((lambda st: st.update(exp_avg=st["exp_avg"][..., :1].clone()), "is .* for a parameter of"),
+                         (lambda st: st["exp_avg_sq"].fill_(float("nan")), "holds NaN or inf")):
+        ck = ckpt_io.load(first)
+        damage(next(iter(ck["optimizer"]["state"].values())))
+        folder = tmp_path / f"damaged{len(says)}"
+        folder.mkdir()
+        ckpt_io.save(folder / "last.pt", ck)
+        with pytest.raises(CheckpointError, match=f"its optimiser state .*{says}"):
+            train(TrainConfig.resume_from(folder / "last.pt", epochs=2))
+
+
+def test_optimisers_and_teachers_that_cannot_work_are_refused(world, tmp_path):
+    """--opt adahessian or fusedsgd on a CPU were tracebacks (the first at the first update); a teacher named with
+    --teacher-weights of another number of classes distilled from a classifier left as initialised."""
+    from cgavit import create_model
+    from cgavit.train.recipe import build_optimizer
+
+    with pytest.raises(ValueError, match="--opt adahessian needs second-order gradients"):
+        tiny(data=str(world["data"]), opt="adahessian").validate()
+    with pytest.raises(ValueError, match="--model-ema-eval evaluates the EMA weights, which --no-model-ema"):
+        tiny(data=str(world["data"]), model_ema=False, model_ema_eval=True).validate()  # was ignored
+    with pytest.raises(ValueError, match="--opt fusedsgd cannot be used here .*CUDA"):
+        build_optimizer(create_model("m0", num_classes=3, img_size=32), tiny(opt="fusedsgd"), 0.1)
+    four = save_weights(create_model("m0", num_classes=4, img_size=32), tmp_path / "four.safetensors")
+    with pytest.raises(ValueError, match="four.safetensors leaves efficientvit_m0's head.linear"):
+        train(tiny(data=str(world["data"]), epochs=1, output=str(tmp_path / "t"), distillation_type="hard",
+                   teacher="efficientvit_m0", teacher_weights=str(four)))
+
+
 # ------------------------------------------------------------------------------ names reaching the terminal
 ESCAPES = "\x1b]0;owned\x07\x1b[2J\r\u202e"  # set the title, clear the screen, return, reverse the text
 

@@ -35,6 +35,8 @@ DIAL_NAMES: tuple[str, ...] = (*(f.name for f in fields(EfficientViTConfig)), "a
 NOT_RESUMED = frozenset({"resume", "finetune", "device", "workers", "log_interval", "progress", "trust_checkpoint"})
 
 CLIP_MODES = ("agc", "norm", "value")
+#: timm optimisers that need a backward pass with ``create_graph`` (Hessian estimates), which training does not make.
+SECOND_ORDER_OPTIMIZERS = ("adahessian",)
 DISTILLATION_TYPES = ("none", "soft", "hard")
 AMP_DTYPES = ("bfloat16", "float16")
 
@@ -188,6 +190,8 @@ class TrainConfig:
             raise ValueError("--distillation-type needs --teacher (a model name with --teacher-weights, or a checkpoint)")
         if self.teacher and self.distillation_type == "none":
             raise ValueError("--teacher given without --distillation-type hard|soft")
+        if self.model_ema_eval and not self.model_ema:
+            raise ValueError("--model-ema-eval evaluates the EMA weights, which --no-model-ema does not keep; drop one")
         if self.finetune and self.resume:
             raise ValueError("give --finetune (start a new run from weights) or --resume (continue a run), not both")
         if not self.resume:  # a run from before the rule continues with the batch it recorded (engine.train)
@@ -216,6 +220,9 @@ class TrainConfig:
                     within = f"{lo}..{hi}" + (f" (below {hi})" if below else "")
                     raise ValueError(f"--{_flag(name)} must be within {within}, got {v}")
         auto_augment_policy(self.aa)
+        if self.opt.lower().removeprefix("lookahead_") in SECOND_ORDER_OPTIMIZERS:
+            raise ValueError(f"--opt {self.opt} needs second-order gradients (a backward pass with create_graph), which "
+                             "cgavit train does not make; choose another, e.g. adamw or sgd")
         if self.scale[0] > self.scale[1]:
             raise ValueError(f"--scale MIN MAX needs MIN <= MAX, got {self.scale[0]} {self.scale[1]}")
         for name, choices in (("interpolation", INTERPOLATIONS), ("clip_mode", CLIP_MODES),

@@ -512,13 +512,17 @@ def _resume(run: Run, ck: dict) -> None:
     schedule goes on from the epoch and update the checkpoint reached. With the options unchanged that is the
     schedule of the run uninterrupted."""
     check_finite(ck["model"], run.cfg.resume)
+    if ck.get("model_ema") is not None:
+        check_finite(ck["model_ema"], f"{run.cfg.resume} (its EMA weights)")
     state, env = run.state, run.env
+    typed = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")} for group in run.optimizer.param_groups]
     try:
         run.model.load_state_dict(ck["model"])
         if run.ema is not None:
             run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
         run.optimizer.load_state_dict(ck["optimizer"])
-        for group, peak in zip(run.optimizer.param_groups, run.scheduler.base_values):
+        for group, settings, peak in zip(run.optimizer.param_groups, typed, run.scheduler.base_values):
+            group.update(settings)  # weight decay, eps, momentum, betas: this invocation's, as the record says
             group["initial_lr"] = peak  # the schedule is this invocation's: the checkpoint gives only where it stands
         if run.scaler.is_enabled() and ck.get("scaler"):
             run.scaler.load_state_dict(ck["scaler"])
@@ -535,9 +539,30 @@ def _resume(run: Run, ck: dict) -> None:
             ckpt_io.set_rng_state(state.rng[env.rank], env.device)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
+    check_optimizer_state(run.optimizer, run.cfg.resume)
     if env.is_main:
         records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch)
     log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, source: object) -> None:
+    """Refuse an optimiser state (loaded from ``source``) whose per-parameter tensors do not have their parameter's
+    shape or hold NaN or inf: the first would fail at the first update, the second make every update NaN.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if not torch.is_tensor(value) or value.dim() == 0:  # a step count
+                    continue
+                if value.shape != p.shape:
+                    raise CheckpointError(f"{source}: its optimiser state {key!r} is {tuple(value.shape)} for a parameter "
+                                          f"of {tuple(p.shape)}; the file is damaged (resume from another checkpoint)")
+                if not torch.isfinite(value).all():
+                    raise CheckpointError(f"{source}: its optimiser state {key!r} holds NaN or inf; the file is damaged "
+                                          "or the run had diverged (resume from an earlier checkpoint)")
 
 
 # ------------------------------------------------------------------------ run folder, logs, signals
@@ -547,6 +572,7 @@ def _resumed_config(cfg: TrainConfig, resumed: dict, env: DistEnv) -> TrainConfi
     ``cfg.output`` names another."""
     recorded = TrainConfig.from_checkpoint(resumed, cfg.resume)
     check_same_network(recorded, cfg, cfg.resume)
+    _check_same_state(recorded, cfg)
     _check_mid_epoch(resumed, cfg, env.world)
     changed = changed_options(recorded, cfg)
     if changed and env.is_main:  # asked for on the command line, or a TrainConfig built without resume_from
@@ -565,7 +591,36 @@ def _resumed_config(cfg: TrainConfig, resumed: dict, env: DistEnv) -> TrainConfi
         log.warning("resuming into %s: the best checkpoint of the epochs before (best.pt, best.safetensors) "
                     "stays in %s, and this folder's gets one only if a later epoch beats it", cfg.output, before)
     _check_epochs_left(resumed, cfg, env)
+    _check_no_later_checkpoint(resumed, cfg)
     return cfg
+
+
+def _check_same_state(recorded: TrainConfig, cfg: TrainConfig) -> None:
+    """Refuse options a resumed run's state cannot take: another optimiser (its state is the recorded one's), another
+    image size (the attention bias tables and the schedule's images are the recorded one's)."""
+    for name, flag in (("opt", "--opt"), ("img_size", "--img-size")):
+        old, new = getattr(recorded, name), getattr(cfg, name)
+        if (old.lower() if isinstance(old, str) else old) != (new.lower() if isinstance(new, str) else new):
+            raise ValueError(f"{flag} {new}: {cfg.resume} was trained with {flag} {old}, which its state holds; resume with "
+                             f"{flag} {old}, or start a new run from its weights (--finetune {cfg.resume} {flag} {new})")
+
+
+def _check_no_later_checkpoint(resumed: dict, cfg: TrainConfig) -> None:
+    """Refuse to resume an earlier checkpoint (``best.pt``) in its own folder, whose ``last.pt`` is a later point of the
+    run: that file and the later records would be replaced. An unreadable ``last.pt`` (the reason to resume another
+    file) does not stop it."""
+    last = Path(cfg.resume).parent / "last.pt"
+    if Path(cfg.output).resolve() != last.parent.resolve() or Path(cfg.resume).resolve() == last.resolve() or not last.is_file():
+        return
+    try:
+        later = ckpt_io.load(last)
+    except CheckpointError:
+        return
+    here, there = (int(c.get("global_step", 0)) for c in (resumed, later))
+    if there > here:
+        raise ValueError(f"{last} is a later point of this run (update {there}) than {cfg.resume} (update {here}); "
+                         f"resuming it here would replace last.pt and the records after it: resume from {last}, or "
+                         "continue it in another folder (--output DIR; nothing was changed)")
 
 
 def _check_epochs_left(resumed: dict, cfg: TrainConfig, env: DistEnv) -> None:

@@ -22,7 +22,7 @@ from ..classes import class_difference, same_classes
 from ..factory import create_model, load_model, resolve_name
 from ..loading import load_checkpoint
 from ..schema import check_finite
-from ..weights import read_state_dict
+from ..weights import read_state_dict, read_weights_meta
 from .config import TrainConfig
 from .data import ImageFolderDataset, build_transform, eval_sampler, make_loader, train_sampler
 from .data.transforms import auto_augment_policy
@@ -56,9 +56,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float) -> torch.opti
     """timm optimiser; weight decay skips 1-D parameters (norms, biases) and ``model.no_weight_decay()``
     (the attention bias tables)."""
     kw = {"eps": cfg.opt_eps} if "adam" in cfg.opt.lower() or "lamb" in cfg.opt.lower() else {}
-    return create_optimizer_v2(
-        model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, filter_bias_and_bn=True, **kw
-    )
+    try:
+        return create_optimizer_v2(
+            model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, filter_bias_and_bn=True, **kw
+        )
+    except (AssertionError, ImportError) as err:  # timm's fused* need NVIDIA APEX and a GPU, its bnb* bitsandbytes
+        raise ValueError(f"--opt {cfg.opt} cannot be used here ({' '.join(str(err).split())[:200] or type(err).__name__}); "
+                         "choose another, e.g. adamw or sgd") from None
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int) -> CosineLRScheduler:
@@ -164,17 +168,20 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
     num_classes = len(classes)
     if Path(cfg.teacher).is_file():
         teacher, info = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
-        if info.names_recorded and not same_classes(info.class_names, classes):
-            diff = class_difference(list(info.class_names), list(classes))
-            raise ValueError(
-                f"the teacher {cfg.teacher} was trained on other classes than {cfg.data} holds: "
-                f"{'the same names in another order' if diff == 'the same names' else diff} (distillation pairs the "
-                "classes index by index); give a teacher trained on these classes")
+        source, recorded = cfg.teacher, info.class_names if info.names_recorded else None
     elif not cfg.teacher_weights:
         raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
     else:
         teacher = _named_teacher(cfg.teacher, cfg.teacher_weights, num_classes, cfg.img_size, cfg.trust_checkpoint)
         check_finite(teacher.state_dict(), cfg.teacher_weights)
+        meta = read_weights_meta(cfg.teacher_weights)  # None but for a cgavit safetensors file
+        source, recorded = cfg.teacher_weights, meta.class_names if meta is not None else None
+    if recorded is not None and not same_classes(recorded, classes):
+        diff = class_difference(list(recorded), list(classes))
+        raise ValueError(
+            f"the teacher {source} was trained on other classes than {cfg.data} holds: "
+            f"{'the same names in another order' if diff == 'the same names' else diff} (distillation pairs the "
+            "classes index by index); give a teacher trained on these classes")
     out_classes = getattr(teacher, "num_classes", num_classes)
     if out_classes != num_classes:
         raise ValueError(f"the teacher predicts {out_classes} classes, the dataset has {num_classes}")
@@ -191,7 +198,11 @@ def _named_teacher(name: str, weights: str, num_classes: int, img_size: int, tru
         ours = None
     if ours is not None:
         teacher = create_model(ours, num_classes=num_classes, img_size=img_size)
-        load_checkpoint(teacher, weights, trust=trust, expect_dropped_heads=True)
+        missing = load_checkpoint(teacher, weights, trust=trust, expect_dropped_heads=True)["missing"]
+        if missing:  # a classifier for another number of classes, left as initialised: it would distil noise
+            raise ValueError(f"--teacher-weights {weights} leaves {name}'s {', '.join(missing[:2])} as initialised (a "
+                             f"classifier for another number of classes than the dataset's {num_classes}?); give a teacher "
+                             "trained on these classes")
         return teacher
     try:
         teacher = timm.create_model(name, pretrained=False, num_classes=num_classes)
