@@ -803,3 +803,52 @@ def test_trust_checkpoint_applies_to_the_reference_of_an_exported_file(digits_ex
     assert "--reference bare.pt does not record its network" in capsys.readouterr().err
     assert main([*run, "--trust-checkpoint"]) == 2  # without a reference the flag has nothing to apply to
     assert "drop --trust-checkpoint" in capsys.readouterr().err
+
+
+def _tiny(classes: int = 3, **kw):
+    """An untrained M0 at 32 px (what the export checks below need: a network of the right shape)."""
+    return cgavit.create_model("m0", num_classes=classes, img_size=32, **kw).eval()
+
+
+BAD_INFOS = [
+    ({"class_names": ("a", "b\nc", "d")}, r"class name 1 'b\\nc' holds control"),
+    ({"class_names": ("a", "a", "d")}, r"'class_names' names 'a' twice"),
+    ({"mean": (5.0, 5.0, 5.0), "std": (0.0, 0.0, 0.0)}, r"its mean values must be in \[0.0, 1.0\]"),
+    ({"interpolation": "lanczos", "crop_pct": 7.0}, r"its interpolation must be one of bicubic, bilinear, nearest"),
+    ({"crop_pct": 7.0}, r"its crop fraction must be within 0.2..1.0, got 7.0"),
+]
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+@pytest.mark.parametrize("given, why", BAD_INFOS)
+def test_metadata_its_reader_would_refuse_is_refused_before_anything_is_written(suffix, given, why, tmp_path):
+    """export_model wrote files whose metadata open_exported then refused (a class name with a newline, names
+    repeated, mean 5 and std 0, interpolation lanczos, crop 7.0), and the reader said to export again, which wrote
+    the same file. The writer now checks with the reader's rules and says what to change."""
+    from cgavit.deploy.metadata import ExportInfo
+
+    fmt = "openvino" if suffix == ".xml" else "onnx"
+    with pytest.raises(ValueError, match=f"cgavit cannot read back: {why}.*; change that value"):
+        export_model(_tiny(), tmp_path / f"z{suffix}", fmt, 32, info=ExportInfo(**given))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_class_names_too_long_for_the_reader_are_refused_by_export(tmp_path, capsys):
+    """cgavit export --checkpoint with 60,000 class names of 147 characters (within a checkpoint's bounds) wrote an
+    .onnx whose 9 MB of names cgavit predict and open_exported refused. The export refuses them, in one line, before
+    any work; formats that carry no metadata (ExecuTorch, LiteRT) are not refused for it."""
+    from cgavit.deploy.formats import export_metadata
+    from cgavit.factory import ModelInfo
+    from cgavit.train import checkpoint
+
+    names = tuple(f"{i:04d}" + "x" * 1000 for i in range(8500))  # 8.6 MB of JSON, over the reader's 8 MiB
+    model = _tiny(len(names))
+    checkpoint.save(tmp_path / "big.pt", {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "next_epoch": 1,
+                                          "args": {"model": "efficientvit_m0", "img_size": 32}, "classes": list(names)})
+    assert main(["export", "--checkpoint", str(tmp_path / "big.pt"), "--output", str(tmp_path / "big")]) == 2
+    err = capsys.readouterr().err
+    assert "'cgavit.class_names' is 8," in err and "change that value" in err and "export the file again" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
+    info = ModelInfo(list(names), img_size=32)
+    for fmt in ("executorch", "tflite"):
+        assert export_metadata(info, fmt, (32, 32)).class_names == names

@@ -10,9 +10,8 @@ from torch import nn
 
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, evaluation_images
 from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported
-from ..deploy.formats import require_format
+from ..deploy.formats import export_metadata, require_format
 from ..deploy.fusion import named_output
-from ..deploy.metadata import export_info
 from ..deploy.openvino import ir_path
 from ..factory import ModelInfo, create_model, load_model
 from ..io import replace_together, staging
@@ -106,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
     # refused before the work, not when the build is moved into place: a folder where the file (or .bin) goes
     out = ir_path(args.output) if args.format == "openvino" else named_output(args.output, fmt.suffix,
                                                                                f"a file for {fmt.runtime}")
+    metadata = export_metadata(info, args.format, size, getattr(model, "in_chans", 3))  # refused before the work too
     with staging(out) as tmp:  # the build is made and checked beside its destination, moved there if it passes
         calib, check = calibration_and_check(args, info)
         batches = list(calib.images.split(16)) if calib is not None else None
         built = export_model(model, tmp / out.name, args.format, size, args.precision, batches, args.batch,
-                             info=export_info(info, size, getattr(model, "in_chans", 3)))
+                             info=metadata)
         parity = check_parity(load_exported(built, args.format, args.precision), model, size, args.precision,
                               fmt.runtime, check.images if check else None, check.labels if check else None)
         dest = out if parity.ok else failed_name(out)

@@ -117,7 +117,9 @@ def export_model(
     Raises:
         ValueError: see :func:`require_format`; a bad size; int8 without calibration, or fp32 with it; a missing
             output folder; a name
-            ending in another format's suffix; ``info`` naming other than one class per model output.
+            ending in another format's suffix; ``info`` naming other than one class per model output, or holding a
+            value that cgavit would refuse when reading the file (:meth:`ExportInfo.to_props`: a name with a control
+            character, names repeated or too long in all, a mean or std out of range, an unknown interpolation...).
     """
     fmt = require_format(format, precision)
     img_size = image_size_pair(img_size)
@@ -126,8 +128,7 @@ def export_model(
         raise ValueError(f"info must be an ExportInfo, or the ModelInfo load_model returns; got {type(info).__name__}")
     path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
     check_info_classes(info, model_classes(model))  # checked before anything is written
-    # the file's own precision: an int8 build records how it was made; no verdict carries over from another file
-    info = replace(export_info(info, img_size, getattr(model, "in_chans", 3)), precision="fp32", int8={})
+    info = export_metadata(info, format, img_size, getattr(model, "in_chans", 3))
     if format == "openvino":
         return export_openvino(model, path, img_size, precision, calibration, options, info)
     if format == "executorch":
@@ -139,6 +140,24 @@ def export_model(
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = export_onnx(model, Path(tmp) / "model.onnx", img_size, fold_residuals=False)
         return quantize_onnx(fp32, path, calibration, options, info=info)
+
+
+def export_metadata(info: ExportInfo | ModelInfo | None, format: str, img_size: tuple[int, int],
+                    in_chans: int = 3) -> ExportInfo:
+    """What a ``format`` file exported at ``img_size`` from ``info`` records (:func:`export_info`), in fp32, the
+    file's own precision until an int8 build records how it was made (no verdict carries over from another file);
+    where the format carries metadata (ONNX, OpenVINO), checked by the rules cgavit reads it with
+    (:meth:`ExportInfo.to_props`), so that a file its reader would refuse is refused before anything is written.
+
+    Raises:
+        ValueError: see :func:`export_info`; a value the reader would refuse, named, with what to change.
+    """
+    if isinstance(info, ExportInfo):
+        info = replace(info, precision="fp32", int8={})
+    made = export_info(info, img_size, in_chans)
+    if format in SUFFIX_FORMATS.values():  # the formats open_exported reads are those that carry metadata
+        made.to_props()
+    return made
 
 
 def _checked_calibration(calibration: Iterable[torch.Tensor] | None, precision: str,

@@ -64,11 +64,22 @@ class ExportInfo:
     version: str = field(default_factory=lambda: cgavit_version())
 
     def to_props(self) -> dict[str, str]:
-        """``{"cgavit.KEY": json text}`` for every key of :data:`KEYS`."""
+        """``{"cgavit.KEY": json text}`` for every key of :data:`KEYS`, checked by the rules :meth:`from_props` reads
+        them with, so that no file is written that cgavit would then refuse to read.
+
+        Raises:
+            ValueError: a value the reader would refuse (the first one named), and what to change.
+        """
         values = dict(version=self.version, class_names=list(self.class_names), img_size=list(self.img_size),
                       mean=list(self.mean), std=list(self.std), interpolation=self.interpolation,
                       crop_pct=self.crop_pct, precision=self.precision, int8=dict(self.int8))
-        return {f"{PREFIX}.{key}": json.dumps(values[key]) for key in KEYS}
+        props = {f"{PREFIX}.{key}": json.dumps(values[key]) for key in KEYS}
+        try:
+            _parsed(props)
+        except ValueError as err:
+            raise ValueError(f"this metadata would make a file cgavit cannot read back: {err}; change that value (in the "
+                             "ExportInfo given, or the checkpoint's class names and preprocessing)") from None
+        return props
 
     @classmethod
     def from_props(cls, props: Mapping[str, str], source: str = "the file") -> ExportInfo:
@@ -79,12 +90,11 @@ class ExportInfo:
         Raises:
             ValueError: no cgavit metadata, or a value that is malformed or out of range (the first one named).
         """
-        mine = {k[len(PREFIX) + 1:]: v for k, v in props.items() if k.startswith(PREFIX + ".")}
-        if "img_size" not in mine:
+        if f"{PREFIX}.img_size" not in props:
             raise ValueError(f"{source} carries no cgavit metadata (written by cgavit export or cgavit quantize "
                              "0.1.0 or later); export it again, or give the preprocessing yourself")
         try:
-            return _checked({k: bounded_json(v, f"{PREFIX}.{k}") for k, v in mine.items() if k in KEYS})
+            return _parsed(props)
         except ValueError as err:
             raise ValueError(f"{source}: bad cgavit metadata: {err}; export the file again") from None
 
@@ -169,6 +179,13 @@ def int8_info(info: ExportInfo, options: Int8Options, float_part: str = "fp32") 
     made = dict(weight_range=weight_range_label(bool(options.reduce_range), options.weights),
                 calibration=options.calibration, float_layers=list(options.float_layers), float_part=float_part)
     return replace(info, precision="int8", int8={**dict(info.int8), **made})
+
+
+def _parsed(props: Mapping[str, str]) -> ExportInfo:
+    """The :class:`ExportInfo` of a ``{"cgavit.KEY": json text}`` table (other keys ignored), each value checked:
+    the one set of rules for reading a file's metadata and for writing it (ValueError: the first bad value)."""
+    mine = {k[len(PREFIX) + 1:]: v for k, v in props.items() if k.startswith(PREFIX + ".")}
+    return _checked({k: bounded_json(v, f"{PREFIX}.{k}") for k, v in mine.items() if k in KEYS})
 
 
 def _checked(raw: dict) -> ExportInfo:
