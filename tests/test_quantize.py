@@ -1270,7 +1270,8 @@ def test_qat_takes_one_training_image_and_none_it_is_judged_on(trained_digits):
 
 def test_info_that_does_not_fit_the_model_or_the_images_is_refused_before_the_search(trained_digits, tmp_path):
     """info= of another model (3 class names for 10 outputs) or for another image size gave a full search, then a
-    file its own loader refused or one recorded at a size the model was never trained at: now one line, up front."""
+    file its own loader refused or one recorded at a size the model was never trained at, and metadata its reader
+    refuses (interpolation lanczos) was refused only when the answer was saved: now one line, up front."""
     from cgavit import load_model
 
     model, info = load_model(trained_digits.checkpoint)
@@ -1278,7 +1279,8 @@ def test_info_that_does_not_fit_the_model_or_the_images_is_refused_before_the_se
     kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, **QUICK)
     cases = [(ExportInfo(class_names=tuple("abc"), img_size=(48, 48)), "info names 3 classes but the model predicts"),
              (replace(info, img_size=64), "the images are 48x48 but info is for 64x64"),
-             (ExportInfo(class_names=tuple(info.class_names)), "the images are 48x48 but info is for 224x224")]
+             (ExportInfo(class_names=tuple(info.class_names)), "the images are 48x48 but info is for 224x224"),
+             (replace(info, interpolation="lanczos"), "cannot read back: its interpolation must be one of")]
     for wrong, message in cases:
         with pytest.raises(ValueError, match=message):
             quantize(model, cal, x, info=wrong, **kwargs)

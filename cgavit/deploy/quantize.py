@@ -464,7 +464,8 @@ def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> 
     ImageNet's preprocessing and no class names, which is said.
 
     Raises:
-        ValueError: ``info`` is for images of another size, or names other than one class per model output.
+        ValueError: ``info`` is for images of another size, names other than one class per model output, or holds a
+            value cgavit would refuse when reading the file (:meth:`~cgavit.deploy.metadata.ExportInfo.to_props`).
     """
     if info is None:
         warnings.warn("quantize: no info= given, so the file will record ImageNet's mean, std and crop and no class "
@@ -472,7 +473,9 @@ def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> 
                       "model's own", RuntimeWarning, stacklevel=3)
     else:
         _check_info(info, size, model_classes(model))
-    return export_info(info, size, getattr(model, "in_chans", 3))
+    made = export_info(info, size, getattr(model, "in_chans", 3))
+    made.to_props()  # refused before the search, not when its answer is saved
+    return made
 
 
 def _check_info(info: object, size: tuple[int, int], classes: int | None) -> None:
