@@ -852,3 +852,33 @@ def test_class_names_too_long_for_the_reader_are_refused_by_export(tmp_path, cap
     info = ModelInfo(list(names), img_size=32)
     for fmt in ("executorch", "tflite"):
         assert export_metadata(info, fmt, (32, 32)).class_names == names
+
+
+@need("openvino")
+def test_an_xml_refuses_weights_it_was_not_written_with(tmp_path):
+    """An .xml beside another export's .bin (same network, other weights) ran without a word and gave the other
+    model's logits, and a .bin with bytes appended was read too. The .xml records its .bin's size and SHA-256;
+    an .xml written before it recorded them still opens, unchecked."""
+    from cgavit.deploy import open_exported
+    from cgavit.deploy.openvino import WEIGHTS_KEY
+
+    path = export_model(cgavit.testing.randomize_(_tiny(), seed=2), tmp_path / "m.xml", "openvino", 32)
+    weights = path.with_suffix(".bin").read_bytes()
+    module, _ = open_exported(path)
+    assert module(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+    other = bytearray(weights)
+    other[len(other) // 2] ^= 1  # other weights, the same size and layout: as another export of this network
+    path.with_suffix(".bin").write_bytes(bytes(other))
+    with pytest.raises(ValueError, match=r"m.bin is not the .bin m.xml was written with \(another SHA-256"):
+        open_exported(path)
+    with pytest.raises(ValueError, match=r"m.bin is not the .bin m.xml was written with"):
+        load_exported(path, "openvino")
+    path.with_suffix(".bin").write_bytes(weights + b"junk")
+    with pytest.raises(ValueError, match=rf"m.bin is not the .bin m.xml was written with \({len(weights) + 4:,} bytes "
+                                         rf"where it records {len(weights):,}\)"):
+        open_exported(path)
+    older = re.sub(rf"\s*<{WEIGHTS_KEY} value=[^>]*/>", "", path.read_text())  # as written before the record
+    assert older != path.read_text()
+    (tmp_path / "older.xml").write_text(older)
+    (tmp_path / "older.bin").write_bytes(bytes(other))
+    assert open_exported(tmp_path / "older.xml")[0](torch.randn(1, 3, 32, 32)).shape == (1, 3)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from ..io import replace_together, staging, stop_signals_deferred, write_error
+from ..schema import bounded_json
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .first_layer import gptq_convolution
 from .fusion import example_batch, export_form, named_output
@@ -508,9 +511,53 @@ def write_openvino(ov_model, path: Path, info: ExportInfo) -> Path:
         ov_model.set_rt_info(value, key.split(".", 1))
     try:
         ov.save_model(ov_model, str(path), compress_to_fp16=False)
+        # written again with the .bin's size and digest in the .xml (read_openvino checks them); the .bin is the same
+        ov_model.set_rt_info(json.dumps(weights_record(path.with_suffix(".bin"))), [PREFIX, WEIGHTS_KEY])
+        ov.save_model(ov_model, str(path), compress_to_fp16=False)
     except (OSError, RuntimeError) as err:  # OpenVINO reports a full disk as a RuntimeError
         raise write_error(path, err) from None
     return path
+
+
+#: The ``rt_info`` key, beside the metadata's under ``cgavit``, of the ``.bin`` an ``.xml`` was written with.
+WEIGHTS_KEY = "weights"
+
+
+def weights_record(path: Path) -> dict:
+    """The size and SHA-256 of a ``.bin`` (``{"bytes": n, "sha256": hex}``): what an ``.xml`` records of its weights."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256")
+        return {"bytes": f.tell(), "sha256": digest.hexdigest()}
+
+
+def check_weights(ov_model, path: Path) -> None:
+    """Refuse a ``.bin`` beside the ``.xml`` at ``path`` other than the one it was written with (another export's
+    weights, or ones cut short or lengthened): its size and SHA-256 against the ``.xml``'s record
+    (:func:`weights_record`). An ``.xml`` that records none, written before cgavit recorded it, is not checked.
+
+    Raises:
+        ValueError: a record that is malformed or that the ``.bin`` does not match, in one line.
+    """
+    try:
+        if not ov_model.has_rt_info([PREFIX, WEIGHTS_KEY]):
+            return
+        text = ov_model.get_rt_info([PREFIX, WEIGHTS_KEY]).astype(str)
+    except RuntimeError:  # a 'cgavit' entry that is no section of keys: openvino_metadata refuses it
+        return
+    try:
+        recorded = bounded_json(text, f"{PREFIX}.{WEIGHTS_KEY}")
+    except ValueError:  # too long, too deep, not JSON
+        recorded = None
+    if not (isinstance(recorded, dict) and type(recorded.get("bytes")) is int and isinstance(recorded.get("sha256"), str)):
+        raise ValueError(f"{path}: its record of its weights (rt_info '{PREFIX}' '{WEIGHTS_KEY}') is malformed; export "
+                         "it again")
+    weights = path.with_suffix(".bin")
+    found = weights_record(weights)
+    if found["bytes"] != recorded["bytes"] or found["sha256"] != recorded["sha256"]:
+        how = (f"{found['bytes']:,} bytes where it records {recorded['bytes']:,}" if found["bytes"] != recorded["bytes"]
+               else "another SHA-256 digest than it records")
+        raise ValueError(f"{weights} is not the .bin {path.name} was written with ({how}): put the .bin exported with "
+                         "it beside it, or export it again")
 
 
 def openvino_metadata(ov_model, source: str = "the OpenVINO model") -> dict[str, str]:
@@ -626,11 +673,12 @@ class OpenVinoModule(RuntimeModule):
 
 
 def read_openvino(path: str | os.PathLike):
-    """The ``openvino.Model`` of an ``.xml`` file and the ``.bin`` beside it.
+    """The ``openvino.Model`` of an ``.xml`` file and the ``.bin`` beside it, the one it was written with where the
+    ``.xml`` records it (:func:`check_weights`).
 
     Raises:
-        ValueError: a file OpenVINO cannot read (truncated or corrupt XML, weights cut short), or a model
-            without an input or an output.
+        ValueError: a file OpenVINO cannot read (truncated or corrupt XML, weights cut short), a model
+            without an input or an output, or a ``.bin`` other than the one the ``.xml`` records.
     """
     core = _core()
     try:
@@ -639,6 +687,7 @@ def read_openvino(path: str | os.PathLike):
         raise unreadable_file(path, "OpenVINO IR with the .bin beside it", err) from None
     if not model.inputs or not model.outputs:
         raise ValueError(f"{path}: it has no input or no output, so it is not a network of images; export it again")
+    check_weights(model, Path(path))
     return model
 
 
