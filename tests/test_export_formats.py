@@ -882,3 +882,20 @@ def test_an_xml_refuses_weights_it_was_not_written_with(tmp_path):
     (tmp_path / "older.xml").write_text(older)
     (tmp_path / "older.bin").write_bytes(bytes(other))
     assert open_exported(tmp_path / "older.xml")[0](torch.randn(1, 3, 32, 32)).shape == (1, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_a_reduced_precision_model_exports_its_float32_graph(suffix, dtype, tmp_path):
+    """export_model on a bf16 or fp16 model failed: "the images are torch.float32 and the model's weights
+    torch.bfloat16" for ONNX, a multi-line RuntimeError for OpenVINO. It exports the fused float32 model, as
+    optimize does, and leaves the caller's model as it was."""
+    from cgavit.deploy import open_exported
+
+    model = cgavit.testing.randomize_(_tiny(), seed=3).to(dtype)
+    module, _ = open_exported(export_model(model, tmp_path / f"m{suffix}", suffix[1:].replace("xml", "openvino"), 32))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        reference = cgavit.fuse(model).float()(x)
+    assert next(model.parameters()).dtype == dtype
+    assert (module(x) - reference).abs().max() <= 1e-3 * reference.abs().max()

@@ -22,7 +22,7 @@ from .agreement import Agreement, batched_logits, compare_logits
 from .artifact import QuantizedArtifact, quantized_artifact
 from .auto import auto_candidates, precision_warning, untried_paths
 from .cpu import CpuFeatures, cpu_features
-from .fusion import fuse
+from .fusion import fused_fp32
 from .int8 import fastest_float_part
 from .metadata import model_classes
 from .onnx import onnxruntime_available, onnxruntime_path
@@ -133,7 +133,7 @@ def optimize(
 ) -> RuntimeModule:
     """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
 
-    Backends: ``"torch"`` (:func:`fuse`, :mod:`cgavit.fast`, channels-last, ``torch.compile`` with frozen weights;
+    Backends: ``"torch"`` (:func:`~cgavit.deploy.fusion.fuse`, :mod:`cgavit.fast`, channels-last, ``torch.compile`` with frozen weights;
     fp32, bf16), ``"onnxruntime"`` (fp32, int8 static QDQ), ``"openvino"`` (fp32, bf16, int8 by NNCF); ``"auto"``
     with a fixed precision: ONNX Runtime on the CPU when installed, else torch (:func:`choose_backend`).
 
@@ -176,12 +176,6 @@ def optimize(
     result = _build(fused, example_input, precision, backend, batches, opts)
     result.rel_err = _check(result, example_input, reference, precision) if check else None
     return result
-
-
-def fused_fp32(model: nn.Module) -> nn.Module:
-    """:func:`fuse`'s copy of ``model`` in float32, the dtype every path takes its images in (:func:`_checked_inputs`)
-    and judges against, whatever the model's own (a bf16 or float64 model)."""
-    return fuse(model).float()
 
 
 def _checked_inputs(

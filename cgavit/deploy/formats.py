@@ -26,7 +26,7 @@ from .agreement import Agreement, batched_logits, compare_logits
 from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
 from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, quantize_onnx
 from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
-from .fusion import example_batch, fuse, named_output
+from .fusion import example_batch, fuse, fused_fp32, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
 from .metadata import ExportInfo, check_info_classes, export_info, model_classes
@@ -98,7 +98,8 @@ def export_model(
     ``path`` (atomically); returns the path written.
 
     Args:
-        model: the model (fused by the exporter).
+        model: the model (fused by the exporter, in float32 whatever its own dtype: a bf16 or fp16 model's file takes
+            float32 images, as every export does).
         path: the output file, ``NAME`` or ``NAME`` with the format's suffix (:attr:`ExportFormat.suffix`, added
             where it is missing; OpenVINO writes ``NAME.bin`` beside ``NAME.xml``).
         format: a key of :data:`FORMATS`.
@@ -129,6 +130,7 @@ def export_model(
     path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
     check_info_classes(info, model_classes(model))  # checked before anything is written
     info = export_metadata(info, format, img_size, getattr(model, "in_chans", 3))
+    model = fused_fp32(model)  # as optimize exports: a bf16 or fp16 model's graph in float32, the images' dtype
     if format == "openvino":
         return export_openvino(model, path, img_size, precision, calibration, options, info)
     if format == "executorch":

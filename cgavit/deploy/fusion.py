@@ -55,6 +55,12 @@ def fuse(model: nn.Module) -> nn.Module:
     return fused.to(dtype)
 
 
+def fused_fp32(model: nn.Module) -> nn.Module:
+    """:func:`fuse`'s copy of ``model`` in float32, the dtype every path and export takes its images in and is judged
+    against, whatever the model's own (a bf16, fp16 or float64 model)."""
+    return fuse(model).float()
+
+
 def export_form(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True) -> nn.Module:
     """The graph every export writes: :func:`fuse`, then the inference modules of :mod:`cgavit.fast`
     specialised to ``img_size`` images (constant-size reshapes, precomputed biases, the attention
