@@ -899,3 +899,22 @@ def test_a_reduced_precision_model_exports_its_float32_graph(suffix, dtype, tmp_
         reference = cgavit.fuse(model).float()(x)
     assert next(model.parameters()).dtype == dtype
     assert (module(x) - reference).abs().max() <= 1e-3 * reference.abs().max()
+
+
+def test_options_a_format_would_ignore_are_refused(tmp_path):
+    """export_model wrote an ExecuTorch int8 file for Int8Options(float_layers=("no.such.layer",)), which its
+    recipe never reads (ONNX refuses the name), and dropped options= for fp32 and batch=7 for ONNX without a word.
+    Each is refused before anything is written, as calibration for fp32 already was."""
+    from cgavit.deploy import Int8Options
+
+    model, calibration = _tiny(), [torch.randn(4, 3, 32, 32)]
+    cases = [("executorch", "int8", dict(calibration=calibration, options=Int8Options(float_layers=("no.such.layer",))),
+              r"options are read for int8 in onnx and openvino only \(executorch int8 is XNNPACK's own recipe"),
+             ("onnx", "fp32", dict(options=Int8Options()), r"\(onnx fp32 quantises nothing\): leave options out"),
+             ("tflite", "fp32", dict(options=Int8Options()), r"\(tflite fp32 quantises nothing\)"),
+             ("onnx", "fp32", dict(batch=7), r"batch is fixed in executorch and tflite files only \(onnx files take any"),
+             ("openvino", "fp32", dict(batch=7), r"\(openvino files take any batch\): leave batch out, not 7")]
+    for fmt, precision, given, why in cases:
+        with pytest.raises(ValueError, match=why):
+            export_model(model, tmp_path / "m", fmt, 32, precision, **given)
+    assert list(tmp_path.iterdir()) == []

@@ -116,14 +116,14 @@ def export_model(
             ``ExportInfo``'s record of how that file was made and judged is not copied.
 
     Raises:
-        ValueError: see :func:`require_format`; a bad size; int8 without calibration, or fp32 with it; a missing
-            output folder; a name
-            ending in another format's suffix; ``info`` naming other than one class per model output, or holding a
-            value that cgavit would refuse when reading the file (:meth:`ExportInfo.to_props`: a name with a control
-            character, names repeated or too long in all, a mean or std out of range, an unknown interpolation...).
+        ValueError: see :func:`require_format`; a bad size; int8 without calibration, or fp32 with it; ``options``
+            or ``batch`` where they would be ignored (fp32; ExecuTorch; a batch in ONNX or OpenVINO); a missing
+            output folder; a name ending in another format's suffix; ``info`` naming other than one class per model
+            output, or holding a value cgavit would refuse when reading the file (:func:`export_metadata`).
     """
     fmt = require_format(format, precision)
     img_size = image_size_pair(img_size)
+    _check_used(fmt, precision, batch, options)
     calibration = _checked_calibration(calibration, precision, img_size)
     if info is not None and not isinstance(info, (ExportInfo, ModelInfo)):
         raise ValueError(f"info must be an ExportInfo, or the ModelInfo load_model returns; got {type(info).__name__}")
@@ -160,6 +160,18 @@ def export_metadata(info: ExportInfo | ModelInfo | None, format: str, img_size: 
     if format in SUFFIX_FORMATS.values():  # the formats open_exported reads are those that carry metadata
         made.to_props()
     return made
+
+
+def _check_used(fmt: ExportFormat, precision: str, batch: object, options: Int8Options | None) -> None:
+    """Refuse what ``fmt`` in ``precision`` would ignore: ``options`` outside int8 in ONNX Runtime and OpenVINO (fp32
+    quantises nothing; ExecuTorch's int8 is XNNPACK's one recipe), a batch other than 1 where the batch is dynamic."""
+    if options is not None and (precision != "int8" or fmt.name not in ("onnx", "openvino")):
+        what = "quantises nothing" if precision != "int8" else "is XNNPACK's own recipe, which takes no options"
+        raise ValueError(f"options are read for int8 in onnx and openvino only ({fmt.name} {precision} {what}): leave "
+                         "options out")
+    if batch != 1 and not fmt.fixed_batch:
+        raise ValueError(f"batch is fixed in executorch and tflite files only ({fmt.name} files take any batch): leave "
+                         f"batch out, not {batch!r}")
 
 
 def _checked_calibration(calibration: Iterable[torch.Tensor] | None, precision: str,
