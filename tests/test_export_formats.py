@@ -918,3 +918,15 @@ def test_options_a_format_would_ignore_are_refused(tmp_path):
         with pytest.raises(ValueError, match=why):
             export_model(model, tmp_path / "m", fmt, 32, precision, **given)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("threads", [-3, 0, 2.5, 10**6, True, "2"])
+def test_a_thread_count_out_of_bounds_is_refused_before_the_file_is_read(threads, tmp_path):
+    """threads=-3 on an .xml blamed the file, 2.5 on an .onnx was pybind's TypeError, 10**6 grew the process to
+    14 GB: open_exported and load_exported check threads as --threads is (cgavit.bounds.check_threads)."""
+    from cgavit.deploy import open_exported
+
+    for opened in (lambda: open_exported(tmp_path / "not-read.onnx", threads=threads),
+                   lambda: load_exported(tmp_path / "not-read.xml", "openvino", threads=threads)):
+        with pytest.raises(ValueError, match=r"threads must be a whole number within 1..1024, got "):
+            opened()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..bounds import check_threads
 from ..factory import ModelInfo
 from ..io import check_readable_file
 from ..model import check_image_batch, image_size_pair
@@ -201,8 +202,14 @@ def load_exported(path: str | os.PathLike, format: str, precision: str = "fp32",
         format: a key of :data:`FORMATS`.
         precision: what the file computes in (OpenVINO compiles fp32 files for this precision).
         threads: runtime threads (default: ``torch.get_num_threads()``).
+
+    Raises:
+        ValueError: see :func:`require_format`; ``threads`` not a whole number within
+            :data:`~cgavit.bounds.THREADS_RANGE`; a file its runtime cannot read.
     """
     require_format(format)
+    if threads is not None:
+        check_threads(threads, "threads")
     if format == "openvino":
         return OpenVinoModule(path, threads, precision)
     if format == "executorch":
@@ -339,7 +346,8 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
         ``(model, info)``.
 
     Raises:
-        ValueError: not an ``.onnx``/``.xml`` file, a missing ``.bin``, its runtime not installed, a file its
+        ValueError: ``threads`` not a whole number within :data:`~cgavit.bounds.THREADS_RANGE`; not an
+            ``.onnx``/``.xml`` file, a missing ``.bin``, one other than the ``.xml`` records, its runtime not installed, a file its
             runtime cannot read (truncated, corrupt), no (or malformed) cgavit metadata, a network cgavit cannot feed
             (not one float32 input of a fixed channel count and size, an ONNX batch fixed, logits not ``(B, classes)``),
             or metadata that does not fit the network (image size, channels, class count:
@@ -347,6 +355,8 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
             runtime cannot run it or it returns other than ``(B, classes)`` logits.
         UnreadableFileError: the file is missing or unreadable.
     """
+    if threads is not None:
+        check_threads(threads, "threads")
     path = check_readable_file(path, "exported model")
     format = SUFFIX_FORMATS.get(path.suffix.lower())
     if format is None:
