@@ -225,6 +225,22 @@ def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained
     assert fast.choice.precision == "fp32"
 
 
+@pytest.mark.skipif(not onnxruntime_available(), reason="onnxruntime missing")
+def test_auto_says_an_exported_int8_file_records_no_verdict(tmp_path, monkeypatch):
+    """An int8 file cgavit export wrote (it records how it was quantised, not a verdict) was passed over because "its
+    recorded verdict misses the target", a verdict it never had: the warning says it records none, and what to run."""
+    model = cgavit.create_model("m0", num_classes=3, img_size=32).eval()
+    path = export_model(model, tmp_path / "q.onnx", "onnx", 32, "int8", calibration=[torch.randn(8, 3, 32, 32)])
+    assert "meets_target" not in open_exported(path)[1].int8
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    with pytest.warns(RuntimeWarning, match=r"not used \(it records no verdict: written by cgavit export, not cgavit "
+                                            r"quantize; run cgavit quantize for a file auto can use\)") as caught:
+        fast = optimize(model, torch.randn(4, 3, 32, 32), "auto", quantized=path, compile=False,
+                        features=features(EPYC_AVX2))
+    assert "misses the target" not in str(caught[0].message) and "misses the target" not in fast.choice.reason
+    assert "q.onnx (it records no verdict" in fast.choice.reason, fast.choice.reason
+
+
 def test_auto_says_which_path_came_before_the_artifact(digits_int8, trained_digits, monkeypatch):
     """A path earlier in the row met the target first, and the warning said the row did not run the artifact."""
     from cgavit.deploy.auto import PathChoice

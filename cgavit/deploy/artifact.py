@@ -45,14 +45,26 @@ class QuantizedArtifact:
     def trusted(self) -> bool:
         """Its recorded verdict met ``quantize``'s target and the general one (agreement >= 99.5 %,
         accuracy within 0.5 point)."""
+        return self.distrusted is None
+
+    @property
+    def distrusted(self) -> str | None:
+        """Why ``auto`` may not take it on its record (None: :attr:`trusted`): it records no verdict (an int8 file
+        ``cgavit export`` wrote), or its recorded verdict misses ``quantize``'s target or the general one."""
         v = self.verdict
+        if "meets_target" not in v:
+            return ("it records no verdict: written by cgavit export, not cgavit quantize; run cgavit quantize for a "
+                    "file auto can use")
         agreement, change = v.get("agreement"), v.get("accuracy_change")
-        if not v.get("meets_target") or not isinstance(agreement, (int, float)):
-            return False
-        return agreement >= AGREEMENT_TARGET - 1e-9 and (change is None or abs(change) <= ACCURACY_TOLERANCE + 1e-9)
+        if not v.get("meets_target") or not isinstance(agreement, (int, float)) or agreement < AGREEMENT_TARGET - 1e-9 \
+                or (change is not None and abs(change) > ACCURACY_TOLERANCE + 1e-9):
+            return "its recorded verdict misses the target"
+        return None
 
     def describe(self) -> str:
         v = self.verdict
+        if "meets_target" not in v:  # distrusted says so
+            return f"the int8 artifact {self.source}"
         agreement = v.get("agreement")
         shown = f"{100 * agreement:.1f}%" if isinstance(agreement, (int, float)) else "not recorded"
         which = "images held out of its search" if v.get("held_out_of_search") else "images its search was judged on"

@@ -341,7 +341,7 @@ def _optimize_auto(
     for cand in candidates:
         given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
         if given and not artifact.trusted:
-            unused = "its recorded verdict misses the target"
+            unused = artifact.distrusted
             passed.append(f"{artifact.describe()} ({unused})")
             continue
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
