@@ -199,3 +199,38 @@ def test_a_folder_of_every_class_in_another_order_is_not_called_a_subset(tmp_pat
     with caplog.at_level("WARNING", logger="cgavit.train.inference"):
         split_for_model(tmp_path / "data" / "val", replace(info, class_names=[*names, "class_3"]), 4)
     assert "evaluating 3 of the checkpoint's 4 classes" in caplog.text
+
+
+def test_a_one_channel_model_is_evaluated_and_predicts_from_the_command_line(tmp_path, capsys):
+    """A 1-channel model (in_chans=1), as a checkpoint or exported, could not be used by eval and predict: they fed
+    RGB and the model said "convert them (grayscale or RGB)", which no flag could do. Images are now read with the
+    model's channels (greyscale for 1), normalised by its mean and std (three averaged for one channel)."""
+    from cgavit.deploy import export_model
+    from cgavit.testing import randomize_
+    from cgavit.train.data import build_transform
+    from cgavit.weights import WeightsMeta
+
+    model = randomize_(create_model("m0", num_classes=2, img_size=32, in_chans=1), seed=4).eval()
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=2, img_size=32, crop_pct=1.0,
+                       interpolation="bilinear", mean=mean, std=std, class_names=("p", "q"), in_chans=1)
+    checkpoint = save_weights(model, tmp_path / "gray.safetensors", meta)
+    _, info = load_model(checkpoint)
+    exported = export_model(model, tmp_path / "gray.onnx", "onnx", 32, info=info)
+    rng = np.random.default_rng(0)
+    for name in ("p", "q"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        Image.fromarray((rng.random((40, 40, 3)) * 255).astype(np.uint8)).save(tmp_path / "data" / name / "0.png")
+    image = tmp_path / "data" / "q" / "0.png"
+    grey = build_transform(32, False, interpolation="bilinear", crop_pct=1.0, mean=(0.4,), std=(0.25,))(
+        Image.open(image).convert("L"))
+    with torch.no_grad():
+        expected = model(grey[None]).softmax(1)[0]
+    for path in (checkpoint, exported):
+        assert main(["predict", "--checkpoint", str(path), str(image), "--json"]) == 0, capsys.readouterr().err
+        top = json.loads(capsys.readouterr().out)[0]["top"]
+        assert {row["name"]: row["prob"] for row in top} == pytest.approx({"p": float(expected[0]),
+                                                                           "q": float(expected[1])}, abs=1e-4)
+        assert main(["eval", "--data", str(tmp_path / "data"), "--checkpoint", str(path), "--workers", "0",
+                     "--json"]) == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out)["n"] == 2

@@ -143,12 +143,20 @@ def export_info(info: object | None, size: tuple[int, int], in_chans: int = 3) -
     else:
         made = ExportInfo(class_names=tuple(info.class_names), img_size=tuple(size), mean=tuple(info.mean),
                           std=tuple(info.std), interpolation=info.interpolation, crop_pct=info.crop_pct)
-    if in_chans != 3 and len(made.mean) == 3 and len(made.std) == 3:
-        made = replace(made, mean=(sum(made.mean) / 3,), std=(sum(made.std) / 3,))
+    mean, std = channel_normalisation(made.mean, made.std, in_chans)
+    made = replace(made, mean=mean, std=std)
     if len(made.mean) not in (1, in_chans) or len(made.std) != len(made.mean):
         raise ValueError(f"{len(made.mean)} mean and {len(made.std)} std values for a {in_chans}-channel network: give "
                          f"one value, or one per channel, of each")
     return made
+
+
+def channel_normalisation(mean: Sequence[float], std: Sequence[float], in_chans: int) -> tuple[tuple[float, ...], ...]:
+    """``(mean, std)`` for a network of ``in_chans`` input channels: three values (RGB's, ImageNet's) become their
+    averages, one value for every channel, where the network takes other than 3; any other values are kept."""
+    if in_chans != 3 and len(mean) == 3 and len(std) == 3:
+        return (sum(mean) / 3,), (sum(std) / 3,)
+    return tuple(mean), tuple(std)
 
 
 def model_classes(model: object) -> int | None:

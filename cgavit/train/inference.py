@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from torch import nn
+from torchvision.transforms import Compose, Grayscale
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE
 from ..classes import check_classes, model_indices, same_classes
 from ..deploy import ExportInfo, open_exported
+from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
 from ..io import DataError
@@ -95,7 +97,7 @@ def evaluate_checkpoint(
             trust=trust and not (exported and reference is not None), device=env.device)
         split_dir = _split_folder(root, split)
         size, pct, interp = img_size or info.img_size, crop_pct or info.crop_pct, interpolation or info.interpolation
-        ds = _eval_dataset(split_dir, info, num_classes, size, pct, interp)
+        ds = _eval_dataset(split_dir, info, num_classes, eval_transform(info, input_channels(model), size, pct, interp))
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
                              pin_memory=env.device.type == "cuda", strict=strict)
         against = None if reference is None else check_reference(reference, info, num_classes, (size, pct, interp),
@@ -114,12 +116,33 @@ def _split_folder(root: Path, split: str | None) -> Path:
     return root / (split or "val") if (root / (split or "val")).is_dir() or split else root
 
 
-def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, size: int, crop_pct: float,
-                  interpolation: str) -> ImageFolderDataset:
-    """``split_dir``'s images labelled in the model's class order, through its evaluation transform."""
+def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, transform: Callable) -> ImageFolderDataset:
+    """``split_dir``'s images labelled in the model's class order, through its evaluation ``transform``."""
     classes, samples = split_for_model(split_dir, info, num_classes)
-    transform = build_transform(size, False, interpolation=interpolation, crop_pct=crop_pct, mean=info.mean, std=info.std)
     return ImageFolderDataset(samples, classes, transform)
+
+
+def input_channels(model: nn.Module) -> int:
+    """The channels of the images ``model`` takes: an exported file's declared input, a checkpoint's ``in_chans``."""
+    shape = getattr(model, "input_shape", None)
+    return shape[1] if shape else getattr(model, "in_chans", 3)
+
+
+def eval_transform(info: ModelInfo, channels: int, size: int, crop_pct: float, interpolation: str) -> Callable:
+    """The evaluation transform (PIL image -> ``(channels, size, size)``) of a model taking ``channels``-channel
+    images: each image read as greyscale (Pillow's ``'L'``) for 1 channel, as RGB for 3, then resized, cropped and
+    normalised by ``info``'s mean and std (three for one channel averaged, as its export records them:
+    :func:`~cgavit.deploy.metadata.channel_normalisation`).
+
+    Raises:
+        ValueError: another channel count: eval and predict read images as greyscale or RGB.
+    """
+    if channels not in (1, 3):
+        raise ValueError(f"the model takes {channels}-channel images, and eval and predict read images as greyscale (1 "
+                         "channel) or RGB (3): feed it from Python, with images of its channels")
+    mean, std = channel_normalisation(info.mean, info.std, channels)
+    transform = build_transform(size, False, interpolation=interpolation, crop_pct=crop_pct, mean=mean, std=std)
+    return transform if channels == 3 else Compose([Grayscale(1), transform])
 
 
 def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, transform: tuple[int, float, str],
@@ -327,12 +350,12 @@ def predict(
     if topk > num_classes:
         log.warning("--topk %d is more than the model's %d classes: showing all of them", topk, num_classes)
     size = img_size or info.img_size
-    transform = build_transform(size, False, interpolation=info.interpolation, crop_pct=crop_pct or info.crop_pct, mean=info.mean, std=info.std)
+    transform = eval_transform(info, input_channels(model), size, crop_pct or info.crop_pct, info.interpolation)
     synsets = imagenet_classes() if num_classes == 1000 else None
     out = []
     for path in images:
         try:
-            x = load_transformed(path, transform).unsqueeze(0).to(device)  # (1, 3, size, size)
+            x = load_transformed(path, transform).unsqueeze(0).to(device)  # (1, C, size, size)
         except BadImageError as err:
             out.append({"image": str(path), "error": str(err)})
             continue
