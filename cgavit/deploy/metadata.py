@@ -151,7 +151,8 @@ def export_info(info: object | None, size: tuple[int, int], in_chans: int = 3) -
     return made
 
 
-def channel_normalisation(mean: Sequence[float], std: Sequence[float], in_chans: int) -> tuple[tuple[float, ...], ...]:
+def channel_normalisation(mean: Sequence[float], std: Sequence[float],
+                          in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``(mean, std)`` for a network of ``in_chans`` input channels: three values (RGB's, ImageNet's) become their
     averages, one value for every channel, where the network takes other than 3; any other values are kept."""
     if in_chans != 3 and len(mean) == 3 and len(std) == 3:
