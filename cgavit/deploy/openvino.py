@@ -525,9 +525,12 @@ WEIGHTS_KEY = "weights"
 
 def weights_record(path: Path) -> dict:
     """The size and SHA-256 of a ``.bin`` (``{"bytes": n, "sha256": hex}``): what an ``.xml`` records of its weights."""
+    digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256")
-        return {"bytes": f.tell(), "sha256": digest.hexdigest()}
+        for chunk in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest is Python 3.11's
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def check_weights(ov_model, path: Path) -> None:
