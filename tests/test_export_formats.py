@@ -819,6 +819,20 @@ BAD_INFOS = [
 ]
 
 
+def test_a_file_that_records_no_class_names_exports_with_imagenets_as_its_own(tmp_path):
+    """A 1000-class file that records no names (official, timm, a bare state dict) was refused by the check of
+    metadata on writing: ImageNet's short names repeat 'crane' and 'maillot', which now carry their synsets."""
+    from cgavit import load_model
+    from cgavit.deploy.formats import export_metadata
+
+    path = tmp_path / "official.pth"
+    torch.save({"model": cgavit.create_model("efficientvit_m0", img_size=32).state_dict()}, path)
+    _, info = load_model(path, "efficientvit_m0")
+    made = export_metadata(info, "onnx", (32, 32))
+    assert len(set(made.class_names)) == 1000 and made.class_names[134] == "crane (n02012849)"
+    assert made.class_names[0] == "tench"
+
+
 @pytest.mark.parametrize("suffix", EXPORTED)
 @pytest.mark.parametrize("given, why", BAD_INFOS)
 def test_metadata_its_reader_would_refuse_is_refused_before_anything_is_written(suffix, given, why, tmp_path):

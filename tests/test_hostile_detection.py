@@ -485,7 +485,7 @@ def test_drawings_never_replace_an_image_nor_each_other(files, tmp_path, capsys)
         assert img.format == "JPEG"
     for suffix in ("tiffx", "h5", "xbm"):  # HDF5: a stub writer; XBM: 1-bit only (both failed after the model ran)
         assert main([*run, str(mine), "--out", str(tmp_path / f"drawn.{suffix}")]) == 2
-        assert "not an image format that can be written" in _one_error_line(capsys.readouterr().err)
+        assert "not an image format a colour drawing can be written in" in _one_error_line(capsys.readouterr().err)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     for folder in "ab":
         (tmp_path / folder / "img.png").write_bytes(kept)
@@ -525,6 +525,18 @@ def test_an_unreadable_validation_image_keeps_the_epoch_it_evaluates(files, tmp_
     assert "val_00001.png" in line and "Epoch 1 was saved before its evaluation" in line and "--resume auto" in line
     assert read_checkpoint(out / "checkpoint.pth")["epoch"] == 1
     assert [r["epoch"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "epoch"] == [1]
+    # Ctrl-C during an evaluation: the epoch's record is kept beside its checkpoint as well (it was lost for good)
+    from cgavit.detection import engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    stopped = tmp_path / "stopped"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(engine, "evaluate", interrupted)
+        assert main([*argv[:argv.index("--val-images") + 1], str(files["val_images"]),
+                     *argv[argv.index("--val-images") + 2:-1], str(stopped)]) == 130  # as Ctrl-C ends any command
+    assert [r["epoch"] for r in map(json.loads, (stopped / "metrics.jsonl").read_text().splitlines()) if r["type"] == "epoch"] == [1]
 
 
 def test_images_under_the_backbones_side_once_padded_are_skipped_by_name(files, tmp_path, capsys):

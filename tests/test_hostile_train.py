@@ -740,6 +740,24 @@ def test_a_resumed_run_takes_the_options_it_records_and_refuses_what_its_state_c
             train(TrainConfig.resume_from(folder / "last.pt", epochs=2))
 
 
+def test_optimisers_with_state_of_their_own_resume(world, tmp_path):
+    """The state check took Adafactor's factored statistics for damage (every such run was refused on resume), and
+    the settings put back after loading restarted Lookahead's step counter, which its groups keep."""
+    from cgavit import create_model
+    from cgavit.train.recipe import build_optimizer
+
+    model = create_model("m0", num_classes=3, img_size=32)
+    optimizer = build_optimizer(model, tiny(opt="adafactor"), 0.01)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    engine.check_optimizer_state(optimizer, "adafactor")  # row and column statistics of their own shapes
+    run = tmp_path / "la"
+    train(tiny(data=str(world["data"]), epochs=1, opt="lookahead_adamw", output=str(run)))
+    train(TrainConfig.resume_from(run / "last.pt", epochs=2))
+    ck = ckpt_io.load(run / "last.pt")
+    assert {g["lookahead_step"] for g in ck["optimizer"]["param_groups"]} == {ck["global_step"]}
+
+
 def test_optimisers_and_teachers_that_cannot_work_are_refused(world, tmp_path):
     """--opt adahessian or fusedsgd on a CPU were tracebacks (the first at the first update); a teacher named with
     --teacher-weights of another number of classes distilled from a classifier left as initialised."""

@@ -1234,7 +1234,7 @@ def test_what_quantize_needs_is_said_before_any_work(trained_digits, tmp_path, c
         raise AssertionError("the checkpoint was loaded")
 
     with monkeypatch.context() as m:
-        m.setattr(quantize_cli, "qat_available", lambda: False)
+        m.setattr(sys.modules["cgavit.deploy.qat"], "qat_available", lambda: False)
         m.setattr(quantize_cli, "load_model", loaded)
         assert main(base + ["--qat"]) == 2
         assert "--qat needs torchao" in capsys.readouterr().err

@@ -234,3 +234,11 @@ def test_a_one_channel_model_is_evaluated_and_predicts_from_the_command_line(tmp
         assert main(["eval", "--data", str(tmp_path / "data"), "--checkpoint", str(path), "--workers", "0",
                      "--json"]) == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out)["n"] == 2
+    # the file beside the checkpoint it was exported from: normalised alike once the channels take the values (it
+    # was refused, three values against their one average); a reference of other channels is named as such
+    eval_ref = ["eval", "--data", str(tmp_path / "data"), "--workers", "0", "--json"]
+    assert main([*eval_ref, "--checkpoint", str(exported), "--reference", str(checkpoint)]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["agreement"] == pytest.approx(100.0)
+    rgb = save_weights(create_model("m0", num_classes=2, img_size=32).eval(), tmp_path / "rgb.safetensors", replace(meta, in_chans=3))
+    assert main([*eval_ref, "--checkpoint", str(checkpoint), "--reference", str(rgb)]) == 2
+    assert "--reference rgb.safetensors takes 3-channel images and the model evaluated 1-channel ones" in capsys.readouterr().err

@@ -20,11 +20,12 @@ from pathlib import Path
 from ..bench.optional import matplotlib_agg
 from ..bounds import check_threads
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
+from ..train.data import list_split
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
 from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
-from ..deploy.qat import qat_available
+from ..deploy.qat import require_qat
 from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes, shared_images
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
@@ -184,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
         setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
     target = checked_target(args)
     checked_numbers(args)
-    if args.qat and not qat_available():  # said before the post-training search, not after it
-        raise ValueError("--qat needs torchao (PT2E quantisation-aware training): pip install 'cgavit[qat]'")
+    if args.qat:  # torchao missing: said before the post-training search, not after it
+        require_qat()
     outputs, runtime = checked_outputs(args)
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
     if runtime == "onnxruntime" and args.float_part != "auto":
@@ -201,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                                                   args.calibration_images, args.eval_images,
                                                   all_calibration_images=True)
     check_held_out_files(calib, evaluated, "calibration")
-    train = qat_images(args, info, evaluated) if args.qat else None
+    if args.qat:
+        check_qat_count(args)
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
           f"{evaluated.source} ({args.holdout:g} of them held out of the search); target: {target.describe()}")
@@ -212,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                       holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
                       threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and set(result.float_layers) <= _no_faster(result)):
-        result = qat_result(args, model, info, (calib, train, evaluated), target, runtime, result, options)
+        result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
     elif args.qat:
         print("--qat: post-training int8 already meets the target with every layer int8 that int8 makes faster; "
               "no fine-tuning needed")
@@ -239,29 +241,30 @@ def check_held_out_files(part: LabelledImages, evaluated: LabelledImages, role: 
                          "about other images; remove the copies from one of the folders")
 
 
-def qat_images(args: argparse.Namespace, info: ModelInfo, evaluated: LabelledImages) -> LabelledImages:
-    """``--qat``'s training images, loaded and checked before the post-training search (none in common with the
-    evaluation images, as many as ``--qat-images`` asks).
+def check_qat_count(args: argparse.Namespace) -> None:
+    """Refuse, before the post-training search, a ``--qat-images`` larger than the training split holds (counted from
+    the folder listing: the images are decoded only when fine-tuning runs, so that they do not take memory for the
+    whole search when it turns out not to be needed).
 
     Raises:
-        ValueError: fewer images than asked, or evaluation images among them.
+        ValueError: fewer images than asked.
     """
-    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
-    if args.qat_images and len(train.images) < args.qat_images:
-        raise ValueError(f"{train.source} holds {len(train.images)} images, fewer than --qat-images {args.qat_images}; "
-                         "give at most that many, or 0 for all")
-    check_held_out_files(train, evaluated, "training")
-    return train
+    _, samples = list_split(args.data, args.train_split)
+    if args.qat_images > len(samples):
+        raise ValueError(f"{Path(args.data) / args.train_split} holds {len(samples)} images, fewer than --qat-images "
+                         f"{args.qat_images}; give at most that many, or 0 for all")
 
 
-def qat_result(args: argparse.Namespace, model, info: ModelInfo,
-               images: tuple[LabelledImages, LabelledImages, LabelledImages], target: QuantizeTarget,
-               runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
+def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[LabelledImages, LabelledImages],
+               target: QuantizeTarget, runtime: str | None, ptq: QuantizeResult, options: Int8Options) -> QuantizeResult:
     """Fine-tune with fake quantisation on DIR/train (in float: the layers ONNX Runtime's int8 did not make
     faster, and the ``--qat-float-layers`` most sensitive others of the post-training search), write the
     int8 file with the learnt ranges and judge it like the post-training builds; the faster result that
-    meets the target (else the one that keeps more decisions). ``images``: calibration, training and evaluation."""
-    calib, train, evaluated = images
+    meets the target (else the one that keeps more decisions). ``images``: calibration and evaluation; the training
+    images are loaded here, none of them an evaluation image."""
+    calib, evaluated = images
+    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
+    check_held_out_files(train, evaluated, "training")
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
     slow = ptq.no_faster.get("onnxruntime", [])
     free = [s.layer for s in slow]

@@ -73,6 +73,12 @@ def _torchao() -> SimpleNamespace:
     )
 
 
+def require_qat() -> None:
+    """Raise ``ValueError`` saying what to install when torchao is missing (:func:`qat_available`)."""
+    if not qat_available():
+        raise ValueError("--qat needs torchao (PT2E quantisation-aware training): pip install 'cgavit[qat]'")
+
+
 def qat_available() -> bool:
     """Whether torchao (PT2E QAT) is installed (checked without importing it)."""
     return importlib.util.find_spec("torchao") is not None
@@ -273,8 +279,7 @@ def quantize_aware(
     Raises:
         ValueError: torchao is not installed (``pip install 'cgavit[qat]'``), or as :func:`~cgavit.deploy.quantize.quantize`.
     """
-    if not qat_available():
-        raise ValueError("--qat needs torchao (PT2E quantisation-aware training): pip install 'cgavit[qat]'")
+    require_qat()
     if not isinstance(train_images, torch.Tensor) or train_images.ndim != 4 or not len(train_images):
         raise ValueError("QAT needs training images (N, C, H, W)")
     if isinstance(evaluation, torch.Tensor) and evaluation.shape[1:] == train_images.shape[1:]:

@@ -641,13 +641,15 @@ def _save_checkpoint(run: _Run, row: dict[str, Any], step: int) -> None:
 
 def _evaluate_epoch(run: _Run, val_set: CocoDetection, row: dict[str, Any]) -> dict[str, float]:
     """COCOeval of the epoch just saved. A validation image that cannot be read stops the run with the
-    epoch's record appended and its checkpoint named (it was saved first)."""
+    epoch's record appended and its checkpoint named (it was saved first); an interruption appends the record too."""
     cfg, env, epoch = run.cfg, run.env, row["epoch"]
     try:
         metrics, summary = evaluate(run.raw_model, val_set, env, cfg.batch_size, cfg.workers)
-    except DataError as err:
+    except BaseException as err:  # a damaged image, Ctrl-C, SIGTERM: the epoch's record goes beside its checkpoint
         if env.is_main:
             append_jsonl(run.metrics_path, row)
+        if not isinstance(err, DataError):
+            raise
         raise DataError(f"{err}. Epoch {epoch} was saved before its evaluation ({run.out / 'checkpoint.pth'}): fix "
                         "the validation data, evaluate it with `cgavit detect eval`, and continue with --resume auto") from None
     if env.is_main:

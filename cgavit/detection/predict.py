@@ -113,8 +113,8 @@ def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
         if len(images) > 1:
             raise ValueError(f"--output {out} looks like a file but {len(images)} images were given; pass a folder")
         if not _writes_pictures(_image_format(out)):
-            raise ValueError(f"--output {out}: {out.suffix} is not an image format that can be written; "
-                             "name it .png or .jpg, or give a folder")
+            raise ValueError(f"--output {out}: {out.suffix} is not an image format a colour drawing can be written in "
+                             "here; name it .png or .jpg, or give a folder")
         drawn = [out]
     else:
         folder, drawn = out or Path("."), []

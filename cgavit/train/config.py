@@ -190,7 +190,7 @@ class TrainConfig:
             raise ValueError("--distillation-type needs --teacher (a model name with --teacher-weights, or a checkpoint)")
         if self.teacher and self.distillation_type == "none":
             raise ValueError("--teacher given without --distillation-type hard|soft")
-        if self.model_ema_eval and not self.model_ema:
+        if self.model_ema_eval and not self.model_ema and not self.resume:  # a run recorded before the rule goes on
             raise ValueError("--model-ema-eval evaluates the EMA weights, which --no-model-ema does not keep; drop one")
         if self.finetune and self.resume:
             raise ValueError("give --finetune (start a new run from weights) or --resume (continue a run), not both")

@@ -515,14 +515,14 @@ def _resume(run: Run, ck: dict) -> None:
     if ck.get("model_ema") is not None:
         check_finite(ck["model_ema"], f"{run.cfg.resume} (its EMA weights)")
     state, env = run.state, run.env
-    typed = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")} for group in run.optimizer.param_groups]
+    typed = [{k: group[k] for k in OPTIMIZER_SETTINGS if k in group} for group in run.optimizer.param_groups]
     try:
         run.model.load_state_dict(ck["model"])
         if run.ema is not None:
             run.ema.module.load_state_dict(ck["model_ema"] if ck.get("model_ema") is not None else ck["model"])
         run.optimizer.load_state_dict(ck["optimizer"])
         for group, settings, peak in zip(run.optimizer.param_groups, typed, run.scheduler.base_values):
-            group.update(settings)  # weight decay, eps, momentum, betas: this invocation's, as the record says
+            group.update(settings)  # this invocation's, as the record says (counters such as Lookahead's stay)
             group["initial_lr"] = peak  # the schedule is this invocation's: the checkpoint gives only where it stands
         if run.scaler.is_enabled() and ck.get("scaler"):
             run.scaler.load_state_dict(ck["scaler"])
@@ -545,9 +545,18 @@ def _resume(run: Run, ck: dict) -> None:
     log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
 
 
+#: The optimiser settings a resumed run takes from its own options (the param groups' keys the options set); the rest
+#: of a group (Lookahead's step counter, ...) is the checkpoint's.
+OPTIMIZER_SETTINGS = ("weight_decay", "eps", "momentum", "betas")
+#: The state every update reads as a tensor of its parameter's shape (Adam's moments, SGD's momentum); others, such
+#: as Adafactor's factored row and column statistics, have shapes of their own.
+PARAMETER_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
 def check_optimizer_state(optimizer: torch.optim.Optimizer, source: object) -> None:
-    """Refuse an optimiser state (loaded from ``source``) whose per-parameter tensors do not have their parameter's
-    shape or hold NaN or inf: the first would fail at the first update, the second make every update NaN.
+    """Refuse an optimiser state (loaded from ``source``) holding NaN or inf, or whose moments
+    (:data:`PARAMETER_SHAPED_STATE`) do not have their parameter's shape: the first would make every update NaN, the
+    second fail at the first update.
 
     Raises:
         CheckpointError: naming the file and what is wrong.
@@ -557,7 +566,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, source: object) -> N
             for key, value in optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value) or value.dim() == 0:  # a step count
                     continue
-                if value.shape != p.shape:
+                if key in PARAMETER_SHAPED_STATE and value.shape != p.shape:
                     raise CheckpointError(f"{source}: its optimiser state {key!r} is {tuple(value.shape)} for a parameter "
                                           f"of {tuple(p.shape)}; the file is damaged (resume from another checkpoint)")
                 if not torch.isfinite(value).all():

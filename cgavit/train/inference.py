@@ -101,7 +101,7 @@ def evaluate_checkpoint(
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
                              pin_memory=env.device.type == "cuda", strict=strict)
         against = None if reference is None else check_reference(reference, info, num_classes, (size, pct, interp),
-                                                                  env.device, trust)
+                                                                  env.device, trust, input_channels(model))
         res = _checked_metrics(evaluate(model, loader, env, reference=against), len(ds), split_dir, checkpoint)
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
                    world_size=env.world, num_classes=num_classes, **({} if reference is None else {"reference": str(reference)}))
@@ -146,17 +146,18 @@ def eval_transform(info: ModelInfo, channels: int, size: int, crop_pct: float, i
 
 
 def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, transform: tuple[int, float, str],
-                    device: torch.device, trust: bool = False) -> nn.Module:
+                    device: torch.device, trust: bool = False, channels: int = 3) -> nn.Module:
     """The model to compare an evaluated one with: a checkpoint that records its network (as files written here do),
     or an exported file, opened for the evaluated model's images (``transform``: their size, crop fraction and
     interpolation) once it predicts the same classes as that model (``info``, ``num_classes``) and normalises as it
     does: the images are prepared once, for the evaluated model (another crop or interpolation is warned about).
-    ``trust``: allow pickled objects in it, as in the evaluated file.
+    ``trust``: allow pickled objects in it, as in the evaluated file. ``channels``: the evaluated model's input channels.
 
     Raises:
         ValueError: no such file, one that cannot be read or that does not record its network, an exported file
-            for another image size, another class count, other recorded class names, or another mean and std; the
-            message starts with ``--reference``.
+            for another image size, another class count, other recorded class names, other input channels, or
+            another mean and std (as the images' channels take them: :func:`eval_transform`); the message starts
+            with ``--reference``.
     """
     size, crop_pct, interpolation = transform
     name = Path(reference).name
@@ -183,9 +184,13 @@ def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, tr
         raise ValueError(f"--reference {name} predicts other classes ({classes}: {', '.join(ref.class_names[:3])}, ...) "
                          f"than the model evaluated ({num_classes}: {', '.join(info.class_names[:3])}, ...); give the "
                          "checkpoint it was exported or quantised from")
-    if not (_close(ref.mean, info.mean) and _close(ref.std, info.std)):
-        raise ValueError(f"--reference {name} normalises with mean {tuple(ref.mean)} and std {tuple(ref.std)}, the model "
-                         f"evaluated with {tuple(info.mean)} and {tuple(info.std)}: they would not see the same images")
+    if input_channels(model) != channels:
+        raise ValueError(f"--reference {name} takes {input_channels(model)}-channel images and the model evaluated "
+                         f"{channels}-channel ones; give the checkpoint it was exported or quantised from")
+    (ref_mean, ref_std), (mean, std) = (channel_normalisation(i.mean, i.std, channels) for i in (ref, info))
+    if not (_close(ref_mean, mean) and _close(ref_std, std)):
+        raise ValueError(f"--reference {name} normalises with mean {ref_mean} and std {ref_std}, the model "
+                         f"evaluated with {mean} and {std}: they would not see the same images")
     return model
 
 
