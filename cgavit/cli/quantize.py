@@ -14,6 +14,8 @@ import logging
 import math
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.qat import require_qat
-from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, float_reasons, quant_runtimes, shared_images
+from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, SharedImagesError, float_reasons, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import atomic_write, replace_together, staging, write_json, write_text
@@ -201,18 +203,18 @@ def run(args: argparse.Namespace) -> int:
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
                                                   all_calibration_images=True)
-    check_held_out_files(calib, evaluated, "calibration")
     if args.qat:
         check_qat_count(args)
     size = (info.img_size, info.img_size)
     print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
           f"{evaluated.source} ({args.holdout:g} of them held out of the search); target: {target.describe()}")
     options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
-    result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels, options=options,
-                      sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
-                      profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
-                      holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
-                      threads=args.threads, warmup=args.warmup, repeats=args.repeats)
+    with files_named(evaluated, calibration=calib):  # the images' check is the library's first step
+        result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels,
+                          options=options, sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
+                          profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
+                          holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
+                          threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     if args.qat and not (result.meets_target and set(result.float_layers) <= _no_faster(result)):
         result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
     elif args.qat:
@@ -226,19 +228,18 @@ def _no_faster(result: QuantizeResult) -> set[str]:
     return {s.layer for s in result.no_faster.get(result.runtime, [])}
 
 
-def check_held_out_files(part: LabelledImages, evaluated: LabelledImages, role: str) -> None:
-    """Refuse evaluation images that are, bit for bit, ``role`` images too (a copy under another name), naming a
-    pair of files; the library refuses them as well, but knows no files.
-
-    Raises:
-        ValueError: how many, and the first pair.
-    """
-    shared = shared_images(part.images, evaluated.images)
-    if shared:
-        i, j = shared[0]
-        raise ValueError(f"{len(shared)} of the {len(evaluated.images)} evaluation images are {role} images too, e.g. "
-                         f"{evaluated.files[j]} is {part.files[i]}: int8 judged on its own {role} images says nothing "
-                         "about other images; remove the copies from one of the folders")
+@contextmanager
+def files_named(evaluated: LabelledImages, **parts: LabelledImages) -> Iterator[None]:
+    """The library's refusal of evaluation images that are, bit for bit, calibration or training images too (a copy
+    under another name), with a pair of their files named: the library knows the images, not the files. ``parts``: the
+    images given to the library under each role (``calibration=``, ``training=``)."""
+    try:
+        yield
+    except SharedImagesError as err:
+        if err.role not in parts:
+            raise
+        i, j = err.pairs[0]
+        raise ValueError(err.describe(f", e.g. {evaluated.files[j]} is {parts[err.role].files[i]}")) from None
 
 
 def check_qat_count(args: argparse.Namespace) -> None:
@@ -264,7 +265,6 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     images are loaded here, none of them an evaluation image."""
     calib, evaluated = images
     train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
-    check_held_out_files(train, evaluated, "training")
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
     slow = ptq.no_faster.get("onnxruntime", [])
     free = [s.layer for s in slow]
@@ -279,10 +279,11 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     print(f"--qat: fine-tuning {args.epochs} epoch(s) on {len(train.images)} images of {train.source}, "
           "fake-quantised (torch PT2E QAT), distilled from the fp32 model; "
           + (f"float: {'; '.join(kinds)}" if kinds else "every layer int8"))
-    qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime, labels=evaluated.labels,
-                         config=cfg, options=options, float_layers=keep,
-                         info=export_info(info, (info.img_size, info.img_size), getattr(model, "in_chans", 3)), holdout=args.holdout, threads=args.threads,
-                         warmup=args.warmup, repeats=args.repeats)
+    with files_named(evaluated, calibration=calib, training=train):
+        qat = quantize_aware(model, calib.images, train.images, evaluated.images, target, runtime,
+                             labels=evaluated.labels, config=cfg, options=options, float_layers=keep,
+                             info=export_info(info, (info.img_size, info.img_size), getattr(model, "in_chans", 3)),
+                             holdout=args.holdout, threads=args.threads, warmup=args.warmup, repeats=args.repeats)
     qat.sensitivity, qat.reasons = ptq.sensitivity, float_reasons(ranked, keep, slow)  # why they stayed float
     qat.no_faster = {"onnxruntime": slow}
     print(f"post-training: {ptq.describe_point()}\nquantization-aware: {qat.describe_point()}")

@@ -580,17 +580,35 @@ def shared_images(images: torch.Tensor, evaluation: torch.Tensor) -> list[tuple[
     return [(seen[d], j) for j, d in enumerate(digests(evaluation)) if d in seen]
 
 
+class SharedImagesError(ValueError):
+    """Evaluation images that are also calibration or training images (:func:`check_held_out`).
+
+    Attributes:
+        pairs: ``(index among those images, index among the evaluation images)`` of each shared one, by which a
+            caller that knows the files can name them (:meth:`describe`).
+    """
+
+    def __init__(self, pairs: list[tuple[int, int]], total: int, role: str) -> None:
+        self.pairs, self.total, self.role = pairs, total, role
+        super().__init__(self.describe())
+
+    def describe(self, example: str = "") -> str:
+        """The message, with ``example`` (e.g. ``", e.g. A is B"``) after the count."""
+        return (f"{len(self.pairs)} of the {self.total} evaluation images are {self.role} images too{example}: int8 "
+                f"judged on its own {self.role} images says nothing about other images; give held-out images to "
+                "evaluate on")
+
+
 def check_held_out(images: torch.Tensor, evaluation: torch.Tensor, role: str) -> None:
     """Refuse evaluation images that are also ``role`` images (calibration, training): int8 judged on images it was
     calibrated or fine-tuned on says nothing about other images.
 
     Raises:
-        ValueError: how many are shared.
+        SharedImagesError: how many are shared, and which (a ``ValueError``).
     """
     shared = shared_images(images, evaluation)
     if shared:
-        raise ValueError(f"{len(shared)} of the {len(evaluation)} evaluation images are {role} images too: int8 judged "
-                         f"on its own {role} images says nothing about other images; give held-out images to evaluate on")
+        raise SharedImagesError(shared, len(evaluation), role)
 
 
 def _check_settings(target: object, options: object, timing: tuple) -> None:

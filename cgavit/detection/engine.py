@@ -465,10 +465,11 @@ def _check_one_image_batches(cfg: DetectionTrainConfig, train_set: CocoDetection
     of one image whose stride-64 map is 1x1: one value per channel, which BatchNorm cannot train on."""
     if cfg.freeze_bn or min(cfg.batch_size, math.ceil(len(train_set) / world)) > 1:
         return  # with --train-bn every batch holds this many images (_drop_last)
+    resize = _resize(cfg)
     for image_id in train_set.ids:
         info = train_set.coco.imgs[image_id]
-        if coarsest_map_size(info["width"], info["height"], _resize(cfg)) == (1, 1):
-            w, h = _resize(cfg).resized(info["width"], info["height"])
+        if coarsest_map_size(info["width"], info["height"], resize) == (1, 1):
+            w, h = resize.resized(info["width"], info["height"])
             raise ValueError(
                 f"--train-bn with batches of one image cannot train on image {image_id} ({info['file_name']}): resized to "
                 f"{w}x{h} px (--min-size {cfg.min_size}, --max-size {cfg.max_size}), its stride-64 map is 1x1, one value per "
