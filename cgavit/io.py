@@ -106,7 +106,9 @@ def sniff_format(path: str | os.PathLike) -> str:
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
     """Call ``write(tmp_path)`` then rename the result onto ``path``; returns ``path``.
 
-    The parent folder is created if needed. The file gets the mode ``open()`` would give it.
+    The parent folder is created if needed. The file gets the mode ``open()`` would give it. Its contents reach the
+    disk before the rename, and the rename before this returns (:func:`_sync`), so a power cut leaves the old file
+    or the new one, never an empty or partial file under ``path``.
 
     Raises:
         WriteError: the folder or file could not be written (the old file, if any, is kept); its
@@ -127,7 +129,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file open()'s usual mode
+        _sync(tmp)
         os.replace(tmp, path)
+        _sync(path.parent)
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         _remove(tmp)
         raise write_error(path, err) from None
@@ -181,6 +185,12 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
             raise write_error(Path(dest), IsADirectoryError(errno.EISDIR, "Is a directory"))
     aside: list[tuple[Path, Path]] = []  # (destination, its old file, moved aside until the end)
     placed: list[Path] = []
+    try:
+        for tmp, _ in moves:
+            if tmp is not None:
+                _sync(tmp)
+    except OSError as err:
+        raise write_error(Path(moves[0][1]), err) from None
     with stop_signals_deferred():
         try:
             for tmp, dest in moves:
@@ -200,6 +210,11 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
             raise write_error(Path(moves[0][1]), err) from None
         for _, kept in aside:
             _remove(str(kept))
+    try:
+        for folder in {Path(dest).parent for _, dest in moves}:
+            _sync(folder)
+    except OSError as err:
+        raise write_error(Path(moves[0][1]), err) from None
 
 
 @contextmanager
@@ -227,6 +242,29 @@ def staging(dest: str | os.PathLike) -> Iterator[Path]:
             meant = folder / Path(err.filename).relative_to(tmp)
             reason = err.reason or os.strerror(err.errno or errno.EIO)
             raise _described(meant, err.errno, reason, err.advice or "check the disk and run again") from None
+
+
+def _sync(path: str | os.PathLike) -> None:
+    """Flush a file's contents, or a folder's entries (a rename), to the disk. A folder that cannot be opened or
+    flushed (Windows; some network and FUSE file systems) is left to the file system's own guarantee."""
+    if not os.path.isdir(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _remove(tmp: str) -> None:
