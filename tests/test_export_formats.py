@@ -604,6 +604,42 @@ def test_a_one_channel_network_exports_a_file_cgavit_opens(suffix, tmp_path):
         assert (module(x) - model(x)).abs().max() < 1e-3
 
 
+def test_a_one_channel_checkpoint_is_exported_and_checked_on_greyscale_images(tmp_path, capsys):
+    """``cgavit export --data`` (and quantize, bench's precision check) read the images as RGB whatever the model
+    took: a 1-channel checkpoint's check was ONNX Runtime's "invalid dimensions" traceback, quantize's a line telling
+    the user to convert the images. The images are now read with the model's channels, as eval reads them."""
+    import numpy as np
+    from PIL import Image
+
+    from cgavit.bench.precision import calibration_and_evaluation
+    from cgavit.testing import randomize_
+    from cgavit.train.data import build_transform
+    from cgavit.weights import WeightsMeta, save_weights
+
+    model = randomize_(cgavit.create_model("m0", num_classes=2, img_size=32, in_chans=1), seed=3).eval()
+    meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=2, img_size=32, crop_pct=1.0,
+                       interpolation="bilinear", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), class_names=("p", "q"),
+                       in_chans=1)
+    checkpoint = save_weights(model, tmp_path / "gray.safetensors", meta)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for name in ("p", "q"):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(3):
+                pixels = (rng.random((40, 40, 3)) * 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / name / f"{i}.png")
+    _, info = cgavit.load_model(checkpoint)
+    calib, evaluated = calibration_and_evaluation(tmp_path / "data", "train", "val", info, 2, 6, channels=1)
+    grey = build_transform(32, False, interpolation="bilinear", crop_pct=1.0, mean=(0.4,), std=(0.25,))
+    assert calib.images.shape == (6, 1, 32, 32)
+    first = Image.open(evaluated.files[0]).convert("L")
+    assert torch.equal(evaluated.images[0], grey(first))
+    out = tmp_path / "gray.onnx"
+    assert main(["export", "--checkpoint", str(checkpoint), "--data", str(tmp_path / "data"),
+                 "--output", str(out)]) == 0, capsys.readouterr().err
+    assert "top-1 agreement 100.0% on 6 images" in capsys.readouterr().out
+
+
 def test_export_info_records_the_models_own_preprocessing():
     """What a file records: a loaded model's names and preprocessing, or ImageNet's for none; a mean and std that
     fit no channel count are refused before anything is written."""

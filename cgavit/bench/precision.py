@@ -29,8 +29,9 @@ from ..deploy.agreement import NoiseFloor, batched_logits, noise_floor
 from ..deploy.formats import runtime_path
 from ..factory import ModelInfo, load_model
 from ..timing import round_robin
-from ..train.data import build_transform, list_split, load_transformed
+from ..train.data import list_split, load_transformed
 from ..train.data.layout import same_split
+from ..train.inference import eval_transform
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +81,21 @@ CALIBRATION_IMAGES = 256
 CALIBRATION_SEED = 1
 
 
-def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0, seed: int = 0) -> LabelledImages:
+def load_labelled(root: str | Path, split: str, info: ModelInfo, limit: int = 0, seed: int = 0, *,
+                  channels: int = 3) -> LabelledImages:
     """``limit`` images (0: all) of ``root/split/<class>/`` in a seeded random order, preprocessed with
-    the checkpoint's evaluation transform (its size, crop, interpolation, mean and std).
+    the checkpoint's evaluation transform (its size, crop, interpolation, mean and std) for a model taking
+    ``channels``-channel images: greyscale for 1, RGB for 3 (:func:`~cgavit.train.inference.eval_transform`).
 
     Raises:
         ValueError: the split folder is missing or malformed (the message says the layout), or its images would
-            not fit in memory (:data:`MEMORY_SHARE`).
+            not fit in memory (:data:`MEMORY_SHARE`), or ``channels`` is neither 1 nor 3.
     """
+    transform = eval_transform(info, channels, info.img_size, info.crop_pct, info.interpolation)
     classes, samples = list_split(root, split)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     chosen = [samples[i] for i in (order[:limit] if limit > 0 else order)]
-    _check_fits_in_memory(len(chosen), 4 * 3 * info.img_size ** 2, Path(root) / split)
-    transform = build_transform(info.img_size, False, interpolation=info.interpolation, crop_pct=info.crop_pct,
-                                mean=info.mean, std=info.std)
+    _check_fits_in_memory(len(chosen), 4 * channels * info.img_size ** 2, Path(root) / split)
     images = torch.stack([load_transformed(path, transform) for path, _ in chosen])  # (N, C, H, W)
     labels = torch.tensor([label for _, label in chosen])
     return LabelledImages(images, labels, str(Path(root) / split), classes, len(samples), tuple(p for p, _ in chosen))
@@ -136,15 +138,17 @@ def free_memory() -> int | None:
     return None
 
 
-def load_calibration(root: str | Path, split: str, info: ModelInfo, limit: int = CALIBRATION_IMAGES) -> LabelledImages:
+def load_calibration(root: str | Path, split: str, info: ModelInfo, limit: int = CALIBRATION_IMAGES, *,
+                     channels: int = 3) -> LabelledImages:
     """The ``limit`` images of ``root/split`` that int8 is calibrated on: :func:`load_labelled` in the order every
     cgavit command draws them (:data:`CALIBRATION_SEED`)."""
-    return load_labelled(root, split, info, limit, seed=CALIBRATION_SEED)
+    return load_labelled(root, split, info, limit, seed=CALIBRATION_SEED, channels=channels)
 
 
 def calibration_and_evaluation(
     root: str | Path, train_split: str, val_split: str, info: ModelInfo, num_classes: int | None,
     calibration_images: int = CALIBRATION_IMAGES, eval_images: int = 0, *, all_calibration_images: bool = False,
+    channels: int = 3,
 ) -> tuple[LabelledImages, LabelledImages]:
     """The images int8 is calibrated on (:func:`load_calibration` of ``root/train_split``) and the labelled images
     it is judged on (``eval_images`` of ``root/val_split``, 0: all): the one place every int8 command loads them.
@@ -154,6 +158,7 @@ def calibration_and_evaluation(
             records, where it records them: the labels are then the model's indices of those names); None for a
             model without trained classes (random weights).
         all_calibration_images: refuse a folder that holds fewer than ``calibration_images`` images.
+        channels: the model's input channels, 1 or 3 (:func:`load_labelled`).
 
     Raises:
         ValueError: the same folder for both, however it is spelt (int8 judged on its own calibration images says
@@ -175,8 +180,8 @@ def calibration_and_evaluation(
         for split, classes in folders.items():
             check_classes(Path(root) / split, classes, info, num_classes)
     _check_eval_count(val_dir, len(splits[val_split][1]), eval_images)
-    calib = load_calibration(root, train_split, info, calibration_images)
-    evaluated = load_labelled(root, val_split, info, eval_images)
+    calib = load_calibration(root, train_split, info, calibration_images, channels=channels)
+    evaluated = load_labelled(root, val_split, info, eval_images, channels=channels)
     shared = same_files(calib.files, evaluated.files)
     if shared:
         raise ValueError(f"{len(shared)} of the evaluation images are calibration images too, under another name (e.g. "
@@ -191,7 +196,7 @@ def calibration_and_evaluation(
 
 
 def evaluation_images(root: str | Path, split: str, info: ModelInfo, num_classes: int | None,
-                      eval_images: int = 0) -> LabelledImages:
+                      eval_images: int = 0, *, channels: int = 3) -> LabelledImages:
     """The labelled images of ``root/split`` a file is judged on where nothing is calibrated (fp32): as the
     evaluation half of :func:`calibration_and_evaluation`, without a training split.
 
@@ -203,7 +208,7 @@ def evaluation_images(root: str | Path, split: str, info: ModelInfo, num_classes
     if num_classes is not None:
         check_classes(Path(root) / split, classes, info, num_classes)
     _check_eval_count(Path(root) / split, len(files), eval_images)
-    evaluated = load_labelled(root, split, info, eval_images)
+    evaluated = load_labelled(root, split, info, eval_images, channels=channels)
     return _in_model_order(evaluated, info) if num_classes is not None and info.names_recorded else evaluated
 
 
@@ -334,7 +339,7 @@ def checkpoint_precision(
         raise ValueError(f"--calibration-images must be at least 1, got {calibration_images}")
     model, info = load_model(checkpoint, trust=trust)
     calib, evaluated = calibration_and_evaluation(data, train_split, val_split, info, model.num_classes,
-                                                  calibration_images, eval_images)
+                                                  calibration_images, eval_images, channels=model.in_chans)
     batches = list(calib.images.split(batch))
     x = evaluated.images[torch.arange(batch) % len(evaluated.images)]  # real images as the example batch
     paths = inference_paths(model, x, batches, runtimes, compile)

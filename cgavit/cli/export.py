@@ -36,8 +36,10 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
     return create_model(args.model, img_size=size, **dials_from_args(args)), ModelInfo([], img_size=size[0]), size
 
 
-def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[LabelledImages | None, LabelledImages | None]:
-    """With ``--data``: training images to calibrate int8 on (none for fp32) and validation images to check against."""
+def calibration_and_check(args: argparse.Namespace, info: ModelInfo,
+                          channels: int) -> tuple[LabelledImages | None, LabelledImages | None]:
+    """With ``--data``: training images to calibrate int8 on (none for fp32) and validation images to check against,
+    read for a model of ``channels`` input channels."""
     if args.calibration_images < 1 or args.eval_images < 0 or args.batch < 1:
         raise ValueError("--calibration-images and --batch must be at least 1, --eval-images at least 0")
     ignored = [flag for flag, given in (
@@ -56,10 +58,12 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo) -> tuple[La
         return None, None
     num_classes = len(info.class_names) if info.names_recorded else None  # a file without names: any labelled folder
     if args.precision != "int8":  # nothing to calibrate: DIR/val alone
-        return None, evaluation_images(args.data, args.val_split, info, num_classes, args.eval_images)
+        return None, evaluation_images(args.data, args.val_split, info, num_classes, args.eval_images,
+                                       channels=channels)
     return calibration_and_evaluation(args.data, args.train_split, args.val_split, info, num_classes,
                                       args.calibration_images, args.eval_images,
-                                      all_calibration_images=args.precision == "int8")  # never fewer than asked
+                                      all_calibration_images=args.precision == "int8",  # never fewer than asked
+                                      channels=channels)
 
 
 def output_format(args: argparse.Namespace) -> str:
@@ -105,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     # refused before the work, not when the build is moved into place: a folder where the file (or .bin) goes
     out = ir_path(args.output) if args.format == "openvino" else named_output(args.output, fmt.suffix,
                                                                                f"a file for {fmt.runtime}")
-    metadata = export_metadata(info, args.format, size, getattr(model, "in_chans", 3))  # refused before the work too
+    channels = getattr(model, "in_chans", 3)
+    metadata = export_metadata(info, args.format, size, channels)  # refused before the work too
     with staging(out) as tmp:  # the build is made and checked beside its destination, moved there if it passes
-        calib, check = calibration_and_check(args, info)
+        calib, check = calibration_and_check(args, info, channels)
         batches = list(calib.images.split(16)) if calib is not None else None
         built = export_model(model, tmp / out.name, args.format, size, args.precision, batches, args.batch,
                              info=metadata)

@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     info = replace(info, img_size=args.img_size or info.img_size)
     calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
                                                   args.calibration_images, args.eval_images,
-                                                  all_calibration_images=True)
+                                                  all_calibration_images=True, channels=model.in_chans)
     if args.qat:
         check_qat_count(args)
     size = (info.img_size, info.img_size)
@@ -264,7 +264,7 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     meets the target (else the one that keeps more decisions). ``images``: calibration and evaluation; the training
     images are loaded here, none of them an evaluation image."""
     calib, evaluated = images
-    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2)
+    train = load_labelled(args.data, args.train_split, info, args.qat_images, seed=2, channels=model.in_chans)
     cfg = QatConfig(epochs=args.epochs, lr=args.qat_lr, batch_size=args.qat_batch)
     slow = ptq.no_faster.get("onnxruntime", [])
     free = [s.layer for s in slow]

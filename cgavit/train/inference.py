@@ -135,10 +135,10 @@ def eval_transform(info: ModelInfo, channels: int, size: int, crop_pct: float, i
     :func:`~cgavit.deploy.metadata.channel_normalisation`).
 
     Raises:
-        ValueError: another channel count: eval and predict read images as greyscale or RGB.
+        ValueError: another channel count: the commands read images as greyscale or RGB.
     """
     if channels not in (1, 3):
-        raise ValueError(f"the model takes {channels}-channel images, and eval and predict read images as greyscale (1 "
+        raise ValueError(f"the model takes {channels}-channel images, and cgavit's commands read images as greyscale (1 "
                          "channel) or RGB (3): feed it from Python, with images of its channels")
     mean, std = channel_normalisation(info.mean, info.std, channels)
     transform = build_transform(size, False, interpolation=interpolation, crop_pct=crop_pct, mean=mean, std=std)
