@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -36,6 +37,31 @@ def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tenso
     dy = (ys[:, None] - ys[None, :]).abs()
     dx = (xs[:, None] - xs[None, :]).abs()
     return dy * window + dx  # (N, N)
+
+
+def query_kernels(kernels: Sequence[int], heads: int) -> tuple[int, ...]:
+    """The depthwise kernel on each of ``heads`` heads' queries: the listed ones in order, the last repeated for
+    more heads than the list (the published table lists four)."""
+    kernels = tuple(kernels)
+    return (kernels + kernels[-1:] * heads)[:heads]
+
+
+#: Each window's full index, one tensor per window side and device for every module that holds it (held weakly:
+#: freed with the last module). It is ``(window**2, window**2)`` int64 (128 MiB at the largest window, 64), and a
+#: copy per module made a small file of many attention modules at that window ask for gigabytes when built.
+_SHARED_INDEX: weakref.WeakValueDictionary[tuple[int, str], torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def shared_window_index(window: int, device=None) -> torch.Tensor:
+    """:func:`relative_bias_index` of a full ``window x window`` window on ``device``, the one tensor every
+    module at that window shares there (never written to: an index)."""
+    device = torch.device(device if device is not None else "cpu")
+    index = _SHARED_INDEX.get((window, str(device)))
+    if index is None:
+        with torch.inference_mode(False):  # an ordinary tensor even when made under inference mode
+            index = relative_bias_index(window, window, window, device)
+        _SHARED_INDEX[(window, str(index.device))] = index
+    return index
 
 
 def window_bias(bias_full: torch.Tensor, window: int, h: int, w: int) -> torch.Tensor:
@@ -179,11 +205,9 @@ class CascadedGroupAttention(CascadedHeads):
         super().__init__()
         check_attention_dims(dim, key_dim, num_heads, value_dim, cascade, group_split)
         value_dim = value_width(dim, num_heads, key_dim, None) if value_dim is None else value_dim
-        kernels = list(kernels) if kernels is not None else [5] * num_heads
-        if len(kernels) < num_heads:  # more heads than the published table lists: reuse the last
-            kernels = kernels + [kernels[-1]] * (num_heads - len(kernels))
-        if any(k < 1 or k % 2 == 0 for k in kernels[:num_heads]):
-            raise ValueError(f"query kernels must be odd and positive, got {kernels[:num_heads]}")
+        kernels = query_kernels(tuple(kernels) if kernels is not None else (5,), num_heads)
+        if len(kernels) < num_heads or any(k < 1 or k % 2 == 0 for k in kernels):
+            raise ValueError(f"query kernels must be odd and positive, got {list(kernels)}")
         self.dim = dim
         self.num_heads = num_heads
         self.key_dim = key_dim
@@ -196,14 +220,12 @@ class CascadedGroupAttention(CascadedHeads):
         self.qkvs = nn.ModuleList(
             ConvBN(in_per_head, 2 * key_dim + value_dim) for _ in range(num_heads)
         )
-        self.dws = nn.ModuleList(
-            ConvBN(key_dim, key_dim, k, 1, k // 2, groups=key_dim) for k in kernels[:num_heads]
-        )
+        self.dws = nn.ModuleList(ConvBN(key_dim, key_dim, k, 1, k // 2, groups=key_dim) for k in kernels)
         self.proj = nn.Sequential(nn.ReLU(), ConvBN(value_dim * num_heads, dim, bn_weight_init=0.0))
         self.attention_biases = nn.Parameter(torch.zeros(num_heads, window * window))
-        self.register_buffer(
-            "attention_bias_idxs", relative_bias_index(window, window, window), persistent=False
-        )
+        # on the table's device: a build under ``with torch.device("meta")`` makes both there
+        self.register_buffer("attention_bias_idxs", shared_window_index(window, self.attention_biases.device),
+                             persistent=False)
 
     def full_window_index(self) -> torch.Tensor:
         """The full window's index into the bias table, on the table's device. The index is arithmetic, not
@@ -214,14 +236,12 @@ class CascadedGroupAttention(CascadedHeads):
         return self.attention_bias_idxs
 
     def _rebuild_index(self) -> None:
-        with torch.inference_mode(False):  # an ordinary tensor even when rebuilt under inference mode
-            self.attention_bias_idxs = relative_bias_index(self.window, self.window, self.window,
-                                                           self.attention_biases.device)
+        self.attention_bias_idxs = shared_window_index(self.window, self.attention_biases.device)
 
     def _apply(self, fn, recurse: bool = True):
         before = self.attention_bias_idxs
         super()._apply(fn, recurse)
-        # a new index tensor is a moved or, after to_empty(), an uninitialised one: computed again where the table is
+        # a new index tensor is a moved or, after to_empty(), an uninitialised one: the shared one where the table is
         if self.attention_bias_idxs is not before or self.attention_bias_idxs.device != self.attention_biases.device:
             self._rebuild_index()
         return self

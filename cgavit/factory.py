@@ -223,7 +223,7 @@ def load_model(
     """
     _check_load_switches(path, model_name, pretrained, use_ema, trust)
     if path is None:
-        model = create_model(model_name, pretrained=True, **({"img_size": img_size} if img_size else {}), **(dials or {}))
+        model = create_model(model_name, pretrained=True, **({"img_size": img_size} if img_size is not None else {}), **(dials or {}))
         return model.eval().to(device), ModelInfo(class_names(model.num_classes), img_size=model.img_size[0],
                                                    source=f"{model_name} (published)")
     wf = read_weights_file(path, trust)
@@ -235,7 +235,7 @@ def load_model(
         raise ValueError(f"{wf.path} records its own architecture; drop the dial options ({sorted(dials)})")
     if model_name and meta.model and resolve_name(model_name) != meta.model:
         log.warning("--model %s differs from the checkpoint's %s; using the checkpoint's", model_name, meta.model)
-    size = img_size or meta.input_size or meta.img_size
+    size = img_size if img_size is not None else meta.input_size or meta.img_size
     with torch.device("meta"):  # the architecture, allocating nothing, to check the tensors against
         shape = _build(meta, size)
     fitted, report = fit_state_dict(sd, shape.state_dict(), str(wf.path), meta.num_classes)

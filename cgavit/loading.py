@@ -25,7 +25,7 @@ from .model import convert_state_dict
 from .schema import (check_finite, check_state_dict, check_tensor, check_training_checkpoint, is_training_checkpoint,
                      is_weights_meta, parse_weights_meta, shown, training_meta)
 from .variants import EfficientViTConfig
-from .weights import WeightsFile, read_weights_file, unwrap_state_dict
+from .weights import WeightsFile, is_fused, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,36 @@ def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: ob
 
 
 def _check_complete(sd: Mapping, target: Mapping, report: dict, source: str) -> None:
-    """Every model tensor must come from the file, except heads deliberately left as initialised."""
+    """Every model tensor must come from the file, except heads deliberately left as initialised (the classifier,
+    BatchNorm included, where the file has none: a ``num_classes=0`` file) and BatchNorm's step counters
+    (``num_batches_tracked``: ``load_state_dict`` does not ask for them either, and some converters drop them)."""
+    file_headless = not any(k.startswith("head.") for k in (*sd, *report["skipped"]))
     for key in target:
-        if key in sd:
+        if key in sd or key.endswith(".num_batches_tracked"):
             continue
-        if key.startswith("head_dist.") or (key.startswith("head.linear.") and "head.linear.weight" in report["skipped"]):
+        if (key.startswith("head_dist.") or (key.startswith("head.") and file_headless)
+                or (key.startswith("head.linear.") and "head.linear.weight" in report["skipped"])):
             report["missing"].append(key)
             continue
         raise CheckpointError(
             f"{source}: the model's {key!r} (shape {tuple(target[key].shape)}) is not in the checkpoint; "
             "it is incomplete or for another variant"
         )
+
+
+def _distillation_head_from_class_head(sd: dict, report: dict, source: str) -> None:
+    """A distillation head the file lacks starts as a copy of the file's class head, where that head is the
+    file's own (not left as initialised for another class count): the model then predicts as the file's network
+    did (both heads averaged give the one head), until training moves them apart. A head of random weights
+    averaged in would change every output silently."""
+    wanted = [k for k in report["missing"] if k.startswith("head_dist.")]
+    pairs = {k: "head." + k[len("head_dist."):] for k in wanted}
+    if not wanted or any(v not in sd for v in pairs.values()):
+        return
+    for dist, head in pairs.items():
+        sd[dist] = sd[head].clone()
+        report["missing"].remove(dist)
+    log.info("%s has no distillation head: the model's starts as a copy of its class head", source)
 
 
 def load_checkpoint(
@@ -152,9 +171,13 @@ def load_checkpoint(
     Raises:
         CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
             and both shapes).
+        ValueError: a fused model.
     """
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
+    if is_fused(model):
+        raise ValueError("the model is fused (BatchNorm folded), and checkpoints hold the unfused network's tensors; "
+                         "load into the model before fusing it, and fuse after loading")
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
     wf = WeightsFile(Path(source), "torch", path) if isinstance(path, Mapping) else read_weights_file(path, trust)
     raw = unwrap_state_dict(wf.content, source, prefer_ema)  # a mapping as a file holding it
@@ -166,6 +189,7 @@ def load_checkpoint(
     check_recorded_architecture(model, recorded, source)
     sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))
     check_finite(sd, source)
+    _distillation_head_from_class_head(sd, report, source)
     model.load_state_dict(sd, strict=False)
     if report["resized"]:
         log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))

@@ -206,7 +206,8 @@ _FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_finite(state_dict: Mapping[str, torch.Tensor], source: object) -> None:
     """Raise :class:`CheckpointError` when a floating-point tensor holds NaN or inf (a run that diverged,
-    or a damaged file): such weights predict nonsense."""
+    or a damaged file), or a BatchNorm's running variance is negative (a damaged file: its square root is NaN in
+    every output): such weights predict nonsense."""
     for key, value in state_dict.items():
         if value.is_floating_point() and value.dtype not in _FINITE_CHECKED:
             value = value.float()  # float8: torch has no isfinite for it
@@ -215,6 +216,9 @@ def check_finite(state_dict: Mapping[str, torch.Tensor], source: object) -> None
                 f"{source}: the checkpoint's weights contain NaN/inf (first in {shown(key)}); the training diverged or "
                 "the file is damaged. Use an earlier checkpoint"
             )
+        if key.endswith("running_var") and value.is_floating_point() and bool((value < 0).any()):
+            raise CheckpointError(f"{source}: the BatchNorm variance {shown(key)} holds negative values, which no "
+                                  "training writes; the file is damaged. Use an earlier checkpoint")
 
 
 # ----------------------------------------------------------------------------------------- metadata

@@ -9,7 +9,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .attention import check_attention_dims
+from .attention import check_attention_dims, query_kernels
 from .reallocation import allocation_dials, allocation_of, value_width
 
 #: ImageNet normalisation, the same numbers as ``timm.data.IMAGENET_DEFAULT_MEAN/STD`` (a test checks);
@@ -166,8 +166,12 @@ class EfficientViTConfig:
                 raise DialError(dial, f"stage {i + 1}: {err}") from None
 
     def differs_from(self, other: "EfficientViTConfig") -> list[str]:
-        """The fields (dials, widths, depths, ...) whose value here is not ``other``'s, in declaration order."""
-        return [name for name in self.__dataclass_fields__ if getattr(self, name) != getattr(other, name)]
+        """The fields (dials, widths, depths, ...) whose value here is not ``other``'s, in declaration order.
+        ``kernels`` differ only where a head's kernel does (``(5,)`` and ``(5, 5, 5, 5)`` build the same network)."""
+        heads = max(*self.num_heads, *other.num_heads)
+        return [name for name in self.__dataclass_fields__ if
+                (query_kernels(self.kernels, heads) != query_kernels(other.kernels, heads) if name == "kernels"
+                 else getattr(self, name) != getattr(other, name))]
 
     def with_dials(self, **dials) -> "EfficientViTConfig":
         """A copy with dials / fields changed; scalars broadcast to the three stages.

@@ -234,6 +234,13 @@ def _architecture(model: nn.Module, feed_size: str | None, record: object) -> di
     return arch
 
 
+def is_fused(model: nn.Module) -> bool:
+    """Whether ``model`` is a fused cgavit network (:func:`cgavit.deploy.fuse`): no Conv-BN pair left (a BatchNorm
+    alone is no sign: ``reset_classifier`` gives a fused model a BatchNorm head again). Its tensors are not a
+    checkpoint's: nothing loads into it or from it."""
+    return hasattr(model, "cfg") and not any(isinstance(m, ConvBN) for m in model.modules())
+
+
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMeta | Mapping[str, str] | None = None) -> Path:
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
@@ -254,8 +261,7 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_weights takes the model (an nn.Module), got {type(model).__name__}; for a state dict, "
                         "load it into its model first (cgavit.create_model(name, checkpoint_path=sd))")
-    # fused: no Conv-BN pair left (a BatchNorm alone is no sign: reset_classifier gives a fused model a BN head again)
-    if hasattr(model, "cfg") and not any(isinstance(m, ConvBN) for m in model.modules()):
+    if is_fused(model):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")
     if hasattr(model, "cfg") and hasattr(model, "stages") and len(model.stages) < len(model.cfg.depth):

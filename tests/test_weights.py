@@ -5,6 +5,7 @@ import http.server
 import logging
 import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,6 +220,36 @@ def test_atomic_write_keeps_the_usual_file_mode(tmp_path):
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temporary file left behind
+
+
+def test_written_files_reach_the_disk_before_they_replace_the_old_ones(tmp_path, monkeypatch):
+    """A power cut after a rename but before the data is flushed can leave an empty file as the only copy: the
+    new contents are flushed before the rename, and the folder's entry after it, for one file and for a set."""
+    import os
+
+    import cgavit.io as cio
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(cio.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                      real_fsync(fd))[1])
+    monkeypatch.setattr(cio.os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))),
+                                                          real_replace(a, b))[1])
+    (tmp_path / "old.txt").write_text("old")
+    cio.atomic_write(tmp_path / "old.txt", lambda tmp: Path(tmp).write_text("new"))
+    tmp = events[1][1]
+    assert events == [("fsync", tmp), ("replace", tmp, str(tmp_path / "old.txt")), ("fsync", str(tmp_path))]
+    assert (tmp_path / "old.txt").read_text() == "new"
+
+    events.clear()
+    with cio.staging(tmp_path / "a.bin") as folder:
+        for name in ("a.bin", "a.xml"):
+            (folder / name).write_text(name)
+        cio.replace_together([(folder / "a.bin", tmp_path / "a.bin"), (folder / "a.xml", tmp_path / "a.xml")])
+    kinds = [e[0] for e in events]
+    assert kinds == ["fsync", "fsync", "replace", "replace", "fsync"]
+    assert {e[1] for e in events[:2]} == {str(folder / "a.bin"), str(folder / "a.xml")}
+    assert events[-1][1] == str(tmp_path)
 
 
 def test_an_exported_model_given_as_weights_is_named_as_such(tmp_path):
@@ -626,3 +657,65 @@ def test_a_missing_safetensors_package_is_named_as_such(tmp_path, monkeypatch):
     for read in (cgavit.load_model, read_metadata):
         with pytest.raises(CheckpointError, match=r"^reading or writing \.safetensors files needs pip install"):
             read(path)
+
+
+def test_attention_modules_at_one_window_share_one_index():
+    """Each attention module kept its own (window**2, window**2) int64 index (128 MiB at window 64), so a 1.7 MB
+    file of many small modules at that window asked for gigabytes when built. One tensor per window and device is
+    now shared (it is arithmetic, in no state dict), and stays shared after the model is moved or cast."""
+    model = cgavit.create_model("m0", num_classes=3, img_size=64, embed_dim=(16, 16, 16), num_heads=(1, 1, 1),
+                                key_dim=4, depth=(3, 3, 3))
+    attns = [m for m in model.modules() if hasattr(m, "attention_bias_idxs")]
+    assert len(attns) == 9
+    for moved in (model, model.to(torch.float64)):
+        by_window = {}
+        for m in attns:
+            by_window.setdefault(m.window, set()).add(m.attention_bias_idxs.data_ptr())
+        assert all(len(ptrs) == 1 for ptrs in by_window.values()) and len(by_window) == 3
+    with torch.device("meta"):  # a meta build's index stays on the meta device, apart from the real ones
+        cgavit.create_model("m0", num_classes=3, img_size=64)
+    from cgavit.attention import relative_bias_index
+
+    attn = cgavit.create_model("m0", num_classes=3, img_size=64).stages[2].blocks[0].mixer.m.attn
+    assert torch.equal(attn.attention_bias_idxs, relative_bias_index(attn.window, attn.window, attn.window))
+
+
+def test_state_dicts_torch_would_load_are_loaded_and_damaged_ones_refused(caplog):
+    """From a model-core review: a classifier-less file (num_classes=0) into a model with a classifier was
+    refused as incomplete, where another class count is fine-tuned from; a state dict without BatchNorm's
+    num_batches_tracked, which load_state_dict(strict=True) takes, was refused; a distillation model loaded from a
+    file without that head averaged in a head of random weights (3.0 off the file's logits); a negative BatchNorm
+    variance made every output NaN; a fused model was told the file was of another architecture."""
+    from cgavit.deploy import fuse
+
+    x = torch.randn(2, 3, 64, 64)
+    src = randomize_(cgavit.create_model("m0", num_classes=5, img_size=64), seed=1).eval()
+    headless = randomize_(cgavit.create_model("m0", num_classes=0, img_size=64), seed=1).eval()
+    body = cgavit.create_model("m0", num_classes=10, img_size=64, checkpoint_path=headless.state_dict()).eval()
+    with torch.no_grad():
+        assert torch.equal(body.forward_features(x), headless.forward_features(x))
+    counters = {k: v for k, v in src.state_dict().items() if not k.endswith("num_batches_tracked")}
+    with caplog.at_level(logging.INFO, logger="cgavit.loading"):
+        for sd, kwargs in ((counters, {}), (src.state_dict(), {"distillation": True})):
+            model = cgavit.create_model("m0", num_classes=5, img_size=64, checkpoint_path=sd, **kwargs).eval()
+            with torch.no_grad():
+                assert torch.equal(model(x), src(x))
+    assert "has no distillation head: the model's starts as a copy of its class head" in caplog.text
+    damaged = dict(src.state_dict())
+    damaged["stages.1.blocks.0.pre.0.m.bn.running_var"] = -damaged["stages.1.blocks.0.pre.0.m.bn.running_var"]
+    with pytest.raises(CheckpointError, match="running_var' holds negative values.*damaged"):
+        cgavit.create_model("m0", num_classes=5, img_size=64, checkpoint_path=damaged)
+    with pytest.raises(ValueError, match="the model is fused .* load into the model before fusing it"):
+        load_checkpoint(fuse(src), src.state_dict())
+
+
+def test_load_model_checks_the_size_it_is_given_and_same_kernels_are_no_change(tmp_path, caplog):
+    """img_size=0 was taken as no size (the recorded one), where -5 or 16 are refused; kernels=5 and the four 5s
+    it stands for were reported as a changed dial."""
+    from cgavit.variants import VARIANTS
+
+    path = save_weights(cgavit.create_model("m0", num_classes=2, img_size=64), tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match="img_size must be >= 32, got 0"):
+        cgavit.load_model(path, img_size=0)
+    cfg = VARIANTS["efficientvit_m0"].cfg
+    assert cfg.with_dials(kernels=5).differs_from(cfg) == [] and cfg.with_dials(kernels=3).differs_from(cfg) == ["kernels"]
