@@ -47,6 +47,13 @@ class ConvBN(nn.Sequential):
         return conv_like(conv, conv.weight * scale[:, None, None, None], bn.bias - bn.running_mean * scale)
 
 
+def uninitialised_on(module: nn.Module, like: torch.Tensor) -> nn.Module:
+    """``module``, made on the meta device, given uninitialised tensors on ``like``'s device and dtype, for the
+    caller to fill. Built so, a folded layer draws no initial weights: folding leaves the caller's random number
+    stream where it was (a seeded script's later draws do not depend on what it fused or optimised)."""
+    return module.to_empty(device=like.device).to(dtype=like.dtype)
+
+
 @torch.no_grad()
 def conv_like(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> nn.Conv2d:
     """A biased ``nn.Conv2d`` with ``conv``'s geometry (stride, padding, groups, ...) and the given
@@ -60,7 +67,9 @@ def conv_like(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> nn.C
         dilation=conv.dilation,
         groups=conv.groups,
         bias=True,
-    ).to(device=conv.weight.device, dtype=conv.weight.dtype)
+        device="meta",
+    )
+    out = uninitialised_on(out, conv.weight)
     out.weight.copy_(weight)
     out.bias.copy_(bias)
     return out
@@ -92,9 +101,7 @@ class BNLinear(nn.Sequential):
         bn, lin = self.bn, self.linear
         scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)  # (in,)
         shift = bn.bias - bn.running_mean * scale  # (in,)
-        fused = nn.Linear(lin.in_features, lin.out_features).to(
-            device=lin.weight.device, dtype=lin.weight.dtype
-        )
+        fused = uninitialised_on(nn.Linear(lin.in_features, lin.out_features, device="meta"), lin.weight)
         fused.weight.copy_(lin.weight * scale[None, :])
         fused.bias.copy_(lin.weight @ shift + lin.bias)
         return fused

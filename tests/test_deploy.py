@@ -1,6 +1,7 @@
 """The fast inference paths against the plain model (random inputs, randomised BatchNorm)."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -229,3 +230,66 @@ def test_export_cli(tmp_path, capsys):
     assert main(["export", "--model", "m0", "--output", str(out), "--dynamic-size"]) == 2
     assert "export once per size" in capsys.readouterr().err
     assert main(["export", "--model", "m0", "--output", os.fspath(tmp_path / "missing" / "m.onnx")]) == 2
+
+
+def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monkeypatch):
+    """From a fast-path review: a runtime found on the path counted as available though it failed to import (a
+    missing shared library), so optimize's default fp32 path and precision='auto' were ImportError tracebacks. It
+    now counts as missing: the default falls back to torch, and naming it gives one line with the reason."""
+    from cgavit.deploy.cpu import CpuFeatures
+
+    pytest.importorskip("onnxruntime")
+    broken = tmp_path / "broken"
+    (broken / "onnxruntime").mkdir(parents=True)
+    (broken / "onnxruntime" / "__init__.py").write_text("raise ImportError('libonnxruntime.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(broken))
+    for name in [n for n in list(sys.modules) if n == "onnxruntime" or n.startswith("onnxruntime.")]:
+        monkeypatch.delitem(sys.modules, name)
+    model, x = tiny(), torch.randn(2, 3, 64, 64)
+    assert type(optimize(model, x, compile=False)).__name__ == "OptimizedModel"  # torch
+    with pytest.raises(ValueError, match="the onnxruntime backend cannot be used: onnxruntime is installed but cannot "
+                                         r"be imported \(ImportError: libonnxruntime.so.1.*pip install 'cgavit\[deploy\]'"):
+        optimize(model, x, backend="onnxruntime")
+    avx2 = CpuFeatures(frozenset({"avx2", "fma"}))
+    result = optimize(model, x, "auto", calibration=[x], features=avx2, compile=False)
+    assert "int8 onnxruntime (not tried: onnxruntime is not installed or fails to import)" in result.choice.reason
+
+
+def test_a_module_onnx_cannot_hold_is_named_as_such_not_as_the_disk():
+    """The exporter's refusal (an operator ONNX has not) came out as a WriteError ending "check the disk"."""
+    pytest.importorskip("onnxruntime")
+
+    class Spectrum(torch.nn.Module):
+        def forward(self, x):
+            return torch.fft.rfft2(x).abs().mean((2, 3))
+
+    with pytest.raises(ValueError, match="cannot export the model to ONNX: Exporting the operator 'aten::fft_rfft2'.*"
+                                         "backend='torch'"):
+        optimize(Spectrum(), torch.randn(2, 3, 32, 32), fast_attention=False)
+
+
+def test_folding_optimising_and_exporting_leave_the_callers_random_stream_alone(tmp_path):
+    """Each folded layer drew initial weights, and exports drew their example batch, from the global generator: a
+    seeded script's later draws changed with what it had fused, optimised or exported."""
+    from cgavit.deploy import export_model, fuse
+
+    model, x = tiny(), torch.randn(2, 3, 64, 64)
+    steps = [lambda: fuse(model), lambda: optimize(model, x, backend="torch", compile=False),
+             lambda: export_model(model, tmp_path / "m.onnx", "onnx", 64)]
+    for step in steps:
+        torch.manual_seed(123)
+        expected = torch.rand(3)
+        torch.manual_seed(123)
+        step()
+        assert torch.equal(torch.rand(3), expected)
+
+
+def test_optimize_refuses_switches_that_are_not_switches():
+    """compile="no" is truthy (it compiled, for minutes); features="amx" was an AttributeError deep in the bf16
+    check, and silently ignored for fp32."""
+    model, x = tiny(), torch.randn(2, 3, 64, 64)
+    for kwargs, message in (({"compile": "no"}, "compile must be True or False, got 'no'"),
+                            ({"check": 0}, "check must be True or False"),
+                            ({"features": "amx"}, "features must be a CpuFeatures .* got str")):
+        with pytest.raises(TypeError, match=message):
+            optimize(model, x, backend="torch", **kwargs)

@@ -955,7 +955,7 @@ def test_quantize_cli_bad_input_is_one_line_and_writes_nothing(trained_digits, t
         assert "does not record its architecture; name its variant (--model NAME" in capsys.readouterr().err
         assert main([*base[:2], str(plain), *base[3:], "--model", "efficientvit_m0", "--eval-images", "1"]) == 2
         assert "leaves a part empty" in capsys.readouterr().err  # loaded, and judged as far as the images
-    monkeypatch.setattr(quantize_mod, "openvino_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "openvino", None)  # not installed
     assert main(base[:-2] + ["--runtime", "openvino"]) == 2
     assert "pip install 'cgavit[openvino]'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "renamed", "wrong"]  # nothing half-written

@@ -96,7 +96,7 @@ def _row(
         if precision == "int8" and not calibration_given and not artifact:
             why_not = "not tried: int8 needs calibration= images or a quantized= file"
         elif not available(backend):
-            why_not = f"not tried: {backend} is not installed"
+            why_not = f"not tried: {backend} is not installed or fails to import"
         out.append((precision, backend, why_not))
     return out
 

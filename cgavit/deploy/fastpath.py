@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..fast import swap_fast_modules
+from ..io import require_flag
 from ..kernels import interpreted, triton_available
 from ..kernels import load as load_kernels
 from ..model import check_image_batch
@@ -25,8 +26,8 @@ from .cpu import CpuFeatures, cpu_features
 from .fusion import fused_fp32
 from .int8 import fastest_float_part
 from .metadata import model_classes
-from .onnx import onnxruntime_available, onnxruntime_path
-from .openvino import openvino_available, openvino_path
+from .onnx import onnxruntime_available, onnxruntime_path, onnxruntime_problem
+from .openvino import openvino_available, openvino_path, openvino_problem
 from .quantize import QuantizeResult
 from .runtime import PathChoice, RuntimeModule
 
@@ -83,9 +84,15 @@ class OptimizedModel(RuntimeModule):
 
 
 def backend_available(backend: str) -> bool:
-    """Whether ``backend`` (``"torch"``, ``"onnxruntime"``, ``"openvino"``) is installed."""
-    return {"torch": True, "onnxruntime": onnxruntime_available(), "openvino": openvino_available(),
-            "triton": triton_available()}[backend]
+    """Whether ``backend`` (``"torch"``, ``"onnxruntime"``, ``"openvino"``, ``"triton"``) is installed and imports
+    (one that is present but broken counts as missing)."""
+    checks = {"torch": lambda: True, "onnxruntime": onnxruntime_available, "openvino": openvino_available,
+              "triton": triton_available}
+    return checks[backend]()
+
+
+#: What to install for each runtime backend.
+_EXTRAS = {"onnxruntime": "cgavit[deploy]", "openvino": "cgavit[openvino]"}
 
 
 def choose_backend(precision: str, backend: str = "auto", device: torch.device | str = "cpu") -> str:
@@ -95,7 +102,8 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
     otherwise. OpenVINO is used when asked for by name (or by ``precision="auto"``'s rule table).
 
     Raises:
-        ValueError: unknown precision or backend, or a combination no backend offers.
+        ValueError: unknown precision or backend, a combination no backend offers, or a runtime that is not
+            installed or fails to import (int8's ONNX Runtime too: int8 runs in a runtime).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of auto, {', '.join(PRECISIONS)}, got {precision!r}")
@@ -109,10 +117,14 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
     if backend == "auto":
         on_cpu = torch.device(device).type == "cpu"
         ort_fp32 = precision == "fp32" and on_cpu and onnxruntime_available()
-        return "onnxruntime" if precision == "int8" or ort_fp32 else "torch"
-    if precision not in OFFERED[backend]:
+        backend = "onnxruntime" if precision == "int8" or ort_fp32 else "torch"
+    elif precision not in OFFERED[backend]:
         raise ValueError(f"precision {precision} is not offered by the {backend} backend "
                          f"(it offers {', '.join(OFFERED[backend])}); use backend='auto'")
+    problem = {"onnxruntime": onnxruntime_problem, "openvino": openvino_problem}.get(backend, lambda: None)()
+    if problem:
+        raise ValueError(f"the {backend} backend cannot be used: {problem}; pip install '{_EXTRAS[backend]}'"
+                         + (", or use precision='fp32'" if precision == "int8" else ", or use backend='torch'"))
     return backend
 
 
@@ -144,25 +156,25 @@ def optimize(
     Nothing is timed; the choice and why: ``result.choice``. Slow paths warn. ``model`` is not modified.
 
     Args:
-        model: a cgavit model (any module works for ``fast_attention=False``).
+        model: a cgavit model (for ``fast_attention=False``, any module whose BatchNorms are cgavit's Conv-BN pairs).
         example_input: a batch ``(B, C, H, W)`` of the shape you will run (compiling specialises on it).
         precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
-        check: compare with the plain model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises, but for ``"auto"``).
+        check: compare with the fused float32 model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises).
         calibration: int8: image batches for the activation ranges (real training images).
         features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
-        quantized: ``precision="auto"`` only: this model's int8 artifact from :func:`~cgavit.deploy.quantize`
-            (its result or file), used for its runtime's int8 path (:mod:`cgavit.deploy.artifact`).
-        evaluation: ``precision="auto"`` only: images not trained on, to judge the reduced paths on (default: the
-            calibration images, which flatter the verdict: docs/deploy.md).
+        quantized: ``precision="auto"`` only: this model's int8 artifact (a :func:`~cgavit.deploy.quantize` result or file).
+        evaluation: ``precision="auto"`` only: images not trained on, to judge reduced paths on (default: calibration's).
 
     Raises:
         ValueError: a precision, backend or combination not offered, a bad example, empty calibration.
+        TypeError: a switch not True or False (``compile="no"`` would compile), ``features`` not a ``CpuFeatures``.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
-    example_input, batches, judged = _checked_inputs(example_input, calibration, precision, backend, quantized, evaluation)
     opts = dict(compile=compile, channels_last=channels_last, fast_attention=fast_attention)
+    _check_switches({**opts, "check": check}, features)
+    example_input, batches, judged = _checked_inputs(example_input, calibration, precision, backend, quantized, evaluation)
     on_cpu = example_input.device.type == "cpu"
     if precision == "auto":
         artifact = None if quantized is None else quantized_artifact(quantized)
@@ -176,6 +188,15 @@ def optimize(
     result = _build(fused, example_input, precision, backend, batches, opts)
     result.rel_err = _check(result, example_input, reference, precision) if check else None
     return result
+
+
+def _check_switches(switches: dict[str, object], features: object) -> None:
+    """Each of ``switches`` True or False, ``features`` None or a :class:`CpuFeatures`; TypeError otherwise."""
+    for name, value in switches.items():
+        require_flag(value, name)
+    if features is not None and not isinstance(features, CpuFeatures):
+        raise TypeError(f"features must be a CpuFeatures (cgavit.deploy.cpu_features() gives this machine's), got "
+                        f"{type(features).__name__}")
 
 
 def _checked_inputs(
@@ -312,7 +333,7 @@ def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tens
         raise _not_finite("example_input")
     if err > TOLERANCE[precision]:
         raise RuntimeError(
-            f"the {precision} path differs from the plain model by {err:.2e} (relative), above its "
+            f"the {precision} path differs from the fused fp32 model by {err:.2e} (relative), above its "
             f"tolerance {TOLERANCE[precision]:.0e}; run optimize(..., check=False) to keep it anyway"
         )
     return err

@@ -78,8 +78,9 @@ def export_form(model: nn.Module, img_size: tuple[int, int], fold_residuals: boo
 
 
 def example_batch(model: nn.Module, img_size: tuple[int, int], batch: int = 2) -> torch.Tensor:
-    """A random image batch ``(batch, in_chans, H, W)`` for tracing or exporting ``model``."""
-    return torch.randn(batch, getattr(model, "in_chans", 3), *img_size)
+    """A random image batch ``(batch, in_chans, H, W)`` for tracing or exporting ``model``, drawn from a generator
+    of its own (the caller's random number stream is left where it was)."""
+    return torch.randn(batch, getattr(model, "in_chans", 3), *img_size, generator=torch.Generator().manual_seed(0))
 
 
 def output_path(path: str | os.PathLike) -> Path:

@@ -6,7 +6,7 @@ use: it is optional and slow to import, and ``import cgavit`` must not need it.
 
 from __future__ import annotations
 
-import importlib.util
+import io
 import json
 import os
 import statistics
@@ -25,7 +25,7 @@ from .cpu import CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import Int8Options, layer_of_onnx_node
 from .metadata import PREFIX, ExportInfo, export_info, int8_info, unreadable_file
-from .runtime import RuntimeModule, quiet_quantiser
+from .runtime import RuntimeModule, import_problem, quiet_quantiser, runtime_reason
 
 
 def _onnx() -> ModuleType:
@@ -49,8 +49,14 @@ def _onnxruntime(quantization: bool = False) -> ModuleType:
 
 
 def onnxruntime_available() -> bool:
-    """Whether ONNX Runtime is installed (checked without importing it)."""
-    return importlib.util.find_spec("onnxruntime") is not None
+    """Whether ONNX Runtime and ``onnx`` (every path through it exports an ONNX graph first) are installed and
+    import (:func:`~cgavit.deploy.runtime.import_problem`)."""
+    return onnxruntime_problem() is None
+
+
+def onnxruntime_problem() -> str | None:
+    """Why the ONNX Runtime paths cannot be used here, or None."""
+    return import_problem("onnxruntime") or import_problem("onnx")
 
 
 def export_onnx(
@@ -82,23 +88,26 @@ def export_onnx(
         The path written.
 
     Raises:
-        ValueError: when the parent folder does not exist.
+        ValueError: the parent folder does not exist, or the exporter cannot hold the model (an operator ONNX has
+            not, ``onnx`` missing).
+        WriteError: the file cannot be written.
     """
     path = output_path(path)
     fused = export_form(model, img_size, fold_residuals)
     x = example_batch(fused, img_size)
-
-    def write(tmp: str) -> None:
+    graph = io.BytesIO()  # exported in memory: a failure is the exporter's, not the disk's
+    try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tracer and deprecation notices, nothing actionable
             torch.onnx.export(
-                fused, (x,), tmp, dynamo=False, input_names=["images"], output_names=["logits"],
+                fused, (x,), graph, dynamo=False, input_names=["images"], output_names=["logits"],
                 dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
             )
-        data = with_onnx_metadata(Path(tmp).read_bytes(), export_info(info, img_size, getattr(model, "in_chans", 3)))
-        Path(tmp).write_bytes(data)
-
-    return atomic_write(path, write)
+    except (RuntimeError, ImportError) as err:  # torch.onnx's own errors are RuntimeErrors
+        raise ValueError(f"cannot export the model to ONNX: {runtime_reason(err)}; optimize(..., backend='torch') "
+                         "runs it without an export") from None
+    data = with_onnx_metadata(graph.getvalue(), export_info(info, img_size, getattr(model, "in_chans", 3)))
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 class OnnxModule(RuntimeModule):

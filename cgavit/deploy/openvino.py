@@ -39,7 +39,7 @@ from .first_layer import gptq_convolution
 from .fusion import example_batch, export_form, named_output
 from .int8 import FLOAT_PARTS, Int8Options, compile_precision, layer_of_openvino_node
 from .metadata import KEYS, PREFIX, ExportInfo, export_info, int8_info, unreadable_file
-from .runtime import RuntimeModule, quiet_quantiser
+from .runtime import RuntimeModule, import_problem, quiet_quantiser
 
 #: OpenVINO's name of each precision this module offers (its ``INFERENCE_PRECISION_HINT``).
 PRECISION_HINT = {"fp32": "f32", "int8": "f32", "bf16": "bf16"}
@@ -131,8 +131,14 @@ def compile_cpu(model, config: dict):
 
 
 def openvino_available() -> bool:
-    """Whether OpenVINO and NNCF are installed (checked without importing them)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("openvino", "nncf"))
+    """Whether OpenVINO is installed and imports (:func:`~cgavit.deploy.runtime.import_problem`), and NNCF, its
+    quantiser, is installed (not imported here: it takes seconds, and only int8 needs it)."""
+    return openvino_problem() is None
+
+
+def openvino_problem() -> str | None:
+    """Why the OpenVINO paths cannot be used here, or None."""
+    return import_problem("openvino") or (None if importlib.util.find_spec("nncf") else "nncf is not installed")
 
 
 def convert_openvino(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True):

@@ -59,10 +59,10 @@ from .onnx import (
     OnnxInt8Builder, OnnxModule, export_onnx, onnxruntime_conv_times, with_onnx_metadata,
 )
 from .openvino import (
-    OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_available, openvino_conv_times, openvino_from_onnx,
+    OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_conv_times, openvino_from_onnx,
     save_openvino,
 )
-from .runtime import RuntimeModule, pad_batch
+from .runtime import RuntimeModule, import_problem, pad_batch
 from .sensitivity import (
     CurvePoint, LayerSensitivity, LayerSpeed, fewest_meeting, layer_sensitivity, lowest_times, no_faster_in_int8,
     padded_logits, prune_float_layers, search_float_layers,
@@ -500,31 +500,19 @@ def quant_runtimes(runtime: str | None) -> list[str]:
     if runtime is not None and runtime not in QUANT_RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(QUANT_RUNTIMES)} (or None: every one installed), got {runtime!r}")
     for module in ("onnxruntime", "onnx"):
-        problem = _import_problem(module)
+        problem = import_problem(module)
         if problem:
             raise ValueError(f"quantize needs {module} (every build is exported to ONNX and timed beside fp32 ONNX "
                              f"Runtime): {problem}; pip install 'cgavit[deploy]'")
     if runtime == "onnxruntime":
         return [runtime]
-    problem = None if openvino_available() else "openvino or nncf is not installed"
-    problem = problem or _import_problem("openvino") or _import_problem("nncf")
+    problem = import_problem("openvino") or import_problem("nncf")
     if runtime == "openvino" and problem:
         raise ValueError(f"runtime openvino cannot be used: {problem}; pip install 'cgavit[openvino]'")
-    if problem and openvino_available():  # installed but broken: said, not a traceback after the ONNX Runtime search
+    installed = all(importlib.util.find_spec(name) is not None for name in ("openvino", "nncf"))
+    if problem and installed:  # installed but broken: said, not a traceback after the ONNX Runtime search
         log.warning("quantize: OpenVINO is installed but cannot be used (%s): searching ONNX Runtime alone", problem)
     return [runtime] if runtime else ["onnxruntime"] + ([] if problem else ["openvino"])
-
-
-def _import_problem(module: str) -> str | None:
-    """Why ``module`` cannot be used (not installed, or installed and failing to import: a missing shared library, a
-    build for another Python or torch), or None."""
-    if importlib.util.find_spec(module) is None:
-        return f"{module} is not installed"
-    try:
-        importlib.import_module(module)
-    except Exception as err:  # ImportError, or whatever the package's own start-up raises when broken
-        return f"{module} is installed but cannot be imported ({type(err).__name__}: {str(err)[:200]}); reinstall it"
-    return None
 
 
 def _checked_images(

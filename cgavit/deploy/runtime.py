@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import io
 import logging
 from abc import ABC, abstractmethod
@@ -110,6 +112,19 @@ def runtime_reason(err: BaseException) -> str:
     source that raised it), printable and at most 200 characters, without a final full stop."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     return printable(lines[-1][:200]).rstrip(".")
+
+
+def import_problem(module: str) -> str | None:
+    """Why ``module`` cannot be used (not installed, or installed and failing to import: a missing shared library, a
+    build for another Python or torch), or None. Imported to find out: a package that is present but broken counts
+    as missing, with its reason (not a traceback when a path through it is built)."""
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or whatever the package's own start-up raises when broken
+        return f"{module} is installed but cannot be imported ({type(err).__name__}: {str(err)[:200]}); reinstall it"
+    return None
 
 
 def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
