@@ -511,3 +511,81 @@ def test_taylor_importance_of_a_model_without_cgavit_modules_says_so():
     model = timm.create_model("efficientvit_m0", num_classes=3)
     with pytest.raises(ValueError, match="has no cgavit attention or FFN modules.*cgavit.create_model"):
         taylor_importance(model, [(torch.randn(2, 3, 64, 64), torch.tensor([0, 1]))])
+
+
+# ----------------------------------------------------------------------------- second review: overflow, one class
+def _saved(tmp_path, model, name="w.safetensors"):
+    """``model`` written as a file of this package (48 px, two named classes or as many as it has)."""
+    from cgavit import save_weights
+    from cgavit.schema import WeightsMeta
+
+    names = tuple("ab"[:model.num_classes]) if model.num_classes <= 2 else tuple(map(str, range(model.num_classes)))
+    path = tmp_path / name
+    save_weights(model, path, WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=model.num_classes,
+                                          class_names=names, img_size=48, crop_pct=1.0))
+    return path
+
+
+def _overflowing(scale=1e37):
+    """A randomised tiny model whose first Q/K/V weights are multiplied by ``scale``: finite weights, whose
+    attention logits overflow."""
+    model = randomize_(create_model("m0", num_classes=2, img_size=48, **TINY))
+    with torch.no_grad():
+        model.stages[0].blocks[0].mixer.m.attn.qkvs[0].conv.weight.mul_(scale)
+    return model
+
+
+def test_analyses_refuse_outputs_that_overflow(tmp_path):
+    """Weights x 1e37 (finite, so the load check passes them) gave NaN similarities and importances, null means and a
+    pruning list of zeros, with exit 0."""
+    model, x = _overflowing(), torch.randn(4, 3, 48, 48)
+    with pytest.raises(ValueError, match=r"loss of image batch 1 of 2 is not finite: the model's outputs overflow from "
+                                         r"stages\.0\.blocks\.0 on .*another checkpoint"):
+        taylor_importance(model, [(x[:2], None), (x[2:], None)])
+    with pytest.raises(ValueError, match=r"attention maps of stages\.0\.blocks\.0\.mixer\.m\.attn are not finite on image "
+                                         r"batch 1: .*overflow .*another checkpoint"):
+        head_similarity(model, [x[:2], x[2:]])
+
+
+def test_analyze_commands_refuse_outputs_that_overflow_and_write_nothing(tmp_path, capsys):
+    path = _saved(tmp_path, _overflowing())
+    data = _image_folder(tmp_path / "data", size=48)
+    for analysis in ("heads", "taylor"):
+        out = tmp_path / analysis
+        assert main(["analyze", analysis, "--checkpoint", str(path), "--data", str(data), "--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("cgavit analyze: error: ") and "overflow" in err and len(err.strip().splitlines()) == 1
+        assert not out.exists()
+
+
+def test_importances_that_are_not_finite_are_refused():
+    """The last guard: the loss of every batch was finite, but an importance is not (its float32 sum overflowed)."""
+    from cgavit.analysis.taylor import _check_importances
+
+    blk = BlockImportance("stages.1.blocks.0", 1, 0)
+    blk.q = [torch.tensor([1.0, float("inf")], dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"importances of stages\.1\.blocks\.0 are not finite"):
+        _check_importances([blk], 2.0)
+
+
+def test_taylor_of_one_class_says_its_loss_is_zero(tmp_path, capsys):
+    """A one-class model was refused as randomly initialised weights with zero BatchNorms: its cross-entropy is
+    zero whatever the weights."""
+    one = randomize_(create_model("m0", num_classes=1, img_size=48, **TINY))
+    with pytest.raises(ValueError, match="two classes or more, but this one has 1: .*cross-entropy"):
+        taylor_importance(one, [(torch.randn(2, 3, 48, 48), None)])
+    data = _image_folder(tmp_path / "data", size=48)
+    assert main(["analyze", "taylor", "--checkpoint", str(_saved(tmp_path, one)), "--data", str(data),
+                 "--output", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "two classes or more" in err and "BatchNorm" not in err and not (tmp_path / "t").exists()
+
+
+def test_all_zero_importance_blames_a_zero_loss_only_when_it_is_zero():
+    # the projection x 1e10 makes the model certain of its own predictions: a loss of exactly 0, BatchNorms not zero
+    model = _overflowing(1.0)
+    with torch.no_grad():
+        model.stages[0].blocks[0].mixer.m.attn.proj[-1].conv.weight.mul_(1e10)
+    with pytest.raises(ValueError, match="the loss is zero on every image") as err:
+        taylor_importance(model, [(torch.randn(2, 3, 48, 48), None)])
+    assert "BatchNorm" not in str(err.value)

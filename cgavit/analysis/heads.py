@@ -149,15 +149,22 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
     Returns:
         One :class:`BlockSimilarity` per attention module, in forward order, each averaged over every
         image and window.
+
+    Raises:
+        ValueError: no images, or attention maps that are not finite (the model's outputs overflow: weights
+            too large or damaged), naming the first block and batch where they are not.
     """
     modules = attention_modules(model)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     tokens: dict[str, int] = {}
+    overflow: list[str] = []
 
     def hook(name: str) -> Callable[..., None]:
         def fn(module: CascadedHeads, inputs, output) -> None:
             maps = torch.stack(module.head_attention_maps(inputs[0]))  # (h, B*windows, N, N)
+            if not torch.isfinite(maps).all():
+                overflow.append(name)
             sim = cosine_similarity_matrix(maps)  # (B*windows, h, h)
             sums[name] = sums.get(name, 0) + sim.sum(0)
             counts[name] = counts.get(name, 0) + sim.shape[0]
@@ -169,13 +176,7 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
     was_training = model.training
     model.eval()
     try:
-        batches = [images] if isinstance(images, torch.Tensor) else images
-        seen = 0
-        for x in batches:
-            model(x)
-            seen += x.shape[0]
-        if not seen:
-            raise ValueError("no images given to head_similarity")
+        _run_batches(model, images, overflow)
     finally:
         for h in handles:
             h.remove()
@@ -190,6 +191,21 @@ def head_similarity(model: nn.Module, images: torch.Tensor | Iterable[torch.Tens
             BlockSimilarity(name, stage, block, (sums[name] / counts[name]).float(), counts[name], tokens[name])
         )
     return out
+
+
+def _run_batches(model: nn.Module, images: torch.Tensor | Iterable[torch.Tensor], overflow: list[str]) -> None:
+    """Run ``model`` on each batch of ``images``; refuse no images, or a batch after which ``overflow`` (filled by
+    the hooks of :func:`head_similarity`) names a block whose attention maps were not finite."""
+    batches = [images] if isinstance(images, torch.Tensor) else images
+    seen = 0
+    for i, x in enumerate(batches, 1):
+        model(x)
+        if overflow:
+            raise ValueError(f"the attention maps of {overflow[0]} are not finite on image batch {i}: the model's outputs "
+                             "overflow (its weights are too large or damaged); use another checkpoint")
+        seen += x.shape[0]
+    if not seen:
+        raise ValueError("no images given to head_similarity")
 
 
 def mean_similarity(blocks: list[BlockSimilarity]) -> float:

@@ -16,6 +16,10 @@ An importance of exactly 0 means no gradient reached the weights: a model whose 
 channel that is all 0 in a block (Q and K in a window of one token, whose softmax is 1 whatever they
 are) is reported as having no gradient (:attr:`BlockImportance.no_gradient`) and kept out of the
 pruning ranking, where it would otherwise be pruned first in arbitrary order.
+
+A model of one class is refused before anything runs (cross-entropy over one class is zero whatever the
+weights), and so is a loss or an importance that is not finite: weights so large (or damaged) that the
+forward pass overflows would otherwise give NaN means and a ranking of zeros.
 """
 
 from __future__ import annotations
@@ -130,9 +134,9 @@ def taylor_importance(
     """First-order Taylor importance of the Q/K/V, projection and FFN channels of every block.
 
     Args:
-        model: an EfficientViT (any dials) in its trainable form: not fused (:func:`cgavit.fuse` folds
-            Q, K and V away), with weights that require gradients. Run in eval mode (restored after);
-            its gradients are cleared before and after.
+        model: an EfficientViT (any dials) of two classes or more, in its trainable form: not fused
+            (:func:`cgavit.fuse` folds Q, K and V away), with weights that require gradients. Run in eval
+            mode (restored after); its gradients are cleared before and after.
         batches: ``(images, targets)`` pairs; ``targets`` are class indices, or None to use the
             model's own arg-max predictions as targets. The loss is the mean cross-entropy over all
             images given (each batch weighted by its size).
@@ -141,37 +145,98 @@ def taylor_importance(
         One :class:`BlockImportance` per sandwich block, in forward order.
 
     Raises:
-        ValueError: a fused model or one with frozen weights, no images, or gradients that are all zero
-            (randomly initialised weights), which would rank every channel alike.
+        ValueError: a fused model, one with frozen weights or fewer than two classes (cross-entropy over one
+            class is zero), no images, a loss or importances that are not finite (the model's outputs
+            overflow), or gradients that are all zero (randomly initialised weights, or a zero loss), which
+            would rank every channel alike.
     """
     blocks = _blocks(model)
     _check_trainable(model)
-    was_training = model.training
-    model.eval()
-    model.zero_grad(set_to_none=True)
+    classes = getattr(model, "num_classes", 2)
+    if classes < 2:  # before any image is run: no gradient could ever come of it
+        raise ValueError(f"the Taylor importance needs a model of two classes or more, but this one has {classes}: its loss, "
+                         "cross-entropy over the classes, is zero for one class (and has no scores without a classifier) "
+                         "whatever the weights; analyse a model trained on two classes or more")
     batches = list(batches)
     n_all = sum(x.shape[0] for x, _ in batches)
     if not n_all:
         raise ValueError("no images given to taylor_importance")
     if torch.is_inference_mode_enabled():
         raise ValueError("taylor_importance needs gradients, which torch.inference_mode() turns off: call it outside")
+    was_training = model.training
+    model.eval()
+    model.zero_grad(set_to_none=True)
     try:
-        with torch.enable_grad():  # inside torch.no_grad() too: the importance is made of gradients
-            for x, y in batches:
-                logits = model(x)
-                target = logits.detach().argmax(1) if y is None else y
-                # sum of per-image losses / all images = the mean over the whole sample
-                loss = F.cross_entropy(logits, target, reduction="sum") / n_all
-                loss.backward()
+        loss = _accumulate_gradients(model, batches, n_all)
         out = [_block_importance(stage, index, blk) for stage, index, blk in blocks]
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    if not any(t.any() for b in out for t in b.channels().values()):
-        raise ValueError("every Taylor importance is zero because the loss gradients are all zero (randomly "
-                         "initialised weights end each residual branch in a zero BatchNorm); "
-                         "give a trained --checkpoint")
+    _check_importances(out, loss)
     return out
+
+
+def _accumulate_gradients(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor | None]], n_all: int) -> float:
+    """Back-propagate the mean cross-entropy over every image, batch by batch; returns that loss.
+
+    Raises:
+        ValueError: a batch's loss is not finite, naming the batch and the first part of the network whose
+            output is not (:func:`first_overflow`).
+    """
+    total = 0.0
+    with torch.enable_grad():  # inside torch.no_grad() too: the importance is made of gradients
+        for i, (x, y) in enumerate(batches, 1):
+            logits = model(x)
+            target = logits.detach().argmax(1) if y is None else y
+            # sum of per-image losses / all images = the mean over the whole sample
+            loss = F.cross_entropy(logits, target, reduction="sum") / n_all
+            if not torch.isfinite(loss):
+                raise ValueError(f"the loss of image batch {i} of {len(batches)} is not finite: the model's outputs "
+                                 f"overflow from {first_overflow(model, x)} on (its weights are too large or damaged); "
+                                 "use another checkpoint")
+            loss.backward()
+            total += float(loss.detach())
+    return total
+
+
+def _check_importances(out: list[BlockImportance], loss: float) -> None:
+    """Refuse importances that are not finite, or all zero (saying why: a zero loss, or zero BatchNorms)."""
+    for b in out:
+        if not all(torch.isfinite(t).all() for t in b.channels().values()):
+            raise ValueError(f"the Taylor importances of {b.name} are not finite: its weights or their gradients "
+                             "overflow (the weights are too large or damaged); use another checkpoint")
+    if any(t.any() for b in out for t in b.channels().values()):
+        return
+    if loss == 0:
+        raise ValueError("every Taylor importance is zero because the loss is zero on every image (the model gives "
+                         "its targets a probability of 1, so no gradient flows); give images it is less sure of")
+    raise ValueError("every Taylor importance is zero because the loss gradients are all zero (randomly "
+                     "initialised weights end each residual branch in a zero BatchNorm); "
+                     "give a trained --checkpoint")
+
+
+def first_overflow(model: nn.Module, x: torch.Tensor) -> str:
+    """The first part of ``model`` (patch embedding, a stage's downsampling, a sandwich block, the head) whose
+    output on ``x`` is not finite, in forward order; "the loss" when every part's output is finite."""
+    parts = [(f"stages.{s}.blocks.{j}", blk) for s, j, blk in _blocks(model)]
+    parts += [(n, m) for n, m in model.named_modules() if n == "patch_embed" or n == "head" or n.endswith(".downsample")]
+    found: list[str] = []
+
+    def hook(name: str):
+        def fn(module: nn.Module, inputs, output) -> None:
+            if isinstance(output, torch.Tensor) and not torch.isfinite(output).all():
+                found.append(name)
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in parts]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else "the loss"
 
 
 def _check_trainable(model: nn.Module) -> None:
