@@ -1,6 +1,7 @@
 """The ablation ladder: rung definitions, parameter matching, and `cgavit ablate` end to end with resume."""
 
 import argparse
+import itertools
 import json
 import signal
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from cgavit import create_model
 from cgavit.analysis.ablation import runs, study
-from cgavit.analysis.ablation import RUNGS, AblationConfig, build_ladder, run_ablation, rung_dials
+from cgavit.analysis.ablation import RUNGS, AblationConfig, build_ladder, match_depth, run_ablation, rung_dials
 from cgavit.analysis.ablation.ladder import RUNG_TITLES
 from cgavit.analysis.ablation.summary import table_markdown
 from cgavit.cli import main
@@ -227,6 +228,41 @@ def test_rung_one_is_matched_in_parameters():
     n = [sum(p.numel() for p in create_model("m0", num_classes=10, img_size=80, **v.dials).parameters()) for v in variants]
     assert n[0] == note["standard_params"] and n[1] == note["sandwich_params"]
     assert n[2] < n[1] and n[3] == n[2] and n[4] < n[3]  # groups shrink Q/K/V; cascade is free; reallocation shrinks
+
+
+def _depth_by_building_each(model, arch, num_classes, img_size):
+    """Rung 1's depth as the search found it before it counted arithmetically: one model built per depth."""
+    from cgavit.analysis.ablation.ladder import count_params
+
+    target = count_params(model, rung_dials("sandwich", arch), num_classes, img_size)
+    best = None
+    for depth in itertools.product(*[range(b, 2 * b + 2) for b in arch["depth"]]):
+        if list(depth) == sorted(depth):
+            n = count_params(model, rung_dials("standard", {**arch, "depth": depth}), num_classes, img_size)
+            best = min(best or ((abs(n - target), sum(depth)), depth, n), ((abs(n - target), sum(depth)), depth, n))
+    return best[1], best[2], target
+
+
+def test_the_arithmetic_depth_search_gives_the_answers_of_building_each_depth():
+    """The search built one model per depth (31 s for a base of 8, 8, 8); it now counts them from one model."""
+    from cgavit.analysis.ablation.ladder import _base_arch
+
+    for model, overrides, classes, size in (("m0", {}, 10, 32), ("m0", dict(embed_dim=(48, 96, 144), num_heads=(3, 3, 3)), 10, 32)):
+        arch = _base_arch(model, overrides)
+        assert match_depth(model, arch, classes, size) == _depth_by_building_each(model, arch, classes, size)
+
+
+def test_rung_one_stays_within_the_depth_a_model_may_have():
+    """--depth 16,16,16 was refused with "depth entries must be at most 32 ..., got [16, 16, 33]": the search went
+    to 2 x base + 1 whatever the bound; a base with no non-decreasing depth in reach was a TypeError."""
+    variants, note = build_ladder("m0", dict(embed_dim=(16, 32, 48), num_heads=(1, 1, 1), depth=(16, 16, 16)), 2, 64,
+                                  rungs=["standard"])
+    assert all(16 <= d <= 32 for d in note["standard_depth"]) and "d_i <= 32" in note["rule"]
+    built = create_model("m0", num_classes=2, img_size=64, **variants[0].dials)
+    assert sum(p.numel() for p in built.parameters()) == note["standard_params"]
+    assert "d_i <= 32" not in build_ladder("m0", {}, 2, 64, rungs=["standard"])[1]["rule"]  # as a study matched before reads
+    with pytest.raises(ValueError, match=r"base depth 32,1,1 \(--depth\).*at most 32.*--depth 1,1,32"):
+        build_ladder("m0", dict(depth=(32, 1, 1)), 2, 64)
 
 
 def _dataset(root, per_class=20, held=5):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ...factory import create_model, resolve_name
 from ...reallocation import allocation_dials
-from ...variants import VARIANTS
+from ...variants import CONFIG_LIMITS, VARIANTS
 
 RUNGS = ("standard", "sandwich", "groups", "cascade", "realloc")
 RUNG_TITLES = {
@@ -56,29 +56,60 @@ def rung_dials(rung: str, arch: dict, common: dict | None = None) -> dict:
     return d
 
 
+def _block_params(model_name: str, dials: dict, num_classes: int, img_size: int) -> tuple[int, tuple[int, ...]]:
+    """Parameters of ``model_name`` built with ``dials``, and of one sandwich block of each stage: every block of
+    a stage is built alike, so the count at another depth is the total plus the blocks added or removed."""
+    m = create_model(model_name, num_classes=num_classes, img_size=img_size, **dials)
+    per_block = []
+    for stage in m.stages:
+        counts = {sum(p.numel() for p in blk.parameters()) for blk in stage.blocks}
+        assert len(counts) == 1, "the blocks of a stage differ in size"
+        per_block.append(counts.pop())
+    return sum(p.numel() for p in m.parameters()), tuple(per_block)
+
+
 def match_depth(
     model_name: str, arch: dict, num_classes: int, img_size: int, common: dict | None = None
 ) -> tuple[tuple[int, int, int], int, int]:
     """Depth for rung 1 whose parameter count is closest to rung 2's.
 
-    Searches every non-decreasing depth ``(d1 <= d2 <= d3)`` with ``base_i <= d_i <= 2 * base_i + 1``;
-    ties go to the smaller total depth.
+    Searches every non-decreasing depth ``(d1 <= d2 <= d3)`` with ``base_i <= d_i <= 2 * base_i + 1``, and at
+    most the largest depth a config may have (``CONFIG_LIMITS["depth"]``); ties go to the smaller total depth.
+    Rung 1's count at each depth is its count at the base depth plus that of the blocks added (every block
+    of a stage has as many parameters), so one model is built for rung 1, not one per depth.
 
     Returns:
         ``(depth, params of rung 1 at that depth, params of rung 2)``.
+
+    Raises:
+        ValueError: no depth in that range is non-decreasing (a base depth such as 32, 1, 1).
     """
     target = count_params(model_name, rung_dials("sandwich", arch, common), num_classes, img_size)
-    base = arch["depth"]
+    base = tuple(arch["depth"])
+    limit = CONFIG_LIMITS["depth"][1]
+    total, per_block = _block_params(model_name, rung_dials("standard", arch, common), num_classes, img_size)
     best = None
-    for depth in itertools.product(*[range(b, 2 * b + 2) for b in base]):
+    for depth in itertools.product(*[range(b, min(2 * b + 1, limit) + 1) for b in base]):
         if any(a > b for a, b in zip(depth, depth[1:])):
             continue  # keep the base's non-decreasing depth profile
-        d = rung_dials("standard", {**arch, "depth": depth}, common)
-        n = count_params(model_name, d, num_classes, img_size)
+        n = total + sum((d - b) * p for d, b, p in zip(depth, base, per_block))
         key = (abs(n - target), sum(depth))
         if best is None or key < best[0]:
             best = (key, depth, n)
+    if best is None:
+        raise ValueError(f"rung 1 cannot be matched in parameters to the base depth {','.join(map(str, base))} (--depth): "
+                         f"it searches depths d1 <= d2 <= d3 from the base's up to 2 x base + 1 (at most {limit}), and none "
+                         f"of those is non-decreasing; give a --depth whose entries do not decrease, e.g. "
+                         f"--depth {','.join(map(str, sorted(base)))}")
     return best[1], best[2], target
+
+
+def match_rule(base: tuple[int, ...]) -> str:
+    """The rule :func:`match_depth` follows for ``base``, as the study's ``matching`` note states it (the bound on
+    a depth is named only where it cuts the range, so a study matched before it was applied reads the same)."""
+    limit = CONFIG_LIMITS["depth"][1]
+    bound = f" and d_i <= {limit}" if any(2 * b + 1 > limit for b in base) else ""
+    return f"rung 1 depth: the non-decreasing (d1, d2, d3) with base_i <= d_i <= 2*base_i+1{bound} whose parameter count is closest to rung 2's"
 
 
 @dataclass
@@ -119,7 +150,7 @@ def build_ladder(
         standard_depth=list(depth),
         standard_params=p1,
         sandwich_params=p2,
-        rule="rung 1 depth: the non-decreasing (d1, d2, d3) with base_i <= d_i <= 2*base_i+1 whose parameter count is closest to rung 2's",
+        rule=match_rule(arch["depth"]),
     )
     out = []
     for r in rungs:
