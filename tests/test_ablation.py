@@ -265,6 +265,20 @@ def test_rung_one_stays_within_the_depth_a_model_may_have():
         build_ladder("m0", dict(depth=(32, 1, 1)), 2, 64)
 
 
+def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
+    """--output "" was accepted: the study's folders and files went into the folder the command ran in."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for output in ("", " "):
+        with pytest.raises(ValueError, match=f"--output must name a folder for the study, got {output!r}"):
+            AblationConfig(data=str(data), output=output, epochs=1).validate()
+        assert main(["ablate", "--data", str(data), "--output", output, "--epochs", "1", "--no-throughput"]) == 2
+        assert "cgavit ablate: error: --output must name a folder" in capsys.readouterr().err
+    assert list(work.iterdir()) == []
+
+
 def _dataset(root, per_class=20, held=5):
     from PIL import Image
 

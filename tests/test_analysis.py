@@ -589,3 +589,18 @@ def test_all_zero_importance_blames_a_zero_loss_only_when_it_is_zero():
     with pytest.raises(ValueError, match="the loss is zero on every image") as err:
         taylor_importance(model, [(torch.randn(2, 3, 48, 48), None)])
     assert "BatchNorm" not in str(err.value)
+
+
+def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
+    """--output "" was accepted, and the report and figures were written into the folder the command ran in."""
+    data = _image_folder(tmp_path / "data")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for output in ("", "  "):
+        with pytest.raises(ValueError, match=f"--output must name a folder.*got {output!r}"):
+            AnalysisConfig(output=output, data=str(data)).validate()
+        assert main(["analyze", "heads", "--data", str(data), "--output", output, "--img-size", "64", "--num-images", "2",
+                     "--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2"]) == 2
+        assert "cgavit analyze: error: --output must name a folder" in capsys.readouterr().err
+    assert list(work.iterdir()) == []

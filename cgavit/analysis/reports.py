@@ -66,6 +66,8 @@ class AnalysisConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (its command-line flag) that is out of bounds."""
+        if not str(self.output).strip():  # Path("") is the current folder: the files would land where the command ran
+            raise ValueError(f"--output must name a folder for the report and figures, got {self.output!r}; give e.g. --output out/analysis")
         lo, hi = IMG_SIZE_RANGE
         if self.img_size is not None and not lo <= self.img_size <= hi:
             raise ValueError(f"--img-size must be between {lo} and {hi} pixels, got {self.img_size}")

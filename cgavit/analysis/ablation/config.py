@@ -55,6 +55,8 @@ class AblationConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` for options that cannot work, naming the one to change."""
+        if not self.output.strip():  # Path("") is the current folder: the study would fill the folder it ran in
+            raise ValueError(f"--output must name a folder for the study, got {self.output!r}; give e.g. --output studies/ladder")
         if self.epochs < 1:
             raise ValueError(f"--epochs must be at least 1, got {self.epochs}")
         if not self.seeds:
