@@ -279,6 +279,42 @@ def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
     assert list(work.iterdir()) == []
 
 
+def test_a_study_of_one_head_per_block_says_why_its_head_chart_is_empty(tmp_path, monkeypatch):
+    """With --num-heads 1,1,1 ablation_heads.png had no bars and no word of why."""
+    from cgavit.analysis import plots
+    from cgavit.analysis.ablation import summary
+
+    figures, save = {}, plots._save
+
+    def keep(fig, path):
+        figures[Path(path).name] = fig
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    blocks = [dict(stage=s, block=0, num_heads=1, tokens=t, mean_off_diagonal=None) for s, t in enumerate((16, 4, 1))]
+    result = dict(rung="standard", seed=0, dials={"depth": [1, 1, 1]}, params=1, macs=1, top1=50.0, head_similarity=None,
+                  head_similarity_blocks=blocks, train_epoch_s=1.0)
+    for tokens, says in (((16, 4, 1), "no block has two heads over windows of more than one token to compare"),
+                         ((16, 4, 4), "no block has two heads to compare")):
+        for b, t in zip(blocks, tokens):
+            b["tokens"] = t
+        summary.plot_study(summary.summarize([result], None, ["standard"]), tmp_path)
+        ax = figures.pop("ablation_heads.png").axes[0]
+        assert [t.get_text() for t in ax.texts] == [says]
+        assert [t.get_text() for t in ax.get_xticklabels()] == [f"stage {i + 1} ({t} tokens)" for i, t in enumerate(tokens)]
+    result["head_similarity_blocks"] = [dict(b, num_heads=2, mean_off_diagonal=0.5) for b in blocks]  # bars: no note
+    summary.plot_study(summary.summarize([result], None, ["standard"]), tmp_path)
+    assert not figures["ablation_heads.png"].axes[0].texts
+
+
+def test_the_head_similarity_images_are_bounded_as_one_forward_pass():
+    """--heads-images had no upper bound: 10**9 passed validate(), and the images were stacked and run as one batch."""
+    cfg = AblationConfig(data="d", output="o", epochs=1, img_size=224, heads_images=10**9)
+    with pytest.raises(ValueError, match="--heads-images 1000000000 at 224 px are too many.*give --heads-images 1337 or fewer"):
+        cfg.validate()
+    replace(cfg, heads_images=1337).validate()
+
+
 def _dataset(root, per_class=20, held=5):
     from PIL import Image
 

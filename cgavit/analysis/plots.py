@@ -89,6 +89,7 @@ def bar_chart(
     notes: Mapping[str, Sequence[str]] | None = None,
     marked: Sequence[bool] | None = None,
     marked_label: str = "",
+    message: str = "",
 ) -> Path:
     """Grouped bars: one group per label, one bar per series (optional error bars).
 
@@ -97,6 +98,7 @@ def bar_chart(
             the bar's slot, so that a value drawn as no bar (NaN, 0) still says what it is.
         marked: per group, whether its bars are drawn grey and hatched, as values that are not what
             the others are (``marked_label`` names them in the legend).
+        message: a line written across the middle of the chart, e.g. why it has no bars.
     """
     plt = pyplot()
     k = max(len(series), 1)
@@ -121,6 +123,8 @@ def bar_chart(
         ax.set_ylim(*ylim)
     if title:
         ax.set_title(title, fontsize=10)
+    if message:
+        ax.text(0.5, 0.5, message, transform=ax.transAxes, ha="center", va="center", fontsize=9)
     _legend(ax, len(series) > 1, marked_label if any(marked or ()) else "")
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)

@@ -8,6 +8,7 @@ from ...bounds import check_threads
 from ...fields import option
 from ...train import TrainConfig
 from ...train.config import train_defaults
+from ..reports import MAX_BATCH_PIXELS
 from .ladder import RUNGS
 
 
@@ -39,7 +40,8 @@ class AblationConfig:
     rungs: tuple[str, ...] = option(RUNGS, "which rungs to run", choices=RUNGS)
     train_subset: int = option(0, "use this many training images, balanced per class (0 = all)")
     val_subset: int = option(0, "use this many validation images, balanced per class (0 = all)")
-    heads_images: int = option(64, "validation images for the head-similarity measurement")
+    heads_images: int = option(64, "validation images for the head-similarity measurement, run as one batch "
+                               f"(at most {MAX_BATCH_PIXELS // 224**2} at 224 px)")
     threads: int = option(1, "torch threads for training")
     train_args: dict = field(default_factory=dict)
     no_throughput: bool = option(False, "skip the CPU throughput measurement")
@@ -86,3 +88,7 @@ class AblationConfig:
             except ValueError as err:  # the study's --seeds, which the trainer calls --seed
                 raise ValueError(str(err).replace("--seed ", "--seeds ", 1)) from None
             run.check_batch()
+        most = MAX_BATCH_PIXELS // self.img_size**2  # the head-similarity images run as one batch, as analyze bounds one
+        if self.heads_images > most:
+            raise ValueError(f"--heads-images {self.heads_images} at {self.img_size} px are too many for the head-similarity "
+                             f"measurement's one forward pass; give --heads-images {most} or fewer")

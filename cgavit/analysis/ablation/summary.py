@@ -88,10 +88,23 @@ def table_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _no_similarity_note(rows: list[dict]) -> str:
+    """Why the head-similarity chart has no bars ("" when it has some): no block with two heads (one head has no
+    pair to compare), over windows of more than one token where a stage has one-token windows."""
+    if not rows or any(r["head_similarity_stages"] for r in rows):
+        return ""
+    if all(t > 1 for t in rows[0]["stage_tokens"].values()):
+        return "no block has two heads to compare"
+    return "no block has two heads over windows of more than one token to compare"
+
+
 def plot_study(rows: list[dict], out: Path) -> list[Path]:
     """``ablation_top1.png``, ``ablation_speed_accuracy.png``, ``ablation_heads.png``."""
     labels = [f"{RUNGS.index(r['rung']) + 1} {r['rung']}" for r in rows]
     stages = sorted({int(k) for r in rows for k in r["head_similarity_stages"]})
+    tokens = rows[0]["stage_tokens"] if rows else {}
+    if not stages:  # every stage drawn empty, and why: as analyze heads says "n/a" for a block of one head
+        stages = sorted(int(k) for k in tokens)
     sd = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731
     paths = [
         bar_chart(
@@ -100,9 +113,10 @@ def plot_study(rows: list[dict], out: Path) -> list[Path]:
         ),
         bar_chart(
             {lab: [r["head_similarity_stages"].get(str(i), float("nan")) for i in stages] for lab, r in zip(labels, rows)},
-            [f"stage {i + 1} ({rows[0]['stage_tokens'][str(i)]} tokens)" for i in stages],
+            [f"stage {i + 1} ({tokens[str(i)]} tokens)" for i in stages],
             out / "ablation_heads.png", ylabel="mean cosine similarity between heads",
             title="head similarity per stage (mean over its blocks and seeds)", ylim=(0, 1.05),
+            message=_no_similarity_note(rows),
         ),
     ]
     if all("throughput" in r for r in rows):
