@@ -8,6 +8,7 @@ matplotlib comes with the ``train`` and ``detect`` extras.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -124,7 +125,7 @@ def bar_chart(
     if title:
         ax.set_title(title, fontsize=10)
     if message:
-        ax.text(0.5, 0.5, message, transform=ax.transAxes, ha="center", va="center", fontsize=9)
+        ax.text(0.5, 0.5, textwrap.fill(message, 36), transform=ax.transAxes, ha="center", va="center", fontsize=9)
     _legend(ax, len(series) > 1, marked_label if any(marked or ()) else "")
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)
