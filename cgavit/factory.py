@@ -257,8 +257,11 @@ class UnrecordedArchitecture(ValueError):
 
 
 def _check_recorded_heads(meta: WeightsMeta, report: dict[str, list[str]], source: object, recorded: bool) -> None:
-    """Refuse a file that records a distillation head (its metadata's own) and holds none of its tensors: its
-    logits would average in a head of random weights."""
+    """Refuse a file that records a classifier or a distillation head (its metadata's own) and holds none of its
+    tensors: its logits would be, or average in, a head of random weights."""
+    if recorded and meta.num_classes and any(k.startswith("head.") for k in report["missing"]):
+        raise CheckpointError(f"{source} records a classifier of {meta.num_classes} classes but holds no head tensors: it "
+                              "is incomplete (its logits would come from a head of random weights); save the model again")
     if recorded and meta.distillation and any(k.startswith("head_dist.") for k in report["missing"]):
         raise CheckpointError(f"{source} records a distillation head but holds no head_dist tensors: it is incomplete "
                               "(its logits would average in a head of random weights); save the model again")

@@ -248,7 +248,7 @@ def _sync(path: str | os.PathLike) -> None:
     """Flush a file's contents, or a folder's entries (a rename), to the disk. A folder that cannot be opened or
     flushed (Windows; some network and FUSE file systems) is left to the file system's own guarantee."""
     if not os.path.isdir(path):
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)  # Windows flushes writable handles only
         try:
             os.fsync(fd)
         finally:

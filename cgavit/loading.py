@@ -191,15 +191,25 @@ def load_checkpoint(
     check_finite(sd, source)
     _distillation_head_from_class_head(sd, report, source)
     model.load_state_dict(sd, strict=False)
+    _log_report(report, source, expect_dropped_heads)
+    return report
+
+
+def _log_report(report: dict[str, list[str]], source: str, expect_dropped_heads: bool) -> None:
+    """Say what loading resized and left as initialised; warn, unless the caller expects heads to differ, of the
+    outputs that are not the file's network's (a classifier the file lacks, a distillation head the model lacks)."""
+    level = logging.INFO if expect_dropped_heads else logging.WARNING
     if report["resized"]:
         log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
     if report["missing"]:
         log.info("left as initialised: %s", ", ".join(report["missing"]))
+    if "head.bn.weight" in report["missing"]:  # no classifier in the file at all
+        log.log(level, "%s holds no classifier (a file saved with num_classes=0?): the model's is left as initialised, "
+                "so its outputs mean nothing until it is trained", source)
     if any(k.startswith("head_dist.") for k in report["skipped"]) and "head.linear.weight" not in report["skipped"]:
-        log.log(logging.INFO if expect_dropped_heads else logging.WARNING,  # (a new classifier is not the file's network anyway)
+        log.log(level,  # (a new classifier is not the file's network anyway)
                 "%s has a distillation head and the model none: the model's outputs are its class head's alone, where "
                 "the checkpoint's network averaged both heads; build it with distillation=True to use both", source)
-    return report
 
 
 def recorded_config(wf: WeightsFile, source: str) -> EfficientViTConfig | None:

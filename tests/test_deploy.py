@@ -236,7 +236,10 @@ def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monke
     """From a fast-path review: a runtime found on the path counted as available though it failed to import (a
     missing shared library), so optimize's default fp32 path and precision='auto' were ImportError tracebacks. It
     now counts as missing: the default falls back to torch, and naming it gives one line with the reason."""
+    import importlib.util
+
     from cgavit.deploy.cpu import CpuFeatures
+    from cgavit.deploy.formats import require_format
 
     pytest.importorskip("onnxruntime")
     broken = tmp_path / "broken"
@@ -253,6 +256,13 @@ def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monke
     avx2 = CpuFeatures(frozenset({"avx2", "fma"}))
     result = optimize(model, x, "auto", calibration=[x], features=avx2, compile=False)
     assert "int8 onnxruntime (not tried: onnxruntime is not installed or fails to import)" in result.choice.reason
+    with pytest.raises(ValueError, match=r"onnx files need ONNX Runtime \(onnxruntime is installed but cannot be imported"):
+        require_format("onnx")
+    if importlib.util.find_spec("openvino"):  # OpenVINO's fp32 and bf16 need no NNCF; its int8 does
+        monkeypatch.setitem(sys.modules, "nncf", None)
+        assert choose_backend("fp32", "openvino") == "openvino"
+        with pytest.raises(ValueError, match="the openvino backend cannot be used: nncf is not installed"):
+            choose_backend("int8", "openvino")
 
 
 def test_a_module_onnx_cannot_hold_is_named_as_such_not_as_the_disk():

@@ -719,3 +719,21 @@ def test_load_model_checks_the_size_it_is_given_and_same_kernels_are_no_change(t
         cgavit.load_model(path, img_size=0)
     cfg = VARIANTS["efficientvit_m0"].cfg
     assert cfg.with_dials(kernels=5).differs_from(cfg) == [] and cfg.with_dials(kernels=3).differs_from(cfg) == ["kernels"]
+
+
+def test_a_file_recording_a_classifier_it_does_not_hold_is_refused(tmp_path, caplog):
+    """A classifier-less file may load into a model with a classifier (left as initialised, warned about), but a
+    file whose record says it has a classifier of 10 classes and holds none of its tensors is incomplete: it loaded
+    with a classifier of random weights, and predict guessed (10 % for each class)."""
+    from safetensors.torch import load_file, save_file
+
+    from cgavit.weights import read_weights_file
+
+    path = save_weights(randomize_(cgavit.create_model("m0", num_classes=10, img_size=64), seed=1), tmp_path / "m.safetensors")
+    stripped = {k: v for k, v in load_file(path).items() if not k.startswith("head.")}
+    save_file(stripped, tmp_path / "cut.safetensors", metadata=read_weights_file(path).metadata)
+    with pytest.raises(CheckpointError, match="records a classifier of 10 classes but holds no head tensors"):
+        cgavit.load_model(tmp_path / "cut.safetensors")
+    with caplog.at_level(logging.WARNING, logger="cgavit.loading"):
+        cgavit.create_model("m0", num_classes=10, img_size=64, checkpoint_path=stripped)
+    assert "holds no classifier (a file saved with num_classes=0?): the model's is left as initialised" in caplog.text

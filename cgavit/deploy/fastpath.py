@@ -121,7 +121,8 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
     elif precision not in OFFERED[backend]:
         raise ValueError(f"precision {precision} is not offered by the {backend} backend "
                          f"(it offers {', '.join(OFFERED[backend])}); use backend='auto'")
-    problem = {"onnxruntime": onnxruntime_problem, "openvino": openvino_problem}.get(backend, lambda: None)()
+    int8 = precision == "int8"
+    problem = {"onnxruntime": onnxruntime_problem, "openvino": lambda: openvino_problem(int8)}.get(backend, lambda: None)()
     if problem:
         raise ValueError(f"the {backend} backend cannot be used: {problem}; pip install '{_EXTRAS[backend]}'"
                          + (", or use precision='fp32'" if precision == "int8" else ", or use backend='torch'"))

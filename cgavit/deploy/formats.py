@@ -25,8 +25,8 @@ from ..model import check_image_batch, image_size_pair
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
 from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
-from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, quantize_onnx
-from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path
+from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, onnxruntime_problem, quantize_onnx
+from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path, openvino_problem
 from .fusion import example_batch, fuse, fused_fp32, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
@@ -80,7 +80,9 @@ def require_format(name: str, precision: str = "fp32") -> ExportFormat:
     if precision not in fmt.precisions:
         raise ValueError(f"the {name} format offers {', '.join(fmt.precisions)}, not {precision}")
     if not fmt.available():  # named as a format, not a flag: eval and predict reach here from a file's suffix
-        raise ValueError(f"{name} files need {fmt.runtime}: pip install 'cgavit[{fmt.extra}]'")
+        problem = {"onnx": onnxruntime_problem, "openvino": openvino_problem}.get(name, lambda: None)()
+        raise ValueError(f"{name} files need {fmt.runtime}" + (f" ({problem})" if problem else "")
+                         + f": pip install 'cgavit[{fmt.extra}]'")
     return fmt
 
 

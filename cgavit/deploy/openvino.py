@@ -136,9 +136,11 @@ def openvino_available() -> bool:
     return openvino_problem() is None
 
 
-def openvino_problem() -> str | None:
-    """Why the OpenVINO paths cannot be used here, or None."""
-    return import_problem("openvino") or (None if importlib.util.find_spec("nncf") else "nncf is not installed")
+def openvino_problem(int8: bool = True) -> str | None:
+    """Why the OpenVINO paths (``int8=False``: its fp32 and bf16 ones, which need no NNCF) cannot be used here, or
+    None."""
+    nncf = None if not int8 or importlib.util.find_spec("nncf") else "nncf is not installed"
+    return import_problem("openvino") or nncf
 
 
 def convert_openvino(model: nn.Module, img_size: tuple[int, int], fold_residuals: bool = True):
