@@ -238,6 +238,8 @@ def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monke
     now counts as missing: the default falls back to torch, and naming it gives one line with the reason."""
     import importlib.util
 
+    from cgavit.deploy import fastpath
+    from cgavit.deploy.auto import untried_paths
     from cgavit.deploy.cpu import CpuFeatures
     from cgavit.deploy.formats import require_format
 
@@ -253,9 +255,9 @@ def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monke
     with pytest.raises(ValueError, match="the onnxruntime backend cannot be used: onnxruntime is installed but cannot "
                                          r"be imported \(ImportError: libonnxruntime.so.1.*pip install 'cgavit\[deploy\]'"):
         optimize(model, x, backend="onnxruntime")
-    avx2 = CpuFeatures(frozenset({"avx2", "fma"}))
-    result = optimize(model, x, "auto", calibration=[x], features=avx2, compile=False)
-    assert "int8 onnxruntime (not tried: onnxruntime is not installed or fails to import)" in result.choice.reason
+    avx2 = CpuFeatures(frozenset({"avx2", "fma"}))  # auto's row for it, as optimize(precision="auto") reads it
+    assert "int8 onnxruntime (not tried: onnxruntime is not installed or fails to import)" in \
+        untried_paths(avx2, True, fastpath.backend_available)
     with pytest.raises(ValueError, match=r"onnx files need ONNX Runtime \(onnxruntime is installed but cannot be imported"):
         require_format("onnx")
     if importlib.util.find_spec("openvino"):  # OpenVINO's fp32 and bf16 need no NNCF; its int8 does

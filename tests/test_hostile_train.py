@@ -878,14 +878,14 @@ def test_a_stopped_demo_exits_as_a_stopped_train(monkeypatch, capsys):
 
 
 def test_a_diverged_model_is_no_result(world, tmp_path, capsys, monkeypatch):
-    """A run whose weights diverged (finite weights, NaN outputs: BatchNorm statistics blown up) was logged as
-    "val loss nan, top-1 33.33 %", marked best and saved as best.*, with bare NaN in metrics.jsonl; `eval` printed
-    that top-1 with exit 0 and `predict` printed nan% for arbitrary classes."""
+    """A run whose weights diverged (finite weights, NaN outputs: weights blown up until the forward pass
+    overflows) was logged as "val loss nan, top-1 33.33 %", marked best and saved as best.*, with bare NaN in
+    metrics.jsonl; `eval` printed that top-1 with exit 0 and `predict` printed nan% for arbitrary classes."""
     ck = torch.load(world["best_pt"], weights_only=True)
     for part in ("model", "model_ema"):
         if ck.get(part):
-            key = next(k for k in ck[part] if k.endswith("running_var"))
-            ck[part][key] = -torch.ones_like(ck[part][key])  # finite, and every output NaN
+            key = next(k for k in ck[part] if k.endswith("qkvs.0.conv.weight"))
+            ck[part][key] = ck[part][key] * 1e37  # finite, and the outputs overflow
     diverged = tmp_path / "diverged.pt"
     torch.save(ck, diverged)
     assert main(["eval", "--data", str(world["data"]), "--checkpoint", str(diverged), "-j", "0"]) == 2
