@@ -34,9 +34,8 @@ def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tenso
         torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
     )
     ys, xs = ys.flatten(), xs.flatten()  # (N,)
-    dy = (ys[:, None] - ys[None, :]).abs()
-    dx = (xs[:, None] - xs[None, :]).abs()
-    return dy * window + dx  # (N, N)
+    index = (ys[:, None] - ys[None, :]).abs_().mul_(window)  # in place: two (N, N) tensors at most, not five
+    return index.add_((xs[:, None] - xs[None, :]).abs_())  # (N, N)
 
 
 def query_kernels(kernels: Sequence[int], heads: int) -> tuple[int, ...]:
