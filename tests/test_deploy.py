@@ -267,6 +267,60 @@ def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monke
             choose_backend("int8", "openvino")
 
 
+def test_openvino_without_nncf_exports_reads_and_is_tried_in_float(monkeypatch):
+    """NNCF quantises and nothing else, but the format table counted OpenVINO as missing without it: `cgavit export
+    --format openvino` at fp32, reading an .xml file, and auto's bf16 OpenVINO path were refused for want of it. The
+    one table (:data:`FORMATS`) now says what each precision needs, and every caller reads it."""
+    import importlib.util
+
+    from cgavit.deploy import fastpath
+    from cgavit.deploy.auto import untried_paths
+    from cgavit.deploy.cpu import CpuFeatures
+    from cgavit.deploy.formats import FORMATS, require_format
+
+    pytest.importorskip("openvino")
+    monkeypatch.setitem(sys.modules, "nncf", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, _real=importlib.util.find_spec:
+                        None if name == "nncf" else _real(name, *a))
+    assert require_format("openvino") is FORMATS["openvino"]
+    with pytest.raises(ValueError, match=r"openvino files need OpenVINO \(nncf is not installed\): "
+                                         r"pip install 'cgavit\[openvino\]'"):
+        require_format("openvino", "int8")
+    amx = CpuFeatures(frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}))
+    untried = untried_paths(amx, True, fastpath.backend_available)
+    assert "int8 openvino (not tried: openvino is not installed or fails to import)" in untried
+    assert not any(p.startswith(("bf16 openvino", "fp32 openvino")) for p in untried)
+
+
+def test_a_model_and_example_on_two_devices_are_refused_before_anything_is_built():
+    """From a fast-path review: with a CPU model and a CUDA example, optimize computed its fp32 reference before the
+    Triton path moved the model, and the torch path failed at its first call. Refused up front now (a model on the
+    meta device stands for the other device here); a runtime backend asked to serve a GPU example is refused too."""
+    model, x = tiny(), torch.randn(2, 3, 64, 64)
+    for precision in ("fp32", "auto"):
+        with pytest.raises(ValueError, match="the model is on meta and example_input on cpu: put them on one device"):
+            optimize(model.to("meta"), x, precision, compile=False)
+    with pytest.raises(ValueError, match="the onnxruntime backend runs on the CPU, and example_input is on cuda"):
+        choose_backend("fp32", "onnxruntime", "cuda")
+    assert choose_backend("fp32", "torch", "cuda") == "torch"
+
+
+def test_the_format_table_is_the_one_home_of_each_runtime():
+    """Suffixes, runtimes, display names and extras are read from FORMATS by every caller (they were written out
+    again in five modules)."""
+    from cgavit.bench.precision import RUNTIMES, path_label
+    from cgavit.deploy.formats import FORMATS, QUANT_RUNTIMES, SUFFIX_FORMATS, runtime_format
+
+    assert RUNTIMES == ("onnxruntime", "openvino", "executorch", "tflite")
+    assert QUANT_RUNTIMES == ("onnxruntime", "openvino")
+    assert SUFFIX_FORMATS == {".onnx": "onnx", ".xml": "openvino"}
+    assert [runtime_format(r).name for r in RUNTIMES] == list(FORMATS)
+    assert path_label("int8", "openvino") == "int8 OpenVINO"
+    assert path_label("fp32", "executorch") == "fp32 ExecuTorch (XNNPACK)"
+    with pytest.raises(ValueError, match="unknown runtime 'ort'; choose from onnxruntime, openvino, executorch, tflite"):
+        runtime_format("ort")
+
+
 def test_a_module_onnx_cannot_hold_is_named_as_such_not_as_the_disk():
     """The exporter's refusal (an operator ONNX has not) came out as a WriteError ending "check the disk"."""
     pytest.importorskip("onnxruntime")

@@ -188,7 +188,7 @@ def test_onednn_isa_cap_hides_what_its_kernels_may_not_use(tmp_path):
 
 
 def test_auto_rule_table_by_cpu_class():
-    every = lambda backend: True  # noqa: E731
+    every = lambda backend, precision: True  # noqa: E731
     assert set(AUTO_RULES) == set(CPU_CLASSES) == set(RULE_EVIDENCE)
     assert all(rule[-1] == ("fp32", "torch") for rule in AUTO_RULES.values())  # fp32 always available
     epyc = auto_candidates(features(EPYC_AVX2), False, every)
@@ -208,7 +208,7 @@ def test_auto_rule_table_by_cpu_class():
                                                                   ("fp32", "onnxruntime")]
     assert [(c.precision, c.backend) for c in auto_candidates(features(EPYC_AVX512_BF16), True, every)][:3] == [
         ("int8", "openvino"), ("int8", "onnxruntime"), ("bf16", "openvino")]
-    only_torch = auto_candidates(features(XEON_AMX), True, lambda backend: backend == "torch")
+    only_torch = auto_candidates(features(XEON_AMX), True, lambda backend, precision: backend == "torch")
     assert [(c.precision, c.backend) for c in only_torch] == [("bf16", "torch"), ("fp32", "torch")]
 
 
@@ -262,7 +262,7 @@ def test_auto_judges_on_the_evaluation_images_when_given(trained_digits):
 
 @pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
 def test_auto_takes_int8_with_calibration_when_it_meets_the_target(trained_digits, monkeypatch):
-    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     fast = optimize(trained_digits.model, trained_digits.images[:8], "auto", calibration=trained_digits.calibration(),
                     compile=False, features=features(EPYC_AVX2))
     assert (fast.choice.precision, fast.choice.backend) == ("int8", "onnxruntime")
@@ -305,7 +305,7 @@ def test_auto_int8_openvino_runs_its_float_part_in_bf16_where_native(trained_dig
 @pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")
 def test_auto_skips_a_path_that_misses_the_target(trained_digits, monkeypatch):
     """On scrambled weights int8 misses the target on the calibration images: auto falls back to fp32."""
-    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     model = scrambled(trained_digits)
     fast = optimize(model, trained_digits.images[:8], "auto", calibration=trained_digits.calibration(),
                     compile=False, features=features(EPYC_AVX2))

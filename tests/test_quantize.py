@@ -204,7 +204,7 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
     assert info.int8["weight_range"] == ("7-bit" if digits_int8.options.reduce_range else "8-bit")
     x = trained_digits.images[:16]
     assert torch.equal(module(x), digits_int8.module(x))
-    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     for given in (digits_int8, path):  # the result, or the file cgavit quantize wrote
         fast = optimize(trained_digits.model, x, "auto", quantized=given, compile=False, features=features(EPYC_AVX2))
         assert (fast.choice.precision, fast.choice.backend) == ("int8", "onnxruntime"), fast.choice.reason
@@ -218,7 +218,7 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
 
 def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained_digits, monkeypatch):
     model, missed = scrambled_int8
-    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     with pytest.warns(RuntimeWarning, match=r"the quantized artifact was not used \(its recorded verdict misses the target\)"):
         fast = optimize(model, trained_digits.images[:8], "auto", quantized=missed, compile=False,
                         features=features(EPYC_AVX2))
@@ -232,7 +232,7 @@ def test_auto_says_an_exported_int8_file_records_no_verdict(tmp_path, monkeypatc
     model = cgavit.create_model("m0", num_classes=3, img_size=32).eval()
     path = export_model(model, tmp_path / "q.onnx", "onnx", 32, "int8", calibration=[torch.randn(8, 3, 32, 32)])
     assert "meets_target" not in open_exported(path)[1].int8
-    monkeypatch.setattr(fastpath, "backend_available", lambda backend: backend != "openvino")
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     with pytest.warns(RuntimeWarning, match=r"not used \(it records no verdict: written by cgavit export, not cgavit "
                                             r"quantize; run cgavit quantize for a file auto can use\)") as caught:
         fast = optimize(model, torch.randn(4, 3, 32, 32), "auto", quantized=path, compile=False,
@@ -1240,7 +1240,7 @@ def test_what_quantize_needs_is_said_before_any_work(trained_digits, tmp_path, c
         assert "--qat needs torchao" in capsys.readouterr().err
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "onnx", None)  # not installed
-        with pytest.raises(ValueError, match=r"quantize needs onnx .*onnx is not installed; pip install 'cgavit\[deploy\]'"):
+        with pytest.raises(ValueError, match=r"quantize needs ONNX Runtime .*onnx is not installed; pip install 'cgavit\[deploy\]'"):
             quant_runtimes("onnxruntime")
     broken = tmp_path / "broken"
     for name in ("openvino", "nncf"):

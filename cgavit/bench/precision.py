@@ -26,7 +26,7 @@ from torch import nn
 from ..classes import check_classes, class_difference, model_indices
 from ..deploy import Agreement, PathChoice, RuntimeModule, compare_logits, cpu_features, fuse, optimize
 from ..deploy.agreement import NoiseFloor, batched_logits, noise_floor
-from ..deploy.formats import runtime_path
+from ..deploy.formats import FORMATS, runtime_format, runtime_path
 from ..factory import ModelInfo, load_model
 from ..timing import round_robin
 from ..train.data import list_split, load_transformed
@@ -35,11 +35,9 @@ from ..train.inference import eval_transform
 
 log = logging.getLogger(__name__)
 
-#: Runtimes ``cgavit bench`` can time beside torch; the first two build in seconds, the others in minutes.
-RUNTIMES = ("onnxruntime", "openvino", "executorch", "tflite")
-#: The display name and ``cgavit.deploy.FORMATS`` key of each runtime.
-RUNTIME_FORMATS = {"onnxruntime": ("ONNX Runtime", "onnx"), "openvino": ("OpenVINO", "openvino"),
-                   "executorch": ("ExecuTorch (XNNPACK)", "executorch"), "tflite": ("LiteRT (XNNPACK)", "tflite")}
+#: Runtimes ``cgavit bench`` can time beside torch (every export format's); the first two build in seconds, the
+#: others in minutes.
+RUNTIMES = tuple(fmt.backend for fmt in FORMATS.values())
 
 
 class PrecisionRow(TypedDict):
@@ -244,7 +242,7 @@ def path_label(precision: str, runtime: str, compile: bool = True) -> str:
     """The row name of a path, e.g. ``"fp32 torch.compile"``, ``"int8 OpenVINO"``."""
     if runtime == "torch":
         return f"{precision} torch{'.compile' if compile else ' eager'}"
-    name = RUNTIME_FORMATS[runtime][0]
+    name = runtime_format(runtime).runtime
     return f"{precision} {name}" + (" (static)" if (precision, runtime) == ("int8", "onnxruntime") else "")
 
 
@@ -272,7 +270,7 @@ def inference_paths(
         elif runtime == "openvino" and precision == "bf16":
             paths[label] = optimize(model, x, "bf16", backend="openvino", check=False)
         else:
-            fmt = RUNTIME_FORMATS[runtime][1]
+            fmt = runtime_format(runtime).name
             paths[label] = runtime_path(fused, x, fmt, precision, calibration if precision == "int8" else None)
     return paths
 

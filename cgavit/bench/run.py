@@ -11,7 +11,7 @@ import torch
 from ..deploy import NoiseFloor, PathChoice, cpu_features
 from ..deploy.auto import auto_candidates
 from ..deploy.fastpath import backend_available
-from ..deploy.formats import require_format
+from ..deploy.formats import require_format, runtime_format
 from ..factory import resolve_name
 from ..bounds import check_threads
 from ..io import make_folder
@@ -19,7 +19,7 @@ from ..train.data import check_folder
 from ..weights import checked_path
 from .candidates import PEER_SIDE_MULTIPLE, PEERS_TOP1, Result, build_candidates, time_candidates
 from .ceiling import CeilingRow, fp32_ceilings
-from .precision import RUNTIME_FORMATS, RUNTIMES, PrecisionRow, checkpoint_precision
+from .precision import RUNTIMES, PrecisionRow, checkpoint_precision
 from .report import environment, write_report
 from .train_speed import TrainingRow, train_throughput
 
@@ -234,7 +234,7 @@ def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
     names = (("onnxruntime",) if cfg.onnx else ()) + tuple(r for r in cfg.runtimes if cfg.onnx or r != "onnxruntime")
     names = tuple(dict.fromkeys(names))
     for name in names if cfg.device == "cpu" else ():
-        require_format(RUNTIME_FORMATS[name][1])
+        require_format(runtime_format(name).name)
     return names
 
 

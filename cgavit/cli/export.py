@@ -10,7 +10,7 @@ from torch import nn
 
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, evaluation_images
 from ..deploy import EXPORT_TOLERANCE, FORMATS, check_parity, export_model, load_exported
-from ..deploy.formats import export_metadata, require_format
+from ..deploy.formats import FIXED_BATCH_FORMATS, export_metadata, require_format
 from ..deploy.fusion import named_output
 from ..deploy.openvino import ir_path
 from ..factory import ModelInfo, create_model, load_model
@@ -49,9 +49,9 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo,
         ("--train-split", args.train_split != "train" and (not args.data or args.precision != "int8")),
         ("--val-split", args.val_split != "val" and not args.data)) if given]
     if ignored:
-        raise ValueError(f"{', '.join(ignored)} would change nothing here (--batch is fixed in executorch and tflite files "
-                         "only; --calibration-images and --train-split are read for --precision int8, --val-split "
-                         "and --eval-images with --data): leave them out")
+        raise ValueError(f"{', '.join(ignored)} would change nothing here (--batch is fixed in "
+                         f"{' and '.join(FIXED_BATCH_FORMATS)} files only; --calibration-images and --train-split are "
+                         "read for --precision int8, --val-split and --eval-images with --data): leave them out")
     if not args.data:
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")

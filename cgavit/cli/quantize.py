@@ -24,11 +24,12 @@ from ..bounds import check_threads
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..train.data import list_split
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
+from ..deploy.formats import FORMATS, QUANT_RUNTIMES, SUFFIX_FORMATS
 from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.qat import require_qat
-from ..deploy.quantize import HOLDOUT, QUANT_RUNTIMES, SharedImagesError, float_reasons, quant_runtimes
+from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import atomic_write, replace_together, staging, write_json, write_text
@@ -44,7 +45,7 @@ NO_GAIN = 1.1
 QAT_DEFAULTS = dict(epochs=2, qat_images=0, qat_lr=1e-5, qat_batch=64, qat_float_layers=1)
 
 #: The runtime each output suffix implies.
-SUFFIX_RUNTIMES = {".onnx": "onnxruntime", ".xml": "openvino"}
+SUFFIX_RUNTIMES = {FORMATS[name].suffix: FORMATS[name].backend for name in SUFFIX_FORMATS.values()}
 
 
 def checked_target(args: argparse.Namespace) -> QuantizeTarget:

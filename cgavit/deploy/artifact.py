@@ -14,12 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET
-from .formats import SUFFIX_FORMATS, open_exported
+from .formats import FORMATS, SUFFIX_FORMATS, open_exported
 from .quantize import QuantizeResult
 from .runtime import RuntimeModule
-
-#: The runtime of each format :func:`open_exported` reads.
-FORMAT_RUNTIMES = {"onnx": "onnxruntime", "openvino": "openvino"}
 
 
 @dataclass
@@ -89,5 +86,5 @@ def quantized_artifact(quantized: QuantizeResult | str | os.PathLike) -> Quantiz
     module, info = open_exported(path)
     if info.precision != "int8":
         raise ValueError(f"{path.name} holds {info.precision}, not int8; quantized= takes an int8 file from cgavit quantize")
-    runtime = FORMAT_RUNTIMES[SUFFIX_FORMATS[path.suffix.lower()]]
+    runtime = FORMATS[SUFFIX_FORMATS[path.suffix.lower()]].backend
     return QuantizedArtifact(module, runtime, info.img_size, dict(info.int8), path.name)

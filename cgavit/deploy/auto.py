@@ -49,7 +49,7 @@ RULE_EVIDENCE: dict[str, str] = {
 }
 
 def auto_candidates(
-    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool],
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str, str], bool],
     quantized_runtime: str | None = None,
 ) -> list[PathChoice]:
     """The paths ``auto`` may take on this CPU, in the order it tries them, each with its reason.
@@ -57,7 +57,8 @@ def auto_candidates(
     Args:
         features: the CPU (:func:`cgavit.deploy.cpu.cpu_features`).
         calibration_given: whether calibration images were given (int8 needs them, unless quantized).
-        available: whether a backend (``"torch"``, ``"onnxruntime"``, ``"openvino"``) is installed.
+        available: whether a backend (``"torch"``, ``"onnxruntime"``, ``"openvino"``) is installed and imports for a
+            precision, called ``available(backend, precision)`` (OpenVINO's int8 needs NNCF, its fp32 and bf16 do not).
         quantized_runtime: the runtime of a quantised artifact given to ``auto`` (``cgavit quantize``'s):
             on a class whose row uses int8 its int8 path is tried with the artifact, in its row's place
             (or before the first non-int8 path when the row lacks it), calibration or not.
@@ -77,7 +78,7 @@ def auto_candidates(
 
 
 def untried_paths(
-    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool],
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str, str], bool],
     quantized_runtime: str | None = None,
 ) -> list[str]:
     """The paths of this CPU's row that :func:`auto_candidates` leaves out, each with why (same arguments)."""
@@ -86,7 +87,7 @@ def untried_paths(
 
 
 def _row(
-    features: CpuFeatures, calibration_given: bool, available: Callable[[str], bool], quantized_runtime: str | None,
+    features: CpuFeatures, calibration_given: bool, available: Callable[[str, str], bool], quantized_runtime: str | None,
 ) -> list[tuple[str, str, str | None]]:
     """The CPU's row as ``(precision, backend, why it is not tried or None)``."""
     out = []
@@ -95,7 +96,7 @@ def _row(
         why_not = None
         if precision == "int8" and not calibration_given and not artifact:
             why_not = "not tried: int8 needs calibration= images or a quantized= file"
-        elif not available(backend):
+        elif not available(backend, precision):
             why_not = f"not tried: {backend} is not installed or fails to import"
         out.append((precision, backend, why_not))
     return out

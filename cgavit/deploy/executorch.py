@@ -55,7 +55,13 @@ def _executorch() -> SimpleNamespace:
 
 def executorch_available() -> bool:
     """Whether ExecuTorch is installed (checked without importing it)."""
-    return importlib.util.find_spec("executorch") is not None
+    return executorch_problem() is None
+
+
+def executorch_problem() -> str | None:
+    """Why the ExecuTorch paths cannot be used here, or None (checked without importing it: the import takes
+    seconds)."""
+    return None if importlib.util.find_spec("executorch") is not None else "executorch is not installed"
 
 
 def _not_elementwise(node: torch.fx.Node) -> bool:

@@ -26,8 +26,9 @@ from .cpu import CpuFeatures, cpu_features
 from .fusion import fused_fp32
 from .int8 import fastest_float_part
 from .metadata import model_classes
-from .onnx import onnxruntime_available, onnxruntime_path, onnxruntime_problem
-from .openvino import openvino_available, openvino_path, openvino_problem
+from .formats import runtime_format
+from .onnx import onnxruntime_path
+from .openvino import openvino_path
 from .quantize import QuantizeResult
 from .runtime import PathChoice, RuntimeModule
 
@@ -83,16 +84,14 @@ class OptimizedModel(RuntimeModule):
         return self
 
 
-def backend_available(backend: str) -> bool:
+def backend_available(backend: str, precision: str = "fp32") -> bool:
     """Whether ``backend`` (``"torch"``, ``"onnxruntime"``, ``"openvino"``, ``"triton"``) is installed and imports
-    (one that is present but broken counts as missing)."""
-    checks = {"torch": lambda: True, "onnxruntime": onnxruntime_available, "openvino": openvino_available,
-              "triton": triton_available}
-    return checks[backend]()
-
-
-#: What to install for each runtime backend.
-_EXTRAS = {"onnxruntime": "cgavit[deploy]", "openvino": "cgavit[openvino]"}
+    for ``precision`` (one that is present but broken counts as missing; OpenVINO's int8 needs NNCF too)."""
+    if backend == "torch":
+        return True
+    if backend == "triton":
+        return triton_available()
+    return runtime_format(backend).available(precision)
 
 
 def choose_backend(precision: str, backend: str = "auto", device: torch.device | str = "cpu") -> str:
@@ -102,8 +101,9 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
     otherwise. OpenVINO is used when asked for by name (or by ``precision="auto"``'s rule table).
 
     Raises:
-        ValueError: unknown precision or backend, a combination no backend offers, or a runtime that is not
-            installed or fails to import (int8's ONNX Runtime too: int8 runs in a runtime).
+        ValueError: unknown precision or backend, a combination no backend offers, a runtime that is not
+            installed or fails to import (int8's ONNX Runtime too: int8 runs in a runtime), or a runtime (they run on
+            the CPU) for another ``device``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of auto, {', '.join(PRECISIONS)}, got {precision!r}")
@@ -116,15 +116,20 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
         return "triton"  # the only backend offering fp16
     if backend == "auto":
         on_cpu = torch.device(device).type == "cpu"
-        ort_fp32 = precision == "fp32" and on_cpu and onnxruntime_available()
+        ort_fp32 = precision == "fp32" and on_cpu and backend_available("onnxruntime")
         backend = "onnxruntime" if precision == "int8" or ort_fp32 else "torch"
     elif precision not in OFFERED[backend]:
         raise ValueError(f"precision {precision} is not offered by the {backend} backend "
                          f"(it offers {', '.join(OFFERED[backend])}); use backend='auto'")
-    int8 = precision == "int8"
-    problem = {"onnxruntime": onnxruntime_problem, "openvino": lambda: openvino_problem(int8)}.get(backend, lambda: None)()
+    if backend in ("torch", "triton"):
+        return backend
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"the {backend} backend runs on the CPU, and example_input is on {torch.device(device)}: give "
+                         "a CPU example (and model), or use backend='torch' on the GPU")
+    fmt = runtime_format(backend)
+    problem = fmt.problem(precision)
     if problem:
-        raise ValueError(f"the {backend} backend cannot be used: {problem}; pip install '{_EXTRAS[backend]}'"
+        raise ValueError(f"the {backend} backend cannot be used: {problem}; {fmt.install()}"
                          + (", or use precision='fp32'" if precision == "int8" else ", or use backend='torch'"))
     return backend
 
@@ -158,7 +163,7 @@ def optimize(
 
     Args:
         model: a cgavit model (for ``fast_attention=False``, any module whose BatchNorms are cgavit's Conv-BN pairs).
-        example_input: a batch ``(B, C, H, W)`` of the shape you will run (compiling specialises on it).
+        example_input: a batch ``(B, C, H, W)`` of the shape you will run, on the model's device (compiling specialises on it).
         precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
@@ -169,13 +174,13 @@ def optimize(
         evaluation: ``precision="auto"`` only: images not trained on, to judge reduced paths on (default: calibration's).
 
     Raises:
-        ValueError: a precision, backend or combination not offered, a bad example, empty calibration.
+        ValueError: a precision, backend or combination not offered, a bad example (or not on the model's device), empty calibration.
         TypeError: a switch not True or False (``compile="no"`` would compile), ``features`` not a ``CpuFeatures``.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
     opts = dict(compile=compile, channels_last=channels_last, fast_attention=fast_attention)
     _check_switches({**opts, "check": check}, features)
-    example_input, batches, judged = _checked_inputs(example_input, calibration, precision, backend, quantized, evaluation)
+    example_input, batches, judged = _checked_inputs(model, example_input, calibration, precision, backend, quantized, evaluation)
     on_cpu = example_input.device.type == "cpu"
     if precision == "auto":
         artifact = None if quantized is None else quantized_artifact(quantized)
@@ -200,11 +205,23 @@ def _check_switches(switches: dict[str, object], features: object) -> None:
                         f"{type(features).__name__}")
 
 
+def _check_same_device(model: nn.Module, example_input: torch.Tensor) -> None:
+    """Refuse a model whose weights are on another device than the example's (a CPU model with a CUDA example): the
+    fp32 reference it is checked against would be computed on neither, and the torch path would fail at its first
+    call. One line, before anything is built."""
+    weight = next(iter(model.parameters()), None)
+    weight = next(iter(model.buffers()), None) if weight is None else weight
+    if weight is not None and weight.device != example_input.device:
+        raise ValueError(f"the model is on {weight.device} and example_input on {example_input.device}: put them on "
+                         f"one device (model.to(example_input.device)); the result runs where the example is")
+
+
 def _checked_inputs(
-    example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None, precision: str, backend: str,
+    model: nn.Module, example_input: torch.Tensor, calibration: Iterable[torch.Tensor] | None, precision: str, backend: str,
     quantized: object, evaluation: Iterable[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """The example, the calibration and the evaluation batches as float32, checked (and what only auto takes)."""
+    """The example (on ``model``'s device), the calibration and the evaluation batches as float32, checked (and what
+    only auto takes)."""
     if precision == "auto" and backend != "auto":
         raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
     if quantized is not None and precision != "auto":
@@ -212,6 +229,7 @@ def _checked_inputs(
     if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4 or len(example_input) == 0:
         raise ValueError("example_input must be an image batch tensor (B, C, H, W) of at least one image, e.g. "
                          "torch.randn(16, 3, 224, 224); the result then runs any batch size, 0 included")
+    _check_same_device(model, example_input)
     if calibration is not None and precision not in ("int8", "auto"):
         raise ValueError(f"calibration= is for int8 (and precision='auto'): the images int8's activation ranges are "
                          f"set on; precision={precision!r} does not use them, so leave it out")

@@ -24,65 +24,101 @@ from ..io import check_readable_file
 from ..model import check_image_batch, image_size_pair
 from ..testing import rel_err
 from .agreement import Agreement, batched_logits, compare_logits
-from .executorch import ExecutorchModule, executorch_available, executorch_path, export_executorch
-from .onnx import OnnxModule, export_onnx, onnxruntime_available, onnxruntime_path, onnxruntime_problem, quantize_onnx
-from .openvino import OpenVinoModule, export_openvino, openvino_available, openvino_path, openvino_problem
+from .executorch import ExecutorchModule, executorch_path, executorch_problem, export_executorch
+from .onnx import OnnxModule, export_onnx, onnxruntime_path, onnxruntime_problem, quantize_onnx
+from .openvino import OpenVinoModule, export_openvino, openvino_path, openvino_problem
 from .fusion import example_batch, fuse, fused_fp32, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
 from .metadata import ExportInfo, check_info_classes, export_info, model_classes
 from .runtime import RuntimeModule
-from .tflite import TfliteModule, export_tflite, tflite_available, tflite_path
+from .tflite import TfliteModule, export_tflite, tflite_path, tflite_problem
 
 
 @dataclass(frozen=True)
 class ExportFormat:
-    """One export format.
+    """One export format, and the runtime that runs it: the one home of what cgavit knows about each.
 
     Args:
         name: the ``--format`` value.
-        runtime: the runtime that runs it, for messages.
+        runtime: the runtime that runs it, for messages and row names (``"ONNX Runtime"``).
+        backend: that runtime as ``optimize``, ``quantize`` and ``cgavit bench --runtimes`` name it (``"onnxruntime"``).
         extra: the package extra that installs it (``pip install 'cgavit[EXTRA]'``).
         suffix: the file name suffix it is written with.
         precisions: what it offers (``"fp32"``, ``"int8"``).
         fixed_batch: whether the batch size is fixed at export (else dynamic).
-        available: whether its packages are installed.
+        metadata: whether its files carry cgavit's metadata (class names, preprocessing, how the int8 was made): the
+            formats :func:`open_exported` reads, ``cgavit quantize`` writes and :class:`~cgavit.deploy.int8.Int8Options`
+            tune.
+        problem: why its runtime cannot be used here for a precision, or None (a package missing, or installed and
+            failing to import).
     """
 
     name: str
     runtime: str
+    backend: str
     extra: str
     suffix: str
     precisions: tuple[str, ...]
     fixed_batch: bool
-    available: Callable[[], bool]
+    metadata: bool
+    problem: Callable[[str], str | None]
+
+    def available(self, precision: str = "fp32") -> bool:
+        """Whether its packages are installed and import (for ``precision``: OpenVINO's int8 needs NNCF too)."""
+        return self.problem(precision) is None
+
+    def install(self) -> str:
+        """What to run to install it: ``pip install 'cgavit[EXTRA]'``."""
+        return f"pip install 'cgavit[{self.extra}]'"
 
 
 FORMATS: dict[str, ExportFormat] = {
-    "onnx": ExportFormat("onnx", "ONNX Runtime", "deploy", ".onnx", ("fp32", "int8"), False, onnxruntime_available),
-    "openvino": ExportFormat("openvino", "OpenVINO", "openvino", ".xml", ("fp32", "int8"), False, openvino_available),
-    "executorch": ExportFormat("executorch", "ExecuTorch (XNNPACK)", "executorch", ".pte", ("fp32", "int8"), True,
-                               executorch_available),
-    "tflite": ExportFormat("tflite", "LiteRT (XNNPACK)", "tflite", ".tflite", ("fp32",), True, tflite_available),
+    "onnx": ExportFormat("onnx", "ONNX Runtime", "onnxruntime", "deploy", ".onnx", ("fp32", "int8"), False, True,
+                         lambda precision: onnxruntime_problem()),
+    "openvino": ExportFormat("openvino", "OpenVINO", "openvino", "openvino", ".xml", ("fp32", "int8"), False, True,
+                             lambda precision: openvino_problem(int8=precision == "int8")),
+    "executorch": ExportFormat("executorch", "ExecuTorch (XNNPACK)", "executorch", "executorch", ".pte",
+                               ("fp32", "int8"), True, False, lambda precision: executorch_problem()),
+    "tflite": ExportFormat("tflite", "LiteRT (XNNPACK)", "tflite", "tflite", ".tflite", ("fp32",), True, False,
+                           lambda precision: tflite_problem()),
 }
+
+#: The format of each file suffix :func:`open_exported` reads (those that carry metadata).
+SUFFIX_FORMATS = {fmt.suffix: name for name, fmt in FORMATS.items() if fmt.metadata}
+#: The formats whose files are made for one batch size (``batch=`` / ``--batch``).
+FIXED_BATCH_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.fixed_batch)
+#: The runtimes whose int8 ``cgavit quantize`` builds, searches and writes.
+QUANT_RUNTIMES = tuple(fmt.backend for fmt in FORMATS.values() if fmt.metadata)
+
+
+def runtime_format(backend: str) -> ExportFormat:
+    """The format a runtime (``"onnxruntime"``, ``"openvino"``, ``"executorch"``, ``"tflite"``) runs.
+
+    Raises:
+        ValueError: a name that is no runtime's.
+    """
+    found = next((fmt for fmt in FORMATS.values() if fmt.backend == backend), None)
+    if found is None:
+        raise ValueError(f"unknown runtime {backend!r}; choose from {', '.join(f.backend for f in FORMATS.values())}")
+    return found
 
 
 def require_format(name: str, precision: str = "fp32") -> ExportFormat:
     """The format ``name``, checked to be installed and to offer ``precision``.
 
     Raises:
-        ValueError: unknown format, precision it does not offer, or its extra is not installed
-            (the message says what to install).
+        ValueError: unknown format, precision it does not offer, or its extra is not installed or fails to import
+            (the message says why, and what to install).
     """
     if name not in FORMATS:
         raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
     fmt = FORMATS[name]
     if precision not in fmt.precisions:
         raise ValueError(f"the {name} format offers {', '.join(fmt.precisions)}, not {precision}")
-    if not fmt.available():  # named as a format, not a flag: eval and predict reach here from a file's suffix
-        problem = {"onnx": onnxruntime_problem, "openvino": openvino_problem}.get(name, lambda: None)()
-        raise ValueError(f"{name} files need {fmt.runtime}" + (f" ({problem})" if problem else "")
-                         + f": pip install 'cgavit[{fmt.extra}]'")
+    problem = fmt.problem(precision)
+    if problem:  # named as a format, not a flag: eval and predict reach here from a file's suffix
+        raise ValueError(f"{name} files need {fmt.runtime} ({problem}): {fmt.install()}")
     return fmt
 
 
@@ -160,7 +196,7 @@ def export_metadata(info: ExportInfo | ModelInfo | None, format: str, img_size: 
     if isinstance(info, ExportInfo):
         info = replace(info, precision="fp32", int8={})
     made = export_info(info, img_size, in_chans)
-    if format in SUFFIX_FORMATS.values():  # the formats open_exported reads are those that carry metadata
+    if FORMATS[format].metadata:  # the formats open_exported reads
         made.to_props()
     return made
 
@@ -168,12 +204,13 @@ def export_metadata(info: ExportInfo | ModelInfo | None, format: str, img_size: 
 def _check_used(fmt: ExportFormat, precision: str, batch: object, options: Int8Options | None) -> None:
     """Refuse what ``fmt`` in ``precision`` would ignore: ``options`` outside int8 in ONNX Runtime and OpenVINO (fp32
     quantises nothing; ExecuTorch's int8 is XNNPACK's one recipe), a batch other than 1 where the batch is dynamic."""
-    if options is not None and (precision != "int8" or fmt.name not in ("onnx", "openvino")):
+    if options is not None and (precision != "int8" or not fmt.metadata):
         what = "quantises nothing" if precision != "int8" else "is XNNPACK's own recipe, which takes no options"
-        raise ValueError(f"options are read for int8 in onnx and openvino only ({fmt.name} {precision} {what}): leave "
+        tuned = " and ".join(name for name, f in FORMATS.items() if f.metadata)
+        raise ValueError(f"options are read for int8 in {tuned} only ({fmt.name} {precision} {what}): leave "
                          "options out")
     if batch != 1 and not fmt.fixed_batch:
-        raise ValueError(f"batch is fixed in executorch and tflite files only ({fmt.name} files take any batch): leave "
+        raise ValueError(f"batch is fixed in {' and '.join(FIXED_BATCH_FORMATS)} files only ({fmt.name} files take any batch): leave "
                          f"batch out, not {batch!r}")
 
 
@@ -297,10 +334,6 @@ def check_parity(
     if images is not None:
         agreement = compare_logits(batched_logits(module, images), batched_logits(fused, images), labels)
     return ParityCheck(runtime, precision, errors, agreement)
-
-
-#: The format of each file suffix :func:`open_exported` reads.
-SUFFIX_FORMATS = {".onnx": "onnx", ".xml": "openvino"}
 
 
 def _check_runnable(module: RuntimeModule, format: str, source: str) -> None:

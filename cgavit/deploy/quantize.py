@@ -52,6 +52,7 @@ from .agreement import (
     AGREEMENT_TARGET, QUANTIZE_ACCURACY_TOLERANCE, Agreement, NoiseFloor, compare_logits, noise_floor,
 )
 from .cpu import CpuFeatures, architecture, cpu_features
+from .formats import FORMATS, QUANT_RUNTIMES, runtime_format
 from .fusion import fuse, named_output
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, check_info_classes, export_info, int8_info, model_classes
@@ -78,10 +79,6 @@ HOLDOUT = 0.5
 
 #: Cores' worth of other work during the runoff above which the report says its timings may not be this machine's.
 DISTURBING_LOAD = 0.5
-
-#: The runtimes ``quantize`` builds int8 for, and the extra each needs.
-QUANT_RUNTIMES = {"onnxruntime": "deploy", "openvino": "openvino"}
-
 
 @dataclass(frozen=True)
 class QuantizeTarget:
@@ -295,7 +292,7 @@ class QuantizeResult:
         lines += [f"Kept in float: `{layer}`: {why}" for layer, why in self.reasons.items()] or \
             ["No convolution kept in float."]
         for runtime, rows in self.sensitivity.items():
-            lines += ["", f"Sensitivity in {RUNTIME_NAMES[runtime]} (each layer int8 alone, the {min(top, len(rows))} "
+            lines += ["", f"Sensitivity in {runtime_format(runtime).runtime} (each layer int8 alone, the {min(top, len(rows))} "
                       f"most sensitive of {len(rows)}):", "",
                       "| layer | decisions changed | agreement | rel. logit error |", "|---|---:|---:|---:|"]
             lines += [f"| `{s.layer}` | {s.changed} of {s.n} | {100 * s.agreement:.2f} % | {s.rel_err:.1e} |"
@@ -331,12 +328,9 @@ class QuantizeResult:
                 f"{p.speedup:.2f}x fp32 ONNX Runtime")
 
 
-RUNTIME_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
-
-
 def path_name(point: CurvePoint) -> str:
     """A build's runtime, and its float part where that is not fp32: ``"OpenVINO (bf16 float part)"``."""
-    name = RUNTIME_NAMES[point.runtime]
+    name = runtime_format(point.runtime).runtime
     return name if point.float_part == "fp32" else f"{name} ({point.float_part} float part)"
 
 
@@ -499,16 +493,17 @@ def quant_runtimes(runtime: str | None) -> list[str]:
     """
     if runtime is not None and runtime not in QUANT_RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(QUANT_RUNTIMES)} (or None: every one installed), got {runtime!r}")
-    for module in ("onnxruntime", "onnx"):
-        problem = import_problem(module)
-        if problem:
-            raise ValueError(f"quantize needs {module} (every build is exported to ONNX and timed beside fp32 ONNX "
-                             f"Runtime): {problem}; pip install 'cgavit[deploy]'")
+    onnx = FORMATS["onnx"]
+    problem = onnx.problem("int8")
+    if problem:
+        raise ValueError(f"quantize needs {onnx.runtime} (every build is exported to ONNX and timed beside fp32 ONNX "
+                         f"Runtime): {problem}; {onnx.install()}")
     if runtime == "onnxruntime":
         return [runtime]
-    problem = import_problem("openvino") or import_problem("nncf")
+    openvino = FORMATS["openvino"]
+    problem = openvino.problem("int8") or import_problem("nncf")  # imported here: the search would, later
     if runtime == "openvino" and problem:
-        raise ValueError(f"runtime openvino cannot be used: {problem}; pip install 'cgavit[openvino]'")
+        raise ValueError(f"runtime openvino cannot be used: {problem}; {openvino.install()}")
     installed = all(importlib.util.find_spec(name) is not None for name in ("openvino", "nncf"))
     if problem and installed:  # installed but broken: said, not a traceback after the ONNX Runtime search
         log.warning("quantize: OpenVINO is installed but cannot be used (%s): searching ONNX Runtime alone", problem)
@@ -745,7 +740,7 @@ class _Search:
         """``runtime``'s layers but ``kept``, most sensitive first: its per-layer sensitivity, measured on the
         search's images (with an fp32 float part) the first time some layer must be kept in float."""
         if runtime not in self.sensitivity:
-            log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), RUNTIME_NAMES[runtime])
+            log.info("quantize: per-layer sensitivity of %d layers (%s)", len(builder.layers), runtime_format(runtime).runtime)
             self.sensitivity[runtime] = layer_sensitivity(
                 list(builder.layers), partial(self.module, runtime, builder), self.evaluation, self.reference)
         return [s.layer for s in self.sensitivity[runtime] if s.layer not in kept]

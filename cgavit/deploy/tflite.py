@@ -36,7 +36,13 @@ def _litert() -> SimpleNamespace:
 
 def tflite_available() -> bool:
     """Whether litert-torch and the LiteRT interpreter are installed (checked without importing them)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("litert_torch", "ai_edge_litert"))
+    return tflite_problem() is None
+
+
+def tflite_problem() -> str | None:
+    """Why the LiteRT paths cannot be used here, or None (checked without importing them)."""
+    missing = [name for name in ("litert_torch", "ai_edge_litert") if importlib.util.find_spec(name) is None]
+    return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed" if missing else None
 
 
 def tflite_model(model: nn.Module, img_size: tuple[int, int], batch: int = 1) -> bytes:
