@@ -265,6 +265,23 @@ def test_rung_one_stays_within_the_depth_a_model_may_have():
         build_ladder("m0", dict(depth=(32, 1, 1)), 2, 64)
 
 
+def test_a_depth_the_ladder_cannot_match_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--depth 32,1,1 was refused only when the ladder was built, after the data subset was written to the study's
+    folder; validate() now asks the ladder's own check (and the clash of --train-args with the study's options)."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)  # its held-out split is test/: a subset is made
+    out = tmp_path / "study"
+    for extra in (["--depth", "32,1,1"], ["--train-args", "--depth 32,1,1"],
+                  ["--depth", "1,1,1", "--train-args", "--depth 1,1,2"]):
+        argv = ["ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--img-size", "32", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "base depth 32,1,1 (--depth)" in err or "--train-args sets depth to other values" in err
+        assert not out.exists()
+    with pytest.raises(ValueError, match=r"base depth 32,1,1 \(--depth\).*--depth 1,1,32"):
+        AblationConfig(data=str(data), output=str(out), epochs=1, depth=(32, 1, 1)).validate()
+    AblationConfig(data=str(data), output=str(out), epochs=1, depth=(1, 1, 32)).validate()
+
+
 def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
     """--output "" was accepted: the study's folders and files went into the folder the command ran in."""
     data = _dataset(tmp_path / "data", per_class=2, held=1)

@@ -68,6 +68,24 @@ def _block_params(model_name: str, dials: dict, num_classes: int, img_size: int)
     return sum(p.numel() for p in m.parameters()), tuple(per_block)
 
 
+def depth_candidates(base: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The depths :func:`match_depth` chooses rung 1's from: every non-decreasing ``(d1 <= d2 <= d3)`` with
+    ``base_i <= d_i <= 2 * base_i + 1`` and at most ``CONFIG_LIMITS["depth"]``'s largest depth.
+
+    Raises:
+        ValueError: there is none (a base depth such as 32, 1, 1), naming ``--depth`` and a base that has some.
+    """
+    limit = CONFIG_LIMITS["depth"][1]
+    ranges = [range(b, min(2 * b + 1, limit) + 1) for b in base]
+    found = [d for d in itertools.product(*ranges) if all(a <= b for a, b in zip(d, d[1:]))]  # the base's profile
+    if not found:
+        raise ValueError(f"rung 1 cannot be matched in parameters to the base depth {','.join(map(str, base))} (--depth): "
+                         f"it searches depths d1 <= d2 <= d3 from the base's up to 2 x base + 1 (at most {limit}), and none "
+                         f"of those is non-decreasing; give a --depth whose entries do not decrease, e.g. "
+                         f"--depth {','.join(map(str, sorted(base)))}")
+    return found
+
+
 def match_depth(
     model_name: str, arch: dict, num_classes: int, img_size: int, common: dict | None = None
 ) -> tuple[tuple[int, int, int], int, int]:
@@ -82,25 +100,18 @@ def match_depth(
         ``(depth, params of rung 1 at that depth, params of rung 2)``.
 
     Raises:
-        ValueError: no depth in that range is non-decreasing (a base depth such as 32, 1, 1).
+        ValueError: no depth in that range is non-decreasing (a base depth such as 32, 1, 1; :func:`depth_candidates`).
     """
-    target = count_params(model_name, rung_dials("sandwich", arch, common), num_classes, img_size)
     base = tuple(arch["depth"])
-    limit = CONFIG_LIMITS["depth"][1]
+    candidates = depth_candidates(base)  # first: a base it cannot match is refused before a model is built
+    target = count_params(model_name, rung_dials("sandwich", arch, common), num_classes, img_size)
     total, per_block = _block_params(model_name, rung_dials("standard", arch, common), num_classes, img_size)
     best = None
-    for depth in itertools.product(*[range(b, min(2 * b + 1, limit) + 1) for b in base]):
-        if any(a > b for a, b in zip(depth, depth[1:])):
-            continue  # keep the base's non-decreasing depth profile
+    for depth in candidates:
         n = total + sum((d - b) * p for d, b, p in zip(depth, base, per_block))
         key = (abs(n - target), sum(depth))
         if best is None or key < best[0]:
             best = (key, depth, n)
-    if best is None:
-        raise ValueError(f"rung 1 cannot be matched in parameters to the base depth {','.join(map(str, base))} (--depth): "
-                         f"it searches depths d1 <= d2 <= d3 from the base's up to 2 x base + 1 (at most {limit}), and none "
-                         f"of those is non-decreasing; give a --depth whose entries do not decrease, e.g. "
-                         f"--depth {','.join(map(str, sorted(base)))}")
     return best[1], best[2], target
 
 
@@ -124,6 +135,29 @@ class Variant:
         return RUNG_TITLES[self.rung]
 
 
+def base_architecture(model_name: str, arch_overrides: dict, common: dict | None = None) -> tuple[dict, dict]:
+    """The ladder's base architecture and the dials every rung is built with besides it, as :func:`build_ladder` takes
+    them apart; a study checks its options with it before it writes anything (:meth:`AblationConfig.validate`).
+
+    Returns:
+        ``(arch, rest)``: the :data:`ARCH_FIELDS` of ``model_name`` with ``arch_overrides`` and those ``common`` sets,
+        and ``common``'s other dials.
+
+    Raises:
+        ValueError: ``common`` sets an architecture field that ``arch_overrides`` sets to another value, or rung 1
+            cannot be matched to the base depth (:func:`depth_candidates`).
+    """
+    rest = dict(common or {})
+    base = {k: tuple(rest.pop(k)) for k in ARCH_FIELDS if k in rest}
+    clash = [k for k, v in base.items() if k in arch_overrides and tuple(arch_overrides[k]) != v]
+    if clash:
+        raise ValueError(f"--train-args sets {', '.join(clash)} to other values than the study's own option(s) do; "
+                         "give the base architecture once")
+    arch = _base_arch(model_name, {**arch_overrides, **base})
+    depth_candidates(arch["depth"])
+    return arch, rest
+
+
 def build_ladder(
     model_name: str, arch_overrides: dict, num_classes: int, img_size: int, rungs=RUNGS, common: dict | None = None
 ) -> tuple[list[Variant], dict]:
@@ -135,15 +169,9 @@ def build_ladder(
             are the base's, as ``arch_overrides`` are; the others win over each rung's own, and count in the matching.
 
     Raises:
-        ValueError: ``common`` sets an architecture field that ``arch_overrides`` sets to another value.
+        ValueError: as :func:`base_architecture` does.
     """
-    common = dict(common or {})
-    base = {k: tuple(common.pop(k)) for k in ARCH_FIELDS if k in common}
-    clash = [k for k, v in base.items() if k in arch_overrides and tuple(arch_overrides[k]) != v]
-    if clash:
-        raise ValueError(f"--train-args sets {', '.join(clash)} to other values than the study's own option(s) do; "
-                         "give the base architecture once")
-    arch = _base_arch(model_name, {**arch_overrides, **base})
+    arch, common = base_architecture(model_name, arch_overrides, common)
     depth, p1, p2 = match_depth(model_name, arch, num_classes, img_size, common)
     note = dict(
         base_depth=list(arch["depth"]),
