@@ -243,6 +243,22 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
         train(tiny(**{**args, "workers": 0}, output=str(tmp_path / "strict"), strict=True))
 
 
+def test_strict_reads_the_validation_split_before_training(tmp_path, monkeypatch):
+    """With --strict a truncated validation image stopped the run at the first evaluation: after a whole epoch of
+    training, which was lost (no last.pt). It is now read before the first update (every rank its share)."""
+    from cgavit.train import engine
+
+    root = make_folder(tmp_path / "ds", classes=2, train=4, val=2)
+    cut = root / "val" / "class_0" / "1.png"
+    cut.write_bytes(cut.read_bytes()[:60])  # class_0 keeps a readable image: the per-class check lets it pass
+    epochs, real = [], engine.train_one_epoch
+    monkeypatch.setattr(engine, "train_one_epoch", lambda run, epoch, *args: epochs.append(epoch) or real(run, epoch, *args))
+    out = tmp_path / "run"
+    with pytest.raises(BadImageError, match=f"cannot read image {cut}: image file is truncated .run without --strict"):
+        train(tiny(data=str(root), epochs=1, output=str(out), mixup=0, cutmix=0, strict=True))
+    assert epochs == [] and not out.exists()  # refused at the start: no epoch, and the run's new folder removed
+
+
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_a_class_with_no_readable_image_stops_the_run_before_training(tmp_path, split):
     """A class whose only images cannot be read is refused like a class with no image, before any

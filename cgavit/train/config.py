@@ -84,7 +84,8 @@ class TrainConfig:
     mean: tuple[float, float, float] | None = option(None, "normalisation mean (ImageNet's)", metavar=("R", "G", "B"))
     std: tuple[float, float, float] | None = option(None, "normalisation std (ImageNet's)", metavar=("R", "G", "B"))
     workers: int = option(4, "data-loading worker processes per training process", flags=("--workers", "-j"))
-    strict: bool = option(False, "stop at the first unreadable image instead of skipping it")
+    strict: bool = option(False, "stop at the first unreadable image instead of skipping it (every validation image is read "
+                          "once before training starts)")
     # --- model
     model: str = option("efficientvit_m0", "variant efficientvit_m0..m5 (dials below change it)")
     dials: dict = field(default_factory=dict)  # design dials changing the variant, e.g. {"cascade": False}

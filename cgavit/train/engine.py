@@ -43,7 +43,7 @@ from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult, changed_options, check_same_network
-from .data import check_layout, epoch_seed, seed_all, unreadable_classes
+from .data import BadImageError, check_layout, epoch_seed, seed_all, unreadable_classes
 from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
 from .evaluation import evaluate
 from .recipe import (
@@ -83,6 +83,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             image readable. No checkpoint is written.
         CheckpointError: an unreadable or damaged ``resume``, ``finetune``, ``teacher`` or
             ``teacher_weights`` file.
+        BadImageError: ``strict``, and an unreadable image (one of the validation split before training starts).
     """
     cfg.validate()
     env = setup(cfg.device)
@@ -107,11 +108,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             log_of = _RefusedRunLog(output, fresh)
             try:
                 with RunLock(output, env), log_of, _run_log(output, env, in_place):
-                    problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
-                    problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
-                    if problem:
-                        raise DataError(problem)
-                    run = _build_run(cfg, env, stopper, layout, output)
+                    run = _checked_run(cfg, env, stopper, layout, output)
                     if resumed is not None:
                         _resume(run, resumed)
                     log_of.training = True
@@ -161,6 +158,45 @@ class Run:
     lr: float  # peak learning rate
     stopper: _Stopper
     state: TrainState = field(default_factory=TrainState)
+
+
+def _checked_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
+    """The run (:func:`_build_run`) once its images are checked: a class of either split none of whose images can be
+    read is refused (one decode per class and split: :func:`~cgavit.train.data.unreadable_classes`); with ``strict``,
+    so is any unreadable validation image (:func:`_read_val_split`).
+
+    Raises:
+        DataError: a class with no readable image.
+        BadImageError: ``strict``, and a validation image that cannot be read.
+    """
+    problem = unreadable_classes(layout, cfg.data, cfg.train_split, cfg.val_split) if env.is_main else None
+    problem = broadcast_object(env, problem)  # every rank raises, so none waits for the others
+    if problem:
+        raise DataError(problem)
+    run = _build_run(cfg, env, stopper, layout, output)
+    if cfg.strict:
+        _read_val_split(run)
+    return run
+
+
+def _read_val_split(run: Run) -> None:
+    """Read every validation image once through the run's own loader (each rank its share, in its workers); raise
+    the error of the first that cannot be read, the line the first evaluation would stop with.
+
+    With ``strict`` this runs before training, so such an image stops the run before its first update, not at the
+    first evaluation with an epoch trained and unsaved. It costs the loading half of one evaluation. The training
+    split is not read ahead: it is as large as an epoch, and each image is read when it is trained on.
+    """
+    error = None
+    try:
+        for _ in run.loaders.val:
+            if run.stopper.signum is not None:  # stopped meanwhile: training stops at its first update
+                break
+    except BadImageError as err:
+        error = str(err)
+    errors = [e for e in gather_objects(run.env, error) if e]  # every rank raises, so none waits for the others
+    if errors:
+        raise BadImageError(errors[0])
 
 
 def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
