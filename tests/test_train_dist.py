@@ -4,6 +4,7 @@ SIGTERM leaves a valid checkpoint."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import torch
 
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train import evaluate_checkpoint
+from cgavit.train.distributed import DistEnv, main_rank_logs
 
 from test_train import TINY_ARGV, make_folder
 
@@ -45,6 +47,8 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     out = tmp_path / "run"
     proc = _torchrun("train", *TINY_ARGV, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for warning in ("--warmup-epochs 1 is not shorter than --epochs 1", "WARNING timm.scheduler"):  # TINY's, timm's
+        assert proc.stderr.count(warning) == 1, proc.stderr[-3000:]  # by rank 0 (every rank said it)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1  # written once, by rank 0
     ck = ckpt_io.load(out / "last.pt")
@@ -53,9 +57,12 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     # lr follows the total batch: 1e-3 x (4 x 2) / 512 unless given; TINY gives 3e-3
     assert abs(ck["optimizer"]["param_groups"][0]["initial_lr"] - 3e-3) < 1e-12
 
+    broken = data / "val" / "class_0" / "broken.png"
+    broken.write_bytes(b"not an image")  # skipped, and warned about once
     proc = _torchrun("eval", "--checkpoint", str(out / "last.pt"), "--data", str(data), "--json", "--workers", "0", "-b", "4",
                      "--device", "cpu", "--reference", str(out / "best.safetensors"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count(f"skipped an image: cannot read image {broken}") == 1, proc.stderr[-3000:]
     dist_res = json.loads(proc.stdout.strip().splitlines()[-1])
     single = evaluate_checkpoint(data, out / "last.pt", batch_size=5, workers=0, device="cpu")
     assert dist_res["world_size"] == 2 and single["world_size"] == 1
@@ -65,6 +72,23 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     assert abs(dist_res["loss"] - single["loss"]) < 1e-6
     # and the metrics the run logged for its epoch came from the same distributed evaluation
     assert rows[0]["val_top1"] == single["top1"]
+
+
+def test_ranks_other_than_zero_log_errors_only(caplog):
+    """Under torchrun each rank logged every warning of a run (the options', timm's scheduler's, each unreadable
+    image's, gathered to every rank): rank 0 now says it once; errors still come from every rank."""
+    said, levels = {}, [logging.getLogger(name).level for name in ("cgavit", "timm")]
+    for rank in (0, 1):
+        caplog.clear()
+        with caplog.at_level(logging.INFO), main_rank_logs(DistEnv(rank=rank, world=2)):
+            for name in ("cgavit.train", "timm.scheduler.cosine_lr"):
+                logging.getLogger(name).warning("a warning")
+                logging.getLogger(name).error("an error")
+        said[rank] = [(r.name, r.levelname) for r in caplog.records]
+    assert said[0] == [("cgavit.train", "WARNING"), ("cgavit.train", "ERROR"),
+                       ("timm.scheduler.cosine_lr", "WARNING"), ("timm.scheduler.cosine_lr", "ERROR")]
+    assert said[1] == [("cgavit.train", "ERROR"), ("timm.scheduler.cosine_lr", "ERROR")]
+    assert [logging.getLogger(name).level for name in ("cgavit", "timm")] == levels  # restored
 
 
 def test_sigterm_saves_a_valid_checkpoint(tmp_path):

@@ -2,12 +2,13 @@
 
 The same command runs alone or under ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Backend: NCCL when the process drives a GPU, gloo
-on CPU. Only rank 0 writes files or logs progress; :class:`RunLock` keeps a second run (training or
-detection) out of a folder a run is writing into.
+on CPU. Only rank 0 writes files or logs below errors (:func:`main_rank_logs`); :class:`RunLock` keeps a second
+run (training or detection) out of a folder a run is writing into.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -15,6 +16,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,11 +100,49 @@ def setup(device: str = "auto") -> DistEnv:
     return env
 
 
+#: The loggers a run's warnings come through: cgavit's own, and timm's (its scheduler and optimiser factories warn).
+RUN_LOGGERS = ("cgavit", "timm")
+
+
+@contextlib.contextmanager
+def main_rank_logs(env: DistEnv) -> Iterator[None]:
+    """For the block, ranks other than 0 log errors only (through :data:`RUN_LOGGERS`, their levels restored after).
+
+    Every rank runs the same steps on the same options, data and checkpoints, and what one rank finds (an unreadable
+    image) is gathered to every rank before it is reported, so each warning would come once per rank: rank 0 says
+    it once. Errors are logged by every rank, as each raises its own.
+    """
+    if env.is_main:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in RUN_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def teardown(env: DistEnv) -> None:
     """Leave the process group if :func:`setup` created it."""
     if env.owns_group and dist.is_initialized():
         dist.destroy_process_group()
         env.owns_group = False
+
+
+@contextlib.contextmanager
+def joined(device: str = "auto") -> Iterator[DistEnv]:
+    """For the block: this process's :class:`DistEnv` (:func:`setup`), warnings logged by rank 0 alone
+    (:func:`main_rank_logs`), and the process group left after (:func:`teardown`)."""
+    env = setup(device)
+    try:
+        with main_rank_logs(env):
+            yield env
+    finally:
+        teardown(env)
 
 
 def any_true(env: DistEnv, flag: bool) -> bool:

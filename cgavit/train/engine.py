@@ -5,7 +5,7 @@ Read top to bottom: :func:`train` sets up (process group, run folder and its loc
 optimiser, schedule, mixup, losses, EMA) and runs the epochs; each epoch is
 :func:`train_one_epoch` (the update loop), :func:`~cgavit.train.evaluation.evaluate`, a row in
 ``metrics.jsonl`` and the checkpoints (``last.pt``; ``best.pt`` and ``best.safetensors`` when top-1
-improved). Only rank 0 writes files and logs below warnings.
+improved). Only rank 0 writes files and logs below errors.
 
 Reproducibility: randomness is keyed, not streamed. Each sample's augmentation is seeded from
 ``(seed, epoch, rank, position in the epoch)`` and each update's mixup and drop path from
@@ -44,7 +44,9 @@ from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult, changed_options, check_same_network
 from .data import BadImageError, check_layout, epoch_seed, seed_all, unreadable_classes
-from .distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum, setup, teardown
+from .distributed import (
+    DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, main_rank_logs, reduce_sum, setup, teardown,
+)
 from .evaluation import evaluate
 from .recipe import (
     DistillationLoss,
@@ -95,7 +97,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         if resumed is not None:
             cfg = _resumed_config(cfg, resumed, env)
         _check_input_files(cfg)
-        with _quiet_unless_main(env):
+        with main_rank_logs(env):  # each warning once, by rank 0
             layout = check_layout(cfg.data, cfg.train_split, cfg.val_split, order=(resumed or {}).get("classes"))
             if resumed is not None and resumed.get("classes") and not same_classes(resumed["classes"], layout["classes"]):
                 raise ValueError(f"{cfg.data} has other classes than the run in {cfg.resume}; resume on the same dataset")
@@ -764,19 +766,6 @@ def _new_run_folder(base: Path) -> Path:
         except OSError:
             make_folder(out, "run folder")  # raises the WriteError that says why
     raise ValueError(f"{base} and {base.name}-2 .. -999 all exist; give --output")
-
-
-@contextlib.contextmanager
-def _quiet_unless_main(env: DistEnv) -> Iterator[None]:
-    """Ranks other than 0 log warnings and errors only, for the block."""
-    quiet = logging.getLogger("cgavit")
-    old_level = quiet.level
-    if not env.is_main:
-        quiet.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        quiet.setLevel(old_level)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from ..weights import save_weights
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, check_split_name, eval_sampler, list_split, load_transformed, make_loader
-from .distributed import resolve_device, setup, teardown
+from .distributed import joined, resolve_device
 from .evaluation import evaluate
 from .records import weights_meta
 
@@ -89,8 +89,7 @@ def evaluate_checkpoint(
     """
     check_eval_options(img_size, crop_pct, batch_size, workers)
     root = check_folder(data)
-    env = setup(device)
-    try:
+    with joined(device) as env:  # under torchrun: each warning once, by rank 0
         exported = Path(checkpoint).suffix.lower() in EXPORTED_SUFFIXES if checkpoint is not None else False
         model, info, num_classes = open_for_inference(  # with a reference, --trust-checkpoint may be for it alone
             checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained,
@@ -106,8 +105,6 @@ def evaluate_checkpoint(
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
                    world_size=env.world, num_classes=num_classes, **({} if reference is None else {"reference": str(reference)}))
         return res
-    finally:
-        teardown(env)
 
 
 def _split_folder(root: Path, split: str | None) -> Path:
