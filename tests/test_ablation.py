@@ -265,18 +265,19 @@ def test_rung_one_stays_within_the_depth_a_model_may_have():
         build_ladder("m0", dict(depth=(32, 1, 1)), 2, 64)
 
 
-def test_a_depth_the_ladder_cannot_match_is_refused_before_anything_is_written(tmp_path, capsys):
-    """--depth 32,1,1 was refused only when the ladder was built, after the data subset was written to the study's
-    folder; validate() now asks the ladder's own check (and the clash of --train-args with the study's options)."""
+def test_a_ladder_that_cannot_be_built_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--depth 32,1,1, or a --train-args dial no rung can be built with, was refused only when the ladder was built,
+    after the data subset was written to the study's folder; validate() now asks the ladder's own checks."""
     data = _dataset(tmp_path / "data", per_class=2, held=1)  # its held-out split is test/: a subset is made
     out = tmp_path / "study"
-    for extra in (["--depth", "32,1,1"], ["--train-args", "--depth 32,1,1"],
-                  ["--depth", "1,1,1", "--train-args", "--depth 1,1,2"]):
+    for extra, says in ((["--depth", "32,1,1"], "base depth 32,1,1 (--depth)"),
+                        (["--train-args", "--depth 32,1,1"], "base depth 32,1,1 (--depth)"),
+                        (["--depth", "1,1,1", "--train-args", "--depth 1,1,2"], "--train-args sets depth to other values"),
+                        (["--train-args", "--key-dim 0,0,0"], "--key-dim: key_dim entries must be")):
         argv = ["ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--img-size", "32", *extra]
         assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert "base depth 32,1,1 (--depth)" in err or "--train-args sets depth to other values" in err
-        assert not out.exists()
+        assert not out.exists(), extra
+        assert says in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"base depth 32,1,1 \(--depth\).*--depth 1,1,32"):
         AblationConfig(data=str(data), output=str(out), epochs=1, depth=(32, 1, 1)).validate()
     AblationConfig(data=str(data), output=str(out), epochs=1, depth=(1, 1, 32)).validate()

@@ -9,7 +9,7 @@ from ...fields import option
 from ...train import TrainConfig
 from ...train.config import normalize_dials, train_defaults
 from ..reports import MAX_BATCH_PIXELS
-from .ladder import RUNGS, base_architecture
+from .ladder import RUNGS, base_architecture, rung_dials
 
 
 @dataclass
@@ -88,7 +88,9 @@ class AblationConfig:
             except ValueError as err:  # the study's --seeds, which the trainer calls --seed
                 raise ValueError(str(err).replace("--seed ", "--seeds ", 1)) from None
             run.check_batch()
-        base_architecture(self.model, arch, normalize_dials(self.train_args.get("dials", {})))  # the ladder's own check
+        base, rest = base_architecture(self.model, arch, normalize_dials(self.train_args.get("dials", {})))  # its checks
+        for rung in dict.fromkeys(("standard", "sandwich", *self.rungs)):  # the networks built (1, 2: by the matching)
+            TrainConfig(**budget, **{**self.train_args, "dials": rung_dials(rung, base, rest)}).check_values()
         most = MAX_BATCH_PIXELS // self.img_size**2  # the head-similarity images run as one batch, as analyze bounds one
         if self.heads_images > most:
             raise ValueError(f"--heads-images {self.heads_images} at {self.img_size} px are too many for the head-similarity "
