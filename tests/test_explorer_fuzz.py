@@ -7,6 +7,7 @@ subprocess), with a client timeout, so a hang fails the test instead of stalling
 
 from __future__ import annotations
 
+import base64
 import http.client
 import io
 import ipaddress
@@ -37,7 +38,7 @@ from cgavit.cli import explore as explore_command
 from cgavit.bounds import MAX_UPLOAD_PIXELS
 from cgavit.explorer import ImageAttention, build_model, loading
 from cgavit.explorer.guard import HostCheck, Refused, split_host
-from cgavit.explorer.limits import MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
+from cgavit.explorer.limits import MAX_PREVIEW_SIDE, MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
 from cgavit.explorer.server import ApiError, ExplorerServer, parse_int
 from cgavit.weights import read_metadata
 
@@ -710,6 +711,46 @@ def test_parallel_big_uploads_stay_within_the_pixel_budget():
     assert results[:40] == [413] * 40
     assert set(results[40:]) <= {200, 503} and results[40:].count(200) >= 2, results
     assert grown < 2 * MAX_UPLOAD_PIXELS * 8 / 2**20 + 60, f"peak memory grew by {grown:.0f} MB"
+
+
+PREPARE = """
+import io, re, threading
+from PIL import Image
+from cgavit.explorer import ImageAttention, Limits, build_model
+images = ImageAttention(*build_model(img_size=1024), limits=Limits(cached_bytes=0))
+bodies = []
+for k in range(16):
+    buf = io.BytesIO()
+    Image.new("RGB", (640 + k, 480), (40, 90, 160)).save(buf, format="PNG")
+    bodies.append(buf.getvalue())
+images.add_image(bodies.pop())
+before = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+threads = [threading.Thread(target=images.add_image, args=(body,)) for body in bodies]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print((int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) - before) / 1024)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_parallel_uploads_are_made_model_inputs_by_the_decoding_threads():
+    """15 parallel uploads at --img-size 1024: each was made the model's input (float32, 36 bytes per model pixel
+    at the peak) in its connection's thread, all at once. The two decoding threads make them now, in place (about
+    15 bytes per pixel), and the peak grows by what two of them take, not fifteen."""
+    out = subprocess.run([sys.executable, "-c", PREPARE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown = float(out.stdout)
+    assert grown < 2 * 15 * 1024**2 / 2**20 + 60, f"peak memory grew by {grown:.0f} MB"
+
+
+def test_the_preview_is_what_the_page_draws():
+    """The preview was the model's view at its full size: at 4096 px a photograph's took 48 MB of JSON and 7 s,
+    for a page that draws it at 224 px."""
+    reply = ImageAttention(*build_model(img_size=1024)).add_image(png_bytes((800, 600)))
+    preview = Image.open(io.BytesIO(base64.b64decode(reply["preview"].removeprefix("data:image/png;base64,"))))
+    assert preview.size == (MAX_PREVIEW_SIDE, MAX_PREVIEW_SIDE) and reply["size"] == [1024, 1024]
 
 
 def test_upload_limit_constant_is_what_the_page_reports(server):

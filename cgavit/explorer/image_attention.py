@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ..analysis.heads import map_similarity, mean_off_diagonal
 from ..attention import LocalWindowAttention
@@ -29,7 +30,7 @@ from ..factory import ModelInfo
 from ..imagenet import class_names
 from ..model import EfficientViT, stage_resolution
 from .grids import query_grid, received_grid, window_boxes
-from .limits import MAX_UPLOAD_BYTES, Budget, Limits
+from .limits import MAX_PREVIEW_SIDE, MAX_UPLOAD_BYTES, Budget, Limits
 from .uploads import model_view, open_upload
 
 
@@ -46,9 +47,9 @@ class ImageAttention:
 
     Uploaded images are kept (preprocessed) in a small in-memory cache under the SHA-256 of their
     bytes, so picking another block or query token does not need the file again. Uploads are
-    decoded by a few threads of their own (as many as maximal images fit the pixel budget): the
-    memory allocator keeps what a thread freed for that thread, so decoding in every connection's
-    thread would let the process grow well past the budget.
+    decoded and made the model's input by a few threads of their own (as many as maximal images fit
+    the pixel budget): the memory allocator keeps what a thread freed for that thread, so doing it in
+    every connection's thread would let the process grow well past the budget.
 
     Args:
         model: an :class:`~cgavit.model.EfficientViT` (put in eval mode here).
@@ -113,7 +114,8 @@ class ImageAttention:
         the model's size, then normalised with the checkpoint's mean and standard deviation (``info``).
         Its decoded size is checked from the header before any pixel is decoded, and decoding waits for
         room in the shared pixel budget. A JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) that still covers the
-        model's size.
+        model's size. The preview is the model's view, made at most
+        :data:`~cgavit.explorer.limits.MAX_PREVIEW_SIDE` pixels a side.
 
         Raises:
             BadImageError: not an image of an accepted format that PIL can decode (a ``ValueError``).
@@ -123,20 +125,28 @@ class ImageAttention:
         H, W = self.img_size
         img, orig = open_upload(data, max(H, W))
         with img, self.pixels.reserve(img.width * img.height, self.limits.budget_wait):
-            view, turned = self._decoder.submit(model_view, img, (W, H), self.feed.interpolation).result()
+            x, preview, turned = self._decoder.submit(self._prepare, img).result()
         if turned:  # shown turned a quarter: the size as the user sees it
             orig = (orig[1], orig[0])
-        arr = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]  # (1, 3, H, W)
         image_id = hashlib.sha256(data).hexdigest()[:16]
         with self._lock:
-            self._images[image_id] = (arr - self._mean) / self._std
+            self._images[image_id] = x
             self._images.move_to_end(image_id)
             while len(self._images) > self._cache_size:
                 self._images.popitem(last=False)
+        return dict(image_id=image_id, original_size=[orig[1], orig[0]], size=[H, W], preview=preview)  # both (H, W)
+
+    def _prepare(self, img: Image.Image) -> tuple[torch.Tensor, str, bool]:
+        """In a decoding thread: the model's input ``(1, 3, H, W)`` (one float32 copy of the view, normalised in
+        place), the preview as a PNG data URL, and whether the picture was turned (:func:`.uploads.model_view`)."""
+        H, W = self.img_size
+        view, turned = model_view(img, (W, H), self.feed.interpolation)
+        x = torch.from_numpy(np.asarray(view, dtype=np.float32)).permute(2, 0, 1)[None]  # (1, 3, H, W)
+        x.div_(255.0).sub_(self._mean).div_(self._std)
+        view.thumbnail((MAX_PREVIEW_SIDE, MAX_PREVIEW_SIDE))  # the page draws it at 224 px
         buf = io.BytesIO()
         view.save(buf, format="PNG")
-        preview = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-        return dict(image_id=image_id, original_size=[orig[1], orig[0]], size=[H, W], preview=preview)  # both (H, W)
+        return x, "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii"), turned
 
     def has_image(self, image_id: str) -> bool:
         with self._lock:
