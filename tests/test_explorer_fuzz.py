@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,9 +37,9 @@ from safetensors.torch import load_file, save_file
 from cgavit import cli, create_model, save_weights
 from cgavit.cli import explore as explore_command
 from cgavit.bounds import MAX_UPLOAD_PIXELS
-from cgavit.explorer import ImageAttention, build_model, loading
+from cgavit.explorer import ImageAttention, build_model, image_attention, loading
 from cgavit.explorer.guard import HostCheck, Refused, split_host
-from cgavit.explorer.limits import MAX_PREVIEW_SIDE, MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge
+from cgavit.explorer.limits import MAX_PREVIEW_SIDE, MAX_UPLOAD_BYTES, Budget, Busy, Limits, TooLarge, window_map_bytes
 from cgavit.explorer.server import ApiError, ExplorerServer, parse_int
 from cgavit.weights import read_metadata
 
@@ -320,8 +321,71 @@ def test_spent_budgets_answer_503(images):
         assert post(srv, "/api/image", PNG)[0] == 200
 
 
+def test_a_spent_reply_budget_answers_503(images):
+    """Attention replies were held in every connection at once until sent: 64 of efficientvit_m0's first block at
+    4096 px, 1.3 GB."""
+    image_id = images.add_image(PNG)["image_id"]
+    with serving(images, Limits(budget_wait=0.1)) as srv:
+        with srv.replies.reserve(srv.replies.total - images.reply_bytes(0) + 1, wait=0):
+            status, headers, reply = get(srv, f"/api/attention?image={image_id}&block=0")
+        assert_json_error(status, headers, reply, 503)
+        assert "busy with other replies" in reply["error"] and headers["retry-after"] == "1"
+        assert get(srv, f"/api/attention?image={image_id}&block=0")[0] == 200
+    assert srv.replies.used == 0
+
+
+def test_attention_maps_stay_within_their_budget(monkeypatch):
+    """A block's maps were made whole, for all its windows (13 million values, 210 MB, for efficientvit_m0's first
+    block at 4096 px; 17 GB with 64x64 windows), and summarised outside the lock, so each request in flight held
+    its own. Now a few windows at a time, one request at a time, and the page's numbers are the same."""
+    loaded = build_model(img_size=160)  # stage 1: 10x10 tokens, four 7x7 windows (padded)
+    whole = ImageAttention(*loaded)
+    two_windows = 2 * window_map_bytes(4, 49)
+    small = ImageAttention(*loaded, limits=Limits(map_bytes=two_windows))
+    held = {"now": 0, "peak": 0}
+    plain = image_attention.map_similarity
+
+    def watched(maps):  # the peak: the float64 maps and their normalised copy
+        held["now"] += window_map_bytes(maps.shape[0], maps.shape[2]) * maps.shape[1]
+        held["peak"] = max(held["peak"], held["now"])
+        time.sleep(0.05)  # long enough for other requests to overlap, were they let
+        try:
+            return plain(maps)
+        finally:
+            held["now"] -= window_map_bytes(maps.shape[0], maps.shape[2]) * maps.shape[1]
+
+    image_id = small.add_image(PNG)["image_id"]
+    assert whole.add_image(PNG)["image_id"] == image_id
+    want = [whole.attention(image_id, 0, q) for q in (None, 0, 99)]
+    monkeypatch.setattr(image_attention, "map_similarity", watched)
+    got = [None] * 6
+    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, small.attention(image_id, 0, (None, 0, 99)[k % 3])))
+               for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert held["peak"] <= two_windows and held["now"] == 0
+    for k, d in enumerate(got):
+        ref = want[k % 3]
+        assert d["windows"] == ref["windows"] and d["query_window"] == ref["query_window"]
+        np.testing.assert_allclose(np.array(d["similarity"]), np.array(ref["similarity"]), atol=1e-12)
+        np.testing.assert_allclose(np.array(d["maps"], dtype=float), np.array(ref["maps"], dtype=float), atol=1e-6)
+
+
+def test_a_model_over_the_memory_budgets_is_refused_at_start():
+    loaded = build_model(img_size=160)  # stage 1: four 7x7 windows of 4 heads; 4 x 100 values per reply
+    with pytest.raises(ValueError, match=r"^block 0 \(stage 1, 4 heads over 10x10 tokens in 7x7 windows\): one window's "
+                       r"attention maps take 153,664 bytes, more than the explorer holds at once \(153,663 bytes\)"):
+        ImageAttention(*loaded, limits=Limits(map_bytes=window_map_bytes(4, 49) - 1))
+    with pytest.raises(ValueError, match=r"^block 0 .* at 160x160 px\): one reply .* use a smaller --img-size"):
+        ImageAttention(*loaded, limits=Limits(reply_bytes=4 * 100 * 80))
+    ImageAttention(*loaded, limits=Limits(map_bytes=window_map_bytes(4, 49), reply_bytes=1024**2))
+
+
 def test_limits_are_checked():
-    for bad in [dict(max_connections=0), dict(idle_timeout=0), dict(connection_wait=-1), dict(decoded_pixels=10)]:
+    for bad in [dict(max_connections=0), dict(idle_timeout=0), dict(connection_wait=-1), dict(decoded_pixels=10),
+                dict(map_bytes=0), dict(reply_bytes=0)]:
         with pytest.raises(ValueError):
             Limits(**bad)
 
@@ -656,6 +720,8 @@ def test_bad_checkpoints_fail_at_startup_in_one_line(tmp_path, monkeypatch, caps
         (["--allow-host", "a b"], "malformed host"),
         (["--host", "192.0.2.1"], "give --host an address of this machine"),  # a documentation address
         (["--host", "999.1.1.1"], "give --host an address of this machine"),  # it said: choose another --port
+        # one 48x48 window of 16 heads: 1.3 GiB of maps, over the 1 GiB bound (it started, and each request held them)
+        (["--img-size", "768", "--window-size", "48", "--num-heads", "16"], "one window's attention maps take 1,296.0 MiB"),
     ],
 )
 @pytest.mark.timeout(60)

@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", type=Path, default=None, help="weights for the image panel (cgavit, official or timm file)")
     p.add_argument("--model", default=None, help="variant for a checkpoint without recorded architecture, or the random model (default efficientvit_m0)")
     p.add_argument("--img-size", type=int, default=None, help="side the uploaded image is resized and centre-cropped to, 32..4096 "
-                   "(default: the checkpoint's, else 224)")
+                   "(default: the checkpoint's, else 224); a model whose attention maps or replies would outgrow the "
+                   "explorer's memory bounds at this size is refused at start")
     p.add_argument(
         "--allow-host", action="append", default=[], metavar="NAME",
         help="also answer requests addressed to this host name (repeatable); by default only 127.0.0.1, "

@@ -3,10 +3,10 @@ second panel.
 
 :class:`ImageAttention` keeps a few uploads (preprocessed) and, for a chosen block, captures that
 block's attention input with forward hooks and replays it through the block's own
-``head_attention_maps``. Head similarity is the package's one definition,
-:func:`cgavit.analysis.heads.map_similarity`: the cosine similarity of two heads' flattened maps in
-each window, averaged over the windows. Uploads are opened by :mod:`.uploads`; the per-token grids
-the page draws come from :mod:`.grids`.
+``head_attention_maps``, a few windows at a time (within ``Limits.map_bytes``, see :mod:`.limits`).
+Head similarity is the package's one definition, :func:`cgavit.analysis.heads.map_similarity`: the
+cosine similarity of two heads' flattened maps in each window, averaged over the windows. Uploads
+are opened by :mod:`.uploads`; the per-token grids the page draws come from :mod:`.grids`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import io
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,17 +29,45 @@ from ..bounds import MAX_UPLOAD_PIXELS
 from ..factory import ModelInfo
 from ..imagenet import class_names
 from ..model import EfficientViT, stage_resolution
-from .grids import query_grid, received_grid, window_boxes
-from .limits import MAX_PREVIEW_SIDE, MAX_UPLOAD_BYTES, Budget, Limits
+from .grids import Grid, empty_grid, fill_query, fill_received, query_window, window_boxes, window_layout
+from .limits import (
+    MAX_PREVIEW_SIDE,
+    MAX_UPLOAD_BYTES,
+    Budget,
+    Limits,
+    attention_reply_bytes,
+    window_map_bytes,
+)
 from .uploads import model_view, open_upload
 
 
-def _blocks(model: EfficientViT) -> list[tuple[int, int, LocalWindowAttention]]:
-    return [
-        (i, j, block.mixer.m)
-        for i, stage in enumerate(model.stages)
-        for j, block in enumerate(stage.blocks)
-    ]
+class Block(NamedTuple):
+    """One sandwich block's attention, and how it splits its map into windows at the model's image size."""
+
+    stage: int  # from 0
+    index: int  # within the stage, from 0
+    lwa: LocalWindowAttention
+    hw: tuple[int, int]  # its map of H x W tokens
+    windows: int  # how many windows it attends in
+    win_hw: tuple[int, int]  # each window's tokens, zero padding included
+
+    @property
+    def heads(self) -> int:
+        return self.lwa.attn.num_heads
+
+
+def _blocks(model: EfficientViT, img_size: tuple[int, int]) -> list[Block]:
+    rows = []
+    for i, stage in enumerate(model.stages):
+        hw = tuple(stage_resolution(s, i) for s in img_size)
+        for j, block in enumerate(stage.blocks):
+            rows.append(Block(i, j, block.mixer.m, hw, *window_layout(hw, block.mixer.m.window)))
+    return rows
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: exact below a MiB, in MiB above."""
+    return f"{n:,} bytes" if n < 2**20 else f"{n / 2**20:,.1f} MiB"
 
 
 class ImageAttention:
@@ -49,7 +77,8 @@ class ImageAttention:
     bytes, so picking another block or query token does not need the file again. Uploads are
     decoded and made the model's input by a few threads of their own (as many as maximal images fit
     the pixel budget): the memory allocator keeps what a thread freed for that thread, so doing it in
-    every connection's thread would let the process grow well past the budget.
+    every connection's thread would let the process grow well past the budget. Attention is computed
+    for one request at a time, within ``limits.map_bytes`` of maps (:mod:`.limits`).
 
     Args:
         model: an :class:`~cgavit.model.EfficientViT` (put in eval mode here).
@@ -58,8 +87,13 @@ class ImageAttention:
             checkpoint records (:func:`~cgavit.load_model`). Default: ImageNet's, bicubic.
         cache_size: images kept, at most: fewer when they would take more than ``limits.cached_bytes``
             (large ``img_size``), at least one. Default 8.
-        limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``) and the cache's bytes
-            (``cached_bytes``). Default :class:`~cgavit.explorer.limits.Limits`.
+        limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``), the cache's bytes
+            (``cached_bytes``), and the memory of attention maps and replies (``map_bytes``, ``reply_bytes``).
+            Default :class:`~cgavit.explorer.limits.Limits`.
+
+    Raises:
+        ValueError: one window's maps of a block, or one reply, would take more memory than ``limits`` allows
+            (:func:`~cgavit.explorer.limits.window_map_bytes`, :func:`~cgavit.explorer.limits.attention_reply_bytes`).
     """
 
     def __init__(self, model: EfficientViT, about: str, info: ModelInfo | None = None, cache_size: int = 8,
@@ -75,28 +109,55 @@ class ImageAttention:
         self._decoder = ThreadPoolExecutor(
             max(1, self.limits.decoded_pixels // MAX_UPLOAD_PIXELS), thread_name_prefix="explorer-decode"
         )
-        self._blocks = _blocks(model)
+        self._blocks = _blocks(model, self.img_size)
+        self._check_memory()
         self._images: OrderedDict[str, torch.Tensor] = OrderedDict()
         one_image = 3 * self.img_size[0] * self.img_size[1] * 4  # a normalised float32 input
         self._cache_size = max(1, min(cache_size, self.limits.cached_bytes // one_image))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._compute = threading.Lock()  # one request's forward pass and maps at a time
+
+    def _check_memory(self) -> None:
+        """Refuse a model of which one window's maps, or one reply, would exceed ``limits`` (:mod:`.limits`)."""
+        for k, b in enumerate(self._blocks):
+            (h, w), (wh, ww) = b.hw, b.win_hw
+            where = f"block {k} (stage {b.stage + 1}, {b.heads} heads over {h}x{w} tokens"
+            one = window_map_bytes(b.heads, wh * ww)
+            if one > self.limits.map_bytes:
+                raise ValueError(
+                    f"{where} in {wh}x{ww} windows): one window's attention maps take {_size(one)}, more than the "
+                    f"explorer holds at once ({_size(self.limits.map_bytes)}); use a smaller window or fewer heads "
+                    "(--window-size, --num-heads)"
+                )
+            reply = attention_reply_bytes(b.heads, h * w, b.windows)
+            if reply > self.limits.reply_bytes:
+                size = "x".join(map(str, self.img_size))
+                raise ValueError(
+                    f"{where} at {size} px): one reply of its maps takes {_size(reply)}, more than the explorer holds "
+                    f"in replies at once ({_size(self.limits.reply_bytes)}); use a smaller --img-size or fewer heads"
+                )
+
+    def reply_bytes(self, block: int) -> int:
+        """The most memory a reply of :meth:`attention` for ``block`` takes while it is built and sent
+        (:func:`~cgavit.explorer.limits.attention_reply_bytes`)."""
+        b = self._blocks[block]
+        return attention_reply_bytes(b.heads, b.hw[0] * b.hw[1], b.windows)
 
     def info(self) -> dict[str, Any]:
         """The model description and one entry per block (stage, width, heads, window, map size)."""
         rows = []
-        for k, (i, j, lwa) in enumerate(self._blocks):
-            h, w = (stage_resolution(s, i) for s in self.img_size)
+        for k, b in enumerate(self._blocks):
             rows.append(
                 dict(
                     index=k,
-                    stage=i + 1,
-                    block=j + 1,
-                    channels=lwa.attn.dim,
-                    heads=lwa.attn.num_heads,
-                    window=lwa.window,
-                    grid=[h, w],
-                    cascade=lwa.attn.cascade,
-                    groups=lwa.attn.group_split,
+                    stage=b.stage + 1,
+                    block=b.index + 1,
+                    channels=b.lwa.attn.dim,
+                    heads=b.heads,
+                    window=b.lwa.window,
+                    grid=list(b.hw),
+                    cascade=b.lwa.attn.cascade,
+                    groups=b.lwa.attn.group_split,
                 )
             )
         return dict(
@@ -163,7 +224,7 @@ class ImageAttention:
 
     def _capture(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """The windows ``(n_windows, C, h, w)`` that block ``block``'s attention sees, and the map size."""
-        _, _, lwa = self._blocks[block]
+        lwa = self._blocks[block].lwa
         seen: dict = {}
 
         class _Stop(Exception):
@@ -208,31 +269,31 @@ class ImageAttention:
         """
         if not 0 <= block < len(self._blocks):
             raise ValueError(f"block must be in 0..{len(self._blocks) - 1}, got {block}")
-        stage, idx, lwa = self._blocks[block]
+        b = self._blocks[block]
+        H, W = b.hw
+        if query is not None and not 0 <= query < H * W:
+            raise ValueError(f"query must be a token index in 0..{H * W - 1} (y * {W} + x), got {query}")
         with self._lock:
             x = self._images[image_id]
             self._images.move_to_end(image_id)
-            with torch.no_grad():
-                windows, (H, W) = self._capture(x, block)
-                maps = torch.stack(lwa.attn.head_attention_maps(windows)).double()  # (heads, nwin, N, N)
-        if query is not None and not 0 <= query < H * W:
-            raise ValueError(f"query must be a token index in 0..{H * W - 1} (y * {W} + x), got {query}")
-        win_hw = tuple(windows.shape[-2:])
-        boxes = window_boxes(windows.shape[0], (H, W), win_hw, lwa.window)
+        boxes = window_boxes(b.windows, b.hw, b.win_hw, b.lwa.window)
+        grid = empty_grid(b.heads, b.hw)
+        with self._compute, torch.no_grad():
+            windows, hw = self._capture(x, block)
+            shape = (hw, windows.shape[0], tuple(windows.shape[-2:]))
+            assert shape == (b.hw, b.windows, b.win_hw), f"{shape}: not the windows the memory bounds were computed for"
+            sim = self._summarise(b, windows, boxes, grid, query)
         padding_share = qbox = None
-        if query is None:
-            grid = received_grid(maps, boxes, (H, W), win_hw)
-        else:
-            grid, qbox = query_grid(maps, boxes, (H, W), win_hw, query)
+        if query is not None:
+            qbox = boxes[query_window(boxes, b.hw, b.win_hw, query)[0]]
             padding_share = [max(0.0, 1.0 - sum(v for row in g for v in row if v is not None)) for g in grid]
-        sim = map_similarity(maps)
         return dict(
             block=block,
-            stage=stage + 1,
-            block_in_stage=idx + 1,
-            heads=maps.shape[0],
+            stage=b.stage + 1,
+            block_in_stage=b.index + 1,
+            heads=b.heads,
             grid=[H, W],
-            window=lwa.window,
+            window=b.lwa.window,
             windows=boxes,
             query=query,
             query_window=qbox,
@@ -241,3 +302,21 @@ class ImageAttention:
             similarity=sim.tolist(),
             mean_similarity=mean_off_diagonal(sim),
         )
+
+    def _summarise(self, b: Block, windows: torch.Tensor, boxes: list[list[int]], grid: Grid,
+                   query: int | None) -> torch.Tensor:
+        """Fill ``grid`` from block ``b``'s maps of ``windows`` and return their head similarity, made as many
+        windows at a time as ``limits.map_bytes`` holds (at least one: :meth:`_check_memory`)."""
+        step = self.limits.map_bytes // window_map_bytes(b.heads, b.win_hw[0] * b.win_hw[1])
+        target = None if query is None else query_window(boxes, b.hw, b.win_hw, query)  # (window, row)
+        total = torch.zeros(b.heads, b.heads, dtype=torch.float64)
+        for start in range(0, b.windows, step):
+            maps = torch.stack(b.lwa.attn.head_attention_maps(windows[start : start + step])).double()  # (h, n, N, N)
+            n = maps.shape[1]
+            total += map_similarity(maps) * n  # summed here, the mean over all windows below
+            if target is None:
+                fill_received(grid, maps, boxes[start : start + n], b.win_hw)
+            elif start <= target[0] < start + n:
+                fill_query(grid, maps[:, target[0] - start, target[1]], boxes[target[0]], b.win_hw)
+            del maps  # gone before the next windows' maps are made
+        return total / b.windows

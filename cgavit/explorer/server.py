@@ -19,7 +19,7 @@ parameter, file or request), 403 (foreign Host or Origin, see :mod:`.guard`), 40
 The server stays within its :class:`~cgavit.explorer.limits.Limits`: at most ``max_connections``
 connection threads (a burst waits briefly in a listen queue of ``listen_queue``, beyond that 503),
 idle clients dropped after ``idle_timeout`` and any request cut off after ``request_timeout``,
-request bodies and decoded pixels each within a shared budget.
+request bodies, decoded pixels and attention replies (until sent) each within a shared budget.
 
 A request target may be a path (``/api/model``) or, as HTTP/1.1 requires a server to accept, absolute
 (``http://127.0.0.1:8765/api/model``), whose host is then checked in place of the ``Host`` header.
@@ -159,7 +159,7 @@ class ExplorerServer(ThreadingHTTPServer):
         address: ``(host, port)``; port 0 picks a free one (read it from ``server_address``).
         images: the real-model source for the image panel.
         toy: the six-token source. Default :class:`ToyCGA` with 24 channels.
-        limits: connections, timeouts and the request-body budget. Default :class:`Limits`.
+        limits: connections, timeouts, and the budgets of request bodies and attention replies. Default :class:`Limits`.
         allow_hosts: host names besides ``127.0.0.1``, ``localhost``, ``[::1]`` and the bound
             address under which the server may be addressed (see :mod:`.guard`).
 
@@ -184,6 +184,7 @@ class ExplorerServer(ThreadingHTTPServer):
         self.limits = limits or Limits()
         self.request_queue_size = self.limits.listen_queue
         self.bodies = Budget(self.limits.upload_bytes, "bytes")
+        self.replies = Budget(self.limits.reply_bytes, "bytes", "replies")
         self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self._saturated = False  # the last slot wait ran out and no slot has been taken since
         self._held: set[socket.socket] = set()  # connections holding a slot
@@ -497,10 +498,11 @@ class ExplorerHandler(BaseHTTPRequestHandler):
         n_blocks = len(images.info()["blocks"])
         block = parse_int("block", q["block"], 0, n_blocks - 1)
         token = None if q["query"] == "mean" else parse_int("query", q["query"], 0, 10**6)
-        try:
-            self._json(images.attention(q["image"], block, token))
-        except KeyError:  # evicted by other uploads since the check above
-            raise ApiError(HTTPStatus.NOT_FOUND, "unknown image id; upload it again") from None
+        with self.server.replies.reserve(images.reply_bytes(block), self.server.limits.budget_wait):  # until sent
+            try:
+                self._json(images.attention(q["image"], block, token))
+            except KeyError:  # evicted by other uploads since the check above
+                raise ApiError(HTTPStatus.NOT_FOUND, "unknown image id; upload it again") from None
 
     def _api_image(self, path: str, query: str) -> None:
         parse_query(query, {})
