@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 import cgavit
@@ -21,7 +22,7 @@ from cgavit.attention import CascadedGroupAttention
 from cgavit.cli import main
 from cgavit.testing import randomize_, rel_err
 from cgavit.attention import resize_bias_table
-from cgavit.io import CheckpointError
+from cgavit.io import CheckpointError, save_torch
 from cgavit.weights import save_weights
 
 pytest.importorskip("torchvision")
@@ -30,6 +31,7 @@ pytest.importorskip("pycocotools")
 from torchvision.models.detection import MaskRCNN, RetinaNet  # noqa: E402
 from timm.layers import freeze_batch_norm_2d  # noqa: E402
 from torchvision.ops import FrozenBatchNorm2d  # noqa: E402
+from torchvision.transforms.v2.functional import pil_to_tensor  # noqa: E402
 
 from cgavit.detection import (  # noqa: E402
     CocoDetection,
@@ -46,6 +48,8 @@ from cgavit.detection import (  # noqa: E402
     write_shapes_dataset,
 )
 from cgavit.detection.coco import decode_masks, encode_masks, rle_box_area, segmentation_rle  # noqa: E402
+from cgavit.detection.checkpoint import CHECKPOINT_FORMAT  # noqa: E402
+from cgavit.detection.models import build_detector  # noqa: E402
 from cgavit.detection.engine import coco_metrics, lr_factor, param_groups, read_checkpoint, to_coco_results  # noqa: E402
 
 SIZE = 128
@@ -313,8 +317,42 @@ def test_predict_checks_inputs_first(shapes, tmp_path):
         evaluate_checkpoint(tmp_path / "none.pth", "", shapes["val_images"])
 
 
+@pytest.mark.parametrize("kind, settings", [
+    ("retinanet", {}),  # its own score_thresh 0.05; untrained, it scores about 0.01 (its classifier's prior)
+    ("maskrcnn", dict(box_score_thresh=0.5, rpn_post_nms_top_n_test=20)),  # untrained: about 1/4 (softmax of 4)
+])
+def test_predict_lists_every_detection_down_to_the_threshold_it_names(shapes, tmp_path, capsys, kind, settings):
+    """`detect predict --score-threshold 0.01` said "0 detections >= 0.01": the detector had dropped every
+    detection under its own score_thresh (0.05, or a --model-arg of training), a warning aside."""
+    config = dict(kind=kind, backbone="efficientvit_m0", num_classes=4, categories=[[1, "square"], [3, "circle"], [7, "triangle"]],
+                  freeze_bn=False, dials={}, min_size=64, max_size=64, model_kwargs=settings)
+    torch.manual_seed(0)
+    model = build_detector(config).eval()
+    ckpt = save_torch(tmp_path / "model.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=model.state_dict()))
+    image = Path(shapes["val_images"]) / "val_00000.png"
+    getattr(model, "roi_heads", model).score_thresh = -1.0  # every detection, whatever its score
+    with torch.no_grad():
+        scores = model([pil_to_tensor(Image.open(image).convert("RGB")).float() / 255])[0]["scores"]
+    threshold = scores.median().item()  # one of the scores itself: "at least" includes it
+    expected = int((scores >= threshold).sum())
+    assert 0 < expected < len(scores) and scores.max() < (0.05 if kind == "retinanet" else 0.5)
+    (pred,) = predict_images(ckpt, [image], tmp_path / "drawn", score_threshold=threshold, device="cpu")
+    assert len(pred.scores) == expected and min(pred.scores) == threshold and pred.limit is None
+    if kind == "maskrcnn":
+        return
+    capsys.readouterr()
+    run = ["detect", "predict", str(image), "--checkpoint", str(ckpt), "--device", "cpu", "--out", str(tmp_path / "o.png")]
+    assert main([*run, "--score-threshold", repr(threshold)]) == 0
+    assert f": {expected} detections >= {threshold} -> " in capsys.readouterr().out
+    # a detector that returns at most 5 per image says so when it reaches its limit: more may score as much
+    config["model_kwargs"] = dict(detections_per_img=5)
+    save_torch(ckpt, dict(format=CHECKPOINT_FORMAT, config=config, model=model.state_dict()))
+    assert main([*run, "--score-threshold", "0"]) == 0
+    assert ": 5 detections >= 0.0 (the detector's limit per image, detections_per_img: more may score as much) -> " in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------------------- training
-def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path, caplog):
+def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path):
     out = tmp_path / "run"
     metrics = train(_config(shapes, out, epochs=8, hflip=0.0, val_json=shapes["val_json"], val_images=shapes["val_images"], eval_every=0))
     losses = [r["loss"] for r in _epoch_rows(out)]
@@ -333,9 +371,7 @@ def test_training_lowers_the_loss_and_evaluates(shapes, tmp_path, caplog):
     typed, summary = evaluate_checkpoint(out / "model.pth", shapes["val_json"], shapes["val_images"], workers=0, device="cpu")
     assert typed["bbox_AP"] == pytest.approx(metrics["bbox_AP"]) and summary.startswith("bbox")
     image = Path(shapes["val_images"]) / "val_00001.png"
-    with caplog.at_level("WARNING"):
-        (pred,) = predict_images(out / "model.pth", [image], tmp_path / "drawn", score_threshold=0.0, device="cpu")
-    assert "--score-threshold 0 is under the detector's own score_thresh 0.05" in caplog.text
+    (pred,) = predict_images(out / "model.pth", [image], tmp_path / "drawn", score_threshold=0.0, device="cpu")
     assert pred.image == image and pred.drawn == tmp_path / "drawn" / "val_00001_pred.png" and pred.drawn.is_file()
     assert len(pred.names) == len(pred.scores) == len(pred.boxes) and set(pred.names) <= {"square", "circle", "triangle"}
 

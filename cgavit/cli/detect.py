@@ -104,7 +104,8 @@ def run_predict(args: argparse.Namespace) -> int:
     threshold, done = args.score_threshold, 0
     try:
         for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
-            print(printable(f"{pred.image}: {len(pred.scores)} detections >= {threshold} -> {pred.drawn}"))  # names escaped
+            limit = " (the detector's limit per image, detections_per_img: more may score as much)" if pred.limit else ""
+            print(printable(f"{pred.image}: {len(pred.scores)} detections >= {threshold}{limit} -> {pred.drawn}"))  # names escaped
             for name, score, box in zip(pred.names, pred.scores, pred.boxes):
                 print(f"  {printable(name):<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
             done += 1
@@ -178,8 +179,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "--out", dest="out", help="output image (one image; its format by its suffix: .png, "
                    ".jpg, ...), or folder (default: <image name>_pred.png in the current folder; images of the same "
                    "name get -2, -3, ...); never one of the images")
-    p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5; the detector returns none under its own "
-                   "score_thresh, 0.05 unless trained with another --model-arg)")
+    p.add_argument("--score-threshold", type=float, default=0.5, help="draw detections scoring at least this (default 0.5; "
+                   "one under the detector's own score_thresh, 0.05 unless trained with another --model-arg, lowers it)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.set_defaults(func=run_predict)
 

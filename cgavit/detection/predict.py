@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import io
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import nn
@@ -23,8 +23,6 @@ from .checkpoint import load_detector
 from .draw import draw_detections
 from .models import detector_resize, resize_problem
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class Prediction:
@@ -34,6 +32,8 @@ class Prediction:
         image: the input file. drawn: the drawing written (PNG, or the format ``out``'s suffix names).
         names: category name of each detection. scores: its score.
         boxes: ``[x0, y0, x1, y1]`` in the image's pixels.
+        limit: the detector's most detections per image (its ``detections_per_img``) when it returned that many, all
+            scoring at least the threshold (others may score as much), else None.
     """
 
     image: Path
@@ -41,6 +41,7 @@ class Prediction:
     names: list[str]
     scores: list[float]
     boxes: list[list[float]]
+    limit: int | None = None
 
 
 def predict_images(
@@ -62,7 +63,8 @@ def predict_images(
         images: image files.
         out: output image (one image; PNG, or the format its suffix names) or folder (an existing folder
             is one whatever its name); default ``<image name>_pred.png`` in the current folder.
-        score_threshold: draw and list detections scoring at least this.
+        score_threshold: draw and list detections scoring at least this; the detector's own ``score_thresh`` is
+            lowered for the prediction where it is higher (:func:`admit_scores_from`).
         device: ``auto`` (this process's GPU if any), ``cpu`` or ``cuda``.
 
     Raises:
@@ -85,19 +87,24 @@ def predict_images(
     except BaseException:
         teardown_distributed(env)
         raise
-    floor = detector_score_floor(model)
-    if score_threshold < floor:
-        log.warning("--score-threshold %g is under the detector's own score_thresh %g: it never returns detections scoring "
-                    "less, so none under %g are shown (train with --model-arg score_thresh=%g, or box_score_thresh for "
-                    "Mask R-CNN, to see them)", score_threshold, floor, floor, score_threshold)
+    admit_scores_from(model, score_threshold)
     return _predictions(model, config, paths, drawn, score_threshold, env)
 
 
-def detector_score_floor(model: nn.Module) -> float:
-    """The score under which a torchvision detector drops its detections itself (RetinaNet's
-    ``score_thresh``, Mask R-CNN's ``roi_heads.score_thresh``)."""
+def admit_scores_from(model: nn.Module, threshold: float) -> None:
+    """Make a torchvision detector return its detections scoring ``threshold`` or more: it keeps only scores above
+    its own ``score_thresh`` (RetinaNet's; Mask R-CNN's ``roi_heads``), 0.05 unless set at training, which is lowered
+    to the float32 just under ``threshold`` where it is not already under it. Only inference reads the setting, and
+    a lower one adds detections without changing those it returned (each extra one scores less than they do)."""
     heads = getattr(model, "roi_heads", model)
-    return float(getattr(heads, "score_thresh", 0.0))
+    below = float(np.nextafter(np.float32(threshold), np.float32(-np.inf)))  # scores > below: scores >= threshold
+    heads.score_thresh = min(float(heads.score_thresh), below)
+
+
+def detection_limit(model: nn.Module) -> int:
+    """How many detections per image a torchvision detector returns at most (RetinaNet's ``detections_per_img``,
+    Mask R-CNN's ``roi_heads.detections_per_img``)."""
+    return int(getattr(model, "roi_heads", model).detections_per_img)
 
 
 def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
@@ -152,7 +159,7 @@ def _predictions(
     model: nn.Module, config: dict, paths: list[Path], drawn: list[Path], threshold: float, env: DistEnv
 ) -> Iterator[Prediction]:
     names = ["background"] + [n for _, n in config["categories"]]
-    skipped = []
+    limit, skipped = detection_limit(model), []
     try:
         for p, dst in zip(paths, drawn):
             try:
@@ -172,6 +179,7 @@ def _predictions(
             yield Prediction(
                 image=p, drawn=dst, names=[names[label] for label in output["labels"][keep].tolist()],
                 scores=output["scores"][keep].tolist(), boxes=output["boxes"][keep].tolist(),
+                limit=limit if int(keep.sum()) == limit else None,
             )
     finally:
         teardown_distributed(env)
