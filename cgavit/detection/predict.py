@@ -34,6 +34,9 @@ class Prediction:
         boxes: ``[x0, y0, x1, y1]`` in the image's pixels.
         limit: the detector's most detections per image (its ``detections_per_img``) when it returned that many, all
             scoring at least the threshold (others may score as much), else None.
+
+    RetinaNet's detections of label 0, the background (an output of its classifier that training only pushes
+    down), are left out.
     """
 
     image: Path
@@ -173,13 +176,15 @@ def _predictions(
                 continue
             with torch.no_grad():
                 output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
-            picture = TF.to_pil_image(draw_detections(raw, output, names, threshold))
+            # RetinaNet scores the background's label 0 as a class, which training only ever pushes down: not shown
+            keep = (output["scores"] >= threshold) & (output["labels"] > 0)
+            shown = {k: v[keep] for k, v in output.items()}
+            picture = TF.to_pil_image(draw_detections(raw, shown, names, threshold))
             atomic_write(dst, lambda tmp: picture.save(tmp, format=_image_format(dst)))
-            keep = output["scores"] >= threshold
+            full = len(output["scores"]) == limit and bool((output["scores"] >= threshold).all())
             yield Prediction(
-                image=p, drawn=dst, names=[names[label] for label in output["labels"][keep].tolist()],
-                scores=output["scores"][keep].tolist(), boxes=output["boxes"][keep].tolist(),
-                limit=limit if int(keep.sum()) == limit else None,
+                image=p, drawn=dst, names=[names[label] for label in shown["labels"].tolist()],
+                scores=shown["scores"].tolist(), boxes=shown["boxes"].tolist(), limit=limit if full else None,
             )
     finally:
         teardown_distributed(env)
