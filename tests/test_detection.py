@@ -7,6 +7,7 @@ backbone (m0), one intra-op thread.
 
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -412,6 +413,14 @@ def test_resume_continues_exactly(shapes, tmp_path):
     train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", **kw))
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iter"] for r in rows if r["type"] == "step"] == [1, 2, 3, 4, 5, 6] and 9.0 not in [r["loss"] for r in rows]
+
+
+def test_training_leaves_no_loader_worker_behind(shapes, tmp_path):
+    """`detect train --workers N` (4 by default) never exited once it had finished: its persistent loader workers,
+    which ignore SIGTERM so that the run's process alone stops the run, outlived the run, and Python's exit waited
+    for them for ever (`cgavit train`'s are not kept between epochs either)."""
+    train(_config(shapes, tmp_path / "run", epochs=1, workers=1, min_size=64, max_size=64, freeze_bn=True))
+    assert not multiprocessing.active_children()
 
 
 def test_maskrcnn_train_eval_predict_commands(shapes, tmp_path, capsys):

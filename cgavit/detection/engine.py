@@ -558,7 +558,7 @@ def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt
     sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=cfg.seed)
     loader = StopSafeLoader(
         Guarded(train_set), batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
-        persistent_workers=cfg.workers > 0, worker_init_fn=ignore_stop_signals,
+        worker_init_fn=ignore_stop_signals,
         drop_last=_drop_last(cfg, len(train_set), env.world),
     )
     milestones = [e * len(loader) for e in cfg.lr_steps]
