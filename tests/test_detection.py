@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -413,6 +414,49 @@ def test_resume_continues_exactly(shapes, tmp_path):
     train(_config(shapes, tmp_path / "cut", epochs=3, resume="auto", **kw))
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iter"] for r in rows if r["type"] == "step"] == [1, 2, 3, 4, 5, 6] and 9.0 not in [r["loss"] for r in rows]
+
+
+def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shapes, tmp_path, monkeypatch, capsys, caplog):
+    """A Ctrl-C or SIGTERM (a job scheduler's) mid-epoch lost every update of the epoch, only the checkpoint of the
+    epoch before kept (on COCO, hours of GPUs); `cgavit train` saves where it stopped. Now so does `detect train`,
+    and --resume auto goes on from that update to the weights of a run never stopped."""
+    kw = dict(epochs=1, batch_size=1, warmup_iters=1, hflip=0.5, freeze_bn=True, min_size=64, max_size=64)
+    train(_config(shapes, tmp_path / "straight", **kw))  # two updates, flips and the warm-up across the cut
+    from cgavit.detection import engine
+
+    step, made = engine._train_step, []
+
+    def signalled(*args):
+        made.append(step(*args))
+        if len(made) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return made[-1]
+
+    cut = tmp_path / "cut"
+    argv = ["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"], "--backbone",
+            "m0", "--min-size", "64", "--max-size", "64", "--warmup-iters", "1", "--lr", "2e-4",
+            "--lr-steps", "--batch-size", "1", "--workers", "1", "--log-every", "1", "--device", "cpu", "--epochs", "1",
+            "--output", str(cut)]  # a loader worker here, none straight: each image's flip is keyed, not streamed
+    monkeypatch.setattr(engine, "_train_step", signalled)
+    assert main(argv) == 128 + signal.SIGTERM and len(made) == 1  # stopped after the update in progress
+    monkeypatch.setattr(engine, "_train_step", step)
+    ckpt = read_checkpoint(cut / "checkpoint.pth")
+    assert (ckpt["epoch"], ckpt["iteration"], ckpt["epoch_step"], ckpt["world_size"]) == (0, 1, 1, 1)
+    assert "stopped after update 1 of epoch 1 (by SIGTERM)" in caplog.text and "terminated" in capsys.readouterr().err
+    # its images are counted in batches of 1: another batch size would skip others
+    assert main([*argv, "--resume", "auto", "--batch-size", "2"]) == 2
+    assert "was stopped after update 1 of epoch 1, made by 1 process(es) x --batch-size 1" in capsys.readouterr().err
+    (tmp_path / "damaged").mkdir()  # its record of the updates made is checked as any field of the file
+    save_torch(tmp_path / "damaged" / "checkpoint.pth", {**ckpt, "partial": {**ckpt["partial"], "count": float("nan")}})
+    assert main([*argv[:-1], str(tmp_path / "damaged"), "--resume", "auto"]) == 2
+    assert "is damaged: it was saved after update 1 of an epoch" in capsys.readouterr().err
+    assert main([*argv, "--resume", "auto"]) == 0
+    a, b = read_checkpoint(tmp_path / "straight" / "checkpoint.pth"), read_checkpoint(cut / "checkpoint.pth")
+    assert a["iteration"] == b["iteration"] == 2 and b["epoch_step"] == 0
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    rows = [[{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (tmp_path / "straight", cut)]
+    assert [r["iter"] for r in rows[1]] == [1, 2, 2] and rows[0] == rows[1]  # steps 1 and 2, then the epoch
 
 
 def test_training_leaves_no_loader_worker_behind(shapes, tmp_path):

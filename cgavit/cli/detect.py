@@ -142,8 +142,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train", help="train on COCO-format data (paper's 1x recipe by default)",
         description="Train RetinaNet or Mask R-CNN. Defaults are the paper's 1x COCO recipe: AdamW lr 1e-4, weight decay "
         "0.05 (none on attention biases), 12 epochs, lr x0.1 after epochs 8 and 11, 500 linear warm-up iterations, "
-        "BatchNorm frozen, shorter side 800 (max 1333), random horizontal flips. Writes checkpoint.pth every epoch "
-        "(--resume), model.pth, metrics.jsonl and loss.png to --output.",
+        "BatchNorm frozen, shorter side 800 (max 1333), random horizontal flips. Writes checkpoint.pth every epoch, "
+        "and where Ctrl-C or SIGTERM stops the run (--resume auto goes on from there), model.pth, metrics.jsonl and "
+        "loss.png to --output.",
     )
     g = t.add_argument_group("data")
     g.add_argument("--data", metavar="COCO_ROOT", help="a COCO 2017 folder (train2017/, val2017/, annotations/instances_*2017.json)")

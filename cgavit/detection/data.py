@@ -25,6 +25,7 @@ from torchvision.transforms import v2
 
 from ..images import decode, open_image
 from ..io import DataError, UnreadableFileError
+from ..train.data.samplers import seed_all
 from .annotations import CocoCheck
 from .coco import decode_masks, segmentation_rle, xyxy_boxes
 
@@ -90,7 +91,13 @@ class CocoDetection(torch.utils.data.Dataset):
         except DataError as err:
             raise DataError(f"image {image_id}: {err}") from None
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``item``: an index, or ``(index, seed)`` as a :class:`~cgavit.train.data.SeededSampler` gives them in
+        training: the random generators are then seeded with ``seed`` before the image is read, so its flip is the
+        same whichever loader worker reads it, and in a resumed epoch too."""
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        if seed is not None:
+            seed_all(seed)
         image_id = self.ids[index]
         img = self.load_image(image_id)
         w, h = img.size

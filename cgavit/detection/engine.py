@@ -9,6 +9,12 @@ The same code runs alone or under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_
 environment): DistributedDataParallel with NCCL on GPUs or gloo on CPUs; only rank 0 writes files.
 Checkpoints and ``metrics.jsonl`` are written atomically (:mod:`cgavit.io`) and read back with
 ``weights_only=True``.
+
+Randomness is keyed, not streamed, as in ``cgavit train``: each image's flip depends on ``(seed, epoch, rank,
+its position in the epoch)`` and each update's RPN / RoI sampling on ``(seed, epoch, rank, update)``. A run
+stopped by a signal at any update (SIGINT, SIGTERM, SIGHUP: :class:`~cgavit.train.engine.Stopper`) saves
+``checkpoint.pth`` there and resumes by skipping the images already trained on, ending with the weights of an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,9 +39,11 @@ from ..factory import resolve_name
 from ..fields import option
 from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch, write_jsonl
 from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
-from ..train.distributed import DistEnv, RunLock, barrier, broadcast_object, gather_objects, reduce_sum
+from ..train.data.samplers import SeededSampler, epoch_seed, seed_all
+from ..train.distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
+from ..train.engine import Stopper
 from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
@@ -312,6 +321,10 @@ def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
     ``eval``/``predict``), ``metrics.jsonl`` (one line per ``log_every`` iterations and per epoch)
     and ``loss.png``.
 
+    A SIGINT (Ctrl-C), SIGTERM or SIGHUP while it trains stops it after the update in progress, with
+    ``checkpoint.pth`` saved there (``resume`` goes on from that update), or after the evaluation in progress;
+    the signal then has its usual effect (Ctrl-C: ``KeyboardInterrupt``). A second Ctrl-C stops it at once.
+
     Raises:
         ValueError: bad options (:meth:`DetectionTrainConfig.validate`), an output folder holding another
             run, a ``--train-bn`` run that would meet a batch of one image too small for BatchNorm,
@@ -321,10 +334,15 @@ def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
     """
     cfg.validate()
     env = setup_distributed(cfg.device)
+    stopper = Stopper(announce=env.is_main)
     try:
-        return _train(cfg, env)
+        record = _train(cfg, env, stopper)
     finally:
+        stopper.uninstall()
         teardown_distributed(env)
+    if stopper.signum is not None:  # saved where it stopped: the signal now does what it was sent for
+        signal.raise_signal(stopper.signum)
+    return record
 
 
 @dataclass
@@ -338,8 +356,9 @@ class _Run:
     raw_model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: torch.utils.data.DistributedSampler
+    sampler: SeededSampler  # over a DistributedSampler: (index, seed of its augmentation) pairs
     loader: torch.utils.data.DataLoader
+    stopper: Stopper
 
     @property
     def out(self) -> Path:
@@ -350,25 +369,26 @@ class _Run:
         return self.out / "metrics.jsonl"
 
 
-def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
+def _train(cfg: DetectionTrainConfig, env: DistEnv, stopper: Stopper) -> dict[str, Any]:
     train_check, train_set, val_set = _datasets(cfg)
     _check_one_image_batches(cfg, train_set, env.world)
     config = model_config(cfg, train_check.categories)
     resume, ckpt = _resume_checkpoint(cfg, config)
-    if ckpt is not None and not _epochs_left(cfg, env, resume, int(ckpt["epoch"])):
+    if ckpt is not None and not _epochs_left(cfg, env, resume, ckpt):
         return {}
     if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
         log.warning(
             "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
             "residual FFN and attention branch at zero. Give --pretrained-backbone (ImageNet weights) or --train-bn"
         )
-    run = _setup(cfg, env, config, ckpt, train_set)
+    run = _setup(cfg, env, config, ckpt, train_set, stopper)
     start_epoch = int(ckpt["epoch"]) if ckpt is not None else 0
     if ckpt is not None:
         _check_iterations_per_epoch(run, resume, ckpt)
     if env.is_main:
         if ckpt is not None:
-            log.info("resumed from %s after epoch %d (iteration %d)", resume, start_epoch, ckpt["iteration"])
+            within = f" and update {ckpt['epoch_step']} of epoch {start_epoch + 1}" if ckpt["epoch_step"] else ""
+            log.info("resumed from %s after epoch %d%s (iteration %d)", resume, start_epoch, within, ckpt["iteration"])
         elif run.metrics_path.exists():
             log.warning("%s exists: appending to it (use --resume auto to continue that run)", run.metrics_path)
         log.info(
@@ -384,48 +404,77 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv) -> dict[str, Any]:
             try:  # a damaged record file stops the run now (every rank), not after its last epoch
                 rows = read_jsonl(run.metrics_path)
                 if ckpt is not None:
-                    _drop_rows_after(run.metrics_path, rows, start_epoch)
+                    _drop_rows_after(run.metrics_path, rows, start_epoch, int(ckpt["iteration"]))
             except DataError as err:
                 damaged = str(err)
         damaged = broadcast_object(env, damaged)
         if damaged:
             raise DataError(damaged)
-        return _epochs(run, val_set, start_epoch)
+        stopper.install()  # from here a signal stops the run where it can be saved
+        return _epochs(run, val_set, ckpt)
 
 
-def _drop_rows_after(path: Path, rows: list[dict], done: int) -> None:
-    """Drop the rows of epochs after ``done`` from ``metrics.jsonl``: an interrupted epoch's, which the resumed
-    run trains again and records anew (rows without an epoch number, edited by hand, are kept)."""
-    kept = [r for r in rows if not (_is_number(r.get("epoch")) and r["epoch"] > done)]
+def _drop_rows_after(path: Path, rows: list[dict], done: int, step: int) -> None:
+    """Drop from ``metrics.jsonl`` the rows written after a checkpoint of ``done`` epochs and ``step`` updates: the
+    step rows of later updates and the rows of epochs after ``done``, which a run killed before it could save left
+    and the resumed run trains again and records anew (rows without those numbers, edited by hand, are kept)."""
+    def later(row: dict) -> bool:
+        if row.get("type") == "step" and _is_number(row.get("iter")):
+            return row["iter"] > step
+        return _is_number(row.get("epoch")) and row["epoch"] > done
+
+    kept = [r for r in rows if not later(r)]
     if len(kept) < len(rows):
         write_jsonl(path, kept)
-        log.info("dropped %d rows of %s written after epoch %d's checkpoint (an interrupted epoch, trained again now)",
-                 len(rows) - len(kept), path, done)
+        log.info("dropped %d rows of %s written after its checkpoint's update %d (trained again now)",
+                 len(rows) - len(kept), path, step)
 
 
-def _epochs(run: _Run, val_set: CocoDetection | None, start_epoch: int) -> dict[str, Any]:
-    """Epochs ``start_epoch + 1 .. cfg.epochs`` of ``run``, then the final weights; the last epoch's record.
+def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The epochs of ``run`` from where ``ckpt`` (if any) left it to ``cfg.epochs``, then the final weights; the
+    last epoch's record (of this call: empty when a signal stopped it before an epoch ended).
 
     Each epoch's checkpoint is written before its evaluation, so an evaluation that fails (a damaged
-    validation image) does not lose the epoch; its record is appended after it, with its scores."""
+    validation image) does not lose the epoch; its record is appended after it, with its scores. A signal
+    stops the run after the update in progress, saved there, or after the epoch's evaluation."""
     cfg, env = run.cfg, run.env
+    start_epoch, step = (int(ckpt["epoch"]), int(ckpt["iteration"])) if ckpt is not None else (0, 0)
+    part = dict(ckpt.get("partial") or {}) if ckpt is not None and ckpt["epoch_step"] else {}
     row: dict[str, Any] = {}
-    step = start_epoch * len(run.loader)
     for epoch in range(start_epoch, cfg.epochs):
-        row, step = _train_epoch(run, epoch, step)
+        record, step = _train_epoch(run, epoch, step, part if epoch == start_epoch else {})
+        if record["type"] == "partial":  # stopped by a signal mid-epoch
+            if env.is_main:
+                _save_checkpoint(run, epoch, step, {k: record[k] for k in ("updates", "sums", "count", "time_s")})
+            _report_stop(run, f"stopped after update {record['updates']} of epoch {epoch + 1}")
+            return row
+        row = record
         if env.is_main:
-            _save_checkpoint(run, row, step)
+            path = _save_checkpoint(run, epoch + 1, step)
+            log.info("epoch %d: loss %.4f (%.0f s), checkpoint %s", row["epoch"], row["loss"], row["time_s"], path)
         last = epoch + 1 == cfg.epochs
         if val_set is not None and (last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0)):
             row.update(_evaluate_epoch(run, val_set, row))
         if env.is_main:
             append_jsonl(run.metrics_path, row)
+        if not last and any_true(env, run.stopper.signum is not None):
+            _report_stop(run, f"stopped after epoch {epoch + 1}")
+            return row
     if env.is_main:
         done = max(cfg.epochs, start_epoch)  # more than --epochs: a finished run's missing model.pth (_epochs_left)
         save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), epoch=done))
         plot_losses(run.metrics_path, run.out / "loss.png")
     barrier(env)
     return row
+
+
+def _report_stop(run: _Run, what: str) -> None:
+    """Every rank takes the signal that stopped the run (:meth:`~cgavit.train.engine.Stopper.agree`; a collective),
+    so that each stops with it; rank 0 says ``what`` and how to go on."""
+    run.stopper.agree(run.env)
+    if run.env.is_main:
+        log.warning("%s (by %s): %s holds it; continue with the same command and --resume auto", what,
+                    signal.Signals(run.stopper.signum).name, run.out / "checkpoint.pth")
 
 
 def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, CocoDetection | None]:
@@ -498,16 +547,44 @@ def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> 
             and isinstance(ckpt.get("optimizer"), dict) and isinstance(ckpt.get("scheduler"), dict)):
         raise CheckpointError(f"{resume} cannot be resumed from: it needs 'epoch', 'iteration', 'optimizer' and 'scheduler' "
                               "(model.pth holds weights only; resume from checkpoint.pth)")
+    ckpt["epoch_step"] = _stopped_within_epoch(ckpt, resume)
     check_against_tensors(config, ckpt["model"], resume)
     return resume, ckpt
 
 
-def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, done: int) -> bool:
+def _stopped_within_epoch(ckpt: Mapping[str, Any], resume: str) -> int:
+    """The updates of its unfinished epoch a checkpoint saved by a signal holds (0: saved at an epoch's end, or
+    written before mid-epoch saves), its ``partial`` record of them checked: their count, the loss sums over the
+    processes (finite numbers), the count of those, the seconds they took; and the processes that made them.
+
+    Raises:
+        CheckpointError: any of them malformed (the file is damaged).
+    """
+    within = ckpt.get("epoch_step", 0)
+    if not (is_int(within) and within >= 0):
+        raise CheckpointError(f"{resume} is damaged: its 'epoch_step' must be a whole number >= 0, got {within!r}")
+    if within == 0:
+        return 0
+    part, world = ckpt.get("partial"), ckpt.get("world_size")
+    if not (isinstance(part, dict) and part.get("updates") == within and isinstance(part.get("sums"), dict)
+            and all(isinstance(k, str) and is_number(v) for k, v in part["sums"].items())
+            and is_number(part.get("count")) and part["count"] > 0 and is_number(part.get("time_s")) and part["time_s"] >= 0
+            and is_int(world) and world >= 1):
+        raise CheckpointError(f"{resume} is damaged: it was saved after update {within} of an epoch, but its record of "
+                              "those updates ('partial', 'world_size') is missing or malformed; resume from another copy")
+    return within
+
+
+def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, ckpt: Mapping[str, Any]) -> bool:
     """Whether a resumed run has anything to do: epochs left, or, for a finished run in its own folder,
     the ``model.pth`` it stopped before writing. A finished run is left as it stands (said); resumed
-    into another folder it is refused, as ``cgavit train`` does."""
+    into another folder it is refused, as ``cgavit train`` does; one stopped within an epoch past ``--epochs`` too."""
+    done = int(ckpt["epoch"])
     if done < cfg.epochs:
         return True
+    if ckpt["epoch_step"]:
+        raise ValueError(f"{resume} was stopped within epoch {done + 1}, past --epochs {cfg.epochs}: give --epochs "
+                         f"{done + 1} or more to finish it (nothing was written)")
     what = f"{resume} has trained {done} epoch{'s' if done != 1 else ''}, and --epochs {cfg.epochs} leaves nothing to train"
     out = Path(cfg.output)
     if out.resolve() != Path(resume).resolve().parent:
@@ -521,12 +598,21 @@ def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, done: int
 
 def _check_iterations_per_epoch(run: _Run, resume: str, ckpt: Mapping[str, Any]) -> None:
     """Refuse to resume with another number of updates per epoch (batch size, processes or training
-    images changed): the schedule's milestones, counted in updates, would fall mid-epoch."""
-    done, made, per_epoch = int(ckpt["epoch"]), int(ckpt["iteration"]), len(run.loader)
-    if made == done * per_epoch:
-        return
+    images changed): the schedule's milestones, counted in updates, would fall mid-epoch. A run stopped within
+    an epoch goes on from the image its updates reached, counted in its own batches of its own processes' shares:
+    it needs the same batch size and number of processes (an epoch's end may change them, as ``cgavit train``'s)."""
+    done, within, per_epoch = int(ckpt["epoch"]), int(ckpt["epoch_step"]), len(run.loader)
+    made = int(ckpt["iteration"]) - within  # the updates of the epochs finished
     old = ckpt.get("train_config")
     old_batch = old.get("batch_size") if isinstance(old, dict) and is_int(old.get("batch_size")) else None
+    if within and (old_batch, ckpt["world_size"]) != (run.cfg.batch_size, run.env.world):
+        raise ValueError(
+            f"{resume} was stopped after update {within} of epoch {done + 1}, made by {ckpt['world_size']} process(es) x "
+            f"--batch-size {old_batch}: resume it with those, not {run.env.world} x {run.cfg.batch_size} (another batch size "
+            "or number of processes can start at an epoch's end; nothing was written)"
+        )
+    if made == done * per_epoch and within < per_epoch:
+        return
     raise ValueError(
         f"{resume} made {made} updates in {done} epoch{'s' if done != 1 else ''}"
         f"{f' ({made / done:g} per epoch)' if done else ''}, and this run makes {per_epoch} per epoch "
@@ -549,13 +635,16 @@ def _check_output_free(out: Path, resume: str | None) -> None:
                          "(nothing in it was changed)")
 
 
-def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | None, train_set: CocoDetection) -> _Run:
+def _setup(
+    cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt: dict | None, train_set: CocoDetection, stopper: Stopper
+) -> _Run:
     """Model, optimizer, schedule and loader of a run, restored from ``ckpt`` when resuming."""
     torch.manual_seed(cfg.seed)
     model = build_detector(config, None if ckpt else cfg.pretrained_backbone, trust=cfg.trust_checkpoint)
     model.to(env.device)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
-    sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=cfg.seed)
+    shares = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=cfg.seed)
+    sampler = SeededSampler(shares, cfg.seed, env.rank)  # each image's flip keyed to its position in the epoch
     loader = StopSafeLoader(
         Guarded(train_set), batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
         worker_init_fn=ignore_stop_signals,
@@ -575,24 +664,29 @@ def _setup(cfg: DetectionTrainConfig, env: DistEnv, config: dict[str, Any], ckpt
     wrapped = model
     if env.world > 1:
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-    return _Run(cfg, env, config, wrapped, model, optimizer, scheduler, sampler, loader)
+    return _Run(cfg, env, config, wrapped, model, optimizer, scheduler, sampler, loader, stopper)
 
 
-def _train_epoch(run: _Run, epoch: int, step: int) -> tuple[dict[str, Any], int]:
-    """One epoch; returns its ``metrics.jsonl`` record (mean losses over all processes) and the step."""
+def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """Epoch ``epoch`` from its update ``part["updates"]`` (0, or where a stopped run left it: ``part`` holds the
+    checkpoint's record of the updates before); returns its ``metrics.jsonl`` record (mean losses over all
+    processes and updates) and the step. A signal stops it after the update in progress: the record is then of
+    type ``"partial"``, with what a checkpoint keeps of the epoch so far (:func:`_epoch_sums`)."""
     cfg, env = run.cfg, run.env
-    # every epoch's randomness (order, flips, RPN/RoI sampling) depends on (seed, epoch, rank)
-    # alone, so a resumed run continues exactly as an uninterrupted one
-    torch.manual_seed(cfg.seed + 1009 * epoch + env.rank)
-    run.sampler.set_epoch(epoch)
+    start = int(part.get("updates", 0))
+    run.sampler.set_epoch(epoch)  # the order: (seed, epoch) alone
+    run.sampler.start = start * cfg.batch_size  # this process's images the updates before trained on
+    updates, made = start + len(run.loader), start
     run.model.train()
     sums: dict[str, float] = {}
     t0 = time.time()
-    bar = tqdm(batches(run.loader), total=len(run.loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main, leave=False)
+    bar = tqdm(batches(run.loader), total=updates, initial=start, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+               disable=not env.is_main, leave=False)
     lr = run.optimizer.param_groups[0]["lr"]
     for images, targets in bar:
+        seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + made))  # RPN / RoI sampling: keyed to the update
         values, lr = _train_step(run, images, targets, step)
-        step += 1
+        step, made = step + 1, made + 1
         for k, v in values.items():
             sums[k] = sums.get(k, 0.0) + v
         bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{lr:.2e}")
@@ -601,12 +695,26 @@ def _train_epoch(run: _Run, epoch: int, step: int) -> tuple[dict[str, Any], int]
             avg = reduce_sum(env, [values[k] for k in keys])
             if env.is_main:
                 append_jsonl(run.metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
-    keys = sorted(sums)
-    totals = reduce_sum(env, [sums[k] for k in keys] + [float(len(run.loader))])
+        if made < updates and any_true(env, run.stopper.signum is not None):  # every rank stops where any was signalled
+            break
+    sums, count = _epoch_sums(env, sums, made - start, part)
+    seconds = float(part.get("time_s", 0.0)) + time.time() - t0
+    if made < updates:
+        return dict(type="partial", epoch=epoch + 1, updates=made, sums=sums, count=count, time_s=seconds), step
     # lr: the rate of the epoch's last update (the optimiser's holds the next one's, after the scheduler's step)
-    row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=lr, time_s=round(time.time() - t0, 2))
-    row.update({k: v / totals[-1] for k, v in zip(keys, totals)})
+    row: dict[str, Any] = dict(type="epoch", epoch=epoch + 1, iter=step, lr=lr, time_s=round(seconds, 2))
+    row.update({k: v / count for k, v in sums.items()})
     return row, step
+
+
+def _epoch_sums(env: DistEnv, sums: Mapping[str, float], made: int, part: Mapping[str, Any]) -> tuple[dict[str, float], float]:
+    """``(loss sums, count)`` of an epoch so far over all processes: this process's ``sums`` of its ``made``
+    updates, summed over the processes (a collective), plus those of the updates before (``part``, a stopped
+    run's). Each mean loss is its sum / count."""
+    before = part.get("sums", {})
+    keys = sorted(set(sums) | set(before))
+    totals = reduce_sum(env, [sums.get(k, 0.0) for k in keys] + [float(made)])
+    return {k: v + float(before.get(k, 0.0)) for k, v in zip(keys, totals)}, totals[-1] + float(part.get("count", 0.0))
 
 
 def _train_step(run: _Run, images: Sequence[torch.Tensor], targets: Sequence[dict], step: int) -> tuple[dict[str, float], float]:
@@ -630,14 +738,16 @@ def _train_step(run: _Run, images: Sequence[torch.Tensor], targets: Sequence[dic
     return {"loss": loss.item(), **{k: v.item() for k, v in losses.items()}}, lr
 
 
-def _save_checkpoint(run: _Run, row: dict[str, Any], step: int) -> None:
-    """Replace ``checkpoint.pth`` with the state after the epoch ``row`` records (rank 0)."""
+def _save_checkpoint(run: _Run, done: int, step: int, part: Mapping[str, Any] | None = None) -> Path:
+    """Replace ``checkpoint.pth`` (rank 0) with the run's state after ``done`` epochs and ``step`` updates in all: at
+    an epoch's end, or within the next epoch, whose updates so far ``part`` records (their count ``updates``,
+    loss ``sums`` over the processes and ``count``, ``time_s``)."""
     state = dict(
         format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-        scheduler=run.scheduler.state_dict(), epoch=row["epoch"], iteration=step, train_config=_plain(asdict(run.cfg)),
+        scheduler=run.scheduler.state_dict(), epoch=done, iteration=step, epoch_step=int(part["updates"]) if part else 0,
+        partial=dict(part or {}), world_size=run.env.world, train_config=_plain(asdict(run.cfg)),
     )
-    ckpt_path = save_torch(run.out / "checkpoint.pth", state)
-    log.info("epoch %d: loss %.4f (%s), checkpoint %s", row["epoch"], row["loss"], f"{row['time_s']:.0f} s", ckpt_path)
+    return save_torch(run.out / "checkpoint.pth", state)
 
 
 def _evaluate_epoch(run: _Run, val_set: CocoDetection, row: dict[str, Any]) -> dict[str, float]:

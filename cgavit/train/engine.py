@@ -64,7 +64,7 @@ from .recipe import (
 
 log = logging.getLogger("cgavit.train")
 
-__all__ = ["train"]
+__all__ = ["Stopper", "train"]
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -89,7 +89,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     cfg.validate()
     env = setup(cfg.device)
-    stopper = _Stopper(announce=env.is_main)
+    stopper = Stopper(announce=env.is_main)
     try:
         stopper.install()
         t_start = time.perf_counter()
@@ -158,11 +158,11 @@ class Run:
     mixup: Mixup | None
     loaders: Loaders
     lr: float  # peak learning rate
-    stopper: _Stopper
+    stopper: Stopper
     state: TrainState = field(default_factory=TrainState)
 
 
-def _checked_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
+def _checked_run(cfg: TrainConfig, env: DistEnv, stopper: Stopper, layout: dict, output: Path) -> Run:
     """The run (:func:`_build_run`) once its images are checked: a class of either split none of whose images can be
     read is refused (one decode per class and split: :func:`~cgavit.train.data.unreadable_classes`); with ``strict``,
     so is any unreadable validation image (:func:`_read_val_split`).
@@ -201,7 +201,7 @@ def _read_val_split(run: Run) -> None:
         raise BadImageError(errors[0])
 
 
-def _build_run(cfg: TrainConfig, env: DistEnv, stopper: _Stopper, layout: dict, output: Path) -> Run:
+def _build_run(cfg: TrainConfig, env: DistEnv, stopper: Stopper, layout: dict, output: Path) -> Run:
     """Seed, then build the network (fine-tuned weights loaded), data, optimiser, schedule, mixup,
     losses (with the distillation teacher), gradient scaler and EMA."""
     num_classes = len(layout["classes"])
@@ -296,7 +296,7 @@ def _report_stop(run: Run, what: str) -> None:
     """A stopped run: every rank's stopper gets the signal that stopped it (the first rank's that got one; a
     collective, so every rank calls it), so that each returns it, and exits with its status, though one rank alone
     got it; rank 0 logs ``what`` and how to go on."""
-    run.stopper.signum = next((s for s in gather_objects(run.env, run.stopper.signum) if s is not None), None)
+    run.stopper.agree(run.env)
     if run.env.is_main:
         by = f" (by {signal.Signals(run.stopper.signum).name})" if run.stopper.signum is not None else ""
         log.warning("%s%s; continue with --resume %s", what, by, shlex.quote(str(run.output / "last.pt")))
@@ -806,10 +806,15 @@ def _tidy_run_folder(output: Path, in_place: bool) -> None:
         log.warning("%s held the records of an earlier run that left no last.pt; moved them to %s", metrics, aside.name)
 
 
-class _Stopper:
+class Stopper:
     """SIGTERM / SIGINT / SIGHUP set a flag the loop checks after every update (then it saves and exits);
-    one the process ignores already (``nohup``) is left ignored. ``announce``: log the signal as it comes (rank 0
-    only: a signal to the process group reaches every rank, and the run logs once)."""
+    one the process ignores already (``nohup``) is left ignored; a second Ctrl-C raises ``KeyboardInterrupt`` at once.
+    ``cgavit train`` and ``cgavit detect train`` stop so.
+
+    Args:
+        announce: log the signal as it comes (rank 0 only: a signal to the process group reaches every rank, and
+            the run logs once).
+    """
 
     def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
@@ -836,3 +841,8 @@ class _Stopper:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+
+    def agree(self, env: DistEnv) -> None:
+        """Take the signal of the first rank that got one, on every rank (a collective: every rank calls it), so
+        that each stops with it though one rank alone was signalled."""
+        self.signum = next((s for s in gather_objects(env, self.signum) if s is not None), None)
