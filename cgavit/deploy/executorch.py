@@ -53,11 +53,6 @@ def _executorch() -> SimpleNamespace:
     )
 
 
-def executorch_available() -> bool:
-    """Whether ExecuTorch is installed (checked without importing it)."""
-    return executorch_problem() is None
-
-
 def executorch_problem() -> str | None:
     """Why the ExecuTorch paths cannot be used here, or None (checked without importing it: the import takes
     seconds)."""

@@ -34,11 +34,6 @@ def _litert() -> SimpleNamespace:
     return SimpleNamespace(convert=litert_torch.convert, Interpreter=Interpreter)
 
 
-def tflite_available() -> bool:
-    """Whether litert-torch and the LiteRT interpreter are installed (checked without importing them)."""
-    return tflite_problem() is None
-
-
 def tflite_problem() -> str | None:
     """Why the LiteRT paths cannot be used here, or None (checked without importing them)."""
     missing = [name for name in ("litert_torch", "ai_edge_litert") if importlib.util.find_spec(name) is None]
