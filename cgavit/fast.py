@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import FusedCascadedGroupAttention, LocalWindowAttention, window_bias
-from .layers import Residual, conv_like
+from .layers import FFN, PatchMerging, Residual, SqueezeExcite, conv_like
 from .model import image_size_pair
 
 
@@ -174,8 +174,9 @@ def swap_fast_modules(
     model: nn.Module, img_size: tuple[int, int] | None = None, fold_residuals: bool = True
 ) -> nn.Module:
     """Replace, in place, every fused :class:`LocalWindowAttention` of ``model`` by its fast form,
-    fold every depthwise residual into its conv (``fold_residuals``) and make every ReLU in-place
-    (saves one allocation per activation); returns ``model``.
+    fold every depthwise residual into its conv (``fold_residuals``) and make every ReLU whose input
+    nothing else reads in-place (saves one allocation per activation; :func:`private_relu`); returns
+    ``model``.
 
     With ``img_size`` (one side, or ``(H, W)``) the fast modules are specialised to the maps ``img_size`` images give
     (the form for exporting: an image of another size is then refused); without it they take any size.
@@ -192,7 +193,22 @@ def swap_fast_modules(
     return model
 
 
+#: cgavit's blocks whose ``act`` ReLU is only ever given a conv's output, which nothing else reads
+OWN_ACTIVATIONS = (FFN, PatchMerging, SqueezeExcite)
+
+
+def private_relu(parent: nn.Module, name: str, previous: nn.Module | None) -> bool:
+    """Whether the ReLU ``parent.<name>`` may work in place: the ``act`` of one of cgavit's blocks
+    (:data:`OWN_ACTIVATIONS`), or a ReLU right after a conv or linear layer in an ``nn.Sequential``
+    (``previous``: the child before it). Any other module's ReLU may be given a tensor its module
+    reads again (``torch.cat([f, self.act(f)])``), which an in-place ReLU would overwrite."""
+    if isinstance(parent, OWN_ACTIVATIONS):
+        return name == "act"
+    return isinstance(parent, nn.Sequential) and isinstance(previous, (nn.Conv2d, nn.Linear))
+
+
 def _swap(module: nn.Module, sizes: dict[int, tuple[int, int]], fold_residuals: bool) -> None:
+    previous = None
     for name, child in module.named_children():
         folded = fold_depthwise_residual(child) if fold_residuals and isinstance(child, Residual) else None
         if isinstance(child, LocalWindowAttention):
@@ -200,6 +216,8 @@ def _swap(module: nn.Module, sizes: dict[int, tuple[int, int]], fold_residuals: 
         elif folded is not None:
             setattr(module, name, folded)
         elif isinstance(child, nn.ReLU):
-            setattr(module, name, nn.ReLU(inplace=True))
+            if private_relu(module, name, previous):
+                setattr(module, name, nn.ReLU(inplace=True))
         else:
             _swap(child, sizes, fold_residuals)
+        previous = child

@@ -359,3 +359,32 @@ def test_optimize_refuses_switches_that_are_not_switches():
                             ({"features": "amx"}, "features must be a CpuFeatures .* got str")):
         with pytest.raises(TypeError, match=message):
             optimize(model, x, backend="torch", **kwargs)
+
+
+class _ReusesItsReluInput(torch.nn.Module):
+    """A cgavit backbone under a head whose ReLU's input is read again: ``cat([f, relu(f)])``."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = cgavit.create_model("efficientvit_m0", img_size=64, num_classes=0, **TINY)
+        self.act = torch.nn.ReLU()
+        self.fc = torch.nn.Linear(2 * TINY["embed_dim"][-1], 5)
+
+    def forward(self, x):
+        f = self.backbone(x)
+        return self.fc(torch.cat([f, self.act(f)], 1))
+
+
+def test_fast_path_leaves_other_modules_relus_out_of_place():
+    """swap_fast_modules made every ReLU in-place, a user's module's too: ``cat([f, relu(f)])`` then read the
+    rectified ``f`` twice (4.6e-01 off), and optimize raised, suggesting check=False to keep the wrong model.
+    cgavit's own ReLUs (after a conv, or an FFN's, patch merging's or SE's ``act``) are still made in-place."""
+    wrapped = randomize_(_ReusesItsReluInput()).eval()
+    x = torch.randn(2, 3, 64, 64)
+    fast = swap_fast_modules(cgavit.fuse(wrapped))
+    with torch.no_grad():
+        assert rel_err(fast(x), wrapped(x)) <= 1e-5
+    assert not fast.act.inplace
+    relus = [m for m in fast.backbone.modules() if isinstance(m, torch.nn.ReLU)]
+    assert relus and all(m.inplace for m in relus)
+    assert optimize(wrapped, x, backend="torch", compile=False).rel_err <= TOLERANCE["fp32"]
