@@ -388,3 +388,16 @@ def test_fast_path_leaves_other_modules_relus_out_of_place():
     relus = [m for m in fast.backbone.modules() if isinstance(m, torch.nn.ReLU)]
     assert relus and all(m.inplace for m in relus)
     assert optimize(wrapped, x, backend="torch", compile=False).rel_err <= TOLERANCE["fp32"]
+
+
+def test_optimize_refuses_what_is_not_a_model_in_one_line():
+    """A variant's name, a class or a state dict was an AttributeError/TypeError from reading its weights."""
+    x = torch.randn(1, 3, 64, 64)
+    for model, says in (("efficientvit_m0", r"got str: a name; build the model first, e\.g\. cgavit\.create_model\("
+                                            r"'efficientvit_m0', pretrained=True\)"),
+                        (cgavit.EfficientViT, "got type \\(the class EfficientViT\\): build an instance first"),
+                        (tiny().state_dict(), "got OrderedDict \\(a state dict\\?\\): build the model with its weights"),
+                        (None, "optimize takes a model, an nn.Module instance; got NoneType")):
+        for precision in ("fp32", "auto"):
+            with pytest.raises(ValueError, match=says):
+                optimize(model, x, precision, compile=False)

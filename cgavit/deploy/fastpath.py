@@ -8,7 +8,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -174,7 +174,8 @@ def optimize(
         evaluation: ``precision="auto"`` only: images not trained on, to judge reduced paths on (default: calibration's).
 
     Raises:
-        ValueError: a precision, backend or combination not offered, a bad example (or not on the model's device), empty calibration.
+        ValueError: a model that is not an ``nn.Module``, a precision, backend or combination not offered, a bad example (or not
+            on the model's device), empty calibration.
         TypeError: a switch not True or False (``compile="no"`` would compile), ``features`` not a ``CpuFeatures``.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
@@ -205,6 +206,22 @@ def _check_switches(switches: dict[str, object], features: object) -> None:
                         f"{type(features).__name__}")
 
 
+def _check_model(model: object) -> None:
+    """Refuse what is not a model instance (a variant's name, a class) in one line, not an AttributeError from deep
+    inside the first step that reads its weights."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, str):
+        hint = f": a name; build the model first, e.g. cgavit.create_model({model!r}, pretrained=True)"
+    elif isinstance(model, type):
+        hint = f" (the class {model.__name__}): build an instance first"
+    elif isinstance(model, Mapping):
+        hint = " (a state dict?): build the model with its weights, e.g. cgavit.create_model(name, checkpoint_path=path)"
+    else:
+        hint = ""
+    raise ValueError(f"optimize takes a model, an nn.Module instance; got {type(model).__name__}{hint}")
+
+
 def _check_same_device(model: nn.Module, example_input: torch.Tensor) -> None:
     """Refuse a model whose weights are on another device than the example's (a CPU model with a CUDA example): the
     fp32 reference it is checked against would be computed on neither, and the torch path would fail at its first
@@ -222,6 +239,7 @@ def _checked_inputs(
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """The example (on ``model``'s device), the calibration and the evaluation batches as float32, checked (and what
     only auto takes)."""
+    _check_model(model)
     if precision == "auto" and backend != "auto":
         raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
     if quantized is not None and precision != "auto":
