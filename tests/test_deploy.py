@@ -156,6 +156,23 @@ def test_torch_path_follows_to_and_copies():
         assert rel_err(fast.to(torch.bfloat16)(x), reference) <= TOLERANCE["bf16"]
 
 
+@pytest.mark.parametrize("dial", [dict(drop_path_rate=0.3), dict(distillation=True)], ids=["drop-path", "distilled"])
+def test_torch_path_stays_an_inference_form_in_a_module_set_to_train(dial):
+    """An optimized teacher inside a student's module: ``.train()`` reached the fused model, whose stochastic depth
+    then dropped branches at random (about 4e-01 off, another answer each call), and a distilled model returned its
+    two heads' logits as a tuple (AttributeError: 'tuple' object has no attribute 'float')."""
+    model = randomize_(cgavit.create_model("efficientvit_m0", img_size=64, **TINY, **dial)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    holder = torch.nn.ModuleDict(dict(student=torch.nn.Linear(2, 2),
+                                      teacher=optimize(model, x, backend="torch", compile=False)))
+    holder.train()
+    with torch.no_grad():
+        reference = model(x)
+        for _ in range(2):
+            assert rel_err(holder.teacher(x), reference) <= 1e-5
+    assert holder.teacher.training and not holder.teacher.inner.training
+
+
 def test_optimize_rejects_bad_arguments():
     model = tiny()
     with pytest.raises(ValueError, match="fp16 runs in the Triton kernel on a CUDA GPU only; on the CPU use fp32"):

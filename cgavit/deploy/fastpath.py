@@ -76,6 +76,14 @@ class OptimizedModel(RuntimeModule):
             out = self.inner(x.to(dtype=self.dtype, memory_format=fmt))
         return out.float()
 
+    def train(self, mode: bool = True) -> "OptimizedModel":
+        """Sets this module's flag only: the inner module is an inference form and stays in eval mode (in training
+        mode the model's stochastic depth would drop branches at random, and a distilled model return two heads'
+        logits), so an optimized model held in a module being trained, a teacher, keeps giving its logits."""
+        super().train(mode)
+        self.inner.eval()
+        return self
+
     def _apply(self, fn, recurse: bool = True):
         """``.to(dtype)``, ``.double()``, ``.half()``: the input is cast to what the weights are now."""
         super()._apply(fn, recurse)
