@@ -57,7 +57,8 @@ def uninitialised_on(module: nn.Module, like: torch.Tensor) -> nn.Module:
 @torch.no_grad()
 def conv_like(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> nn.Conv2d:
     """A biased ``nn.Conv2d`` with ``conv``'s geometry (stride, padding, groups, ...) and the given
-    ``weight`` and ``bias`` (their rows are its output channels), on ``conv``'s device and dtype."""
+    ``weight`` and ``bias`` (their rows are its output channels), on ``conv``'s device and dtype, its
+    parameters requiring gradients as ``conv``'s weight does (a frozen, fused conv's replacement stays frozen)."""
     out = nn.Conv2d(
         conv.in_channels,
         weight.shape[0],
@@ -72,7 +73,7 @@ def conv_like(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> nn.C
     out = uninitialised_on(out, conv.weight)
     out.weight.copy_(weight)
     out.bias.copy_(bias)
-    return out
+    return out.requires_grad_(conv.weight.requires_grad)
 
 
 class BNLinear(nn.Sequential):

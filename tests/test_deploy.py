@@ -418,3 +418,13 @@ def test_optimize_refuses_what_is_not_a_model_in_one_line():
         for precision in ("fp32", "auto"):
             with pytest.raises(ValueError, match=says):
                 optimize(model, x, precision, compile=False)
+
+
+def test_fast_modules_stay_frozen_like_the_fused_model():
+    """fuse freezes every parameter, and swap_fast_modules' new convs required gradients again: a call outside
+    no_grad built an autograd graph and gave logits that require grad (``.numpy()`` refused them)."""
+    model, x = tiny(), torch.randn(2, 3, 64, 64)
+    for fast in (swap_fast_modules(cgavit.fuse(model)), swap_fast_modules(cgavit.fuse(model), img_size=64)):
+        assert not any(p.requires_grad for p in fast.parameters())
+        out = fast(x)
+        assert not out.requires_grad and rel_err(out, model(x)) <= 1e-5
