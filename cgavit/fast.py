@@ -66,6 +66,7 @@ class FastCascadedGroupAttention(nn.Module):
         self.register_buffer("bias", bias.clone())  # (heads, N, N) of the full window, or of ``size``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_map(x)
         H, W = self.size or x.shape[2:]
         N = H * W
         bias = self.bias if self.size else window_bias(self.bias, self.window, H, W)  # (heads, N, N)
@@ -83,6 +84,17 @@ class FastCascadedGroupAttention(nn.Module):
             feat = torch.matmul(self.v[i](feat).reshape(B, vd, N), attn.transpose(1, 2)).reshape(B, vd, H, W)
             outs.append(feat)
         return self.proj(torch.relu(torch.cat(outs, 1)))  # (B, C, H, W)
+
+    def _check_map(self, x: torch.Tensor) -> None:
+        """Refuse a map of another size than the one built for (its reshapes would make a wrong batch of it), or
+        one larger than the window (its tokens would take the biases of other offsets), as the fused module does."""
+        H, W = x.shape[2:]
+        if self.size is not None and (H, W) != self.size:
+            raise ValueError(f"this attention was built for {self.size[0]}x{self.size[1]} maps, got {H}x{W}: build it "
+                             "again for your map size, or without a size")
+        if H > self.window or W > self.window:
+            raise ValueError(f"a {H}x{W} map is larger than this attention's {self.window}x{self.window} window; give "
+                             "it to FastWindowAttention, which splits a map into windows")
 
 
 class FastWindowAttention(nn.Module):

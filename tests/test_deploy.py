@@ -428,3 +428,21 @@ def test_fast_modules_stay_frozen_like_the_fused_model():
         assert not any(p.requires_grad for p in fast.parameters())
         out = fast(x)
         assert not out.requires_grad and rel_err(out, model(x)) <= 1e-5
+
+
+def test_fast_attention_refuses_maps_it_cannot_attend_as_the_fused_one_does():
+    """Used on its own, FastCascadedGroupAttention took a 5x9 map on a 7x7 window (the fused module refuses it) and
+    gave its tokens the biases of other offsets; built for 5x5 maps, a 5x10 map became a batch of two."""
+    from cgavit.attention import CascadedGroupAttention
+    from cgavit.fast import FastCascadedGroupAttention
+
+    fused = randomize_(CascadedGroupAttention(16, 8, 2, window=7, kernels=[3, 3])).eval().fuse()
+    x = torch.randn(2, 16, 5, 6)
+    with torch.no_grad():
+        assert rel_err(FastCascadedGroupAttention(fused)(x), fused(x)) <= 1e-5
+        assert rel_err(FastCascadedGroupAttention(fused, (5, 6))(x), fused(x)) <= 1e-5
+        with pytest.raises(ValueError, match="a 5x9 map is larger than this attention's 7x7 window; give it to "
+                                             "FastWindowAttention"):
+            FastCascadedGroupAttention(fused)(torch.randn(1, 16, 5, 9))
+        with pytest.raises(ValueError, match="this attention was built for 5x5 maps, got 5x10: build it again"):
+            FastCascadedGroupAttention(fused, (5, 5))(torch.randn(1, 16, 5, 10))
