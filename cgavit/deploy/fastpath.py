@@ -182,8 +182,7 @@ def optimize(
         evaluation: ``precision="auto"`` only: images not trained on, to judge reduced paths on (default: calibration's).
 
     Raises:
-        ValueError: a model that is not an ``nn.Module``, a precision, backend or combination not offered, a bad example (or not
-            on the model's device), empty calibration.
+        ValueError: not a model, a precision, backend or combination not offered, a bad example (or not on its device), empty calibration.
         TypeError: a switch not True or False (``compile="no"`` would compile), ``features`` not a ``CpuFeatures``.
         RuntimeError: the check found a relative error above the precision's tolerance.
     """
