@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 #: Where a checkpoint keeps EMA weights (cgavit's and timm's training checkpoints).
 EMA_KEYS = ("model_ema", "state_dict_ema")
 _WRAPPER_KEYS = (*EMA_KEYS, "model", "state_dict", "module")
+#: What a wrapped model's ``state_dict()`` puts before every name: DDP's ``module.`` and ``torch.compile``'s
+#: ``_orig_mod.`` (the network has no child of either name), one inside the other in either order
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 class _OptionsRecord(SimpleNamespace):
@@ -140,8 +143,8 @@ MAX_WRAPPERS = 8
 
 def unwrap_state_dict(obj: object, source: object = "checkpoint", prefer_ema: bool = False) -> dict[str, torch.Tensor]:
     """The state dict inside ``obj`` (a state dict, or a dict wrapping one under ``model``,
-    ``state_dict``, ``model_ema``, ...; a DDP ``module.`` prefix is dropped), checked by
-    :func:`cgavit.schema.check_state_dict`.
+    ``state_dict``, ``model_ema``, ...; DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes are dropped),
+    checked by :func:`cgavit.schema.check_state_dict`.
 
     Raises:
         CheckpointError: no state dict inside, or one that the schema refuses.
@@ -161,11 +164,18 @@ def unwrap_state_dict(obj: object, source: object = "checkpoint", prefer_ema: bo
         tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
         if tensors and len(tensors) >= len(obj) / 2:
             sd = check_state_dict(tensors, str(source))
-            return {(k[7:] if k.startswith("module.") else k): v for k, v in sd.items()}
+            return {_unwrapped_name(k): v for k, v in sd.items()}
     raise CheckpointError(
         f"{source} holds no state dict (expected tensors, or a dict with one of {list(_WRAPPER_KEYS)}), "
         f"got {type(obj).__name__}"
     )
+
+
+def _unwrapped_name(key: str) -> str:
+    """``key`` without the prefixes of :data:`_WRAPPER_PREFIXES` (``_orig_mod.module.stages...`` -> ``stages...``)."""
+    while key.startswith(_WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
 
 
 def read_state_dict(path: str | os.PathLike, trust: bool = False, prefer_ema: bool = False) -> dict[str, torch.Tensor]:

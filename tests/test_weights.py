@@ -378,6 +378,21 @@ def test_pretrained_weights_adapt_the_first_convolution_to_other_channel_counts(
     assert torch.equal(four, torch.cat([rgb, rgb[:, :1]], dim=1) * 0.75)
 
 
+def test_a_compiled_models_state_dict_loads(tmp_path):
+    """torch.compile's wrapper names every tensor ``_orig_mod.…`` (``_orig_mod.module.…`` around DDP): such a state
+    dict, in memory or saved, was refused as "another architecture" by create_model, load_checkpoint and load_model."""
+    src = randomize_(cgavit.create_model("m0", num_classes=5), 4).eval()
+    compiled = {f"_orig_mod.{k}": v for k, v in src.state_dict().items()}  # torch.compile(src).state_dict()
+    both = {f"_orig_mod.module.{k}": v for k, v in src.state_dict().items()}
+    torch.save({"model": compiled}, tmp_path / "compiled.pth")
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        for held in (compiled, both, tmp_path / "compiled.pth"):
+            model = cgavit.create_model("m0", num_classes=5, checkpoint_path=held).eval()
+            assert torch.equal(model(x), src(x))
+        assert torch.equal(cgavit.load_model(tmp_path / "compiled.pth", "m0")[0](x), src(x))
+
+
 def test_detection_body_takes_what_torch_load_returns_and_names_the_file(tmp_path):
     """D11: {"model": sd} passed as a mapping was refused at 'head.bn.weight'; a mismatch said 'state dict'."""
     pytest.importorskip("torchvision")
