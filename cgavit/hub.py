@@ -92,8 +92,19 @@ def download_release(url: str, progress: bool = True, timeout: float | None = No
             if not (dst.is_file() and dst.stat().st_size > 0):  # else another download put it there first
                 raise _cache_error(folder, err) from None
     finally:
-        part.unlink(missing_ok=True)
+        _discard(part)
     return dst
+
+
+def _discard(part: Path) -> None:
+    """Remove the temporary ``part`` if it is there. Only if: in a read-only folder, removing a file that was never
+    made fails too (EROFS, not ENOENT), and that error would stand in for the one saying why nothing was written.
+    One that cannot be removed stays, for :func:`_remove_dead_downloads` to clear later."""
+    try:
+        if os.path.lexists(part):
+            part.unlink()
+    except OSError as err:
+        log.warning("could not remove the unfinished download %s: %s", part, err.strerror or err)
 
 
 def _by_hand() -> str:

@@ -209,6 +209,19 @@ def test_a_cache_folder_that_cannot_be_made_is_one_clear_error(server, monkeypat
     assert "TORCH_HOME" in err and "Traceback" not in err
 
 
+def test_a_read_only_cache_folder_is_one_clear_error(server, monkeypatch, mount_tmpfs, tmp_path, capsys):
+    """In a cache folder on a read-only disk, removing the temporary file that could not be made failed too (EROFS,
+    not 'no such file'), and that bare OSError replaced the error saying the disk is read-only and what to do."""
+    ro = mount_tmpfs(folders=("hub/checkpoints",), read_only=True)
+    monkeypatch.setenv("TORCH_HOME", str(ro))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/ok")
+    with pytest.raises(WriteError, match=r"cache folder .* read-only; .*TORCH_HOME"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert main(["predict", str(tmp_path / "x.png"), "--model", "efficientvit_m0", "--pretrained", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "read-only" in err and "Traceback" not in err
+
+
 def test_a_folder_where_the_weights_go_is_named_before_the_download(server, monkeypatch, tmp_path):
     """A folder at the cached file's path was found after the whole download, which was then thrown away, and the
     message named the cache folder, not what was in the way."""
