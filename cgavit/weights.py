@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -296,4 +297,18 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
             raise ValueError(f"not saved: load_model would refuse this record ({str(err).split('bad metadata: ')[-1]}); "
                              "give values it takes") from None
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    return atomic_write(path, lambda tmp: _safetensors().torch.save_file(tensors, tmp, metadata=meta))
+    return atomic_write(path, lambda tmp: _write_safetensors(tensors, tmp, meta))
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file``, with a failed write raised as the ``OSError`` it is: safetensors reports one (a full
+    disk) as its own error type, the errno only in its text (``... (os error 28)``), which
+    :func:`~cgavit.io.atomic_write` would let through as it is, a traceback in place of its message."""
+    try:
+        _safetensors().torch.save_file(tensors, path, metadata=metadata)
+    except Exception as err:
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code)) from None

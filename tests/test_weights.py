@@ -1,5 +1,6 @@
 """Checkpoint formats, equivalence with timm's port, the pretrained download, and refusals."""
 
+import errno
 import functools
 import http.server
 import logging
@@ -12,7 +13,7 @@ import torch
 
 import cgavit
 from cgavit.testing import randomize_
-from cgavit.io import CheckpointError
+from cgavit.io import CheckpointError, WriteError
 from cgavit.loading import load_checkpoint
 from cgavit.weights import read_metadata, save_weights
 
@@ -391,6 +392,19 @@ def test_a_compiled_models_state_dict_loads(tmp_path):
             model = cgavit.create_model("m0", num_classes=5, checkpoint_path=held).eval()
             assert torch.equal(model(x), src(x))
         assert torch.equal(cgavit.load_model(tmp_path / "compiled.pth", "m0")[0](x), src(x))
+
+
+def test_saving_weights_to_a_full_disk_is_one_clear_error_and_keeps_the_old_file(mount_tmpfs):
+    """safetensors reports a full disk as its own SafetensorError, which atomic_write let through: a traceback in
+    place of "the disk is full ...; free some space"."""
+    disk = mount_tmpfs(size="12m")  # room for one M0 file (about 9 MB), not for a second one beside it
+    old = cgavit.create_model("m0", num_classes=3)
+    save_weights(old, disk / "w.safetensors")
+    with pytest.raises(WriteError, match=r"the disk is full .*free some space") as info:
+        save_weights(cgavit.create_model("m0", num_classes=4), disk / "w.safetensors")
+    assert info.value.errno == errno.ENOSPC
+    assert [p.name for p in disk.iterdir()] == ["w.safetensors"]
+    assert cgavit.load_model(disk / "w.safetensors")[0].num_classes == 3
 
 
 def test_detection_body_takes_what_torch_load_returns_and_names_the_file(tmp_path):
