@@ -268,8 +268,13 @@ def _check_recorded_heads(meta: WeightsMeta, report: dict[str, list[str]], sourc
 
 
 def _build(meta: WeightsMeta, img_size: int | tuple[int, int]) -> EfficientViT:
-    return EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, in_chans=meta.in_chans,
-                        distillation=meta.distillation, name=meta.model or "", global_pool=meta.global_pool)
+    """The network ``meta`` records, built for ``img_size``, its ``pretrained_cfg`` holding the record's preprocessing
+    (where timm's ``resolve_data_config({}, model=m)`` reads it, as :class:`ModelInfo` gives it)."""
+    model = EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, in_chans=meta.in_chans,
+                         distillation=meta.distillation, name=meta.model or "", global_pool=meta.global_pool)
+    model.pretrained_cfg = dict(model.pretrained_cfg, mean=tuple(meta.mean), std=tuple(meta.std), crop_pct=meta.crop_pct,
+                                interpolation=meta.interpolation)
+    return model
 
 
 def _what_it_holds(

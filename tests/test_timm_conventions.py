@@ -43,6 +43,22 @@ def test_pretrained_cfg_gives_our_preprocessing_through_timm():
     assert timm.create_model("efficientvit_m0", pretrained=False).default_cfg["mean"] == model.default_cfg["mean"]
 
 
+def test_a_loaded_model_gives_timm_the_preprocessing_its_file_records(tmp_path):
+    """load_model gave the file's mean, std, crop and interpolation in its ModelInfo, but the model's pretrained_cfg
+    kept ImageNet's: timm.data.resolve_data_config({}, model=m) then fed the images another normalisation."""
+    from cgavit.schema import WeightsMeta
+
+    saved = cgavit.create_model("m0", num_classes=2, img_size=64, **SMALL)
+    record = WeightsMeta(model="efficientvit_m0", config=saved.cfg, num_classes=2, img_size=64, crop_pct=1.0,
+                         interpolation="bilinear", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+    cgavit.save_weights(saved, tmp_path / "w.safetensors", record)
+    model, info = cgavit.load_model(tmp_path / "w.safetensors")
+    cfg = timm.data.resolve_data_config({}, model=model)
+    assert (cfg["mean"], cfg["std"], cfg["crop_pct"], cfg["interpolation"]) == (info.mean, info.std, info.crop_pct,
+                                                                                info.interpolation)
+    assert cfg["mean"] == (0.5, 0.4, 0.3) and cfg["crop_pct"] == 1.0 and cfg["input_size"] == (3, 64, 64)
+
+
 def test_core_constants_equal_timms():
     assert IMAGENET_DEFAULT_MEAN == timm.data.IMAGENET_DEFAULT_MEAN
     assert IMAGENET_DEFAULT_STD == timm.data.IMAGENET_DEFAULT_STD
