@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .factory import create_model, list_models
-from .variants import VARIANTS
+from .variants import VARIANTS, resolve_name
 
 
 def count_macs(model: torch.nn.Module, img_size: tuple[int, int]) -> int:
@@ -21,9 +21,14 @@ def count_macs(model: torch.nn.Module, img_size: tuple[int, int]) -> int:
 
 
 def variant_rows(img_size: tuple[int, int] = (224, 224), names: list[str] | None = None) -> list[dict]:
-    """One dict per variant: measured params/MACs beside the published figures."""
+    """One dict per variant (``names`` as :func:`~cgavit.create_model` takes them, ``m4`` too; all by default): measured
+    params/MACs beside the published figures.
+
+    Raises:
+        ValueError: an unknown name (naming the close one).
+    """
     rows = []
-    for name in names or list_models():
+    for name in [resolve_name(n) for n in names] if names else list_models():
         info = VARIANTS[name]
         model = create_model(name, img_size=img_size)  # built for that size, as create_model(img_size=) gives it
         cfg = info.cfg

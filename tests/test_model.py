@@ -341,6 +341,10 @@ def test_info_counts_the_model_built_for_its_size():
     row, = variant_rows((512, 512), ["efficientvit_m0"])
     built = cgavit.create_model("efficientvit_m0", img_size=512)
     assert row["macs_m"] == round(count_macs(built, (512, 512)) / 1e6, 1)
+    # the names create_model takes (variant_rows(names=["m0"]) was a KeyError)
+    assert variant_rows((64, 64), ["m0"])[0]["model"] == "efficientvit_m0"
+    with pytest.raises(ValueError, match="unknown model 'efficientvit_mo'. Did you mean"):
+        variant_rows((64, 64), ["efficientvit_mo"])
 
 
 def test_a_model_cast_under_inference_mode_still_trains():
