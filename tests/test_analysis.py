@@ -604,3 +604,18 @@ def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
                      "--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2"]) == 2
         assert "cgavit analyze: error: --output must name a folder" in capsys.readouterr().err
     assert list(work.iterdir()) == []
+
+
+def test_an_output_inside_the_data_folder_is_refused(tmp_path, capsys):
+    """--output DIR with --data DIR (or a folder under it) wrote the PNG figures among the images: the next run on
+    that folder analysed them as images (a flat folder), or as a class of its own (DIR/heads)."""
+    data = _image_folder(tmp_path / "data")
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    small = ["--img-size", "64", "--num-images", "2", "--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2"]
+    for output in (data, data / "heads", data / "class0"):
+        with pytest.raises(ValueError, match="is inside --data"):
+            AnalysisConfig(output=str(output), data=str(data)).validate()
+        assert main(["analyze", "heads", "--data", str(data), "--output", str(output), *small]) == 2
+        assert f"cgavit analyze: error: --output {output} is inside --data {data}" in capsys.readouterr().err
+    assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+    AnalysisConfig(output=str(tmp_path / "data-heads"), data=str(data)).validate()  # beside it, with a shared prefix

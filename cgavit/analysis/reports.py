@@ -68,6 +68,10 @@ class AnalysisConfig:
         """Raise ``ValueError`` naming the option (its command-line flag) that is out of bounds."""
         if not str(self.output).strip():  # Path("") is the current folder: the files would land where the command ran
             raise ValueError(f"--output must name a folder for the report and figures, got {self.output!r}; give e.g. --output out/analysis")
+        if self.data and Path(self.output).resolve().is_relative_to(Path(self.data).resolve()):
+            # the figures are PNG files: the next run on --data would read them as images (or a class of them)
+            raise ValueError(f"--output {self.output} is inside --data {self.data}: the figures written there would be read "
+                             "as images by the next analysis of that folder; give an --output outside it")
         lo, hi = IMG_SIZE_RANGE
         if self.img_size is not None and not lo <= self.img_size <= hi:
             raise ValueError(f"--img-size must be between {lo} and {hi} pixels, got {self.img_size}")
