@@ -502,6 +502,17 @@ def test_the_prune_ratio_is_printed_as_given(tmp_path, trained_digits, capsys):
     assert "least important 99.9 % of" in capsys.readouterr().out  # it said 100%, a ratio the command refuses
 
 
+def test_the_pruning_figure_names_the_prune_ratio_as_given(tmp_path, drawn):
+    """The figure's title rounded the ratio to a whole percent: 0.999 was "100%", 0.125 "12%", 0.004 "0%"."""
+    blk = BlockImportance("stages.0.blocks.0", 0, 0)
+    blk.q = [torch.tensor([0.1, 0.2], dtype=torch.float64)]
+    blk.v = [torch.tensor([5.0, 6.0], dtype=torch.float64)]
+    for ratio, said in ((0.999, "99.9 %"), (0.125, "12.5 %"), (0.004, "0.4 %"), (0.3, "30 %")):
+        plot_importance([blk], ratio, tmp_path, title="(m0)")
+        (ax,) = drawn["taylor_pruning.png"].axes
+        assert ax.get_title() == f"kept after pruning the least important {said} (m0)"
+
+
 def test_taylor_importance_of_a_model_without_cgavit_modules_says_so():
     """timm's own EfficientViT has .stages[i].blocks but none of cgavit's modules: the error said every gradient was
     zero and asked for a trained checkpoint, which would not have helped."""

@@ -357,7 +357,7 @@ def plot_importance(blocks: list[BlockImportance], ratio: float, out_dir: str | 
         names,
         out_dir / "taylor_pruning.png",
         ylabel="fraction of channels kept",
-        title=f"kept after pruning the least important {ratio:.0%} {title}".strip(),
+        title=f"kept after pruning the least important {100 * ratio:g} % {title}".strip(),  # as given (.0% rounded)
         ylim=(0, 1.05),
         notes={k.upper(): [_kept_note(v) for v in vals] for k, vals in fractions.items()},
     )
