@@ -1,5 +1,6 @@
 """`cgavit bench` smoke runs (tiny sizes, few repeats; no timing assertions)."""
 
+import contextlib
 import json
 
 import pytest
@@ -150,6 +151,40 @@ def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):
         resolve_protocol(BenchConfig(device="cuda", train=True))
     with pytest.raises(ValueError, match="--precision-check runs on the CPU only"):  # it ran on the CPU at batch 2048
         resolve_protocol(BenchConfig(device="cuda", precision_check=True, skip_table=True))
+
+
+def test_the_gpu_table_runs_under_the_precision_asked_for(monkeypatch):
+    """On a GPU every row ran under fp16 autocast whatever --precision said: --precision fp32 or bf16 was accepted,
+    recorded in the protocol and bench.json, and timed as fp16 AMP. (No GPU needed: the candidates, the timing and
+    torch.autocast are stood in for, and what autocast each row ran under is recorded.)"""
+    from cgavit.bench import candidates, run
+    from cgavit.bench.candidates import Candidate
+    from cgavit.timing import Timings
+
+    contexts = []
+
+    def autocast(device_type, dtype=None, enabled=True, **kwargs):
+        contexts.append((device_type, enabled, (dtype or torch.float16) if enabled else None))  # fp16: cuda's default
+        return contextlib.nullcontext()
+
+    def round_robin(calls, warmup, repeats, **kwargs):
+        return {name: Timings([0.5 if fn() is None else 1.0] * repeats) for name, fn in calls.items()}
+
+    fake = [Candidate("timm efficientvit_m0 (fused, traced)", "timm-port", "efficientvit_m0", 63.2, lambda x: None),
+            Candidate("cgavit efficientvit_m0 fuse", "ours", "efficientvit_m0", 63.2, lambda x: None)]
+    monkeypatch.setattr(run, "build_candidates", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(candidates, "round_robin", round_robin)
+    monkeypatch.setattr(torch, "autocast", autocast)
+    x = torch.zeros(2, 3, 32, 32)
+    for precision, wanted in (("fp32", (False, None)), ("bf16", (True, torch.bfloat16)), ("amp", (True, torch.float16))):
+        protocol = run.BenchProtocol(torch.device("cuda"), 1, 2, precision, (32, 32), 0, 1, ("efficientvit_m0",), ())
+        contexts.clear()
+        results = run.measure_table(protocol, x)
+        assert [r.ratio_to_timm for r in results] == [1.0, 1.0]
+        assert contexts == [("cuda", *wanted)], precision
+    contexts.clear()
+    run.measure_table(run.BenchProtocol(torch.device("cpu"), 1, 2, "bf16", (32, 32), 0, 1, ("efficientvit_m0",), ()), x)
+    assert contexts == [("cpu", False, None)]  # on the CPU the bf16 rows are optimize()'s own; no autocast
 
 
 def test_a_peer_at_a_size_it_cannot_run_is_refused_before_anything_is_built():

@@ -44,6 +44,10 @@ PEERS_TOP1 = {
 #: tokens, while its stem's four stride-2 convolutions leave ``ceil(side / 16)`` (72 px: 4 against 5).
 PEER_SIDE_MULTIPLE = {"levit_128s": 16}
 
+#: The autocast dtype of each ``--precision`` on a GPU, where every row of the main table (ours, the port, the peers)
+#: runs under it; fp32 runs without autocast.
+GPU_AUTOCAST = {"amp": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
 
 @dataclass
 class Result:
@@ -93,6 +97,13 @@ def timm_port(model: nn.Module, name: str, img_size: tuple[int, int]) -> nn.Modu
     return reparameterize(port)
 
 
+def table_autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The ``torch.autocast`` the main table's rows run under: on a GPU, ``precision``'s (:data:`GPU_AUTOCAST`); on
+    the CPU none (our ``optimize()`` rows hold their own precision, the baselines run fp32)."""
+    dtype = GPU_AUTOCAST[precision] if device.type == "cuda" else None
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def trace(module: nn.Module, x: torch.Tensor) -> nn.Module:
     """``torch.jit.trace(module, x)`` without autograd and without the tracer's warnings, called twice more: the
     TorchScript executor profiles the first call and optimises on the second, a one-off cost (several times a
@@ -121,7 +132,8 @@ def variant_candidates(
 
     On the CPU ours are the fused model, ``optimize`` (torch) and, for fp32, one row per runtime in
     ``runtimes`` (``"onnxruntime"``, ``"openvino"``: ``optimize``'s backends; ``"executorch"``,
-    ``"tflite"``: the exported program); on a GPU the fused model eager and traced.
+    ``"tflite"``: the exported program); on a GPU the fused model eager and traced, checked under ``precision``'s
+    autocast (:func:`table_autocast`).
     """
     top1 = VARIANTS[name].top1
     size = tuple(x.shape[2:])
@@ -139,7 +151,7 @@ def variant_candidates(
         ours[f"cgavit {name} fuse, traced"] = trace(fused, x)
     with torch.no_grad():
         log.info("%s: fused vs timm port relative error %.1e", name, rel_err(fused(x), port(x)))
-        with torch.autocast(device.type, enabled=device.type == "cuda"):
+        with table_autocast(device, precision):
             errors = {label: rel_err(fn(x), port(x)) for label, fn in ours.items()}
     cands = [Candidate(f"timm {name} (fused, traced)", "timm-port", name, top1, trace(port, x))]
     cands += [Candidate(label, "ours", name, top1, fn, errors[label]) for label, fn in ours.items()]
@@ -177,13 +189,14 @@ def build_candidates(
 
 
 def time_candidates(
-    cands: list[Candidate], x: torch.Tensor, warmup: int, repeats: int, device: torch.device
+    cands: list[Candidate], x: torch.Tensor, warmup: int, repeats: int, device: torch.device, precision: str
 ) -> list[Result]:
-    """Time the candidates round-robin on ``x`` (autocast on a GPU); each row's ratio to its variant's port."""
+    """Time the candidates round-robin on ``x`` (on a GPU under ``precision``'s autocast, :func:`table_autocast`);
+    each row's ratio to its variant's port."""
     calls = {c.name: partial(c.fn, x) for c in cands}
     if len(calls) != len(cands):
         raise ValueError("candidate names must be distinct (a model or peer given twice?)")
-    with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
+    with torch.no_grad(), table_autocast(device, precision):
         timings = round_robin(calls, warmup, repeats, device=device, progress=True)
     results = [Result(c.name, c.kind, c.variant, c.top1, timings[c.name].per_second(x.shape[0]), c.rel_err_vs_timm)
                for c in cands]

@@ -37,8 +37,9 @@ class BenchConfig:
         threads: intra-op threads (default: 1 on CPU, as the paper; all on GPU).
         batch: batch size (default: 16 on CPU, 2048 on GPU).
         img_size: ``(H, W)`` in pixels.
-        precision: our ``optimize()`` precision, ``"fp32"``, ``"bf16"`` or ``"amp"`` (default fp32 on
-            CPU, amp on GPU); the baselines run fp32 on the CPU.
+        precision: ``"fp32"``, ``"bf16"`` or ``"amp"`` (default fp32 on CPU, amp on GPU): on the CPU our
+            ``optimize()`` precision, the baselines running fp32; on a GPU the autocast every row runs under
+            (amp: fp16, bf16: bf16, fp32: none).
         models: our variants (``m4`` or ``efficientvit_m4``).
         peers: timm peers (keys of :data:`PEERS_TOP1`); empty for none.
         warmup: untimed calls per candidate.
@@ -331,7 +332,6 @@ def run_precision_check(cfg: BenchConfig, protocol: BenchProtocol, report: Bench
 
 def measure_table(protocol: BenchProtocol, x: torch.Tensor, compile: bool = True) -> list[Result]:
     """The main table: every candidate built for the protocol and timed round-robin on the batch ``x``."""
-    precision = "fp32" if protocol.precision == "amp" else protocol.precision
-    cands = build_candidates(list(protocol.models), list(protocol.peers), x, precision, protocol.device,
+    cands = build_candidates(list(protocol.models), list(protocol.peers), x, protocol.precision, protocol.device,
                              compile=compile, runtimes=protocol.runtimes)
-    return time_candidates(cands, x, protocol.warmup, protocol.repeats, protocol.device)
+    return time_candidates(cands, x, protocol.warmup, protocol.repeats, protocol.device, protocol.precision)

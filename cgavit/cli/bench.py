@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, help="batch size (default: 16 on CPU, 2048 on GPU)")
     p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N", help="N or H W (default 224)")
     p.add_argument("--precision", choices=["fp32", "bf16", "amp"],
-                   help="our optimize() precision (default fp32 on CPU, amp on GPU); baselines run fp32 on CPU")
+                   help="our optimize() precision on CPU, where the baselines run fp32 (default fp32); on GPU the "
+                   "autocast of every row: amp fp16, bf16, fp32 none (default amp)")
     p.add_argument("--models", nargs="+", default=["efficientvit_m0", "efficientvit_m4"], metavar="NAME",
                    help="our variants (default efficientvit_m0 efficientvit_m4)")
     p.add_argument("--peers", nargs="+", default=list(PEERS_TOP1), metavar="NAME",
