@@ -134,14 +134,17 @@ def test_a_size_taller_than_wide_builds_timms_port_with_our_windows(tmp_path):
 
 
 def test_options_the_run_would_ignore_are_refused():
-    """Precision-check options without --precision-check, --no-onnx beside --runtimes onnxruntime: accepted and
-    ignored (exit 0)."""
+    """Precision-check options without --precision-check, --no-onnx beside --runtimes onnxruntime, --train-batch
+    without --train: accepted and ignored (exit 0)."""
     for given, flag in ((dict(eval_images=5), "--eval-images"), (dict(calibration_images=3), "--calibration-images"),
                         (dict(train_split="nope"), "--train-split"), (dict(trust_checkpoint=True), "--trust-checkpoint")):
         with pytest.raises(ValueError, match=f"{flag} is read by --precision-check alone"):
             resolve_protocol(BenchConfig(**given))
     with pytest.raises(ValueError, match="--no-onnx leaves ONNX Runtime out"):
         resolve_protocol(BenchConfig(onnx=False, runtimes=("onnxruntime",)))
+    with pytest.raises(ValueError, match="--train-batch is read by --train alone"):  # it timed the table, exit 0
+        resolve_protocol(BenchConfig(train_batch=8))
+    assert resolve_protocol(BenchConfig(train_batch=8, train=True)).batch == 16
 
 
 def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):

@@ -204,6 +204,8 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
     for flag, value, low in least:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if cfg.train_batch != BenchConfig.train_batch and not cfg.train:
+        raise ValueError("--train-batch is read by --train alone; add it, or leave --train-batch out")
     if cfg.threads is not None:
         check_threads(cfg.threads)
     check_precision_inputs(cfg)
