@@ -204,6 +204,22 @@ def test_a_missing_checkpoint_is_named_before_the_output_folder_is_made(tmp_path
     assert "missing.pt does not exist" in capsys.readouterr().err and not out.exists()
 
 
+def test_a_checkpoint_without_its_network_says_what_the_precision_check_needs(tmp_path, capsys):
+    """A bare state dict was refused with load_model's advice, to give --model NAME: no option of cgavit bench (and
+    argparse took --model as --models, which changed nothing)."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            Image.new("RGB", (32, 32), (40, 90, 200)).save(tmp_path / "data" / split / name / "x.png")
+    torch.save(cgavit.create_model("m0", num_classes=2, img_size=32).state_dict(), tmp_path / "bare.pt")
+    assert main(["bench", "--skip-table", "--precision-check", "--checkpoint", str(tmp_path / "bare.pt"), "--data",
+                 str(tmp_path / "data"), "--no-onnx", "--no-compile", "--output", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint bare.pt does not record its network" in err and "cgavit train's" in err and "--model" not in err
+
+
 def test_training_alone_records_the_protocol_it_ran(tmp_path, capsys):
     """--train --skip-table printed and recorded batch 16, 0 warm-up, grad off: the table's protocol, not measured."""
     code = main(["bench", "--models", "m0", "--peers", "none", "--img-size", "32", "--warmup", "0", "--repeats", "2",

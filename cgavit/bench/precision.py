@@ -27,7 +27,7 @@ from ..classes import check_classes, class_difference, model_indices
 from ..deploy import Agreement, PathChoice, RuntimeModule, compare_logits, cpu_features, fuse, optimize
 from ..deploy.agreement import NoiseFloor, batched_logits, noise_floor
 from ..deploy.formats import FORMATS, runtime_format, runtime_path
-from ..factory import ModelInfo, load_model
+from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..timing import round_robin
 from ..train.data import list_split, load_transformed
 from ..train.data.layout import same_split
@@ -330,12 +330,17 @@ def checkpoint_precision(
 
     Raises:
         ValueError: a missing or malformed split folder, the same split for both, class folders unlike the
-            checkpoint's, a count below 1.
+            checkpoint's, a count below 1, a checkpoint that does not record its network.
         CheckpointError: an unreadable checkpoint.
     """
     if calibration_images < 1:
         raise ValueError(f"--calibration-images must be at least 1, got {calibration_images}")
-    model, info = load_model(checkpoint, trust=trust)
+    try:
+        model, info = load_model(checkpoint, trust=trust)
+    except UnrecordedArchitecture:  # its advice, --model NAME, is no option of the precision check
+        raise ValueError(f"--checkpoint {Path(checkpoint).name} does not record its network (a bare state dict, an "
+                         "official or timm file); the precision check needs weights saved by cgavit (cgavit train's "
+                         "model.safetensors or best.pt, or cgavit.save_weights)") from None
     calib, evaluated = calibration_and_evaluation(data, train_split, val_split, info, model.num_classes,
                                                   calibration_images, eval_images, channels=model.in_chans)
     batches = list(calib.images.split(batch))
