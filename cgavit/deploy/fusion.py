@@ -32,7 +32,8 @@ def fuse(model: nn.Module) -> nn.Module:
 
     Conv-BN pairs become one ``nn.Conv2d``, BN+Linear heads one ``nn.Linear``, and each attention's
     relative-position bias is gathered once into a buffer. ``model`` itself is not modified;
-    fusing an already fused model changes nothing.
+    fusing an already fused model changes nothing. The copy is an inference form: its parameters are
+    frozen (``requires_grad`` False), since training would need the BatchNorms it no longer has.
 
     Raises:
         ValueError: if a BatchNorm remains that is not part of a Conv-BN or BN-Linear pair.
