@@ -446,3 +446,14 @@ def test_fast_attention_refuses_maps_it_cannot_attend_as_the_fused_one_does():
             FastCascadedGroupAttention(fused)(torch.randn(1, 16, 5, 9))
         with pytest.raises(ValueError, match="this attention was built for 5x5 maps, got 5x10: build it again"):
             FastCascadedGroupAttention(fused, (5, 5))(torch.randn(1, 16, 5, 10))
+
+
+def test_a_backend_without_the_precision_names_the_backends_that_offer_it():
+    """``backend='torch'`` with fp16 said only "use backend='auto'", which on the CPU refuses fp16 in turn: two steps to
+    learn that the Triton kernel on a CUDA GPU is where fp16 runs."""
+    for precision, backend, says in (
+            ("fp16", "torch", r"triton offers it \(on a CUDA GPU\): use backend='triton', or backend='auto'"),
+            ("int8", "torch", "onnxruntime and openvino offer it: use backend='onnxruntime', or backend='auto'"),
+            ("bf16", "onnxruntime", "torch, openvino and triton offer it: use backend='torch', or backend='auto'")):
+        with pytest.raises(ValueError, match=f"precision {precision} is not offered by the {backend} backend .*; {says}"):
+            choose_backend(precision, backend)

@@ -127,8 +127,8 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
         ort_fp32 = precision == "fp32" and on_cpu and backend_available("onnxruntime")
         backend = "onnxruntime" if precision == "int8" or ort_fp32 else "torch"
     elif precision not in OFFERED[backend]:
-        raise ValueError(f"precision {precision} is not offered by the {backend} backend "
-                         f"(it offers {', '.join(OFFERED[backend])}); use backend='auto'")
+        raise ValueError(f"precision {precision} is not offered by the {backend} backend (it offers "
+                         f"{', '.join(OFFERED[backend])}); {_offered_by(precision)}, or backend='auto'")
     if backend in ("torch", "triton"):
         return backend
     if torch.device(device).type != "cpu":
@@ -140,6 +140,14 @@ def choose_backend(precision: str, backend: str = "auto", device: torch.device |
         raise ValueError(f"the {backend} backend cannot be used: {problem}; {fmt.install()}"
                          + (", or use precision='fp32'" if precision == "int8" else ", or use backend='torch'"))
     return backend
+
+
+def _offered_by(precision: str) -> str:
+    """Which backends offer ``precision``, and the first to ask for: ``"triton offers it (on a CUDA GPU): use ..."``."""
+    names = [name for name, offered in OFFERED.items() if precision in offered]
+    listed = " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
+    where = " (on a CUDA GPU)" if names == ["triton"] else ""
+    return f"{listed} offer{'s' if len(names) == 1 else ''} it{where}: use backend={names[0]!r}"
 
 
 def optimize(
