@@ -188,6 +188,8 @@ def _check_load_switches(path: object, model_name: object, pretrained: object, u
         raise ValueError("give a checkpoint file or pretrained=True (--pretrained) for the published weights, not both")
     if path is None and not (pretrained and model_name):
         raise ValueError("give --checkpoint FILE, or --model NAME --pretrained for the published weights")
+    if path is None and use_ema:  # the authors' release files hold one state dict, under 'model'
+        log.warning("the published weights of %s hold no EMA weights; --ema changes nothing: using them", model_name)
 
 
 def load_model(

@@ -247,3 +247,21 @@ def test_redirects_and_file_mirrors_still_work(server, monkeypatch, tmp_path, re
     monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", (tmp_path / "mirror").as_uri())
     cgavit.create_model("efficientvit_m0", pretrained=True)
     assert os.listdir(_cache()) == [NAME]
+
+
+def test_ema_asked_of_the_published_weights_says_they_hold_none(release_bytes, tmp_path, monkeypatch, caplog):
+    """``load_model(None, name, pretrained=True, use_ema=True)`` (``eval --model m0 --pretrained --ema``) used the
+    published weights without a word, as a file without EMA weights already warns."""
+    import logging
+
+    (tmp_path / "mirror").mkdir()
+    (tmp_path / "mirror" / NAME).write_bytes(release_bytes)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", (tmp_path / "mirror").as_uri())
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        cgavit.load_model(None, "efficientvit_m0", pretrained=True, use_ema=True)
+    assert "the published weights of efficientvit_m0 hold no EMA weights; --ema changes nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        cgavit.load_model(None, "efficientvit_m0", pretrained=True)
+    assert "EMA" not in caplog.text
