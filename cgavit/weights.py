@@ -114,6 +114,13 @@ def _torch_load(path: Path, trust: bool) -> object:
                 return torch.load(fh, map_location="cpu", weights_only=not trust)
     except Exception as err:
         text = str(err)
+        if not trust and (opcode := re.search(r"Unsupported operand (\d+)", text)):
+            raise UnsafeCheckpointError(
+                f"{path} was written with a pickle instruction (opcode {opcode.group(1)}, of a newer pickle protocol) that "
+                "torch's safe loader does not read, so it could not be checked for code and was refused. If you trust "
+                "its source, opt in with load_checkpoint(..., trust=True) (command line: --trust-checkpoint), or save "
+                "it again with torch.save's default protocol."
+            ) from None
         if not trust and ("weights_only" in text or "Unsupported global" in text or "GLOBAL" in text):
             raise UnsafeCheckpointError(
                 f"{path} holds pickled Python objects that could run code when loaded, so it was "

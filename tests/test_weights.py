@@ -139,6 +139,20 @@ def test_unsafe_pickle_is_refused_and_opt_in_works(tmp_path):
     load_checkpoint(cgavit.create_model("efficientvit_m0"), path, trust=True)
 
 
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_file_of_a_newer_pickle_protocol_is_not_said_to_hold_code(tmp_path, protocol):
+    """torch's safe loader reads pickle protocol 2 and 3 only: a plain state dict saved with protocol 4 or 5 was
+    refused as "holds pickled Python objects that could run code", which it does not hold."""
+    model = cgavit.create_model("efficientvit_m0")
+    path = tmp_path / "newer.pth"
+    torch.save({"model": model.state_dict()}, path, pickle_protocol=protocol)
+    with pytest.raises(CheckpointError, match="was written with a pickle instruction .* that torch's safe loader does "
+                                              "not read, so it could not be checked for code .*trust=True") as caught:
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), path)
+    assert "could run code" not in str(caught.value)
+    load_checkpoint(cgavit.create_model("efficientvit_m0"), path, trust=True)
+
+
 def test_truncated_files_are_refused(tmp_path):
     model = cgavit.create_model("efficientvit_m0")
     for name, save in [("w.pth", lambda p: torch.save(model.state_dict(), p)), ("w.safetensors", lambda p: save_weights(model, p))]:
