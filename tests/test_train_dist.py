@@ -45,7 +45,8 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     # 3 classes x 5 val images: 15 does not split evenly over 2 ranks, so padding must be dropped
     data = make_folder(tmp_path / "ds", classes=3, train=6, val=5)
     out = tmp_path / "run"
-    proc = _torchrun("train", *TINY_ARGV, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu")
+    proc = _torchrun("train", *TINY_ARGV, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu",
+                     "--model-ema-eval")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for warning in ("--warmup-epochs 1 is not shorter than --epochs 1", "WARNING timm.scheduler"):  # TINY's, timm's
         assert proc.stderr.count(warning) == 1, proc.stderr[-3000:]  # by rank 0 (every rank said it)
@@ -70,8 +71,11 @@ def test_torchrun_two_processes_train_and_exact_eval(tmp_path):
     assert (dist_res["agreement"], dist_res["changed"]) == (100.0, 0)  # the same weights: padding counted once
     assert dist_res["top1"] == single["top1"] and dist_res["top5"] == single["top5"]
     assert abs(dist_res["loss"] - single["loss"]) < 1e-6
-    # and the metrics the run logged for its epoch came from the same distributed evaluation
-    assert rows[0]["val_top1"] == single["top1"]
+    # and the metrics the run logged for its epoch are those of the weights it saved, EMA too: every rank evaluated
+    # its share with rank 0's BatchNorm statistics (each rank had updated its own with its last batch)
+    assert rows[0]["val_top1"] == single["top1"] and abs(rows[0]["val_loss"] - single["loss"]) < 1e-6
+    ema = evaluate_checkpoint(data, out / "last.pt", batch_size=5, workers=0, device="cpu", use_ema=True)
+    assert rows[0]["ema_top1"] == ema["top1"] and abs(rows[0]["ema_loss"] - ema["loss"]) < 1e-6
 
 
 def test_ranks_other_than_zero_log_errors_only(caplog):

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from timm.data import Mixup
 from timm.scheduler import CosineLRScheduler
-from timm.utils import ModelEmaV3, dispatch_clip_grad
+from timm.utils import ModelEmaV3, dispatch_clip_grad, distribute_bn
 from torch import nn
 
 from ..classes import same_classes
@@ -261,6 +261,7 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             _report_stop(run, f"saved {output / 'last.pt'} at epoch {epoch + 1}, update {stats.next_step}")
             interrupted = True
             break
+        _agree_batch_norm(run)  # every rank evaluates its share with the statistics rank 0 saves
         val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
         _report_bad(val["bad_errors"], skipped)
         if val["n"] == 0:
@@ -404,6 +405,20 @@ def _start_epoch(run: Run, epoch: int, start_step: int) -> None:
     run.loaders.generator.manual_seed(epoch_seed(cfg.seed, epoch, run.env.rank, stream=3))
     if not cfg.sched_on_updates:
         run.scheduler.step(epoch)
+
+
+def _agree_batch_norm(run: Run) -> None:
+    """Give every rank rank 0's BatchNorm running statistics, the network's and its EMA's (timm's ``distribute_bn``,
+    broadcast).
+
+    DDP broadcasts rank 0's buffers at the start of each forward, and the forward then updates each rank's with its
+    own batch: at an epoch's end every rank holds other statistics. Each rank evaluates its share of the validation
+    split, so without this the epoch's figures (and the choice of ``best.pt``) would mix networks other than the one
+    rank 0 saves. A collective: every rank calls it."""
+    if run.env.distributed:
+        distribute_bn(run.model, run.env.world, reduce=False)
+        if run.ema is not None:
+            distribute_bn(run.ema.module, run.env.world, reduce=False)
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv) -> AbstractContextManager:
