@@ -1211,6 +1211,23 @@ def test_a_run_refused_before_training_leaves_no_folder_of_its_own(tmp_path, mon
     assert not (tmp_path / "new").exists()
 
 
+def test_repeated_augmentation_that_leaves_a_process_less_than_a_batch_is_refused(tmp_path):
+    """Under torchrun, repeated augmentation trains each process on a share of a multiple of 256 images (DeiT's
+    sampler): 260 images, 2 processes and --batch-size 130 passed the one-batch-per-process check, then every epoch
+    made no update (each process's 128 images are less than a batch) and the run stopped after building everything,
+    blaming unreadable images."""
+    from cgavit.train.data import check_layout
+    from cgavit.train.recipe import build_loaders
+
+    data = make_folder(tmp_path / "ds", classes=2, train=130, val=1, size=8)
+    layout, two = check_layout(str(data), "train", "val"), DistEnv(rank=0, world=2)
+    with pytest.raises(ValueError, match="each of the 2 processes trains on 128 of the 260 images an epoch, fewer than one "
+                                         "batch of 130; lower --batch-size, or give --aug-repeats 0"):
+        build_loaders(tiny(data=str(data), batch_size=130), two, layout)
+    assert len(build_loaders(tiny(data=str(data), batch_size=130, aug_repeats=0), two, layout).train) == 1
+    assert len(build_loaders(tiny(data=str(data), batch_size=64), two, layout).train) == 2
+
+
 def test_a_run_that_fails_once_training_began_keeps_its_folder_and_log(tmp_path, monkeypatch):
     """The clean-up of a refused run's folder also deleted the log of a run that failed during its first epoch
     (out of memory, a loader crash, a diverged model), the log that says what it did before."""

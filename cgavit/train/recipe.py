@@ -229,7 +229,8 @@ def build_loaders(cfg: TrainConfig, env: DistEnv, layout: dict) -> Loaders:
     """Datasets, samplers and loaders for a run on ``layout`` (from :func:`~cgavit.train.data.check_layout`).
 
     Raises:
-        ValueError: the training split holds less than one batch for every process.
+        ValueError: the training split holds less than one batch for every process (under repeated augmentation,
+            each process's share of an epoch does).
     """
     mean = cfg.mean or IMAGENET_DEFAULT_MEAN
     std = cfg.std or IMAGENET_DEFAULT_STD
@@ -247,6 +248,12 @@ def build_loaders(cfg: TrainConfig, env: DistEnv, layout: dict) -> Loaders:
             "process(es); lower --batch-size"
         )
     sampler = train_sampler(ds_train, env.world, env.rank, cfg.seed, cfg.aug_repeats)
+    if len(sampler) < cfg.batch_size:  # repeated augmentation: shares of a multiple of 256 images
+        raise ValueError(
+            f"under repeated augmentation each of the {env.world} processes trains on {len(sampler)} of the "
+            f"{len(ds_train)} images an epoch, fewer than one batch of {cfg.batch_size}; lower --batch-size, or give "
+            "--aug-repeats 0"
+        )
     generator = torch.Generator()
     pin = env.device.type == "cuda"
     return Loaders(
