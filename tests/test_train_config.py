@@ -6,18 +6,22 @@ from __future__ import annotations
 import dataclasses
 import argparse
 import ast
+import math
 import os
 from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import cgavit
 from cgavit.cli.train import TRAIN_FIELDS, add_train_args, config_from_args
+from cgavit.factory import create_model
 from cgavit.train import TrainConfig, TrainResult
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.train.config import DIAL_NAMES, NOT_RESUMED, train_defaults
 from cgavit.train.demo import demo_config
+from cgavit.train.recipe import build_optimizer, build_scheduler, peak_lr
 from cgavit.io import CheckpointError
 
 PACKAGE = Path(cgavit.__file__).parent
@@ -37,6 +41,37 @@ def test_defaults_are_the_official_recipe():
     assert (c.mixup, c.cutmix, c.smoothing, c.reprob, c.aa) == (0.8, 1.0, 0.1, 0.25, "rand-m9-mstd0.5-inc1")
     assert (c.model_ema, c.model_ema_decay, c.aug_repeats, c.batch_size, c.seed) == (True, 0.99996, 3, 256, 0)
     assert (c.img_size, c.crop_pct, c.interpolation, c.model, c.dials) == (224, 0.875, "bicubic", "efficientvit_m0", {})
+    # the rest of the official main.py's defaults (cooldown: its loop stops at --epochs; drop path: its model has none)
+    assert (c.opt_eps, c.cooldown_epochs, c.sched_on_updates, c.drop_path, c.drop) == (1e-8, 0, False, 0.0, 0.0)
+    assert (c.mixup_prob, c.mixup_switch_prob, c.color_jitter, c.hflip, c.scale) == (1.0, 0.5, 0.4, 0.5, (0.08, 1.0))
+    assert (c.distillation_type, c.distillation_alpha, c.distillation_tau, c.model_ema_eval) == ("none", 0.5, 1.0, False)
+
+
+def test_the_recipe_builds_the_official_optimizer_and_schedule():
+    """AdamW (betas 0.9/0.999, eps 1e-8) at 1e-3 x total batch / 512; weight decay 0.025 on every weight of two or
+    more dimensions but the attention-bias tables (``no_weight_decay()``, as the official model and timm's port name
+    them), none on norms and biases; the cosine stepped per epoch from 1e-6, 5 warm-up epochs, min lr 1e-5 after 300."""
+    model = create_model("efficientvit_m0", num_classes=10, distillation=True)
+    cfg = TrainConfig()
+    lr = peak_lr(cfg, 8)  # the paper's 8 x 256
+    assert lr == pytest.approx(4e-3)
+    optimizer = build_optimizer(model, cfg, lr)
+    assert type(optimizer) is torch.optim.AdamW
+    assert all(g["betas"] == (0.9, 0.999) and g["eps"] == 1e-8 for g in optimizer.param_groups)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] for p in g["params"]}
+    tables = model.no_weight_decay()
+    assert len(tables) == 6 and all(n.endswith("attention_biases") for n in tables)  # one per attention block
+    assert decayed == {n for n, p in model.named_parameters() if p.ndim > 1} - tables
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.025}
+    scheduler = build_scheduler(optimizer, cfg, steps_per_epoch=100)
+    lrs = {}
+    for epoch in (0, 1, 4, 5, 299, 300):
+        scheduler.step(epoch)
+        lrs[epoch] = optimizer.param_groups[0]["lr"]
+    assert lrs[0] == 1e-6 and lrs[1] == pytest.approx(1e-6 + (lr - 1e-6) / 5) and lrs[4] < lrs[5] < lr
+    assert lrs[5] == pytest.approx(1e-5 + (lr - 1e-5) * (1 + math.cos(math.pi * 5 / 300)) / 2)
+    assert lrs[299] == pytest.approx(1e-5, rel=0.02) and lrs[300] == 1e-5
 
 
 def test_values_are_normalised():
