@@ -104,6 +104,8 @@ def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: ob
         if want_w is not None and head_w.shape[0] == want_w.shape[0]:  # another width: the rest of the file will not fit
             log.info("checkpoint classifier takes %d features, the model's %d: classifier left as initialised",
                      head_w.shape[1], want_w.shape[1])
+        elif headless:
+            log.info("checkpoint classifier (%d classes) dropped: the model has none (num_classes=0)", head_w.shape[0])
         else:
             log.info("checkpoint classifier has %d classes, the model %s: classifier left as initialised",
                      head_w.shape[0], num_classes)

@@ -362,7 +362,7 @@ def test_a_model_without_classifier_takes_pretrained_weights(published, tmp_path
     x = torch.randn(1, 3, 96, 96)
     with caplog.at_level(logging.INFO, logger="cgavit.loading"):
         model = cgavit.create_model("efficientvit_m0", pretrained=True, num_classes=0).eval()
-    assert "classifier has 1000 classes, the model 0" in caplog.text
+    assert "checkpoint classifier (1000 classes) dropped: the model has none (num_classes=0)" in caplog.text
     file = tmp_path / "mirror" / "efficientvit_m0.pth"
     headless = cgavit.create_model("efficientvit_m0", num_classes=0).eval()
     report = load_checkpoint(headless, file)
