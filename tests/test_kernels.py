@@ -6,6 +6,7 @@ interpreter is slow.
 """
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -132,6 +133,28 @@ def test_bad_inputs_say_what_to_do():
     big = module.TritonWindowAttention(_attention(16, 2, 16, None, 17, True, True, [3, 3]))
     with pytest.raises(ValueError, match="window 17"):
         big(torch.randn(1, 16, 17, 17, device=DEVICE))
+
+
+def test_weights_that_do_not_fit_the_layout_are_refused_not_read_past():
+    """The kernel reads its weights by the layout's sizes: weights of other shapes (or a layout that does not
+    describe them) would be read out of bounds, giving garbage or a GPU fault, so cga_forward refuses them."""
+    attn = module.TritonWindowAttention(_attention(16, 2, 16, None, 4, True, True, [3, 3]))
+    x, layout, weights = torch.randn(1, 16, 4, 4, device=DEVICE), attn.layout, attn.weights()
+    cut = weights._replace(bias_full=weights.bias_full[:, :4, :4].contiguous())
+    with pytest.raises(ValueError, match=r"bias_full.*\(2, 16, 16\)"):
+        cga.cga_forward(x, layout, cut)
+    with pytest.raises(ValueError, match=r"dw_weight.*\(2, 25, 16\)"):
+        cga.cga_forward(x, dataclasses.replace(layout, kernel=5), weights)
+    with pytest.raises(ValueError, match="qkv_weight"):
+        cga.cga_forward(x, dataclasses.replace(layout, key_dim=8), weights)
+    with pytest.raises(ValueError, match=r"\['qkv_bias'\] must be floating point"):
+        cga.cga_forward(x, layout, weights._replace(qkv_bias=weights.qkv_bias.long()))
+    with pytest.raises(TypeError, match="CgaLayout"):
+        cga.cga_forward(x, dataclasses.astuple(layout), weights)
+    with pytest.raises(ValueError, match="odd"):
+        dataclasses.replace(layout, kernel=4)
+    with pytest.raises(ValueError, match="divisible"):
+        cga.CgaLayout(18, 4, 16, 4, 7, 3, False, True)
 
 
 def test_layout_and_weights_are_typed():

@@ -83,10 +83,31 @@ class CgaLayout:
     cascade: bool
     group_split: bool
 
+    def __post_init__(self) -> None:
+        sizes = dict(dim=self.dim, num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
+                     window=self.window, kernel=self.kernel)
+        bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
+        if bad:
+            raise ValueError(f"a CgaLayout's sizes must be positive integers, got {bad}")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"the query kernel must be odd (a centred 'same' conv), got {self.kernel}")
+        if self.group_split and self.dim % self.num_heads:
+            raise ValueError(f"group_split needs dim ({self.dim}) divisible by num_heads ({self.num_heads})")
+
     @property
     def in_per_head(self) -> int:
         """Input channels of one head's q/k/v projection."""
         return self.dim // self.num_heads if self.group_split else self.dim
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of each of :class:`CgaWeights` this layout takes, by field name."""
+        qkv, taps, tokens = 2 * self.key_dim + self.value_dim, self.kernel * self.kernel, self.window**2
+        return dict(
+            qkv_weight=(self.num_heads, qkv, self.in_per_head), qkv_bias=(self.num_heads, qkv),
+            dw_weight=(self.num_heads, taps, self.key_dim), dw_bias=(self.num_heads, self.key_dim),
+            bias_full=(self.num_heads, tokens, tokens),
+            proj_weight=(self.dim, self.num_heads * self.value_dim), proj_bias=(self.dim,),
+        )
 
 
 class CgaWeights(NamedTuple):
@@ -286,7 +307,10 @@ def window_grid(layout: CgaLayout, height: int, width: int) -> tuple[int, int]:
 
 
 def check_inputs(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights) -> None:
-    """Raise ``ValueError`` for an input or weights the kernel cannot take, saying what to do."""
+    """Raise ``ValueError`` for an input or weights the kernel cannot take, saying what to do (``TypeError`` for
+    an ``x`` that is no tensor or a ``layout`` that is no :class:`CgaLayout`)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(layout, CgaLayout):
+        raise TypeError(f"cga_forward takes a tensor and a CgaLayout, got {type(x).__name__} and {type(layout).__name__}")
     if x.dim() != 4 or x.shape[1] != layout.dim:
         raise ValueError(f"expected a (B, {layout.dim}, H, W) feature map, got shape {tuple(x.shape)}")
     if x.dtype not in DOT_TYPES:
@@ -308,7 +332,26 @@ def check_inputs(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights) -> Non
         )
     if layout.cascade and layout.in_per_head != layout.value_dim:
         raise ValueError("cascade needs value_dim == dim // num_heads (as CascadedGroupAttention checks)")
-    wrong = [name for name, t in zip(CgaWeights._fields, weights) if t.device != x.device or not t.is_contiguous()]
+    _check_weights(x, layout, weights)
+
+
+def _check_weights(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights) -> None:
+    """Raise ``ValueError`` for weights the kernel would read wrongly: not a floating-point tensor, of another
+    shape than ``layout`` gives (the kernel reads them by the layout: out of bounds), or not contiguous on ``x``'s
+    device."""
+    if len(weights) != len(CgaWeights._fields) or not all(isinstance(t, torch.Tensor) for t in weights):
+        raise ValueError(f"weights must be {len(CgaWeights._fields)} tensors, a CgaWeights ({', '.join(CgaWeights._fields)})")
+    shapes = layout.weight_shapes()
+    named = dict(zip(CgaWeights._fields, weights))
+    misshapen = {name: tuple(t.shape) for name, t in named.items() if tuple(t.shape) != shapes[name]}
+    if misshapen:
+        expected = {name: shapes[name] for name in misshapen}
+        raise ValueError(f"weights of the wrong shape for {layout}: got {misshapen}, expected {expected}; build them "
+                         "with TritonWindowAttention(...).weights()")
+    not_float = [name for name, t in named.items() if not t.is_floating_point()]
+    if not_float:
+        raise ValueError(f"weights {not_float} must be floating point tensors")
+    wrong = [name for name, t in named.items() if t.device != x.device or not t.is_contiguous()]
     if wrong:
         raise ValueError(f"weights {wrong} must be contiguous and on the input's device ({x.device})")
 
@@ -442,7 +485,9 @@ def cga_forward(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights, project
         ``(B, heads * value_dim, H, W)``; ``x``'s dtype and memory format.
 
     Raises:
-        ValueError: for an input or weights the kernel cannot take.
+        ValueError: for an input or weights the kernel cannot take (weights of another shape than ``layout``
+            gives included: the kernel would read past them).
+        TypeError: ``x`` not a tensor, ``layout`` not a :class:`CgaLayout`.
     """
     check_inputs(x, layout, weights)
     return cga_window_attention(
