@@ -61,7 +61,7 @@ class OptimizedModel(RuntimeModule):
         inner: the (possibly compiled) inference module.
         dtype: dtype the inner module computes in.
         channels_last: feed the inner module channels-last tensors.
-        precision: ``"fp32"``, ``"bf16"`` or ``"int8"`` (for display).
+        precision: ``"fp32"``, ``"fp16"`` (Triton), ``"bf16"`` or ``"int8"`` (for display).
     """
 
     def __init__(self, inner: nn.Module, dtype: torch.dtype, channels_last: bool, precision: str) -> None:
@@ -103,10 +103,12 @@ def backend_available(backend: str, precision: str = "fp32") -> bool:
 
 
 def choose_backend(precision: str, backend: str = "auto", device: torch.device | str = "cpu") -> str:
-    """The backend :func:`optimize` uses for a fixed precision: ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
+    """The backend :func:`optimize` uses for a fixed precision: ``"torch"``, ``"onnxruntime"``, ``"openvino"`` or
+    ``"triton"``.
 
-    ``"auto"`` picks ONNX Runtime for int8, and for fp32 on the CPU when it is installed; torch
-    otherwise. OpenVINO is used when asked for by name (or by ``precision="auto"``'s rule table).
+    ``"auto"`` picks ONNX Runtime for int8, and for fp32 on the CPU when it is installed; Triton for fp16 (on a
+    CUDA GPU: the only backend offering it); torch otherwise. OpenVINO is used when asked for by name (or by
+    ``precision="auto"``'s rule table).
 
     Raises:
         ValueError: unknown precision or backend, a combination no backend offers, a runtime that is not
@@ -167,9 +169,9 @@ def optimize(
 ) -> RuntimeModule:
     """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
 
-    Backends: ``"torch"`` (:func:`~cgavit.deploy.fusion.fuse`, :mod:`cgavit.fast`, channels-last, ``torch.compile`` with frozen weights;
-    fp32, bf16), ``"onnxruntime"`` (fp32, int8 static QDQ), ``"openvino"`` (fp32, bf16, int8 by NNCF); ``"auto"``
-    with a fixed precision: ONNX Runtime on the CPU when installed, else torch (:func:`choose_backend`).
+    Backends: ``"torch"`` (:func:`~cgavit.deploy.fusion.fuse`, :mod:`cgavit.fast`, channels-last, ``torch.compile`` with frozen
+    weights; fp32, bf16), ``"onnxruntime"`` (fp32, int8 static QDQ), ``"openvino"`` (fp32, bf16, int8 by NNCF), ``"triton"``
+    (:mod:`cgavit.kernels`, CUDA; fp32, fp16, bf16); ``"auto"``: ONNX Runtime on the CPU if installed, else torch (fp16: Triton).
 
     ``precision="auto"`` picks precision and backend by the rule table of :mod:`cgavit.deploy.auto`: the
     CPU class's fastest measured path first; bf16 only where native, int8 only with ``calibration`` or
@@ -180,8 +182,8 @@ def optimize(
     Args:
         model: a cgavit model (for ``fast_attention=False``, any module whose BatchNorms are cgavit's Conv-BN pairs).
         example_input: a batch ``(B, C, H, W)`` of the shape you will run, on the model's device (compiling specialises on it).
-        precision: ``"fp32"`` (default), ``"bf16"``, ``"int8"`` or ``"auto"``.
-        backend: ``"auto"``, ``"torch"``, ``"onnxruntime"`` or ``"openvino"``.
+        precision: ``"fp32"`` (default), ``"fp16"`` (Triton, GPU), ``"bf16"``, ``"int8"`` or ``"auto"``.
+        backend: ``"auto"``, ``"torch"``, ``"onnxruntime"``, ``"openvino"`` or ``"triton"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
         check: compare with the fused float32 model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises).
         calibration: int8: image batches for the activation ranges (real training images).
