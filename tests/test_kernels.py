@@ -122,6 +122,15 @@ def test_unfused_attention_is_refused():
         module.swap_triton_modules(torch.nn.Sequential(lwa))
 
 
+def test_a_partly_fused_model_is_refused_before_anything_is_swapped():
+    """As swap_fast_modules: the error leaves the caller's model as it was, not half swapped."""
+    fused = _attention(16, 2, 16, None, 4, True, True, [3, 3])
+    model = torch.nn.Sequential(fused, LocalWindowAttention(16, 4, num_heads=2))
+    with pytest.raises(ValueError, match="fuse"):
+        module.swap_triton_modules(model)
+    assert model[0] is fused
+
+
 def test_bad_inputs_say_what_to_do():
     attn = module.TritonWindowAttention(_attention(16, 2, 16, None, 4, True, True, [3, 3]))
     with pytest.raises(ValueError, match=r"\(B, 16, H, W\)"):

@@ -94,13 +94,22 @@ def swap_triton_modules(model: nn.Module, project: bool = True) -> nn.Module:
     replacement when ``model`` is one).
 
     Raises:
-        ValueError: when an attention is not fused (``cgavit.fuse`` the model first).
+        ValueError: when an attention is not fused (``cgavit.fuse`` the model first); refused before anything
+            is swapped, so ``model`` is left as it was.
     """
+    unfused = [name or "the model" for name, m in model.named_modules()
+               if isinstance(m, LocalWindowAttention) and not isinstance(m.attn, FusedCascadedGroupAttention)]
+    if unfused:
+        raise ValueError(f"swap_triton_modules needs a fused model (cgavit.fuse first); {unfused[0]} is not fused")
+    return _swap(model, project)
+
+
+def _swap(model: nn.Module, project: bool) -> nn.Module:
     if isinstance(model, LocalWindowAttention):
         return TritonWindowAttention(model, project)
     for name, child in model.named_children():
         if isinstance(child, LocalWindowAttention):
             setattr(model, name, TritonWindowAttention(child, project))
         else:
-            swap_triton_modules(child, project)
+            _swap(child, project)
     return model
