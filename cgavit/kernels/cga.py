@@ -44,6 +44,7 @@ they compile for a GPU without one.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -84,11 +85,13 @@ class CgaLayout:
     group_split: bool
 
     def __post_init__(self) -> None:
-        sizes = dict(dim=self.dim, num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
-                     window=self.window, kernel=self.kernel)
-        bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
+        sizes = {name: getattr(self, name) for name in ("dim", "num_heads", "key_dim", "value_dim", "window", "kernel")}
+        bad = {name: value for name, value in sizes.items()
+               if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1}
         if bad:
             raise ValueError(f"a CgaLayout's sizes must be positive integers, got {bad}")
+        for name, value in sizes.items():  # plain ints (a NumPy integer is one too): the kernel's constants
+            object.__setattr__(self, name, int(value))
         if self.kernel % 2 == 0:
             raise ValueError(f"the query kernel must be odd (a centred 'same' conv), got {self.kernel}")
         if self.group_split and self.dim % self.num_heads:
