@@ -55,6 +55,9 @@ class FastCascadedGroupAttention(nn.Module):
         self.cascade = fused.cascade
         self.group_split = fused.group_split
         self.size = None if size is None else (int(size[0]), int(size[1]))
+        if self.size is not None and not (0 <= self.size[0] <= self.window and 0 <= self.size[1] <= self.window):
+            raise ValueError(f"size {self.size[0]}x{self.size[1]} is not a map this attention can attend (at most "
+                             f"{self.window} a side, its window); for larger maps build a FastWindowAttention")
         kd, vd = self.key_dim, self.value_dim
         self.q = nn.ModuleList(_copy_conv(c, rows=slice(0, kd)) for c in fused.qkvs)
         self.k = nn.ModuleList(_copy_conv(c, rows=slice(kd, 2 * kd)) for c in fused.qkvs)

@@ -448,6 +448,19 @@ def test_fast_attention_refuses_maps_it_cannot_attend_as_the_fused_one_does():
             FastCascadedGroupAttention(fused, (5, 5))(torch.randn(1, 16, 5, 10))
 
 
+
+def test_fast_attention_refuses_to_be_built_for_maps_past_its_window():
+    """Built for a 9x9 map on a 7x7 window it failed with an IndexError from inside the bias gather; for 3x8 it was
+    built with the biases of other offsets (refused only when called)."""
+    from cgavit.attention import CascadedGroupAttention
+    from cgavit.fast import FastCascadedGroupAttention
+
+    fused = randomize_(CascadedGroupAttention(16, 8, 2, window=7, kernels=[3, 3])).eval().fuse()
+    for size in ((9, 9), (3, 8), (-1, 4)):
+        with pytest.raises(ValueError, match=rf"size {size[0]}x{size[1]} is not a map .*\(at most 7 a side.*FastWindowAttention"):
+            FastCascadedGroupAttention(fused, size)
+
+
 def test_a_backend_without_the_precision_names_the_backends_that_offer_it():
     """``backend='torch'`` with fp16 said only "use backend='auto'", which on the CPU refuses fp16 in turn: two steps to
     learn that the Triton kernel on a CUDA GPU is where fp16 runs."""
