@@ -114,6 +114,19 @@ def test_whole_model_with_triton_attention(img_size, input_hw, batch):
         assert rel_err(fast(x), fused(x)) <= 1e-5
 
 
+def test_a_triton_path_cast_to_float64_says_to_cast_it_back():
+    """OptimizedModel.double() casts its input to float64 too: the kernel's refusal named only the input's dtype,
+    which the caller had given as float32."""
+    import cgavit
+
+    model = randomize_(EfficientViT(EfficientViTConfig((16, 32, 48), (1, 1, 1), (2, 2, 2), kernels=(3, 3)),
+                                    num_classes=3, img_size=32)).eval().to(DEVICE)
+    x = torch.randn(1, 3, 32, 32, device=DEVICE)
+    fast = cgavit.optimize(model, x, backend="triton", compile=False).double()
+    with pytest.raises(ValueError, match=r"got torch.float64: cast .*with \.float\(\)"):
+        fast(x)
+
+
 def test_unfused_attention_is_refused():
     lwa = LocalWindowAttention(16, 4, num_heads=2)
     with pytest.raises(ValueError, match="fuse"):

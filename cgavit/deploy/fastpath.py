@@ -85,7 +85,8 @@ class OptimizedModel(RuntimeModule):
         return self
 
     def _apply(self, fn, recurse: bool = True):
-        """``.to(dtype)``, ``.double()``, ``.half()``: the input is cast to what the weights are now."""
+        """``.to(dtype)``, ``.double()``, ``.half()``: the input is cast to what the weights are now (the Triton path's
+        kernel takes no float64, and says so when called)."""
         super()._apply(fn, recurse)
         weight = next((t for t in self.inner.parameters() if t.is_floating_point()), None)
         self.dtype = self.dtype if weight is None else weight.dtype

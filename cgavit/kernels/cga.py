@@ -317,7 +317,9 @@ def check_inputs(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights) -> Non
     if x.dim() != 4 or x.shape[1] != layout.dim:
         raise ValueError(f"expected a (B, {layout.dim}, H, W) feature map, got shape {tuple(x.shape)}")
     if x.dtype not in DOT_TYPES:
-        raise ValueError(f"the CGA kernel takes float32, float16 or bfloat16 input, got {x.dtype}")
+        raise ValueError(f"the CGA kernel takes float32, float16 or bfloat16 input, got {x.dtype}: cast the input, "
+                         "or a model holding the kernel (optimize's result included, whose input follows its "
+                         "weights), with .float(), .half() or .bfloat16()")
     if interpreted() and x.dtype == torch.bfloat16:
         raise ValueError(
             "Triton's interpreter (TRITON_INTERPRET=1) multiplies bfloat16 matrices wrongly; "
