@@ -177,6 +177,8 @@ def test_weights_that_do_not_fit_the_layout_are_refused_not_read_past():
         dataclasses.replace(layout, kernel=4)
     with pytest.raises(ValueError, match="divisible"):
         cga.CgaLayout(18, 4, 16, 4, 7, 3, False, True)
+    with pytest.raises(ValueError, match="compiled for float32, float16 or bfloat16, got torch.float64"):
+        cga.kernel_constants(layout, 4, 4, torch.float64, True)  # compile_kernel's first step: a KeyError before
 
 
 def test_layout_and_weights_are_typed():

@@ -379,7 +379,13 @@ def kernel_constants(
     layout: CgaLayout, height: int, width: int, dtype: torch.dtype, project: bool
 ) -> dict[str, Any]:
     """The compile-time arguments of :func:`cga_kernel` for a ``height x width`` map of ``dtype``
-    (``num_warps`` included): what one compiled variant of the kernel is specialised on."""
+    (``num_warps`` included): what one compiled variant of the kernel is specialised on.
+
+    Raises:
+        ValueError: a ``dtype`` the kernel has no variant for.
+    """
+    if dtype not in DOT_TYPES:
+        raise ValueError(f"the CGA kernel is compiled for float32, float16 or bfloat16, got {dtype}")
     wh, ww = window_grid(layout, height, width)
     hv = layout.num_heads * layout.value_dim
     block_n = _tile(wh * ww)
@@ -429,6 +435,7 @@ def compile_kernel(
 
     Raises:
         RuntimeError: when the kernel module was defined under ``TRITON_INTERPRET=1``.
+        ValueError: a ``dtype`` other than float32, float16 or bfloat16.
     """
     if interpreted():
         raise RuntimeError("compile_kernel needs the kernels defined without TRITON_INTERPRET=1")
