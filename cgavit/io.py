@@ -493,6 +493,12 @@ def printable(text: str) -> str:
     return "\n".join(line if line.isprintable() else repr(line)[1:-1] for line in text.split("\n"))
 
 
+def printable_line(text: str) -> str:
+    """``text`` as one line of a terminal: :func:`printable` with line breaks escaped too (``\\n``), so that a file
+    or folder name holding one cannot print a line of its own, such as a forged result under another name."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def process_alive(pid: int) -> bool:
     """Whether a process with this pid exists (one we may not signal counts as alive; POSIX)."""
     try:

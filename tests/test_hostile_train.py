@@ -810,6 +810,24 @@ def test_file_names_reach_the_terminal_escaped(world, tmp_path, capsys, monkeypa
     assert _terminal_safe(out) and _terminal_safe(err), err
 
 
+def test_a_name_with_a_newline_cannot_forge_a_line_of_output(world, tmp_path, capsys):
+    """`predict` printed an image name holding a newline as two lines, so a file named
+    "a.png<newline>  1. 100.00%  class_2  (class 2)<newline>b.png" added a prediction of its own; `eval` printed its
+    data folder and checkpoint raw (escape sequences included)."""
+    forged = "  1. 100.00%  class_2  (class 2)"
+    image = tmp_path / f"a.png\n{forged}\nb.png"
+    shutil.copy(world["image"], image)
+    assert main(["predict", str(image), "--checkpoint", str(world["best_pt"]), "--topk", "1"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 2 and forged not in out.splitlines(), out
+    assert out.splitlines()[0] == str(image).replace("\n", "\\n")  # still named, as a Python escape
+    data = tmp_path / f"ds\n{ESCAPES}"
+    shutil.copytree(world["data"], data)
+    assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1 and _terminal_safe(out) and "ds\\n\\x1b]0;owned" in out, out
+
+
 def test_a_new_run_sets_aside_the_records_of_one_that_left_no_checkpoint(world, tmp_path):
     """A run whose first last.pt could not be written (a full disk) left metrics.jsonl behind; the
     next run in that folder appended to it, so epoch 1 was recorded twice and the curves mixed runs."""

@@ -17,7 +17,7 @@ from dataclasses import fields
 
 from ..bounds import INTERPOLATIONS
 from ..deploy.agreement import Agreement
-from ..io import printable
+from ..io import printable, printable_line
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
 from ..train.demo import run_demo, summary_lines
 from .common import add_dial_args, dials_from_args, image_size
@@ -91,15 +91,15 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        print(
-            f"{res['checkpoint']} on {res['data']} ({res['n']} images at {res['img_size']} px, crop {res['crop_pct']}): "
+        print(  # the paths escaped, newlines too: a name cannot forge a line of output
+            f"{printable_line(res['checkpoint'])} on {printable_line(res['data'])} ({res['n']} images at {res['img_size']} px, crop {res['crop_pct']}): "
             f"top-1 {res['top1']:.2f}%  "
             + (f"top-5 {res['top5']:.2f}%" if res["num_classes"] > 5 else f"top-5 n/a ({res['num_classes']} classes)")
             + f"  loss {res['loss']:.4f}"
             + (f"  ({res['skipped']} unreadable images skipped)" if res["skipped"] else "")
         )
         if args.reference:
-            print(f"top-1 agreement with {res['reference']}: {res['agreement']:.2f}% ({res['changed']} of {res['n']} "
+            print(f"top-1 agreement with {printable_line(res['reference'])}: {res['agreement']:.2f}% ({res['changed']} of {res['n']} "
                   f"decisions changed; 95% interval {agreement_interval(res['agreement'], res['n'])})")
     return 0
 
@@ -129,10 +129,10 @@ def _predict(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(good, indent=1))
     else:
-        for row in good:  # file and class names may hold escape sequences: printed escaped
-            print(printable(str(row["image"])))
+        for row in good:  # file and class names may hold escape sequences and newlines: printed escaped
+            print(printable_line(str(row["image"])))
             for rank, t in enumerate(row["top"], 1):
-                print(f"  {rank}. {100 * t['prob']:6.2f}%  {printable(t['name'])}  (class {t['index']})")
+                print(f"  {rank}. {100 * t['prob']:6.2f}%  {printable_line(t['name'])}  (class {t['index']})")
     sys.stdout.flush()
     for row in rows:
         if "error" in row:
