@@ -122,6 +122,18 @@ def test_predict_imagenet_names_for_third_party_files(tmp_path, capsys):
             assert torch.equal(a, b)
 
 
+def test_predict_takes_one_path_as_one_image(tmp_path):
+    """`predict("cat.png", ...)` read the name as a list of its characters: 7 rows of 'image c does not exist', ...;
+    a Path was a TypeError (not iterable)."""
+    save_weights(create_model("m0", num_classes=3, img_size=32, **DIALS).eval(), tmp_path / "w.safetensors")
+    img = tmp_path / "cat.png"
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(img)
+    for one in (str(img), img):
+        rows = predict(one, tmp_path / "w.safetensors", topk=1)
+        assert [r["image"] for r in rows] == [str(img)] and len(rows[0]["top"]) == 1, rows
+    assert [r["image"] for r in predict((img, img), tmp_path / "w.safetensors")] == [str(img)] * 2  # any sequence
+
+
 def test_weights_in_the_older_training_layout_still_load(tmp_path):
     from safetensors.torch import save_file
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -317,7 +318,7 @@ def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size:
 
 @torch.no_grad()
 def predict(
-    images: list[str | Path],
+    images: list[str | Path] | str | Path,
     checkpoint: str | Path | None,
     model_name: str | None = None,
     *,
@@ -331,7 +332,8 @@ def predict(
     device: str = "cpu",
 ) -> list[dict]:
     """The ``topk`` classes of each image, any PIL mode (grayscale, RGBA, palette, CMYK, 16-bit,
-    float) and any size. An image that cannot be read does not stop the others.
+    float) and any size. An image that cannot be read does not stop the others. ``images``: a list of paths, or
+    one path (a ``str`` or ``Path``: one image, not a list of its characters).
 
     Returns:
         One row per image, in order: ``{"image", "top": [{"index", "name", "prob"}, ...]}`` with
@@ -346,6 +348,7 @@ def predict(
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"--topk must be at least 1, got {topk}")
     check_eval_options(img_size, crop_pct)
+    images = [images] if isinstance(images, (str, os.PathLike)) else list(images)  # "cat.png": one image
     device = resolve_device(device)
     model, info, num_classes = open_for_inference(
         checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
