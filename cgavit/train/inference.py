@@ -369,13 +369,18 @@ def predict(
             out.append({"image": str(path), "error": f"the model's outputs on {path} are not finite (a diverged model); "
                                                       "use a checkpoint from before it diverged"})
             continue
-        prob = logits.softmax(dim=0)
-        p, i = prob.topk(min(topk, prob.numel()))
-        top = []
-        for pi, ii in zip(p.tolist(), i.tolist()):
-            row = {"index": ii, "name": info.class_names[ii], "prob": pi}
-            if synsets is not None and info.class_names[ii] == synsets[ii][1].split(",")[0]:
-                row["synset"] = synsets[ii][0]
-            top.append(row)
-        out.append({"image": str(path), "top": top})
+        out.append({"image": str(path), "top": _top_classes(logits, info.class_names, topk, synsets)})
     return out
+
+
+def _top_classes(logits: torch.Tensor, names: list[str], topk: int, synsets: list | None) -> list[dict]:
+    """``{"index", "name", "prob"}`` of the ``topk`` most probable classes of one image's ``logits``, with the
+    ImageNet ``"synset"`` where ``synsets`` is given and the class is ImageNet's of that index."""
+    p, i = logits.softmax(dim=0).topk(min(topk, logits.numel()))
+    top = []
+    for pi, ii in zip(p.tolist(), i.tolist()):
+        row = {"index": ii, "name": names[ii], "prob": pi}
+        if synsets is not None and names[ii] == synsets[ii][1].split(",")[0]:
+            row["synset"] = synsets[ii][0]
+        top.append(row)
+    return top
