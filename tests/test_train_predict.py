@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -132,6 +135,25 @@ def test_predict_takes_one_path_as_one_image(tmp_path):
         rows = predict(one, tmp_path / "w.safetensors", topk=1)
         assert [r["image"] for r in rows] == [str(img)] and len(rows[0]["top"]) == 1, rows
     assert [r["image"] for r in predict((img, img), tmp_path / "w.safetensors")] == [str(img)] * 2  # any sequence
+
+
+class _FullDisk(io.StringIO):
+    """Standard output redirected to a file on a full disk."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_output_to_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    """`cgavit predict ... > results.txt` on a full disk ended in OSError's traceback (exit 1)."""
+    save_weights(create_model("m0", num_classes=3, img_size=32, **DIALS).eval(), tmp_path / "w.safetensors")
+    img = tmp_path / "cat.png"
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(img)
+    monkeypatch.setattr(sys, "stdout", _FullDisk())
+    assert main(["predict", str(img), "--checkpoint", str(tmp_path / "w.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["cgavit predict: error: cannot write the command's output (standard output): the disk "
+                                "is full; free some space and run again"], err
 
 
 def test_weights_in_the_older_training_layout_still_load(tmp_path):

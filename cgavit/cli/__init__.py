@@ -24,7 +24,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-from ..io import CheckpointError, WriteError, printable
+from ..io import CheckpointError, WriteError, printable, write_reason
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
@@ -65,6 +65,8 @@ class PipeSafeStdout:
                 return self.stream.write(text)
             except BrokenPipeError:
                 self._reader_left()
+            except OSError as err:  # output redirected to a full disk, or one gone read-only
+                raise self._cannot_write(err) from None
         return len(text)
 
     def flush(self) -> None:
@@ -73,6 +75,15 @@ class PipeSafeStdout:
                 self.stream.flush()
             except BrokenPipeError:
                 self._reader_left()
+            except OSError as err:
+                raise self._cannot_write(err) from None
+
+    def _cannot_write(self, err: OSError) -> WriteError:
+        """The one-line error for output that cannot be written (``> results.txt`` on a full disk), instead of a
+        traceback; what would still be printed is dropped, so that Python's last flush at exit fails no more."""
+        self._reader_left()
+        code, reason, advice = write_reason(err, os.getcwd())
+        return WriteError(code, f"cannot write the command's output (standard output): {reason}; {advice}")
 
     def _reader_left(self) -> None:
         """Drop what is printed from now on; the stream's own descriptor goes to the null device, so Python's
