@@ -175,7 +175,8 @@ def is_sixteen_bit(img: Image.Image) -> bool:
 def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
     """Any PIL image as 8-bit RGB.
 
-    Transparent images (RGBA, LA, PA, palette with transparency) are composited on white; 16-bit images
+    Transparent images (RGBA, LA, PA, and palette, grayscale or RGB images with a transparent colour, as a PNG or GIF
+    may have) are composited on white; 16-bit images
     (``sixteen_bit``, default :func:`is_sixteen_bit`) are scaled from 0-65535 to 0-255 whatever values they
     hold; 32-bit integer and float images, which have no standard range, by their values' range (kept as they
     are within 0-255; floats within 0-1 scaled by 255); CMYK, grayscale, 1-bit and palette images go through
@@ -196,7 +197,7 @@ def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
                 lo, top = float(arr.min()), float(arr.max())
                 arr = (arr - lo) * (255.0 / max(top - lo, 1e-12))
         img = Image.fromarray(np.clip(np.nan_to_num(arr), 0, 255).round().astype(np.uint8), "L")
-    if img.mode == "P" and "transparency" in img.info:
+    if img.mode in ("P", "L", "RGB") and "transparency" in img.info:  # a transparent colour (tRNS): as a palette's
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         rgba = img.convert("RGBA")

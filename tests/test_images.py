@@ -136,3 +136,20 @@ def test_a_file_is_read_upright_as_the_explorer_reads_an_upload(tmp_path, fmt):
     seen, turned = model_view(open_upload(path.read_bytes(), 32)[0], (16, 16))
     assert turned
     assert np.array_equal(np.asarray(seen), np.asarray(ImageOps.fit(read, (16, 16), Image.Resampling.BICUBIC)))
+
+
+def test_a_transparent_colour_is_white_whatever_the_mode_that_holds_it(tmp_path):
+    """A grayscale or RGB PNG with a transparent colour (tRNS) kept that colour (black here) where a palette PNG or a
+    GIF of the same picture was composited on white: one picture, two inputs, by how it was saved."""
+    grey = np.zeros((8, 8), np.uint8)
+    grey[2:6, 2:6] = 100
+    saved = {"l.png": Image.fromarray(grey, "L"), "rgb.png": Image.fromarray(np.stack([grey] * 3, -1)),
+             "p.png": Image.fromarray(grey, "L").convert("P"), "p.gif": Image.fromarray(grey, "L").convert("P")}
+    for name, img in saved.items():
+        img.save(tmp_path / name, transparency=(0, 0, 0) if img.mode == "RGB" else 0)
+    arrays = {name: np.asarray(load_image(tmp_path / name)) for name in saved}
+    for name, arr in arrays.items():
+        assert tuple(arr[0, 0]) == (255, 255, 255) and tuple(arr[3, 3]) == (100, 100, 100), (name, arr[0, 0])
+    opaque = tmp_path / "opaque.png"  # no transparent colour: as stored
+    Image.fromarray(grey, "L").save(opaque)
+    assert tuple(np.asarray(load_image(opaque))[0, 0]) == (0, 0, 0)
