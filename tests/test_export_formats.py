@@ -326,6 +326,27 @@ def digits_exports(trained_digits, tmp_path_factory):
             for name, fmt in FORMATS.items() if name in ("onnx", "openvino") and fmt.available()}
 
 
+def test_an_exported_file_runs_on_the_cpu_by_default_on_a_machine_with_a_gpu(digits_exports, trained_digits, capsys,
+                                                                             monkeypatch):
+    """eval's --device defaults to auto, which is the GPU where there is one, and an exported file runs on the CPU
+    only: `cgavit eval --checkpoint model.onnx --data DIR`, as docs/deploy.md gives it, was 'give --device cpu' (exit
+    2) on every machine with a GPU; so was predict(..., device="auto")."""
+    from cgavit.train import predict
+
+    if not digits_exports:
+        pytest.skip("neither ONNX Runtime nor OpenVINO is installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU, as the device choice sees it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    image = sorted((trained_digits.data / "val").glob("*/*"))[0]
+    for path in digits_exports.values():
+        assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(path), "-j", "0", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["n"] == len(trained_digits.labels)
+        assert predict([image], path, device="auto")[0]["top"][0]["name"] == image.parent.name
+        assert main(["predict", "--checkpoint", str(path), "--device", "cuda", str(image)]) == 2  # asked for: refused
+        assert "--device cpu" in capsys.readouterr().err
+
+
 def with_metadata(path, folder, name: str, **values: str):
     """A copy of the exported file ``path`` named ``name`` in ``folder``, its cgavit metadata keys given new JSON
     text, as a hostile user would edit it: ONNX with the ``onnx`` package, OpenVINO in the ``.xml`` text."""

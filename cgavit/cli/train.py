@@ -187,7 +187,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interpolation", default=None, choices=INTERPOLATIONS, help="resize interpolation (default: the checkpoint's, else bicubic)")
     p.add_argument("--batch-size", "-b", type=int, default=128, help="batch size per process (default 128)")
     p.add_argument("--workers", "-j", type=int, default=4, help="loader workers (default 4)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: a GPU when there is one, the CPU "
+                   "for an exported file)")
     p.add_argument("--strict", action="store_true", help="stop at an unreadable image instead of skipping it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--reference", metavar="FILE", default=None,

@@ -90,8 +90,8 @@ def evaluate_checkpoint(
     """
     check_eval_options(img_size, crop_pct, batch_size, workers)
     root = check_folder(data)
-    with joined(device) as env:  # under torchrun: each warning once, by rank 0
-        exported = Path(checkpoint).suffix.lower() in EXPORTED_SUFFIXES if checkpoint is not None else False
+    exported = is_exported(checkpoint)
+    with joined(inference_device(device, checkpoint, reference)) as env:  # under torchrun: warnings once, by rank 0
         model, info, num_classes = open_for_inference(  # with a reference, --trust-checkpoint may be for it alone
             checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained,
             trust=trust and not (exported and reference is not None), device=env.device)
@@ -106,6 +106,17 @@ def evaluate_checkpoint(
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
                    world_size=env.world, num_classes=num_classes, **({} if reference is None else {"reference": str(reference)}))
         return res
+
+
+def is_exported(path: str | Path | None) -> bool:
+    """Whether ``path`` names an exported file (:data:`EXPORTED_SUFFIXES`), which runs in its runtime on the CPU."""
+    return path is not None and Path(path).suffix.lower() in EXPORTED_SUFFIXES
+
+
+def inference_device(device: str | torch.device, *files: str | Path | None) -> str | torch.device:
+    """``device``, where ``"auto"`` is the CPU when one of ``files`` is an exported file (which runs there only): on a
+    machine with a GPU, ``cgavit eval --checkpoint model.onnx`` was refused with 'give --device cpu'."""
+    return "cpu" if isinstance(device, str) and device == "auto" and any(map(is_exported, files)) else device
 
 
 def _split_folder(root: Path, split: str | None) -> Path:
@@ -161,7 +172,7 @@ def check_reference(reference: str | Path, info: ModelInfo, num_classes: int, tr
     name = Path(reference).name
     if not str(reference):
         raise ValueError("--reference needs a checkpoint or exported file, got an empty name")
-    exported = Path(reference).suffix.lower() in EXPORTED_SUFFIXES
+    exported = is_exported(reference)
     try:
         model, ref, classes = open_for_inference(reference, img_size=None if exported else size, device=device,
                                                  trust=trust and not exported)
@@ -236,7 +247,7 @@ def open_for_inference(
             ``--img-size`` other than the file's, a file without cgavit metadata, or a network without a classifier.
         CheckpointError: an unreadable or damaged checkpoint.
     """
-    if checkpoint is None or Path(checkpoint).suffix.lower() not in EXPORTED_SUFFIXES:
+    if not is_exported(checkpoint):
         model, info = load_model(checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema,
                                  pretrained=pretrained, trust=trust, device=device)  # built for --img-size, if given
         if model.num_classes == 0:
@@ -349,7 +360,7 @@ def predict(
         raise ValueError(f"--topk must be at least 1, got {topk}")
     check_eval_options(img_size, crop_pct)
     images = [images] if isinstance(images, (str, os.PathLike)) else list(images)  # "cat.png": one image
-    device = resolve_device(device)
+    device = resolve_device(inference_device(device, checkpoint))
     model, info, num_classes = open_for_inference(
         checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained, trust=trust, device=device)
     if topk > num_classes:
