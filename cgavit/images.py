@@ -179,23 +179,14 @@ def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
     may have) are composited on white; 16-bit images
     (``sixteen_bit``, default :func:`is_sixteen_bit`) are scaled from 0-65535 to 0-255 whatever values they
     hold; 32-bit integer and float images, which have no standard range, by their values' range (kept as they
-    are within 0-255; floats within 0-1 scaled by 255); CMYK, grayscale, 1-bit and palette images go through
-    PIL's conversion.
+    are within 0-255; floats within 0-1 scaled by 255; the range is the finite values', and a float image's NaN
+    pixels, "no data", are black); CMYK, grayscale, 1-bit and palette images go through PIL's conversion.
     """
     if sixteen_bit is None:
         sixteen_bit = is_sixteen_bit(img)
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         arr = np.asarray(img, dtype=np.float32)
-        if sixteen_bit:
-            arr = arr / 257.0
-        elif img.mode == "F" and arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
-            arr = arr * 255.0
-        elif arr.size and (arr.min() < 0 or arr.max() > 255):
-            if img.mode == "I" and arr.min() >= 0 and arr.max() <= 65535:  # 16-bit values held as 32-bit
-                arr = arr / 257.0
-            else:  # an arbitrary range: stretch what is there
-                lo, top = float(arr.min()), float(arr.max())
-                arr = (arr - lo) * (255.0 / max(top - lo, 1e-12))
+        arr = arr / 257.0 if sixteen_bit else _to_byte_range(arr, img.mode)
         img = Image.fromarray(np.clip(np.nan_to_num(arr), 0, 255).round().astype(np.uint8), "L")
     if img.mode in ("P", "L", "RGB") and "transparency" in img.info:  # a transparent colour (tRNS): as a palette's
         img = img.convert("RGBA")
@@ -204,6 +195,22 @@ def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _to_byte_range(arr: np.ndarray, mode: str) -> np.ndarray:
+    """The values of a 32-bit integer (``I``) or float (``F``) image in 0-255, judged by its finite values alone:
+    one NaN (a float image's "no data") made a 0-1 image read as 0-255 (black), one inf stretched it all to 0."""
+    finite = arr[np.isfinite(arr)]
+    if not finite.size:
+        return arr
+    lo, top = float(finite.min()), float(finite.max())
+    if mode == "F" and lo >= 0.0 and top <= 1.0:
+        return arr * 255.0
+    if lo >= 0 and top <= 255:
+        return arr
+    if mode == "I" and lo >= 0 and top <= 65535:  # 16-bit values held as 32-bit
+        return arr / 257.0
+    return (arr - lo) * (255.0 / max(top - lo, 1e-12))  # an arbitrary range: stretch what is there
 
 
 def _name(source: Source, name: str | None) -> str:

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from cgavit.bounds import MAX_IMAGE_PIXELS
-from cgavit.images import BadImageError, ImageTooLarge, decode, load_image, open_image
+from cgavit.images import BadImageError, ImageTooLarge, decode, load_image, open_image, to_rgb
 
 
 def _encoded(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
@@ -153,3 +153,16 @@ def test_a_transparent_colour_is_white_whatever_the_mode_that_holds_it(tmp_path)
     opaque = tmp_path / "opaque.png"  # no transparent colour: as stored
     Image.fromarray(grey, "L").save(opaque)
     assert tuple(np.asarray(load_image(opaque))[0, 0]) == (0, 0, 0)
+
+
+def test_a_float_image_is_scaled_by_its_finite_values():
+    """One NaN pixel (a float image's "no data") made a 0-1 image read as 0-255, so 0.8 became 1 of 255 (black), and
+    one inf stretched every other pixel to 0."""
+    arr = np.full((4, 4), 0.8, np.float32)
+    arr[0, 0] = np.nan
+    out = np.asarray(to_rgb(Image.fromarray(arr, "F")))
+    assert tuple(out[1, 1]) == (204, 204, 204) and tuple(out[0, 0]) == (0, 0, 0), out[..., 0]
+    wide = np.full((4, 4), 1000.0, np.float32)
+    wide[1, 1], wide[0, 0] = 0.0, np.inf
+    out = np.asarray(to_rgb(Image.fromarray(wide, "F")))[..., 0]
+    assert out[0, 1] == 255 and out[1, 1] == 0 and out[0, 0] == 255, out  # inf: above the range, white
