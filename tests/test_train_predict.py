@@ -156,6 +156,19 @@ def test_output_to_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
                                 "is full; free some space and run again"], err
 
 
+def test_eval_holds_workers_to_training_s_bound(tmp_path, capsys):
+    """`cgavit train -j 5000` was refused (0..1024) while `cgavit eval -j 5000` started 5000 loader processes."""
+    from cgavit.train.inference import check_eval_options
+
+    with pytest.raises(ValueError, match=r"--workers within 0\.\.1024, got 1 and 5000"):
+        check_eval_options(None, None, 1, 5000)  # before any process starts
+    check_eval_options(None, None, 1, 1024)
+    data = make_folder(tmp_path / "ds", classes=2, train=1, val=1)
+    save_weights(create_model("m0", num_classes=2, img_size=32, **DIALS).eval(), tmp_path / "w.safetensors")
+    assert main(["eval", "--data", str(data), "--checkpoint", str(tmp_path / "w.safetensors"), "-j", "5000"]) == 2
+    assert "--workers within 0..1024" in capsys.readouterr().err
+
+
 def test_weights_in_the_older_training_layout_still_load(tmp_path):
     from safetensors.torch import save_file
 

@@ -27,7 +27,7 @@ from ..imagenet import class_names, imagenet_classes
 from ..io import DataError
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
-from .config import TrainConfig
+from .config import BOUNDS, TrainConfig
 from .data import BadImageError, ImageFolderDataset, build_transform, check_folder, check_split_name, eval_sampler, list_split, load_transformed, make_loader
 from .distributed import joined, resolve_device
 from .evaluation import evaluate
@@ -316,9 +316,11 @@ def split_for_model(split_dir: Path, info: ModelInfo, num_classes: int) -> tuple
 def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size: int = 1, workers: int = 0) -> None:
     """Raise ``ValueError`` when an evaluation image size or crop fraction (None: the checkpoint's)
     is out of bounds (sizes within 32..4096 pixels, crops within 0.2..1), or the batch size is below 1
-    or the worker count below 0."""
-    if batch_size < 1 or workers < 0:
-        raise ValueError(f"--batch-size must be at least 1 and --workers at least 0, got {batch_size} and {workers}")
+    or the worker count outside 0..1024, as training's (each worker is a process: ``-j 100000`` forked them all)."""
+    low, high = BOUNDS["workers"]
+    if batch_size < 1 or not low <= workers <= high:
+        raise ValueError(f"--batch-size must be at least 1 and --workers within {low}..{high}, got {batch_size} and "
+                         f"{workers}")
     lo, hi = IMG_SIZE_RANGE
     if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or not lo <= img_size <= hi):
         raise ValueError(f"--img-size must be between {lo} and {hi} pixels, got {img_size}")
