@@ -289,6 +289,16 @@ def test_layout_problems_reported_before_training(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_pipe_in_a_class_folder_is_named_as_left_out(tmp_path, caplog):
+    """A pipe (or socket, or device) named like an image was dropped from the split without a word."""
+    root = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
+    os.mkfifo(root / "train" / "class_0" / "7.png")
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        layout = check_layout(root)
+    assert len(layout["train"]) == 4
+    assert "1 file(s) in" in caplog.text and "no regular files" in caplog.text and "7.png" in caplog.text, caplog.text
+
+
 def test_files_a_split_leaves_out_are_warned_about_and_linked_val_folders_refused(tmp_path, caplog):
     root = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
     (root / "train" / "loose.JPG").write_bytes((root / "train" / "class_0" / "0.png").read_bytes())

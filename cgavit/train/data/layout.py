@@ -26,11 +26,11 @@ log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 
 
-def files_under(folder: str | Path, dangling: list[Path] | None = None) -> list[Path]:
+def files_under(folder: str | Path, dangling: list[Path] | None = None, special: list[Path] | None = None) -> list[Path]:
     """Every file in ``folder`` and its sub-folders, sorted, found as torchvision's ``ImageFolder`` finds them: linked
     folders are followed (each real folder once, so a link loop ends), and hidden files and folders (a name starting
     with a dot) are left out, with everything in them. Links that lead to no file (a target gone, a loop) are left
-    out too, and added to ``dangling`` when it is given."""
+    out too, and added to ``dangling`` when it is given; so are pipes, sockets and devices, added to ``special``."""
     found, seen = [], set()
     for top, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(top)
@@ -47,6 +47,8 @@ def files_under(folder: str | Path, dangling: list[Path] | None = None) -> list[
                 found.append(Path(path))
             elif dangling is not None and os.path.islink(path):
                 dangling.append(Path(path))
+            elif special is not None and not os.path.islink(path):
+                special.append(Path(path))
     return sorted(found)
 
 
@@ -106,17 +108,17 @@ def list_split(
             f"{', '.join(shown(c) for c in odd[:5])}: rename them"
         )
     samples: list[tuple[str, int]] = []
-    empty, left_out = [], []
+    empty, left_out, special = [], [], []
     dangling = [p for p in entries if p.is_symlink() and not p.exists()]  # a class folder's link to nothing
     warn_loose_images(folder)
     for idx, name in enumerate(classes):
-        found = files_under(folder / folders[name], dangling)
+        found = files_under(folder / folders[name], dangling, special)
         files = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS]
         left_out += [p for p in found if p.suffix.lower() not in IMAGE_EXTENSIONS]
         if not files:
             empty.append(name)
         samples.extend((str(p), idx) for p in files)
-    _warn_left_out(folder, left_out, dangling)
+    _warn_left_out(folder, left_out, dangling, special)
     if empty:
         raise DataError(
             f"{len(empty)} class folder(s) in {folder} hold no images ({_first_few(empty)}); remove them or add images "
@@ -157,8 +159,11 @@ def warn_loose_images(folder: Path) -> None:
                     "into %s/<class>/ (e.g. %s)", len(loose), folder, folder, ", ".join(shown(p.name) for p in loose[:3]))
 
 
-def _warn_left_out(folder: Path, left_out: list[Path], dangling: list[Path]) -> None:
+def _warn_left_out(folder: Path, left_out: list[Path], dangling: list[Path], special: list[Path] = ()) -> None:
     """Say which files of ``folder``'s class folders are not read, so that none vanishes without a word."""
+    if special:  # a pipe named 7.png was dropped without one
+        log.warning("%d file(s) in %s are left out: they are no regular files (a pipe, socket or device), e.g. %s",
+                    len(special), folder, ", ".join(shown(str(p)) for p in sorted(special)[:3]))
     if left_out:  # a .jfif or .avif photo, or a name without a suffix
         log.warning("%d file(s) in %s are left out: their names do not end in an image suffix read here (%s), e.g. "
                     "%s; rename the images among them (a .jfif is a .jpg)", len(left_out), folder,
