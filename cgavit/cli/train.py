@@ -92,15 +92,16 @@ def _eval(args: argparse.Namespace) -> int:
         print(json.dumps(res))
     else:
         print(  # the paths escaped, newlines too: a name cannot forge a line of output
-            f"{printable_line(res['checkpoint'])} on {printable_line(res['data'])} ({res['n']} images at {res['img_size']} px, crop {res['crop_pct']}): "
+            f"{printable_line(res['checkpoint'])} on {printable_line(res['data'])} "
+            f"({res['n']} images at {res['img_size']} px, crop {res['crop_pct']}): "
             f"top-1 {res['top1']:.2f}%  "
             + (f"top-5 {res['top5']:.2f}%" if res["num_classes"] > 5 else f"top-5 n/a ({res['num_classes']} classes)")
             + f"  loss {res['loss']:.4f}"
             + (f"  ({res['skipped']} unreadable images skipped)" if res["skipped"] else "")
         )
         if args.reference:
-            print(f"top-1 agreement with {printable_line(res['reference'])}: {res['agreement']:.2f}% ({res['changed']} of {res['n']} "
-                  f"decisions changed; 95% interval {agreement_interval(res['agreement'], res['n'])})")
+            print(f"top-1 agreement with {printable_line(res['reference'])}: {res['agreement']:.2f}% "
+                  f"({res['changed']} of {res['n']} decisions changed; 95% interval {agreement_interval(res['agreement'], res['n'])})")
     return 0
 
 
