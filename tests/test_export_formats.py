@@ -345,6 +345,9 @@ def test_an_exported_file_runs_on_the_cpu_by_default_on_a_machine_with_a_gpu(dig
         assert predict([image], path, device="auto")[0]["top"][0]["name"] == image.parent.name
         assert main(["predict", "--checkpoint", str(path), "--device", "cuda", str(image)]) == 2  # asked for: refused
         assert "--device cpu" in capsys.readouterr().err
+        assert main(["eval", "--data", str(trained_digits.data), "--checkpoint", str(trained_digits.checkpoint),
+                     "--reference", str(path), "-j", "0", "--json"]) == 0  # an exported reference: on the CPU too
+        assert json.loads(capsys.readouterr().out)["agreement"] > 99
 
 
 def with_metadata(path, folder, name: str, **values: str):
