@@ -18,7 +18,7 @@ from PIL import Image
 from cgavit.train import TrainConfig, train
 from cgavit.train import checkpoint as ckpt_io
 from cgavit.io import DataError
-from cgavit.train.data import BadImageError, check_layout
+from cgavit.train.data import BadImageError, check_layout, list_split
 from cgavit.io import CheckpointError
 from cgavit.train.distributed import DistEnv, RunLock
 
@@ -297,6 +297,21 @@ def test_a_pipe_in_a_class_folder_is_named_as_left_out(tmp_path, caplog):
         layout = check_layout(root)
     assert len(layout["train"]) == 4
     assert "1 file(s) in" in caplog.text and "no regular files" in caplog.text and "7.png" in caplog.text, caplog.text
+
+
+def test_a_class_folder_linked_to_a_folder_above_it_is_refused(tmp_path):
+    """val/other -> .. made every image of the split count twice, once under its class and once as 'other': eval said
+    46 images and top-1 50 % on 23 images it classified right."""
+    root = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
+    os.symlink("..", root / "val" / "other")
+    with pytest.raises(DataError, match="class folders 'class_0' and 'other' of .* both reach the images of"):
+        list_split(root, "val")
+    os.unlink(root / "val" / "other")
+    os.symlink("class_1", root / "val" / "also_1")  # another class's folder under a second name
+    with pytest.raises(DataError, match="'also_1' and 'class_1'"):
+        list_split(root, "val")
+    (root / "val" / "also_1").unlink()
+    assert len(list_split(root, "val")[1]) == 2
 
 
 def test_files_a_split_leaves_out_are_warned_about_and_linked_val_folders_refused(tmp_path, caplog):

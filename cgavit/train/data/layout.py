@@ -119,6 +119,7 @@ def list_split(
             empty.append(name)
         samples.extend((str(p), idx) for p in files)
     _warn_left_out(folder, left_out, dangling, special)
+    _refuse_shared_folders(folder, classes, samples)
     if empty:
         raise DataError(
             f"{len(empty)} class folder(s) in {folder} hold no images ({_first_few(empty)}); remove them or add images "
@@ -157,6 +158,23 @@ def warn_loose_images(folder: Path) -> None:
     if loose:
         log.warning("%d image(s) directly in %s are left out: beside class folders an image has no class; move them "
                     "into %s/<class>/ (e.g. %s)", len(loose), folder, folder, ", ".join(shown(p.name) for p in loose[:3]))
+
+
+def _refuse_shared_folders(folder: Path, classes: list[str], samples: list[tuple[str, int]]) -> None:
+    """Refuse a folder of images that two class folders reach (a link to another class's folder, or to a folder
+    above them): its images would be counted once under each class, with contradictory labels.
+
+    Raises:
+        DataError: naming both class folders and the folder they share.
+    """
+    owner: dict[str, int] = {}
+    for parent, label in sorted({(os.path.dirname(path), label) for path, label in samples}):
+        real = os.path.realpath(parent)
+        other = owner.setdefault(real, label)
+        if other != label:
+            first, second = sorted((classes[other], classes[label]))
+            raise DataError(f"class folders {shown(first)} and {shown(second)} of {folder} both reach the images of "
+                            f"{shown(real)} through a link, so each would be counted under two classes; remove the link")
 
 
 def _warn_left_out(folder: Path, left_out: list[Path], dangling: list[Path], special: list[Path] = ()) -> None:
