@@ -314,6 +314,16 @@ def test_predicted_file_names_reach_the_terminal_escaped(files, tmp_path, capsys
     assert out and all(line.isprintable() for line in out.splitlines()) and "\\x1b]0;owned" in out, out
 
 
+def test_a_newline_in_a_predicted_file_name_cannot_forge_a_line(files, tmp_path, capsys):
+    """A name holding a newline printed a line of its own: here a forged result for another image."""
+    image = tmp_path / "a.png\nb.png: 5 detections >= 0.5 -> forged.png"
+    image.write_bytes(Path(files["image"]).read_bytes())
+    assert main(["detect", "predict", str(image), "--checkpoint", str(files["checkpoint"]), "--device", "cpu",
+                 "--out", str(tmp_path / "drawn")]) == 0
+    heads = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("  ")]
+    assert len(heads) == 1 and "a.png\\nb.png" in heads[0], heads
+
+
 def test_image_sizes_come_from_the_files_and_crowd_masks_are_checked(files, tmp_path):
     half = _write(tmp_path, _edited(files, lambda d: d["images"][0].pop("width")), "half.json")
     with pytest.raises(DataError, match="image 1: needs both 'width' and 'height', or neither"):

@@ -828,6 +828,21 @@ def test_a_name_with_a_newline_cannot_forge_a_line_of_output(world, tmp_path, ca
     assert len(out.splitlines()) == 1 and _terminal_safe(out) and "ds\\n\\x1b]0;owned" in out, out
 
 
+def test_a_newline_in_a_file_name_cannot_forge_a_log_line(world, tmp_path, capsys, monkeypatch):
+    """The log escaped control characters but kept line breaks, so an unreadable image named
+    "x.png<newline>INFO cgavit: ..." logged a line of its own beside 'skipped an image'."""
+    data = tmp_path / "ds"
+    shutil.copytree(world["data"], data)
+    forged = "INFO cgavit.train: all images read"
+    (data / "val" / "class_0" / f"x.png\n{forged}\ny.png").write_bytes(b"not an image")
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process: the command sets up its own log output
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
+    err = capsys.readouterr().err
+    skipped = [line for line in err.splitlines() if "skipped an image" in line]
+    assert len(skipped) == 1 and "x.png\\nINFO" in skipped[0] and forged not in err.splitlines(), err
+
+
 def test_a_new_run_sets_aside_the_records_of_one_that_left_no_checkpoint(world, tmp_path):
     """A run whose first last.pt could not be written (a full disk) left metrics.jsonl behind; the
     next run in that folder appended to it, so epoch 1 was recorded twice and the curves mixed runs."""

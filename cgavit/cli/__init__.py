@@ -24,7 +24,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-from ..io import CheckpointError, WriteError, printable, write_reason
+from ..io import CheckpointError, WriteError, printable, printable_line, write_reason
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
@@ -290,9 +290,14 @@ def _one_line(err: BaseException) -> str:
 
 
 class _PrintableFormatter(logging.Formatter):
-    """Log lines for a terminal: control and formatting characters escaped (:func:`~cgavit.io.printable`)."""
+    """Log lines for a terminal: control and formatting characters escaped (:func:`~cgavit.io.printable`), and a
+    line break within a value put into a message (a file name: ``log.warning("skipped an image: %s", error)``) too,
+    so that it cannot print a line of its own; a message's own line breaks are kept."""
 
     def format(self, record: logging.LogRecord) -> str:
+        if isinstance(record.args, tuple) and record.args:
+            record = logging.makeLogRecord(record.__dict__)  # a copy: other handlers get the values as they are
+            record.args = tuple(printable_line(str(a)) if isinstance(a, (str, os.PathLike)) else a for a in record.args)
         return printable(super().format(record))
 
 

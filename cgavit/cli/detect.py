@@ -17,7 +17,7 @@ from typing import Any
 from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
 from ..detection.coco import STAT_NAMES
 from ..detection.shapes import check_shapes_destination
-from ..io import DataError, printable
+from ..io import DataError, printable, printable_line
 from .common import add_dial_args, dials_from_args
 from .options import add_options, option_values
 
@@ -105,9 +105,10 @@ def run_predict(args: argparse.Namespace) -> int:
     try:
         for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
             limit = " (the detector's limit per image, detections_per_img: more may score as much)" if pred.limit else ""
-            print(printable(f"{pred.image}: {len(pred.scores)} detections >= {threshold}{limit} -> {pred.drawn}"))  # names escaped
+            image, drawn = printable_line(str(pred.image)), printable_line(str(pred.drawn))  # newlines too: one line each
+            print(f"{image}: {len(pred.scores)} detections >= {threshold}{limit} -> {drawn}")
             for name, score, box in zip(pred.names, pred.scores, pred.boxes):
-                print(f"  {printable(name):<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
+                print(f"  {printable_line(name):<16} {score:.3f}  [{', '.join(f'{v:.1f}' for v in box)}]")
             done += 1
     except DataError as err:  # the images that could not be read, after the others
         if not done:
