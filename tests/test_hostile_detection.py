@@ -182,7 +182,7 @@ def _huge_window_state() -> dict:
 
 
 def test_hangs_crashes_and_memory_blow_ups_end_in_one_line(files, tmp_path):
-    root, image = tmp_path, files["image"]
+    root = tmp_path
     coco = json.loads(Path(files["train_json"]).read_text())
     coco["annotations"][0]["segmentation"] = {"size": [1_000_000, 1_000_000], "counts": "abc"}  # pycocotools segfaults
     huge_rle = root / "huge_rle.json"
@@ -898,8 +898,8 @@ def test_images_too_thin_for_the_resize_are_named_and_skipped(files, tmp_path, c
         d["annotations"].append({"id": 999, "image_id": 99, "category_id": 1, "bbox": [10, 0, 20, 2], "iscrowd": 0})
     path = _write(tmp_path, _edited(files, add))
     check = check_coco(path, images, resize=(SIZE, SIZE))
-    assert check.skipped == [f"image 99 thin.png: too thin: 400x3 px becomes 64x0 px at the detector's resize (shorter side "
-                             f"to 64, longer side at most 64); crop it to a side ratio under 64:1 (its annotations are left out with it)"]
+    assert check.skipped == ["image 99 thin.png: too thin: 400x3 px becomes 64x0 px at the detector's resize (shorter side "
+                             "to 64, longer side at most 64); crop it to a side ratio under 64:1 (its annotations are left out with it)"]
     assert 99 not in check.coco().imgs and all(a["image_id"] != 99 for a in check.dataset["annotations"])
     assert len(check_coco(path, images).dataset["images"]) == 3  # no resize given: no image's shape judged
     with pytest.raises(DataError, match="(?s)refused with --strict.*image 99 thin.png: too thin"):
