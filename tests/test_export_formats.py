@@ -1004,3 +1004,18 @@ def test_a_thread_count_out_of_bounds_is_refused_before_the_file_is_read(threads
                    lambda: load_exported(tmp_path / "not-read.xml", "openvino", threads=threads)):
         with pytest.raises(ValueError, match=r"threads must be a whole number within 1..1024, got "):
             opened()
+
+
+@pytest.mark.parametrize("name", FP32)
+def test_load_exported_refuses_a_file_its_runtime_cannot_read_in_one_line(name, tmp_path):
+    """load_exported of a .pte that was not an ExecuTorch program raised the runtime's RuntimeError ("Failed to load
+    program, error: 0x:12"), a .tflite LiteRT's bare "not a valid Flatbuffer buffer" naming no file, and a missing
+    file FileNotFoundError, where the docstring promised a ValueError. Each is one ValueError naming the file."""
+    from cgavit.io import UnreadableFileError
+
+    path = tmp_path / f"damaged{FORMATS[name].suffix}"
+    path.write_bytes(b"not a model, " * 50)
+    with pytest.raises(ValueError, match=f"cannot read {re.escape(str(path))} as .*; export it again"):
+        load_exported(path, name)
+    with pytest.raises(UnreadableFileError, match="does not exist"):
+        load_exported(tmp_path / f"missing{FORMATS[name].suffix}", name)

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..io import atomic_write
 from .fusion import example_batch, export_form, output_path
+from .metadata import unreadable_file
 from .runtime import FixedBatchModule, pad_batch
 
 PRECISIONS = ("fp32", "int8")
@@ -145,6 +146,9 @@ class ExecutorchModule(FixedBatchModule):
         threads: threads of ExecuTorch's threadpool (default: ``torch.get_num_threads()``, so
             ``--threads`` applies; the runtime's own default is one per core). The pool is shared by
             every program in the process: the last module built sets it.
+
+    Raises:
+        ValueError: a file the runtime cannot load (truncated, corrupt, not a ``.pte`` program), naming it.
     """
 
     def __init__(self, program: str | os.PathLike | bytes, precision: str = "fp32", threads: int | None = None) -> None:
@@ -154,9 +158,14 @@ class ExecutorchModule(FixedBatchModule):
         threads = threads or torch.get_num_threads()
         if et.thread_count() != threads:
             et.reset_threadpool(threads)
-        self.program = et.Runtime.get().load_program(data)  # owns the method's memory: keep it
-        self.method = self.program.load_method("forward")
-        self.batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
+        try:
+            self.program = et.Runtime.get().load_program(data)  # owns the method's memory: keep it
+            self.method = self.program.load_method("forward")
+            self.batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
+        except RuntimeError as err:
+            if isinstance(program, bytes):  # built here, not read from a file: a defect of ours
+                raise
+            raise unreadable_file(program, "an ExecuTorch program", err) from None
 
     def run_batch(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.execute([x])[0]

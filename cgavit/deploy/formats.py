@@ -244,11 +244,14 @@ def load_exported(path: str | os.PathLike, format: str, precision: str = "fp32",
 
     Raises:
         ValueError: see :func:`require_format`; ``threads`` not a whole number within
-            :data:`~cgavit.bounds.THREADS_RANGE`; a file its runtime cannot read.
+            :data:`~cgavit.bounds.THREADS_RANGE`; a file its runtime cannot read (truncated, corrupt, another
+            format's), named.
+        UnreadableFileError: the file is missing, a folder, empty or unreadable.
     """
     require_format(format)
     if threads is not None:
         check_threads(threads, "threads")
+    path = check_readable_file(path, "exported model")
     if format == "openvino":
         return OpenVinoModule(path, threads, precision)
     if format == "executorch":

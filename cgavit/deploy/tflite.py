@@ -23,6 +23,7 @@ from torch import nn
 
 from ..io import atomic_write
 from .fusion import example_batch, export_form, output_path
+from .metadata import unreadable_file
 from .runtime import FixedBatchModule
 
 
@@ -83,13 +84,21 @@ class TfliteModule(FixedBatchModule):
     Args:
         model: the ``.tflite`` file or its bytes.
         threads: interpreter threads (default: ``torch.get_num_threads()``, so ``--threads`` applies).
+
+    Raises:
+        ValueError: a file the interpreter cannot load (truncated, corrupt, not a ``.tflite`` model), naming it.
     """
 
     def __init__(self, model: str | os.PathLike | bytes, threads: int | None = None) -> None:
         super().__init__("fp32")
         data = model if isinstance(model, bytes) else Path(model).read_bytes()
-        self.interpreter = _litert().Interpreter(model_content=data, num_threads=threads or torch.get_num_threads())
-        self.interpreter.allocate_tensors()
+        try:
+            self.interpreter = _litert().Interpreter(model_content=data, num_threads=threads or torch.get_num_threads())
+            self.interpreter.allocate_tensors()
+        except (ValueError, RuntimeError) as err:
+            if isinstance(model, bytes):  # built here, not read from a file: a defect of ours
+                raise
+            raise unreadable_file(model, "a LiteRT (.tflite) model", err) from None
         self.input = self.interpreter.get_input_details()[0]
         self.output = self.interpreter.get_output_details()[0]
         self.batch = int(self.input["shape"][0])
