@@ -1019,3 +1019,20 @@ def test_load_exported_refuses_a_file_its_runtime_cannot_read_in_one_line(name, 
         load_exported(path, name)
     with pytest.raises(UnreadableFileError, match="does not exist"):
         load_exported(tmp_path / f"missing{FORMATS[name].suffix}", name)
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_class_names_for_a_model_without_a_classifier_are_refused_before_anything_is_written(suffix, tmp_path):
+    """export_model of a model built with num_classes=0 and info naming 2 classes wrote the file, whose network
+    returns 192 features, and open_exported then refused it ("names 2 classes but the network returns 192 logits;
+    export it again"), which wrote the same file. The writer refuses it; without names the file opens."""
+    from cgavit.deploy import open_exported
+    from cgavit.deploy.metadata import ExportInfo
+
+    fmt = "openvino" if suffix == ".xml" else "onnx"
+    headless = _tiny(0)
+    with pytest.raises(ValueError, match="info names 2 classes but the model has no classifier.*192 features"):
+        export_model(headless, tmp_path / f"z{suffix}", fmt, 32, info=ExportInfo(class_names=("a", "b")))
+    assert list(tmp_path.iterdir()) == []
+    _, info = open_exported(export_model(headless, tmp_path / f"z{suffix}", fmt, 32, info=ExportInfo()))
+    assert info.class_names == ()

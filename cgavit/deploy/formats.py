@@ -30,7 +30,7 @@ from .openvino import OpenVinoModule, export_openvino, openvino_path, openvino_p
 from .fusion import example_batch, fuse, fused_fp32, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
-from .metadata import ExportInfo, check_info_classes, export_info, model_classes
+from .metadata import ExportInfo, check_info_outputs, export_info
 from .runtime import RuntimeModule
 from .tflite import TfliteModule, export_tflite, tflite_path, tflite_problem
 
@@ -167,7 +167,7 @@ def export_model(
     if info is not None and not isinstance(info, (ExportInfo, ModelInfo)):
         raise ValueError(f"info must be an ExportInfo, or the ModelInfo load_model returns; got {type(info).__name__}")
     path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
-    check_info_classes(info, model_classes(model))  # checked before anything is written
+    check_info_outputs(info, model)  # checked before anything is written
     info = export_metadata(info, format, img_size, getattr(model, "in_chans", 3))
     model = fused_fp32(model)  # as optimize exports: a bf16 or fp16 model's graph in float32, the images' dtype
     if format == "openvino":

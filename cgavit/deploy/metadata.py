@@ -175,6 +175,18 @@ def check_info_classes(info: object, classes: int | None) -> None:
                          "(the ModelInfo load_model returned with it)")
 
 
+def check_info_outputs(info: object, model: object) -> None:
+    """``info`` names no classes or one per value ``model`` returns for an image (ValueError otherwise: a file
+    recording other names could not be opened): one per class (:func:`check_info_classes`), and for a model without a
+    classifier (``num_classes=0``), which returns its pooled features, one per feature (``num_features``)."""
+    names = tuple(getattr(info, "class_names", ()))
+    features = getattr(model, "num_features", None)
+    if names and getattr(model, "num_classes", None) == 0 and isinstance(features, int) and len(names) != features:
+        raise ValueError(f"info names {len(names)} classes but the model has no classifier (num_classes=0): it returns "
+                         f"{features} features per image, not one logit per class; give info without class names")
+    check_info_classes(info, model_classes(model))
+
+
 def unreadable_file(source: str | os.PathLike, kind: str, err: BaseException) -> ValueError:
     """The one line for an exported file that its runtime cannot read (cut short, or not such a file at all):
     ``kind`` (``"an ONNX model"``, ...) and the runtime's reason, the last line of its message (OpenVINO's first
