@@ -1036,3 +1036,18 @@ def test_class_names_for_a_model_without_a_classifier_are_refused_before_anythin
     assert list(tmp_path.iterdir()) == []
     _, info = open_exported(export_model(headless, tmp_path / f"z{suffix}", fmt, 32, info=ExportInfo()))
     assert info.class_names == ()
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_a_feature_map_export_is_refused_at_open_with_what_runs_it(suffix, tmp_path):
+    """A model without a classifier or pooling (num_classes=0, global_pool='') exports (its parity checked), and
+    open_exported refused the file it wrote with "its output is not declared as (batch, classes) logits ... export it
+    again", which wrote the same file. It says the file holds feature maps, and what runs it: load_exported."""
+    from cgavit.deploy import open_exported
+
+    fmt = "openvino" if suffix == ".xml" else "onnx"
+    path = export_model(_tiny(0, global_pool=""), tmp_path / f"maps{suffix}", fmt, 32)
+    with pytest.raises(ValueError, match=r"returns feature maps \(None, 192, 1, 1\), not .*load_exported") as err:
+        open_exported(path)
+    assert "export it again" not in str(err.value)
+    assert load_exported(path, fmt)(torch.randn(2, 3, 32, 32)).shape == (2, 192, 1, 1)

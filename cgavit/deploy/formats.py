@@ -359,6 +359,10 @@ def _check_runnable(module: RuntimeModule, format: str, source: str) -> None:
         raise fail(f"its input's shape is not a fixed (batch, channels, height, width): {inputs or 'not declared'}")
     if format == "onnx" and inputs[0] is not None:
         raise fail(f"its batch is fixed at {inputs[0]}")
+    if outputs is not None and len(outputs) == 4:  # as cgavit export writes a model without a classifier
+        raise ValueError(f"{source}: its network returns feature maps {outputs}, not (batch, classes) logits: it was "
+                         "exported from a model without a classifier (global_pool=''), which open_exported, cgavit eval "
+                         "and predict do not run; run it with cgavit.deploy.load_exported(path, format)")
     if outputs is None or len(outputs) != 2 or outputs[1] is None:
         raise fail(f"its output is not declared as (batch, classes) logits: {outputs or 'not declared'}")
 
