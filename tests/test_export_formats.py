@@ -1051,3 +1051,19 @@ def test_a_feature_map_export_is_refused_at_open_with_what_runs_it(suffix, tmp_p
         open_exported(path)
     assert "export it again" not in str(err.value)
     assert load_exported(path, fmt)(torch.randn(2, 3, 32, 32)).shape == (2, 192, 1, 1)
+
+
+@pytest.mark.parametrize("version, words", [('"\\u001b]0;owned\\u0007"', "holds control or formatting characters"),
+                                            ('{"a": "b"}', "must be text"), ("5", "must be text")])
+def test_a_files_cgavit_version_is_checked_like_its_other_text(version, words):
+    """A file's metadata is read as untrusted and its class names and int8 notes must be printable text, but its
+    version was taken as it was: an escape sequence that retitles the terminal reached info.version, and an object or
+    a number was turned into its repr. It is checked as the other text is; a file that records none still opens."""
+    from cgavit.deploy.metadata import ExportInfo
+
+    props = ExportInfo(img_size=(32, 32), version="0.1.0").to_props()
+    assert ExportInfo.from_props(props).version == "0.1.0"
+    with pytest.raises(ValueError, match=f"bad cgavit metadata: its cgavit version .*{words}"):
+        ExportInfo.from_props({**props, "cgavit.version": version})
+    del props["cgavit.version"]
+    assert ExportInfo.from_props(props).version == ""

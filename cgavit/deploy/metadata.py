@@ -227,8 +227,11 @@ def _checked(raw: dict) -> ExportInfo:
     precision = raw.get("precision", "fp32")
     if precision not in ("fp32", "int8"):
         raise ValueError(f"its precision must be fp32 or int8, got {shown(precision)}")
+    version = raw.get("version", "")
+    if version != "":
+        check_name(version, "its cgavit version")  # text that reaches a terminal, as the class names do
     return ExportInfo(names, (size[0], size[1]), mean, std, interpolation, float(crop), precision,
-                      _int8_record(raw.get("int8", {})), str(raw.get("version", "")))
+                      _int8_record(raw.get("int8", {})), version)
 
 
 def _per_channel(values: object, name: str, bounds: tuple[float, float]) -> tuple[float, ...]:
