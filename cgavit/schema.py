@@ -81,7 +81,7 @@ def bounded_json(text: object, what: str) -> object:
     :data:`MAX_JSON_DEPTH` before the decoder sees it (deep nesting exhausts the stack).
 
     Raises:
-        ValueError: not text, too large, too deep, or not JSON.
+        ValueError: not text, too large, too deep, not JSON, or holding an integer too long to read.
     """
     if not isinstance(text, str):
         raise ValueError(f"{what!r} must be JSON text, got {type(text).__name__}")
@@ -93,6 +93,8 @@ def bounded_json(text: object, what: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError:
         raise ValueError(f"{what!r} is not valid JSON: {shown(text[:60])}") from None
+    except ValueError:  # Python's own limit on an integer's digits (sys.get_int_max_str_digits): not the user's to raise
+        raise ValueError(f"{what!r} holds an integer of more digits than Python reads; no valid value has so many") from None
 
 
 def _nesting(text: str) -> int:

@@ -223,3 +223,15 @@ def test_class_folders_the_checkpoint_could_not_record_are_refused_before_traini
             Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / split / c / "0.png")
     with pytest.raises(DataError, match=r"printable text.*evil\\x1b\[2J"):
         list_split(tmp_path, "train")
+
+
+def test_metadata_holding_an_integer_too_long_to_read_is_refused_without_pythons_advice():
+    """An exported file's img_size holding a 5,000-digit number was refused with Python's own message, which told the
+    user to raise the interpreter's limit with sys.set_int_max_str_digits(). It is refused as a value no valid file
+    holds, naming the key."""
+    from cgavit.deploy.metadata import ExportInfo
+
+    props = ExportInfo(img_size=(32, 32)).to_props()
+    with pytest.raises(ValueError, match="'cgavit.img_size' holds an integer of more digits than Python reads") as err:
+        ExportInfo.from_props({**props, "cgavit.img_size": "[" + "9" * 5000 + ", 32]"})
+    assert "set_int_max_str_digits" not in str(err.value)
