@@ -1067,3 +1067,21 @@ def test_a_files_cgavit_version_is_checked_like_its_other_text(version, words):
         ExportInfo.from_props({**props, "cgavit.version": version})
     del props["cgavit.version"]
     assert ExportInfo.from_props(props).version == ""
+
+
+@need("onnx")
+def test_a_randomly_initialised_models_export_names_its_classes_as_the_published_models(tmp_path, capsys):
+    """cgavit export --model efficientvit_m0 (no checkpoint: the docs' first example) wrote a 1000-class file that
+    recorded no class names, and cgavit predict then refused it as "no classifier (a model without one,
+    num_classes=0, exports so)". Its classes are named as load_model names the published model's, ImageNet-1k's."""
+    from PIL import Image
+
+    from cgavit.deploy import open_exported
+
+    assert main(["export", "--model", "efficientvit_m0", "--img-size", "32", "--output", str(tmp_path / "m0")]) == 0
+    _, info = open_exported(tmp_path / "m0.onnx")
+    assert len(info.class_names) == 1000 and info.class_names[0] == "tench"
+    Image.new("RGB", (40, 40), (120, 30, 200)).save(tmp_path / "x.png")
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(tmp_path / "m0.onnx"), str(tmp_path / "x.png"), "--topk", "1"]) == 0
+    assert "x.png" in capsys.readouterr().out
