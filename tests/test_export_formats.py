@@ -1085,3 +1085,14 @@ def test_a_randomly_initialised_models_export_names_its_classes_as_the_published
     capsys.readouterr()
     assert main(["predict", "--checkpoint", str(tmp_path / "m0.onnx"), str(tmp_path / "x.png"), "--topk", "1"]) == 0
     assert "x.png" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch", [2.5, True, "2", 0])
+def test_a_batch_that_is_no_whole_number_is_refused_in_one_line(batch, tmp_path):
+    """export_model(..., "executorch", batch=2.5) raised torch.randn's TypeError (a page of its signatures), batch="2"
+    for tflite a TypeError ('<' not supported), and batch=True built a program for one image. Each is one ValueError,
+    before any work, for every format installed."""
+    for fmt in [name for name, f in FORMATS.items() if f.available()]:
+        with pytest.raises(ValueError, match=f"batch must be a whole number of images, at least 1, got {re.escape(repr(batch))}"):
+            export_model(_tiny(), tmp_path / "b", fmt, 32, batch=batch)
+    assert list(tmp_path.iterdir()) == []

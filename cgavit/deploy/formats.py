@@ -8,6 +8,7 @@ stays light; :func:`require_format` says which to install when one is missing.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -156,7 +157,8 @@ def export_model(
 
     Raises:
         ValueError: see :func:`require_format`; a bad size; int8 without calibration, or fp32 with it; ``options``
-            or ``batch`` where they would be ignored (fp32; ExecuTorch; a batch in ONNX or OpenVINO); a missing
+            or ``batch`` where they would be ignored (fp32; ExecuTorch; a batch in ONNX or OpenVINO), a ``batch`` that
+            is not a whole number of at least 1; a missing
             output folder; a name ending in another format's suffix; ``info`` naming other than one class per model
             output, or holding a value cgavit would refuse when reading the file (:func:`export_metadata`).
     """
@@ -203,12 +205,15 @@ def export_metadata(info: ExportInfo | ModelInfo | None, format: str, img_size: 
 
 def _check_used(fmt: ExportFormat, precision: str, batch: object, options: Int8Options | None) -> None:
     """Refuse what ``fmt`` in ``precision`` would ignore: ``options`` outside int8 in ONNX Runtime and OpenVINO (fp32
-    quantises nothing; ExecuTorch's int8 is XNNPACK's one recipe), a batch other than 1 where the batch is dynamic."""
+    quantises nothing; ExecuTorch's int8 is XNNPACK's one recipe), a batch other than 1 where the batch is dynamic,
+    and a batch that is not a whole number of images where it is fixed."""
     if options is not None and (precision != "int8" or not fmt.metadata):
         what = "quantises nothing" if precision != "int8" else "is XNNPACK's own recipe, which takes no options"
         tuned = " and ".join(name for name, f in FORMATS.items() if f.metadata)
         raise ValueError(f"options are read for int8 in {tuned} only ({fmt.name} {precision} {what}): leave "
                          "options out")
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        raise ValueError(f"batch must be a whole number of images, at least 1, got {batch!r}")
     if batch != 1 and not fmt.fixed_batch:
         raise ValueError(f"batch is fixed in {' and '.join(FIXED_BATCH_FORMATS)} files only ({fmt.name} files take any batch): leave "
                          f"batch out, not {batch!r}")
