@@ -1096,3 +1096,17 @@ def test_a_batch_that_is_no_whole_number_is_refused_in_one_line(batch, tmp_path)
         with pytest.raises(ValueError, match=f"batch must be a whole number of images, at least 1, got {re.escape(repr(batch))}"):
             export_model(_tiny(), tmp_path / "b", fmt, 32, batch=batch)
     assert list(tmp_path.iterdir()) == []
+
+
+@need("onnx")
+@pytest.mark.parametrize("given, key", [({"mean": torch.tensor([0.5, 0.5, 0.5])}, "mean"),
+                                        ({"crop_pct": __import__("numpy").float32(0.9)}, "crop_pct")])
+def test_metadata_json_cannot_write_is_refused_in_one_line(given, key, tmp_path):
+    """export_model with ExportInfo(mean=torch.tensor([...])) or a numpy float32 crop raised json's TypeError ("Object of
+    type Tensor is not JSON serializable") from inside the writer. It is one ValueError naming the value and what to
+    give, before anything is written."""
+    from cgavit.deploy.metadata import ExportInfo
+
+    with pytest.raises(ValueError, match=f"its {key} holds what JSON cannot write .*give Python numbers and text"):
+        export_model(_tiny(), tmp_path / "z", "onnx", 32, info=ExportInfo(**given))
+    assert list(tmp_path.iterdir()) == []

@@ -73,8 +73,8 @@ class ExportInfo:
         values = dict(version=self.version, class_names=list(self.class_names), img_size=list(self.img_size),
                       mean=list(self.mean), std=list(self.std), interpolation=self.interpolation,
                       crop_pct=self.crop_pct, precision=self.precision, int8=dict(self.int8))
-        props = {f"{PREFIX}.{key}": json.dumps(values[key]) for key in KEYS}
         try:
+            props = {f"{PREFIX}.{key}": _json_text(key, values[key]) for key in KEYS}
             _parsed(props)
         except ValueError as err:
             raise ValueError(f"this metadata would make a file cgavit cannot read back: {err}; change that value (in the "
@@ -200,6 +200,14 @@ def int8_info(info: ExportInfo, options: Int8Options, float_part: str = "fp32") 
     made = dict(weight_range=weight_range_label(bool(options.reduce_range), options.weights),
                 calibration=options.calibration, float_layers=list(options.float_layers), float_part=float_part)
     return replace(info, precision="int8", int8={**dict(info.int8), **made})
+
+
+def _json_text(key: str, value: object) -> str:
+    """``value`` as JSON text; ValueError naming ``key`` for a value JSON has no form for (a tensor, a numpy scalar)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"its {key} holds what JSON cannot write ({err}): give Python numbers and text") from None
 
 
 def _parsed(props: Mapping[str, str]) -> ExportInfo:
