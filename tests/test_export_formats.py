@@ -1110,3 +1110,16 @@ def test_metadata_json_cannot_write_is_refused_in_one_line(given, key, tmp_path)
     with pytest.raises(ValueError, match=f"its {key} holds what JSON cannot write .*give Python numbers and text"):
         export_model(_tiny(), tmp_path / "z", "onnx", 32, info=ExportInfo(**given))
     assert list(tmp_path.iterdir()) == []
+
+
+@need("onnx")
+@pytest.mark.parametrize("opset", [True, "17", 17.0, 6, 99])
+def test_an_opset_torch_cannot_export_is_refused_before_the_export(opset, tmp_path, capfd):
+    """export_onnx(opset=True) wrote an opset-1 file ONNX Runtime could not load, "17" raised a TypeError, and 99 made
+    torch print its whole traced graph (891 lines at 32 px) before cgavit's error. Each is one ValueError first."""
+    from cgavit.deploy.onnx import export_onnx, opset_range
+
+    lo, hi = opset_range()
+    with pytest.raises(ValueError, match=f"opset must be a whole number within {lo}..{hi} .*got {re.escape(repr(opset))}"):
+        export_onnx(_tiny(), tmp_path / "m.onnx", (32, 32), opset=opset)
+    assert list(tmp_path.iterdir()) == [] and "graph" not in capfd.readouterr().out

@@ -59,6 +59,22 @@ def onnxruntime_problem() -> str | None:
     return import_problem("onnxruntime") or import_problem("onnx")
 
 
+def opset_range() -> tuple[int, int]:
+    """The ONNX opsets this torch's TorchScript-based exporter writes (its own table: 7..23 in torch 2.14)."""
+    from torch.onnx import _constants
+
+    return getattr(_constants, "ONNX_MIN_OPSET", 7), getattr(_constants, "ONNX_MAX_OPSET", 20)
+
+
+def check_opset(opset: object) -> None:
+    """Raise ValueError unless ``opset`` is a whole number within :func:`opset_range`: torch wrote an opset-1 file that
+    ONNX Runtime could not load for ``True``, and for an opset it lacks printed its whole traced graph first."""
+    lo, hi = opset_range()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not lo <= opset <= hi:
+        raise ValueError(f"opset must be a whole number within {lo}..{hi} (the ONNX opsets this torch exports), "
+                         f"got {opset!r}")
+
+
 def export_onnx(
     model: nn.Module,
     path: str | os.PathLike,
@@ -88,10 +104,11 @@ def export_onnx(
         The path written.
 
     Raises:
-        ValueError: the parent folder does not exist, or the exporter cannot hold the model (an operator ONNX has
-            not, ``onnx`` missing).
+        ValueError: the parent folder does not exist, an opset outside :func:`opset_range`, or the exporter cannot
+            hold the model (an operator ONNX has not, ``onnx`` missing).
         WriteError: the file cannot be written.
     """
+    check_opset(opset)
     path = output_path(path)
     fused = export_form(model, img_size, fold_residuals)
     x = example_batch(fused, img_size)
