@@ -1123,3 +1123,18 @@ def test_an_opset_torch_cannot_export_is_refused_before_the_export(opset, tmp_pa
     with pytest.raises(ValueError, match=f"opset must be a whole number within {lo}..{hi} .*got {re.escape(repr(opset))}"):
         export_onnx(_tiny(), tmp_path / "m.onnx", (32, 32), opset=opset)
     assert list(tmp_path.iterdir()) == [] and "graph" not in capfd.readouterr().out
+
+
+@need("onnx")
+def test_predict_on_a_file_exported_without_class_names_says_how_it_was_made(tmp_path, capsys):
+    """A 3-class model exported from Python without info= records no class names, and cgavit predict refused it as
+    "no classifier (a model without one, num_classes=0, exports so)", which it is not. The refusal names both ways a
+    file comes to record no names, and how to export one that does."""
+    from PIL import Image
+
+    path = export_model(_tiny(3), tmp_path / "m", "onnx", 32)
+    Image.new("RGB", (40, 40), (120, 30, 200)).save(tmp_path / "x.png")
+    assert main(["predict", "--checkpoint", str(path), str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "records no class names" in err and "export_model without info=" in err and "is no classifier" not in err
+    assert len(err.strip().splitlines()) == 1
