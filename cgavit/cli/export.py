@@ -14,7 +14,6 @@ from ..deploy.formats import FIXED_BATCH_FORMATS, export_metadata, require_forma
 from ..deploy.fusion import named_output
 from ..deploy.openvino import ir_path
 from ..factory import ModelInfo, create_model, load_model
-from ..imagenet import class_names
 from ..io import replace_together, staging
 from .common import add_dial_args, dials_from_args, image_size
 
@@ -24,8 +23,7 @@ __all__ = ["EXPORT_TOLERANCE", "register", "run"]
 def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tuple[int, int]]:
     """The model, how to feed it, and the export size: a checkpoint as :func:`~cgavit.load_model` rebuilds it (one
     trained here records its architecture, and dial flags that contradict it are refused; an official or timm file
-    needs ``--model`` and takes the dials), or a randomly initialised ``--model``, whose classes are named as
-    :func:`~cgavit.load_model` names the published model's (ImageNet-1k's), so that eval and predict take its file."""
+    needs ``--model`` and takes the dials), or a randomly initialised ``--model``."""
     if args.checkpoint:
         size = image_size(args.img_size) if args.img_size else None
         square = size[0] if size and size[0] == size[1] else None  # built for it; else at the recorded size
@@ -35,8 +33,7 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
     if not args.model:
         raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
     size = image_size(args.img_size or [224])
-    model = create_model(args.model, img_size=size, **dials_from_args(args))
-    return model, ModelInfo(class_names(model.num_classes), img_size=size[0]), size  # as load_model names the published
+    return create_model(args.model, img_size=size, **dials_from_args(args)), ModelInfo([], img_size=size[0]), size
 
 
 def calibration_and_check(args: argparse.Namespace, info: ModelInfo,

@@ -282,9 +282,10 @@ def exported_model_info(exported: ExportInfo, name: str, img_size: int | None = 
     names = list(exported.class_names)
     if not names:
         raise ValueError(f"{name} records no class names, so eval and predict cannot name its outputs: a model without a "
-                         "classifier (num_classes=0) exports so, as does export_model without info=; export a "
-                         "classifier's checkpoint with cgavit export, or give export_model the ModelInfo load_model "
-                         "returned (or an ExportInfo naming its classes)")
+                         "classifier (num_classes=0) exports so, as do cgavit export --model without --checkpoint (random "
+                         "weights, to try the format) and export_model without info=; export a classifier's checkpoint "
+                         "with cgavit export, or give export_model the ModelInfo load_model returned (or an ExportInfo "
+                         "naming its classes)")
     return ModelInfo(class_names=names, img_size=h, crop_pct=exported.crop_pct, interpolation=exported.interpolation,
                      mean=tuple(exported.mean), std=tuple(exported.std), source=name,
                      names_recorded=names != class_names(len(names)))
