@@ -60,9 +60,12 @@ def onnxruntime_problem() -> str | None:
 
 
 def opset_range() -> tuple[int, int]:
-    """The ONNX opsets this torch's TorchScript-based exporter writes (its own table: 7..23 in torch 2.14)."""
-    from torch.onnx import _constants
-
+    """The ONNX opsets this torch's TorchScript-based exporter writes (its own table: 7..23 in torch 2.14; 7..20, what
+    every torch cgavit supports writes, where a torch keeps the table elsewhere)."""
+    try:
+        from torch.onnx import _constants
+    except ImportError:
+        return 7, 20
     return getattr(_constants, "ONNX_MIN_OPSET", 7), getattr(_constants, "ONNX_MAX_OPSET", 20)
 
 
