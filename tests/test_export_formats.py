@@ -1094,6 +1094,15 @@ def test_metadata_json_cannot_write_is_refused_in_one_line(given, key, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_class_names_given_as_one_text_are_refused():
+    """ExportInfo(class_names="cat") was taken as the three classes c, a and t."""
+    from cgavit.deploy.metadata import ExportInfo
+
+    with pytest.raises(ValueError, match="class_names must be a sequence of names, one per class, got the text 'cat'"):
+        ExportInfo(class_names="cat")
+    assert ExportInfo(class_names=["cat"]).class_names == ["cat"]
+
+
 @need("onnx")
 @pytest.mark.parametrize("opset", [True, "17", 17.0, 6, 99])
 def test_an_opset_torch_cannot_export_is_refused_before_the_export(opset, tmp_path, capfd):

@@ -63,6 +63,11 @@ class ExportInfo:
     int8: Mapping[str, object] = field(default_factory=dict)
     version: str = field(default_factory=lambda: cgavit_version())
 
+    def __post_init__(self) -> None:
+        if isinstance(self.class_names, str):  # "abc" was taken as the three classes a, b and c
+            raise ValueError(f"class_names must be a sequence of names, one per class, got the text "
+                             f"{shown(self.class_names)}; give a list, e.g. [{shown(self.class_names)}] for one class")
+
     def to_props(self) -> dict[str, str]:
         """``{"cgavit.KEY": json text}`` for every key of :data:`KEYS`, checked by the rules :meth:`from_props` reads
         them with, so that no file is written that cgavit would then refuse to read.
