@@ -282,6 +282,19 @@ def test_an_option_given_double_dash_as_its_value_is_one_line(argv, flag, capsys
     assert capsys.readouterr().err.strip() == f"cgavit {argv[0]}: error: argument {flag}: expected one argument, got '--'"
 
 
+@pytest.mark.parametrize("flag, value", [("--embed-dim", "64;128;192"), ("--attn-ratio", "half")])
+def test_a_dial_that_is_no_list_of_numbers_says_how_to_write_one(flag, value, capsys):
+    """A dial's bad value was "invalid _ints value" (the name of cgavit's own parsing function)."""
+    from cgavit.cli import main
+
+    with pytest.raises(SystemExit) as stop:  # argparse's own exit, as for any option it refuses
+        main(["export", "--model", "efficientvit_m0", flag, value, "--output", "never"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert err.startswith(f"cgavit export: error: argument {flag}: expected one value or ") and "separated by commas" in err
+    assert "_ints" not in err and "_floats" not in err, err
+
+
 def test_an_option_that_takes_a_list_may_be_given_none(capsys):
     """``info --model`` with no names (every variant) shares its name with the one-value --model of other commands."""
     from cgavit.cli import main

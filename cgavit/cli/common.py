@@ -24,12 +24,20 @@ def _allocation(text: str) -> str:
 
 
 def _ints(text: str) -> int | tuple[int, ...]:
-    vals = tuple(int(v) for v in text.split(","))
-    return vals[0] if len(vals) == 1 else vals
+    return _numbers(text, int, "whole numbers", "64,128,192")
 
 
 def _floats(text: str) -> float | tuple[float, ...]:
-    vals = tuple(float(v) for v in text.split(","))
+    return _numbers(text, float, "numbers", "0.5,1,2")
+
+
+def _numbers(text: str, kind: type, what: str, example: str) -> int | float | tuple:
+    """One value, or several separated by commas (``64,128,192``: one argument, no spaces)."""
+    try:
+        vals = tuple(kind(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected one value or {what} separated by commas (no spaces), e.g. {example}; "
+                                         f"got {text!r}") from None
     return vals[0] if len(vals) == 1 else vals
 
 
@@ -44,8 +52,8 @@ _DIALS = (
     ("--allocation", "allocation", _allocation, "parameter reallocation: paper (Q/K 16, V C/h, FFN x2) or uniform (Q/K = V "
      "= C/h, FFN x4); --key-dim, --attn-ratio, --ffn-ratio given too win (paper: paper)"),
     ("--num-heads", "num_heads", _ints, "heads per stage, one value or three"),
-    ("--embed-dim", "embed_dim", _ints, "channels per stage, three values"),
-    ("--depth", "depth", _ints, "sandwich blocks per stage, three values"),
+    ("--embed-dim", "embed_dim", _ints, "channels per stage, three values separated by commas, e.g. 64,128,192"),
+    ("--depth", "depth", _ints, "sandwich blocks per stage, three values separated by commas, e.g. 1,2,3"),
     ("--window-size", "window_size", _ints, "attention window, one value or three (paper: 7)"),
     ("--kernels", "kernels", _ints, "query depthwise kernel per head, e.g. 7,5,3,3"),
 )
