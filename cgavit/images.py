@@ -175,8 +175,8 @@ def is_sixteen_bit(img: Image.Image) -> bool:
 def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
     """Any PIL image as 8-bit RGB.
 
-    Transparent images (RGBA, LA, PA, and palette, grayscale or RGB images with a transparent colour, as a PNG or GIF
-    may have) are composited on white; 16-bit images
+    Transparent images (RGBA, LA, PA, and palette, grayscale (8- or 16-bit) or RGB images with a transparent colour, as
+    a PNG or GIF may have) are composited on white; 16-bit images
     (``sixteen_bit``, default :func:`is_sixteen_bit`) are scaled from 0-65535 to 0-255 whatever values they
     hold; 32-bit integer and float images, which have no standard range, by their values' range (kept as they
     are within 0-255; floats within 0-1 scaled by 255; the range is the finite values', and a float image's NaN
@@ -186,8 +186,14 @@ def to_rgb(img: Image.Image, *, sixteen_bit: bool | None = None) -> Image.Image:
         sixteen_bit = is_sixteen_bit(img)
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         arr = np.asarray(img, dtype=np.float32)
+        clear = img.info.get("transparency")  # a 16-bit PNG's transparent value (tRNS)
+        opaque = None if isinstance(clear, bool) or not isinstance(clear, int) else arr != clear
         arr = arr / 257.0 if sixteen_bit else _to_byte_range(arr, img.mode)
-        img = Image.fromarray(np.clip(np.nan_to_num(arr), 0, 255).round().astype(np.uint8), "L")
+        byte = np.clip(np.nan_to_num(arr), 0, 255).round().astype(np.uint8)
+        if opaque is None:
+            img = Image.fromarray(byte, "L")
+        else:  # the transparent value as alpha, composited on white below as an 8-bit image's
+            img = Image.fromarray(np.stack([byte, opaque.astype(np.uint8) * 255], -1), "LA")
     if img.mode in ("P", "L", "RGB") and "transparency" in img.info:  # a transparent colour (tRNS): as a palette's
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):

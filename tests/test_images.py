@@ -150,6 +150,11 @@ def test_a_transparent_colour_is_white_whatever_the_mode_that_holds_it(tmp_path)
     arrays = {name: np.asarray(load_image(tmp_path / name)) for name in saved}
     for name, arr in arrays.items():
         assert tuple(arr[0, 0]) == (255, 255, 255) and tuple(arr[3, 3]) == (100, 100, 100), (name, arr[0, 0])
+    deep = np.zeros((8, 8), "<u2")
+    deep[2:6, 2:6] = 100 * 257
+    Image.frombytes("I;16", (8, 8), deep.tobytes()).save(tmp_path / "l16.png", transparency=0)  # 16-bit grey, tRNS
+    arr = np.asarray(load_image(tmp_path / "l16.png"))
+    assert tuple(arr[0, 0]) == (255, 255, 255) and tuple(arr[3, 3]) == (100, 100, 100), arr[..., 0]
     opaque = tmp_path / "opaque.png"  # no transparent colour: as stored
     Image.fromarray(grey, "L").save(opaque)
     assert tuple(np.asarray(load_image(opaque))[0, 0]) == (0, 0, 0)
