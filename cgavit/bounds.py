@@ -9,6 +9,8 @@ place. Architecture bounds (widths, depths, heads, ratios) are the model config'
 
 from __future__ import annotations
 
+import numbers
+
 #: Smallest and largest image side, in pixels, that a model is built for or evaluated at. Below 32 px
 #: the four stride-2 stem convolutions leave no map for three stages.
 IMG_SIZE_RANGE = (32, 4096)
@@ -35,6 +37,11 @@ THREADS_RANGE = (1, 1024)
 
 #: The resize interpolations a checkpoint, a training run or a command may name.
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
+
+
+def is_whole(value: object, low: int = 1) -> bool:
+    """Whether ``value`` is a whole number (an int or a NumPy integer; not a bool) of at least ``low``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
 
 
 def check_threads(threads: object, flag: str = "--threads") -> None:

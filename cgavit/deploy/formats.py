@@ -8,7 +8,6 @@ stays light; :func:`require_format` says which to install when one is missing.
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import tempfile
 import warnings
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..bounds import check_threads
+from ..bounds import check_threads, is_whole
 from ..factory import ModelInfo
 from ..io import check_readable_file
 from ..model import check_image_batch, image_size_pair
@@ -212,7 +211,7 @@ def _check_used(fmt: ExportFormat, precision: str, batch: object, options: Int8O
         tuned = " and ".join(name for name, f in FORMATS.items() if f.metadata)
         raise ValueError(f"options are read for int8 in {tuned} only ({fmt.name} {precision} {what}): leave "
                          "options out")
-    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+    if not is_whole(batch):
         raise ValueError(f"batch must be a whole number of images, at least 1, got {batch!r}")
     if batch != 1 and not fmt.fixed_batch:
         raise ValueError(f"batch is fixed in {' and '.join(FIXED_BATCH_FORMATS)} files only ({fmt.name} files take any batch): leave "

@@ -44,13 +44,14 @@ they compile for a GPU without one.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ..bounds import is_whole
 
 MAX_WINDOW_TOKENS = 256  # tokens of one window (16 x 16): the score tile is (BLOCK_N, BLOCK_N) fp32
 PROGRAMS_PER_SM = 4  # persistent programs launched per streaming multiprocessor
@@ -86,8 +87,7 @@ class CgaLayout:
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in ("dim", "num_heads", "key_dim", "value_dim", "window", "kernel")}
-        bad = {name: value for name, value in sizes.items()
-               if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1}
+        bad = {name: value for name, value in sizes.items() if not is_whole(value)}
         if bad:
             raise ValueError(f"a CgaLayout's sizes must be positive integers, got {bad}")
         for name, value in sizes.items():  # plain ints (a NumPy integer is one too): the kernel's constants
