@@ -193,6 +193,16 @@ def test_a_one_epoch_demo_has_no_warm_up_to_warn_about():
     assert demo_config("d", "r", epochs=1).warmup_epochs == 0 and demo_config("d", "r").warmup_epochs == 1
 
 
+def test_a_one_epoch_demo_says_one_epoch():
+    """`cgavit demo --epochs 1` printed '1 epochs in 4 s'."""
+    from cgavit.train.demo import summary_lines
+
+    report = dict(held_out_top1=90.0, held_out_images=360, held_out_top5=99.0, train_wall_s=4.0, total_cpu_s=8.0,
+                  curves="c.png", checkpoint="last.pt", weights="model.safetensors")
+    assert ", 1 epoch in 4 s" in summary_lines({**report, "epochs": 1}, "out")[0]
+    assert ", 3 epochs in 4 s" in summary_lines({**report, "epochs": 3}, "out")[0]
+
+
 def test_demo_data_loader(tmp_path):
     from sklearn.datasets import load_digits
 

@@ -227,12 +227,16 @@ def _report(cfg: TrainConfig, split: dict, result: TrainResult, held_out: dict, 
     }
 
 
+def _epochs(n: int) -> str:
+    return f"{n} epoch" if n == 1 else f"{n} epochs"
+
+
 def summary_lines(report: dict, output: str | Path) -> list[str]:
     """What ``cgavit demo`` prints after a finished demo: the held-out result and where the files are."""
     output = Path(output)
     lines = [
         f"\nheld-out top-1 {report['held_out_top1']:.2f}% ({report['held_out_images']} images never trained on, final "
-        f"weights), top-5 {report['held_out_top5']:.2f}%, {report['epochs']} epochs in {report['train_wall_s']:.0f} s "
+        f"weights), top-5 {report['held_out_top5']:.2f}%, {_epochs(report['epochs'])} in {report['train_wall_s']:.0f} s "
         f"({report['total_cpu_s']:.0f} CPU-s)",
         f"report:     {output / 'report.md'} (and report.json)",
         f"curves:     {report['curves']}",
@@ -257,7 +261,7 @@ def _markdown(r: dict) -> str:
 |---|---|
 | data | {r['dataset']}; {r['split']['train']} train / {r['split']['val']} held-out images, 10 classes |
 | model | {r['model']} ({r['params'] / 1e3:.0f} k parameters) |
-| training | {r['epochs']} epochs, {r['train_wall_s']:.0f} s wall on {r['torch_threads']} torch thread(s) + 1 loader worker; {r['total_cpu_s']:.0f} CPU-seconds in all |
+| training | {_epochs(r['epochs'])}, {r['train_wall_s']:.0f} s wall on {r['torch_threads']} torch thread(s) + 1 loader worker; {r['total_cpu_s']:.0f} CPU-seconds in all |
 | **held-out top-1** | **{r['held_out_top1']:.2f}%** (final weights; the held-out split picked nothing) |
 | held-out top-5 | {r['held_out_top5']:.2f}% |
 | held-out loss | {r['held_out_loss']:.4f} |
