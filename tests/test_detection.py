@@ -467,14 +467,20 @@ def test_training_leaves_no_loader_worker_behind(shapes, tmp_path):
     assert not multiprocessing.active_children()
 
 
-def test_maskrcnn_train_eval_predict_commands(shapes, tmp_path, capsys):
+def test_maskrcnn_train_eval_predict_commands(shapes, tmp_path, capsys, caplog):
     out = tmp_path / "mr"
     args = ["detect", "train", "--model", "maskrcnn", "--backbone", "m0", "--train-bn", "--device", "cpu",
             "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
             "--val-json", shapes["val_json"], "--val-images", shapes["val_images"],
             "--min-size", str(SIZE), "--max-size", str(SIZE), "--epochs", "1", "--workers", "0", "--output", str(out)]
     args += [f"--model-arg={k}={v}" for k, v in SMALL_RCNN.items()]
-    assert main(args) == 0
+    with caplog.at_level(logging.INFO, logger="cgavit.detection"):
+        assert main(args) == 0
+    # the epoch's COCO table is the log message's own text: passed as a value, the terminal printed it on one
+    # line with its line breaks escaped ('bbox:\\n Average Precision ...')
+    (table,) = [r for r in caplog.records if "COCO evaluation" in r.getMessage()]
+    assert "\n Average Precision" in table.getMessage()
+    assert not any(isinstance(a, str) and "\n" in a for a in table.args or ()), table.args
     said = capsys.readouterr().out.strip().splitlines()[-1]  # what it wrote, and only that (it named a missing loss.png)
     named = [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if name in said.split(" in ")[0]]
     assert named == [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if (out / name).is_file()]

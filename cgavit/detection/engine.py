@@ -764,7 +764,8 @@ def _evaluate_epoch(run: _Run, val_set: CocoDetection, row: dict[str, Any]) -> d
         raise DataError(f"{err}. Epoch {epoch} was saved before its evaluation ({run.out / 'checkpoint.pth'}): fix "
                         "the validation data, evaluate it with `cgavit detect eval`, and continue with --resume auto") from None
     if env.is_main:
-        log.info("epoch %d COCO evaluation\n%s", epoch, summary)
+        # the table is the message's own text: the terminal escapes line breaks in a value put into a message
+        log.info("epoch %d COCO evaluation\n" + summary.replace("%", "%%"), epoch)
     return metrics
 
 
