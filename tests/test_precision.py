@@ -322,6 +322,20 @@ def test_auto_says_which_paths_it_did_not_try(trained_digits):
     assert "int8 openvino (not tried: int8 needs calibration= images or a quantized= file)" in fast.choice.reason
 
 
+def test_auto_names_the_runtime_of_the_quantized_file_it_could_not_use_for_another():
+    """From a docs review: with an ONNX Runtime file from `cgavit quantize` and no calibration images, auto's reason
+    passed over int8 OpenVINO as needing 'calibration= images or a quantized= file', though a file had been given."""
+    from cgavit.deploy import fastpath
+    from cgavit.deploy.auto import untried_paths
+
+    untried = untried_paths(features(XEON_AMX), False, lambda backend, precision: True, "onnxruntime")
+    assert ("int8 openvino (not tried: int8 needs calibration= images or a quantized= file of this runtime "
+            "(the one given is onnxruntime's))") in untried
+    assert not any(p.startswith("int8 onnxruntime") for p in untried)
+    assert "int8 openvino (not tried: int8 needs calibration= images or a quantized= file)" in \
+        untried_paths(features(XEON_AMX), False, fastpath.backend_available)
+
+
 def test_auto_refuses_images_whose_logits_are_not_finite(trained_digits):
     """One all-NaN image: fixed fp32 refused it, and auto took bf16 saying "relative logit error nan: meets the
     target"."""

@@ -95,7 +95,8 @@ def _row(
         artifact = precision == "int8" and backend == quantized_runtime
         why_not = None
         if precision == "int8" and not calibration_given and not artifact:
-            why_not = "not tried: int8 needs calibration= images or a quantized= file"
+            why_not = "not tried: int8 needs calibration= images or a quantized= file" + (
+                f" of this runtime (the one given is {quantized_runtime}'s)" if quantized_runtime else "")
         elif not available(backend, precision):
             why_not = f"not tried: {backend} is not installed or fails to import"
         out.append((precision, backend, why_not))
