@@ -178,5 +178,6 @@ def quiet_quantiser(name: str) -> Iterator[None]:
     finally:
         nncf.setLevel(level)
         root.removeFilter(_warnings_and_above)
-        if text.getvalue().strip():
-            log.debug("%s printed:\n%s", name, text.getvalue().rstrip())
+        for line in text.getvalue().splitlines():  # a record each: the log escapes a line break within a value
+            if line.strip():
+                log.debug("%s printed: %s", name, line.rstrip())
