@@ -20,7 +20,7 @@ from .layers import ConvBN
 from .reallocation import value_width
 
 
-def relative_bias_index(h: int, w: int, window: int, device=None) -> torch.Tensor:
+def relative_bias_index(h: int, w: int, window: int, device: torch.device | None = None) -> torch.Tensor:
     """Index into a ``window x window`` offset table for every token pair of an ``h x w`` map.
 
     The table is the LeViT/official one: entry ``|dy| * window + |dx|`` holds the bias of two tokens
@@ -114,16 +114,10 @@ class CascadedHeads(nn.Module, ABC):
     Subclasses provide the modules and :meth:`attention_bias`.
     """
 
-    num_heads: int
-    key_dim: int
-    value_dim: int
-    window: int
-    cascade: bool
-    group_split: bool
-    scale: float
-    qkvs: nn.ModuleList
-    dws: nn.ModuleList
-    proj: nn.Sequential
+    # Subclasses set ``num_heads``, ``key_dim``, ``value_dim``, ``window`` (int), ``cascade``, ``group_split``
+    # (bool), ``scale`` (float) and the modules ``qkvs``, ``dws`` (nn.ModuleList, one per head) and ``proj``
+    # (nn.Sequential). No class annotations: TorchScript takes them for the attributes' types, and under
+    # ``from __future__ import annotations`` they are strings it cannot read.
 
     @abstractmethod
     def attention_bias(self, h: int, w: int) -> torch.Tensor:
@@ -140,14 +134,15 @@ class CascadedHeads(nn.Module, ABC):
         groups = x.chunk(self.num_heads, dim=1) if self.group_split else [x] * self.num_heads
         outs = []
         feat = groups[0]
-        for i, qkv in enumerate(self.qkvs):
+        for i, (qkv, dw) in enumerate(zip(self.qkvs, self.dws)):  # TorchScript indexes no ModuleList by a variable
             if i > 0:
                 feat = feat + groups[i] if self.cascade else groups[i]
             feat = qkv(feat)  # (B, 2*kd + vd, H, W)
             q, k, v = feat.view(B, 2 * self.key_dim + self.value_dim, H, W).split([self.key_dim, self.key_dim, self.value_dim], 1)
-            q = self.dws[i](q)
-            if q.requires_grad and not torch.jit.is_tracing():  # a trace can hold no Python autograd function
-                q = _ContiguousGrad.apply(q)
+            q = dw(q)
+            if not torch.jit.is_scripting():  # a trace or script can hold no Python autograd function
+                if q.requires_grad and not torch.jit.is_tracing():
+                    q = _ContiguousGrad.apply(q)
             q, k, v = q.flatten(2), k.flatten(2), v.flatten(2)  # (B, kd|vd, N)
             attn = (q.transpose(-2, -1) @ k) * self.scale + bias[i]  # (B, N, N)
             attn = attn.softmax(dim=-1)
@@ -248,7 +243,10 @@ class CascadedGroupAttention(CascadedHeads):
     def attention_bias(self, h: int, w: int) -> torch.Tensor:
         """The ``(heads, h*w, h*w)`` bias for an ``h x w`` window (``h, w <= self.window``)."""
         if h == self.window and w == self.window:
-            idx = self.full_window_index()
+            if torch.jit.is_scripting():  # scripted where its index lives (torch.jit.script moves no module)
+                idx = self.attention_bias_idxs
+            else:
+                idx = self.full_window_index()
         else:
             idx = relative_bias_index(h, w, self.window, self.attention_biases.device)
         return self.attention_biases[:, idx]
@@ -280,8 +278,6 @@ class FusedCascadedGroupAttention(CascadedHeads):
     Args:
         attn: the trained attention to fold (eval-mode statistics are used).
     """
-
-    bias_full: torch.Tensor
 
     @torch.no_grad()
     def __init__(self, attn: CascadedGroupAttention) -> None:

@@ -59,8 +59,14 @@ class Stage(nn.Module):
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing()):
+        if torch.jit.is_scripting() or not (self.grad_checkpointing and torch.is_grad_enabled()
+                                            and not torch.jit.is_tracing()):
             return self.blocks(self.downsample(x))
+        return self._checkpointed(x)
+
+    @torch.jit.unused  # TorchScript compiles no checkpoint (a scripted model runs the blocks as they are)
+    def _checkpointed(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` keeping only each part's input, the part recomputed in backward."""
         compiling = _compiling()  # dynamo takes no context_fn; its recompute mutates no buffer
         for part in (self.downsample, *self.blocks):
             # keep only this part's input; recompute its inside during backward
@@ -271,9 +277,11 @@ class EfficientViT(nn.Module):
     """
 
     #: ``"avg"`` or ``""`` (see ``global_pool`` above); a class default too, for a model pickled whole before it existed
-    global_pool: str = "avg"
+    global_pool = "avg"  # not annotated: TorchScript would read the annotation, a string here, as the type
     #: the classifier's dropout (``drop_rate`` above); a class default for the same reason
-    drop_rate: float = 0.0
+    drop_rate = 0.0
+    #: properties TorchScript leaves out of a scripted model (timm's records, not part of the computation)
+    __jit_unused_properties__ = ["default_cfg"]
 
     def __init__(
         self,
@@ -345,7 +353,8 @@ class EfficientViT(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Image batch ``(B, 3, H, W)`` to the last stage's map: ``(B, C3, ~H/64, ~W/64)`` (fewer stages once
         :meth:`prune_intermediate_layers` removed some)."""
-        self.check_input(x)
+        if not torch.jit.is_scripting():  # TorchScript compiles no Python check
+            self.check_input(x)
         return self.stages(self.patch_embed(x))
 
     def forward_intermediates(
