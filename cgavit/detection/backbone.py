@@ -115,6 +115,8 @@ class PyramidExtras(ExtraFPNBlock):
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
                 _init_conv(m)
+        # the levels are named p<k> for stride 2**k, as the FPN's own are (the stage maps p4, p5, p6)
+        self.first_level, self.last_level = (s.bit_length() - 1 for s in (BACKBONE_STRIDES[0], BACKBONE_STRIDES[-1]))
 
     def forward(
         self, results: list[torch.Tensor], x: list[torch.Tensor], names: list[str]
@@ -129,8 +131,9 @@ class PyramidExtras(ExtraFPNBlock):
         for i, conv in enumerate(self.down):
             feat = conv(feat if i == 0 else F.relu(feat))
             coarser.append(feat)
-        names = [f"up{i}" for i in range(len(finer), 0, -1)] + names + [f"down{i + 1}" for i in range(len(coarser))]
-        return finer + results + coarser, names
+        finer_names = [f"p{self.first_level - i}" for i in range(len(finer), 0, -1)]
+        coarser_names = [f"p{self.last_level + i + 1}" for i in range(len(coarser))]
+        return finer + results + coarser, finer_names + names + coarser_names
 
 
 class EfficientViTFPN(nn.Module):
@@ -157,9 +160,15 @@ class EfficientViTFPN(nn.Module):
         )
         self.out_channels = out_channels
         self.strides = tuple([16 // 2**i for i in range(num_up, 0, -1)] + list(BACKBONE_STRIDES) + [64 * 2**i for i in range(1, num_down + 1)])
+        self.stage_names = [f"p{s.bit_length() - 1}" for s in BACKBONE_STRIDES]  # the FPN's inputs
         self.level_names = tuple(f"p{s.bit_length() - 1}" for s in self.strides)
 
-    def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
-        maps = self.body.forward_intermediates(x, intermediates_only=True)  # strides 16, 32, 64
-        out = self.fpn(OrderedDict(zip(("c4", "c5", "c6"), maps)))
-        return OrderedDict(zip(self.level_names, out.values()))
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not torch.jit.is_scripting():  # TorchScript compiles no Python check (torchvision's detectors script)
+            self.body.check_input(x)
+        x = self.body.patch_embed(x)
+        maps: dict[str, torch.Tensor] = OrderedDict()  # the stage maps at strides 16, 32, 64
+        for i, stage in enumerate(self.body.stages):
+            x = stage(x)
+            maps[self.stage_names[i]] = x
+        return self.fpn(maps)  # the levels named p<k> for stride 2**k, finest first (self.level_names)

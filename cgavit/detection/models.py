@@ -22,6 +22,7 @@ from numpy.typing import ArrayLike
 from torch import nn
 from torchvision.models.detection import MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.poolers import initLevelMapper
@@ -159,7 +160,7 @@ class PyramidAnchorGenerator(AnchorGenerator):
             raise ValueError(f"one stride per level: {len(sizes)} levels, {len(strides)} strides")
         self.strides = tuple(int(s) for s in strides)
 
-    def forward(self, image_list, feature_maps: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, image_list: ImageList, feature_maps: list[torch.Tensor]) -> list[torch.Tensor]:
         grid_sizes = [fm.shape[-2:] for fm in feature_maps]
         dtype, device = feature_maps[0].dtype, feature_maps[0].device
         strides = [[torch.tensor(s, dtype=torch.int64, device=device)] * 2 for s in self.strides]
