@@ -355,6 +355,7 @@ class EfficientViT(nn.Module):
         :meth:`prune_intermediate_layers` removed some)."""
         if not torch.jit.is_scripting():  # TorchScript compiles no Python check
             self.check_input(x)
+            self._check_trainable_batch(x, len(self.stages))
         return self.stages(self.patch_embed(x))
 
     def forward_intermediates(
@@ -378,9 +379,10 @@ class EfficientViT(nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW' (the maps are convolutional), got {output_fmt!r}")
         self.check_input(x)
         take = self._stage_indices(indices)
+        last = max(take) if stop_early else len(self.stages) - 1
+        self._check_trainable_batch(x, last + 1)
         x = self.patch_embed(x)
         maps = []
-        last = max(take) if stop_early else len(self.stages) - 1
         for i, stage in enumerate(self.stages):
             if i > last:
                 break
@@ -388,6 +390,29 @@ class EfficientViT(nn.Module):
             if i in take:
                 maps.append(x)
         return maps if intermediates_only else (x, maps)
+
+    def _check_trainable_batch(self, x: torch.Tensor, stages: int) -> None:
+        """Raise ``ValueError`` for one image that the first ``stages`` stages cannot train on: in training mode a
+        BatchNorm normalises each channel over the batch and the map, and a lone image small enough (up to 64 px a
+        side) gives the last of them a 1x1 map, one value (torch's error named a shape the caller never gave)."""
+        if not self.training or isinstance(x, torch.fx.Proxy) or _compiling() or x.shape[0] != 1:
+            return
+        side = [stage_resolution(int(n), stages - 1) for n in x.shape[2:]]
+        norms = [m for m in self.stages[:stages].modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if side == [1, 1] and any(m.training for m in norms):
+            raise ValueError(f"one {x.shape[2]}x{x.shape[3]} image cannot be trained on alone: stage {stages - 1}'s "
+                             "map is 1x1, one value per channel for its BatchNorm to normalise; train on batches of 2 "
+                             "or more, or on larger images, or call model.eval() to run it")
+
+    def _check_trainable_head(self, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` for features of one image that the classifier cannot train on: its BatchNorm1d
+        normalises each feature over the batch, and one image gives one value (torch's error named a (1, C) shape)."""
+        if not self.training or isinstance(x, torch.fx.Proxy) or _compiling() or x.shape[0] != 1:
+            return
+        if isinstance(self.head, BNLinear) and self.head.bn.training:
+            raise ValueError("a batch of one image cannot train the classifier: its BatchNorm1d normalises each "
+                             "feature over the batch; train on batches of 2 or more (a DataLoader's drop_last=True "
+                             "drops a last batch of one), or call model.eval() to run it")
 
     def _stage_indices(self, indices: int | list[int] | tuple[int, ...] | None) -> list[int]:
         """The stage numbers ``indices`` asks for (:meth:`forward_intermediates`), sorted and non-negative."""
@@ -446,6 +471,8 @@ class EfficientViT(nn.Module):
         x = x.mean((2, 3))  # (B, C3)
         if pre_logits:
             return x
+        if not torch.jit.is_scripting():  # TorchScript compiles no Python check
+            self._check_trainable_head(x)
         if self.head_dist is None:
             return self.head(x)
         out, out_dist = self.head(x), self.head_dist(x)

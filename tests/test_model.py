@@ -290,6 +290,29 @@ def test_scripts_as_timm_models_do(tmp_path, build):
     assert model.patch_embed.conv1.conv.weight.grad is not None
 
 
+def test_one_image_in_training_mode_is_refused_saying_what_to_do():
+    """A batch of one in training mode failed inside torch ('Expected more than 1 value per channel when training,
+    got input size torch.Size([1, 192])': a shape the caller never gave, and no way out named). It is refused where
+    a training BatchNorm would see one value (the classifier's, or a 1x1 stage map), and runs where none does."""
+    from timm.layers import freeze_batch_norm_2d
+
+    model = cgavit.create_model("m0").train()
+    with pytest.raises(ValueError, match="batch of one image cannot train the classifier.*model.eval"):
+        model(torch.randn(1, 3, 128, 96))
+    with pytest.raises(ValueError, match="one 32x48 image cannot be trained on alone: stage 2's map is 1x1"):
+        model.forward_features(torch.randn(1, 3, 32, 48))
+    with pytest.raises(ValueError, match="stage 2's map is 1x1"):
+        model.forward_intermediates(torch.randn(1, 3, 32, 32))
+    maps = model.forward_intermediates(torch.randn(1, 3, 32, 32), indices=[0], stop_early=True)[1]
+    assert maps[0].shape == (1, 64, 2, 2)  # stage 0 alone sees a 2x2 map
+    assert model.forward_features(torch.randn(1, 3, 65, 64)).shape == (1, 192, 2, 1)
+    assert model.forward_head(torch.randn(1, 192, 2, 2), pre_logits=True).shape == (1, 192)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 1000)
+    frozen = freeze_batch_norm_2d(cgavit.create_model("m0", num_classes=0)).train()  # no BatchNorm trains
+    assert frozen(torch.randn(1, 3, 32, 32)).shape == (1, 192)
+    assert model.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+
+
 def test_a_zero_dimensional_tensor_or_array_is_one_dial_value():
     """key_dim=torch.tensor(8) raised "iteration over a 0-d tensor" (a TypeError from deep inside)."""
     import numpy as np
