@@ -280,6 +280,9 @@ class EfficientViT(nn.Module):
     global_pool = "avg"  # not annotated: TorchScript would read the annotation, a string here, as the type
     #: the classifier's dropout (``drop_rate`` above); a class default for the same reason
     drop_rate = 0.0
+    #: with a distillation head, whether training-mode outputs are the pair of heads' logits (the official code's, the
+    #: default) or their mean, as eval mode gives (timm's ``set_distilled_training``); a class default for old pickles
+    distilled_training = True
     #: properties TorchScript leaves out of a scripted model (timm's records, not part of the computation)
     __jit_unused_properties__ = ["default_cfg"]
 
@@ -464,7 +467,7 @@ class EfficientViT(nn.Module):
         Returns the logits ``(B, classes)``; ``(B, C3)`` pooled features with ``pre_logits``; the map itself
         with ``global_pool=""``; and,
         for a model with a distillation head in training mode, the pair ``(class logits,
-        distillation logits)`` (averaged into one tensor in eval mode).
+        distillation logits)`` (averaged into one tensor in eval mode, or after ``set_distilled_training(False)``).
         """
         if not self.global_pool:  # no pooling, no classifier: the map
             return x
@@ -476,12 +479,13 @@ class EfficientViT(nn.Module):
         if self.head_dist is None:
             return self.head(x)
         out, out_dist = self.head(x), self.head_dist(x)
-        if self.training and not torch.jit.is_tracing():
+        if self.training and self.distilled_training and not torch.jit.is_tracing():
             return out, out_dist
         return (out + out_dist) / 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``(B, classes)``; the pair of heads' logits when distilling in training mode."""
+        """Logits ``(B, classes)``; the pair of heads' logits when distilling in training mode (unless
+        :meth:`set_distilled_training` turned it off)."""
         return self.forward_head(self.forward_features(x))
 
     def get_classifier(self) -> nn.Module:
@@ -509,6 +513,16 @@ class EfficientViT(nn.Module):
     @default_cfg.setter
     def default_cfg(self, value: dict) -> None:
         self.pretrained_cfg = value
+
+    @torch.jit.ignore
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """timm's switch for distilled models: ``False`` makes a model with a distillation head give the mean of its
+        two heads' logits in training mode too (one tensor, for a loss that takes no pair; the distillation head then
+        learns the class labels as the class head does); ``True`` (the default) gives the pair, as the official code
+        does. No effect on a model without a distillation head."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"enable must be True or False, got {enable!r}")
+        self.distilled_training = enable
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:

@@ -206,6 +206,26 @@ def test_distillation_head():
         assert torch.allclose(model(x), expected)
 
 
+def test_set_distilled_training_as_timm_has_it():
+    """timm's distilled models (DeiT, LeViT) take set_distilled_training(False) to give one tensor, the heads' mean,
+    in training mode, so a loss that takes no pair trains them; here it was an AttributeError, and a distillation
+    model always gave the pair in training mode. The default stays the official pair; scripting follows the switch."""
+    model = randomize_(cgavit.create_model("m0", num_classes=5, distillation=True), 7).train()
+    x = torch.randn(2, 3, 64, 64)
+    assert isinstance(model(x), tuple)
+    model.set_distilled_training(False)
+    out = model(x)
+    feats = model.forward_features(x).mean((2, 3))
+    torch.testing.assert_close(out, (model.head(feats) + model.head_dist(feats)) / 2)
+    torch.nn.functional.cross_entropy(out, torch.tensor([0, 4])).backward()
+    assert model.head_dist.linear.weight.grad is not None
+    assert torch.jit.script(model)(x).shape == (2, 5)
+    model.set_distilled_training()
+    assert isinstance(model(x), tuple)
+    with pytest.raises(ValueError, match="enable must be True or False"):
+        model.set_distilled_training("no")
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_params_and_macs_match_published(name):
     info = cgavit.VARIANTS[name]
