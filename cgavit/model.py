@@ -321,6 +321,7 @@ class EfficientViT(nn.Module):
         ]
         self.stages = nn.Sequential(*stages)
         self.distillation = distillation
+        self.distilled_training = True  # an instance attribute too: TorchScript reads no class attribute
         self.head = BNLinear(self.num_features, num_classes, drop=self.drop_rate) if num_classes > 0 else nn.Identity()
         self.head_dist = (
             BNLinear(self.num_features, num_classes, drop=self.drop_rate) if distillation and num_classes > 0 else None
