@@ -23,7 +23,7 @@ from .hub import download_release
 from .imagenet import class_names
 from .io import CheckpointError, require_flag
 from .loading import adapt_first_conv, fit_state_dict, load_checkpoint
-from .model import EfficientViT, convert_state_dict, floating_dtype
+from .model import EfficientViT, FeatureMaps, convert_state_dict, floating_dtype, stage_indices
 from .schema import (
     WeightsMeta,
     check_finite,
@@ -65,8 +65,10 @@ def create_model(
     drop_rate: float = 0.0,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    features_only: bool = False,
+    out_indices: int | list[int] | tuple[int, ...] | None = None,
     **dials,
-) -> EfficientViT:
+) -> EfficientViT | FeatureMaps:
     """Build a registered EfficientViT, optionally with weights.
 
     Args:
@@ -84,10 +86,11 @@ def create_model(
         drop_rate: dropout before the classifier while training (timm's ``drop_rate``).
         device, dtype: where and in what floating-point type the model ends up; weights are loaded first, at
             the file's precision, then the model is moved (``device="meta"`` gives a model without data).
-        **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``,
-            ``group_split``, ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``,
-            ``allocation``) and its other fields (``num_heads``, ``embed_dim``, ``depth``,
-            ``window_size``, ``kernels``).
+        features_only, out_indices: timm's: a :class:`~cgavit.model.FeatureMaps` of the weighted model, giving the
+            maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices`` (default all).
+        **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``, ``group_split``,
+            ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``, ``allocation``) and its other fields
+            (``num_heads``, ``embed_dim``, ``depth``, ``window_size``, ``kernels``).
 
     Raises:
         ValueError: unknown name, an argument of the wrong type, or a dial combination that cannot work.
@@ -95,9 +98,9 @@ def create_model(
         CheckpointError: weights that cannot be loaded (see :func:`load_pretrained`, :func:`load_checkpoint`).
     """
     key = resolve_name(name)
-    info = VARIANTS[key]
-    cfg = info.cfg.with_dials(**dials) if dials else info.cfg
+    cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     _check_weights_args(pretrained, checkpoint_path)
+    stages = _feature_stages(features_only, out_indices)  # refused before any download
     model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool,
                          drop_rate=drop_rate)
@@ -106,7 +109,19 @@ def create_model(
         load_pretrained(model, key)
     elif checkpoint_path is not None:
         load_checkpoint(model, checkpoint_path)
+    model = FeatureMaps(model, stages) if features_only else model
     return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
+
+
+def _feature_stages(features_only: object, out_indices: object) -> list[int]:
+    """The stages a ``features_only`` model gives (:func:`~cgavit.model.stage_indices` of ``out_indices``, all by
+    default); ``ValueError`` for a bad value, or ``out_indices`` without ``features_only``."""
+    if not isinstance(features_only, bool):
+        raise ValueError(f"features_only must be True or False, got {features_only!r}")
+    if out_indices is not None and not features_only:
+        raise ValueError("out_indices selects the stage maps of a features_only model; give features_only=True, "
+                         "or call model.forward_intermediates(x, indices=...) on the whole model")
+    return stage_indices(out_indices, 3)
 
 
 def _check_weights_args(pretrained: object, checkpoint_path: object) -> None:

@@ -249,6 +249,26 @@ def _stage(cfg: EfficientViTConfig, i: int, img_hw: tuple[int, int], drop_paths:
     )
 
 
+def stage_indices(indices: int | list[int] | tuple[int, ...] | None, n: int) -> list[int]:
+    """The stage numbers ``indices`` asks for among ``n`` stages, as :meth:`EfficientViT.forward_intermediates` reads
+    it (None: all; an int k: the last k; a list: those, negative from the end), sorted and non-negative;
+    ``ValueError`` otherwise."""
+    if indices is None:
+        return list(range(n))
+    if isinstance(indices, int) and not isinstance(indices, bool):
+        if not 1 <= indices <= n:
+            raise ValueError(f"indices as an int means 'the last n stages', 1..{n}; got {indices}")
+        return list(range(n - indices, n))
+    given = [] if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__") else list(indices)
+    if not given or any(isinstance(i, bool) or not hasattr(i, "__index__") for i in given):
+        raise ValueError(f"indices must be an int n (the last n stages) or a non-empty list of stage numbers "
+                         f"{-n}..{n - 1}, got {indices!r}")
+    given = [operator.index(i) for i in given]  # numpy's integers too, as timm takes them
+    if any(not -n <= i < n for i in given):
+        raise ValueError(f"stage indices must be in {-n}..{n - 1}, got {indices}")
+    return sorted({i % n for i in given})
+
+
 class EfficientViT(nn.Module):
     """EfficientViT (Liu et al., CVPR 2023): a three-stage cascaded-group-attention network.
 
@@ -420,21 +440,7 @@ class EfficientViT(nn.Module):
 
     def _stage_indices(self, indices: int | list[int] | tuple[int, ...] | None) -> list[int]:
         """The stage numbers ``indices`` asks for (:meth:`forward_intermediates`), sorted and non-negative."""
-        n = len(self.stages)
-        if indices is None:
-            return list(range(n))
-        if isinstance(indices, int) and not isinstance(indices, bool):
-            if not 1 <= indices <= n:
-                raise ValueError(f"indices as an int means 'the last n stages', 1..{n}; got {indices}")
-            return list(range(n - indices, n))
-        given = [] if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__") else list(indices)
-        if not given or any(isinstance(i, bool) or not hasattr(i, "__index__") for i in given):
-            raise ValueError(f"indices must be an int n (the last n stages) or a non-empty list of stage numbers "
-                             f"{-n}..{n - 1}, got {indices!r}")
-        given = [operator.index(i) for i in given]  # numpy's integers too, as timm takes them
-        if any(not -n <= i < n for i in given):
-            raise ValueError(f"stage indices must be in {-n}..{n - 1}, got {indices}")
-        return sorted({i % n for i in given})
+        return stage_indices(indices, len(self.stages))
 
     def prune_intermediate_layers(
         self, indices: int | list[int] | tuple[int, ...] = 1, prune_norm: bool = False, prune_head: bool = True
@@ -578,6 +584,49 @@ class EfficientViT(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (the attention bias tables)."""
         return {n for n, _ in self.named_parameters() if n.endswith("attention_biases")}
+
+
+class FeatureInfo(list):
+    """The stages a :class:`FeatureMaps` gives, one dict each (``num_chs``, ``reduction``, ``module``), with the
+    accessors of timm's ``FeatureInfo`` that necks read: ``channels()``, ``reduction()``, ``module_name()``."""
+
+    def channels(self, idx: int | None = None) -> list[int] | int:
+        return self._get("num_chs", idx)
+
+    def reduction(self, idx: int | None = None) -> list[int] | int:
+        return self._get("reduction", idx)
+
+    def module_name(self, idx: int | None = None) -> list[str] | str:
+        return self._get("module", idx)
+
+    def _get(self, key: str, idx: int | None) -> list | int | str:
+        return [info[key] for info in self] if idx is None else self[idx][key]
+
+
+class FeatureMaps(nn.Module):
+    """timm's ``features_only`` form of a model (``create_model(..., features_only=True)``): ``forward`` gives the
+    list of the maps of the stages ``out_indices`` asks for (as :meth:`EfficientViT.forward_intermediates` reads
+    it), finest first, as timm's ``FeatureGetterNet`` does; the stages after the last of them and the classifier are
+    removed from ``model`` (:meth:`EfficientViT.prune_intermediate_layers`).
+
+    Attributes:
+        model: the pruned network (its state dict keys are this module's, under ``model.``, as in timm).
+        feature_info: a :class:`FeatureInfo` of the stages given.
+        out_indices: those stage numbers, non-negative and sorted.
+    """
+
+    def __init__(self, model: EfficientViT, out_indices: int | list[int] | tuple[int, ...] = (0, 1, 2)) -> None:
+        super().__init__()
+        if not isinstance(model, EfficientViT):
+            raise ValueError(f"FeatureMaps takes an EfficientViT, got {type(model).__name__}")
+        self.out_indices = model.prune_intermediate_layers(out_indices)
+        self.model = model
+        self.feature_info = FeatureInfo(model.feature_info[i] for i in self.out_indices)
+        self.pretrained_cfg = model.pretrained_cfg  # so timm.data.resolve_data_config({}, model=...) works
+        self.in_chans = model.in_chans
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.model.forward_intermediates(x, indices=self.out_indices, intermediates_only=True)
 
 
 # ---------------------------------------------------------------------------- checkpoint key names

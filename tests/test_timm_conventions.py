@@ -368,3 +368,30 @@ def test_drop_rate_device_and_dtype_as_timm_takes_them():
         cgavit.create_model("m0", dtype=torch.int8)
     with pytest.raises(ValueError, match=r"drop_rate must be in \[0, 1\)"):
         cgavit.create_model("m0", drop_rate=1.0)
+
+
+def test_features_only_as_timms_create_model_takes_it(tmp_path):
+    """create_model(..., features_only=True, out_indices=...), timm's way to a feature extractor, was refused as an
+    unknown dial. It gives the stage maps forward_intermediates gives, with the weights loaded, timm's feature_info
+    accessors and preprocessing record; out_indices without it is refused saying what to do."""
+    import timm.data
+
+    from cgavit.testing import randomize_
+
+    model = randomize_(cgavit.create_model("m0"), 8).eval()
+    cgavit.save_weights(model, tmp_path / "m0.safetensors")
+    feats = cgavit.create_model("m0", features_only=True, checkpoint_path=tmp_path / "m0.safetensors").eval()
+    x = torch.randn(2, 3, 97, 131)
+    with torch.no_grad():
+        for got, want in zip(feats(x), model.forward_intermediates(x, intermediates_only=True), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert feats.feature_info.channels() == [64, 128, 192] and feats.feature_info.reduction() == [16, 32, 64]
+    assert feats.feature_info.module_name(0) == "stages.0" and feats.feature_info.channels(-1) == 192
+    two = cgavit.create_model("m0", features_only=True, out_indices=(0, 1))
+    assert [tuple(m.shape) for m in two(x)] == [(2, 64, 7, 9), (2, 128, 4, 5)] and len(two.model.stages) == 2
+    assert next(iter(two.state_dict())).startswith("model.")  # as timm's FeatureGetterNet names them
+    assert timm.data.resolve_data_config({}, model=two)["input_size"] == (3, 224, 224)
+    with pytest.raises(ValueError, match="out_indices selects .* give features_only=True"):
+        cgavit.create_model("m0", out_indices=(0, 1))
+    with pytest.raises(ValueError, match="stage indices must be in -3..2"):
+        cgavit.create_model("m0", features_only=True, out_indices=(3,))
