@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
