@@ -1167,6 +1167,35 @@ def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, mo
 
 
 @pytest.mark.skipif(not qat_available(), reason="needs torchao (cgavit[qat])")
+@pytest.mark.skipif(not qat_available(), reason="--qat needs pip install 'cgavit[qat]'")
+def test_qat_keeps_no_more_layers_float_than_max_float_layers(scrambled_int8, trained_digits, tmp_path, capsys,
+                                                              monkeypatch):
+    """--qat kept its most sensitive layer (--qat-float-layers' default 1) in float under --max-float-layers 0
+    ('0: all int8'), and that build could be the answer; a --qat-float-layers above the cap is refused."""
+    from cgavit.deploy.sensitivity import LayerSensitivity
+
+    _, missed = scrambled_int8  # post-training int8 misses: fine-tuning runs
+    ranked = [LayerSensitivity(layer, 0.9, 18, 180, 0.1) for layer in ("stages.0.blocks.0.ffn0.m.pw1", "patch_embed.conv4")]
+    ptq = replace(missed, sensitivity={"onnxruntime": ranked}, no_faster={"onnxruntime": []})
+    kept = []
+
+    def fake_aware(*args, float_layers, **kwargs):  # what fine-tuning would keep in float
+        kept.append(list(float_layers))
+        return ptq
+
+    monkeypatch.setattr(quantize_cli, "quantize", lambda *args, **kwargs: ptq)
+    monkeypatch.setattr(quantize_cli, "quantize_aware", fake_aware)
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data), "--output",
+            str(tmp_path / "q"), "--runtime", "onnxruntime", "--qat", "--qat-images", "8", "--eval-images", "40"]
+    for cap, layers in (("0", []), ("1", ["stages.0.blocks.0.ffn0.m.pw1"])):
+        assert main([*base, "--max-float-layers", cap, "--qat-float-layers" if cap == "1" else "--epochs", "1"]) == 1
+    assert kept == [[], ["stages.0.blocks.0.ffn0.m.pw1"]]
+    capsys.readouterr()
+    assert main([*base, "--max-float-layers", "1", "--qat-float-layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--qat-float-layers 2 keeps more layers in float than --max-float-layers 1" in err and err.count("\n") == 1
+
+
 def test_a_qat_file_records_the_weights_and_ranges_it_holds(trained_digits):
     """--qat --weights uint8 recorded "8-bit unsigned" (and the post-training calibration) in a file whose weights
     are signed: the saturation warning such weights need on CPUs without VNNI never came."""

@@ -184,10 +184,14 @@ def run(args: argparse.Namespace) -> int:
     if qat_only and not args.qat:
         raise ValueError(f"{', '.join(qat_only)} {'is' if len(qat_only) == 1 else 'are'} read by --qat alone; add it, "
                          "or leave them out")
+    capped = None not in (args.qat_float_layers, args.max_float_layers)  # both given: they may contradict
     for key, default in QAT_DEFAULTS.items():
         setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
     target = checked_target(args)
     checked_numbers(args)
+    if capped and args.qat_float_layers > args.max_float_layers:
+        raise ValueError(f"--qat-float-layers {args.qat_float_layers} keeps more layers in float than --max-float-layers "
+                         f"{args.max_float_layers} allows; give at most {args.max_float_layers}, or leave it out")
     if args.qat:  # torchao missing: said before the post-training search, not after it
         require_qat()
     outputs, runtime = checked_outputs(args)
@@ -270,7 +274,7 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     slow = ptq.no_faster.get("onnxruntime", [])
     free = [s.layer for s in slow]
     ranked = ptq.sensitivity.get("onnxruntime") or next(iter(ptq.sensitivity.values()), [])  # the file is ONNX
-    sensitive = [s.layer for s in ranked if s.layer not in free][:args.qat_float_layers]
+    sensitive = [s.layer for s in ranked if s.layer not in free][:qat_sensitive_count(args, len(free))]
     if args.qat_float_layers and not ranked:
         print("--qat: the post-training search measured no per-layer sensitivity (--skip-sensitivity, and its start met "
               "the target), so --qat-float-layers keeps no sensitive layer in float")
@@ -293,6 +297,15 @@ def qat_result(args: argparse.Namespace, model, info: ModelInfo, images: tuple[L
     if not ptq.meets_target and qat.agreement.top1_agreement > ptq.agreement.top1_agreement:
         return qat
     return ptq
+
+
+def qat_sensitive_count(args: argparse.Namespace, free: int) -> int:
+    """How many of the most sensitive layers ``--qat`` keeps in float besides the ``free`` ones int8 makes no faster:
+    ``--qat-float-layers``, within ``--max-float-layers``, which caps every build's float layers (the fine-tuned
+    one's too)."""
+    if args.max_float_layers is None:
+        return args.qat_float_layers
+    return max(0, min(args.qat_float_layers, args.max_float_layers - free))
 
 
 def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
@@ -462,7 +475,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--qat-batch", type=int, help="--qat: batch size (default 64)")
     p.add_argument("--qat-float-layers", type=int, metavar="K",
                    help="--qat: keep the K most sensitive layers of the post-training search in float (default 1; "
-                        "0: every layer int8); the layers int8 makes no faster stay float as well")
+                        "0: every layer int8; at most --max-float-layers with them); the layers int8 makes no faster "
+                        "stay float as well")
     p.add_argument("--threads", type=int, default=1, help="threads of the timing (default 1, the paper's protocol)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per build (default 3)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per build (default 10)")
