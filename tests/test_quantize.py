@@ -131,6 +131,29 @@ def test_a_build_chosen_after_held_out_misses_is_said_to_read_high(digits_int8):
     assert "reads somewhat high" not in replace(later, meets_target=False).uncertainty()
 
 
+def test_a_figure_short_of_its_target_is_never_printed_as_reaching_it():
+    """4,974 of 5,000 decisions kept (99.48 %) was printed 'top-1 agreement 99.5% ... MISSES the target' beside a
+    target of '>= 99.5%', an accuracy change of 10 of 3,000 images (0.33 point) as '-0.3 pt' beyond a 0.3 tolerance,
+    and a target of 99.95 % as '>= 100.0%'."""
+    torch.manual_seed(5)
+    reference = torch.randn(5000, 10)
+    labels = reference.argmax(1)
+    out = reference.clone()
+    out[torch.arange(26), labels[:26]] -= 100  # 26 decisions changed, each wrongly
+    a = compare_logits(out, reference, labels)
+    assert (a.changed, a.meets_target) == (26, False)
+    assert "top-1 agreement 99.48% on 5000 images" in a.describe() and a.shown() == "99.48"
+    assert a.shown_change() == "-0.52" and "accuracy 99.5% (-0.52 pt)" in a.describe()
+    third = compare_logits(torch.cat([out[:10], reference[10:3000]]), reference[:3000], labels[:3000])
+    assert third.changed == 10 and third.shown_change() == "-0.34"
+    target = QuantizeTarget(accuracy_tolerance=0.3)
+    assert not target.met_by(third) and "-0.34 pt" in third.describe(target.met_by(third))
+    assert QuantizeTarget(0.9995).describe().startswith("top-1 agreement >= 99.95% and")
+    assert compare_logits(reference[:6] * 2, reference[:6]).shown() == "100.0"  # up to 1,000 images: one decimal
+    kept = compare_logits(out[25:225], reference[25:225])  # 1 of 200 changed: exactly the default target
+    assert kept.shown() == "99.5" and kept.meets_target
+
+
 def test_agreement_interval_is_wilsons():
     """Wilson's score interval, checked against figures computed independently (scipy's ``binomtest``)."""
     def interval(kept, n, level=0.95):

@@ -10,6 +10,7 @@ models measures noise (near-uniform logits), so the figures that count come from
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -85,14 +86,37 @@ class Agreement:
         half = z / shrink * (share * (1 - share) / n + z * z / (4 * n * n)) ** 0.5
         return min(share, centre - half), max(share, centre + half)  # it holds the share (exactly, despite rounding)
 
+    def shown(self) -> str:
+        """The agreement in percent as reports print it, e.g. ``"99.48"``: to one decision's resolution
+        (:func:`shown_decimals`) and rounded down, so that a share below a target never reads as reaching it (4,974 of
+        5,000 is 99.48 %, not '99.5%' beside 'MISSES the target')."""
+        decimals = shown_decimals(self.n)
+        return f"{(self.n - self.changed) * 100 * 10 ** decimals // self.n / 10 ** decimals:.{decimals}f}"
+
+    def shown_change(self) -> str | None:
+        """The accuracy change in points as reports print it, e.g. ``"-0.34"`` (None without labels): to one image's
+        resolution and rounded away from zero, so that a change beyond a tolerance never reads as within it."""
+        if self.accuracy_change is None:
+            return None
+        decimals = shown_decimals(self.n)
+        images = round(self.n * self.accuracy) - round(self.n * self.reference_accuracy)
+        steps = -(-abs(images) * 100 * 10 ** decimals // self.n)  # rounded up
+        return f"{'-' if images < 0 else '+'}{steps / 10 ** decimals:.{decimals}f}"
+
     def describe(self, verdict: bool | None = None) -> str:
-        """One line, e.g. ``"top-1 agreement 99.7% on 360 images, accuracy 98.1% (-0.3 pt), ..."``; the
-        verdict is :attr:`meets_target`'s unless ``verdict`` gives another target's."""
-        text = f"top-1 agreement {100 * self.top1_agreement:.1f}% on {self.n} images"
+        """One line, e.g. ``"top-1 agreement 99.7% on 360 images, accuracy 98.1% (-0.3 pt), ..."`` (the figures
+        :meth:`shown` and :meth:`shown_change`); the verdict is :attr:`meets_target`'s unless ``verdict`` gives another
+        target's."""
+        text = f"top-1 agreement {self.shown()}% on {self.n} images"
         if self.accuracy is not None:
-            text += f", accuracy {100 * self.accuracy:.1f}% ({self.accuracy_change:+.1f} pt)"
+            text += f", accuracy {100 * self.accuracy:.1f}% ({self.shown_change()} pt)"
         met = self.meets_target if verdict is None else verdict
         return f"{text}, largest relative logit error {self.max_rel_err:.1e}: {'meets' if met else 'MISSES'} the target"
+
+
+def shown_decimals(n: int) -> int:
+    """The decimals of a percentage of ``n`` images that resolve one image: 1 up to 1,000 images, 2 up to 10,000, ..."""
+    return max(1, math.ceil(math.log10(n)) - 2) if n > 1 else 1
 
 
 def compare_logits(out: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor | None = None) -> Agreement:

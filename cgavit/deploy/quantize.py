@@ -111,7 +111,7 @@ class QuantizeTarget:
         return agreement.meets(self.agreement, self.accuracy_tolerance)
 
     def describe(self) -> str:
-        return (f"top-1 agreement >= {100 * self.agreement:.1f}% and accuracy within "
+        return (f"top-1 agreement >= {100 * self.agreement:g}% and accuracy within "
                 f"{self.accuracy_tolerance:g} point of fp32")
 
 
@@ -264,11 +264,11 @@ class QuantizeResult:
         for points in self.curves.values():
             for p in points:
                 a, h = p.agreement, p.held_out
-                acc = "" if a.accuracy is None else f"{100 * a.accuracy:.2f} % ({a.accuracy_change:+.2f})"
-                held = "" if h is None else (f"{100 * h.top1_agreement:.2f} %, "
-                                             + ("" if h.accuracy is None else f"{h.accuracy_change:+.2f}, ")
+                acc = "" if a.accuracy is None else f"{100 * a.accuracy:.2f} % ({a.shown_change()})"
+                held = "" if h is None else (f"{h.shown()} %, "
+                                             + ("" if h.accuracy is None else f"{h.shown_change()}, ")
                                              + ("meets" if self.target.met_by(h) else "misses"))
-                lines.append(f"| {path_name(p)} | {p.step} | {len(p.float_layers)} | {100 * a.top1_agreement:.2f} % | "
+                lines.append(f"| {path_name(p)} | {p.step} | {len(p.float_layers)} | {a.shown()} % | "
                              f"{acc} | {p.img_s:.0f} | {p.speedup:.2f} | {'meets' if p.meets else 'misses'} | {held} |")
         lines += ["", f"fp32 ONNX Runtime: {self.fp32_img_s:.0f} img/s (same round-robin timing)."]
         if self.runoff:
@@ -305,7 +305,7 @@ class QuantizeResult:
         that more images are needed to show the target holds beyond them."""
         a = self.agreement
         low, high = a.interval()
-        text = (f"The agreement of {100 * a.top1_agreement:.2f} % on {a.n} images lies, with 95 % confidence, "
+        text = (f"The agreement of {a.shown()} % on {a.n} images lies, with 95 % confidence, "
                 f"between {100 * low:.2f} % and {100 * high:.2f} % on images like these (Wilson's interval)")
         if low < self.target.agreement - 1e-9 <= a.top1_agreement:
             text += (f": too few images to show that it keeps {100 * self.target.agreement:g} % beyond them; four times "
@@ -322,7 +322,7 @@ class QuantizeResult:
         p = point or self.point
         a = p.held_out or p.agreement
         where = "" if p.held_out is None else (f" (held out of the search; on its {p.agreement.n} images "
-                                               f"{100 * p.agreement.top1_agreement:.2f}%)")
+                                               f"{p.agreement.shown()}%)")
         return (f"int8 {path_name(p)}, {len(p.float_layers)} layer(s) in float: "
                 f"{a.describe(p.meets and self.target.met_by(a))}{where}; {p.img_s:.0f} img/s, "
                 f"{p.speedup:.2f}x fp32 ONNX Runtime")
