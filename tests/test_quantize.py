@@ -249,6 +249,25 @@ def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained
 
 
 @pytest.mark.skipif(not onnxruntime_available(), reason="onnxruntime missing")
+def test_auto_says_an_artifact_met_a_looser_target_than_its_own_and_what_to_run(digits_int8, trained_digits,
+                                                                               monkeypatch):
+    """A file cgavit quantize wrote for --agreement 99 --accuracy-tolerance 1 (its report: 'meets the target') was
+    passed over as 'its recorded verdict misses the target', which its report contradicted and which said nothing of
+    auto's own target or what to run."""
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
+    verdict = {**digits_int8.info.int8, "agreement": 179 / 180, "accuracy_change": -0.8, "target_agreement": 0.99,
+               "target_accuracy_tolerance": 1.0}
+    loose = replace(digits_int8, info=replace(digits_int8.info, int8=verdict))
+    with pytest.warns(RuntimeWarning) as caught:
+        fast = optimize(trained_digits.model, trained_digits.images[:8], "auto", quantized=loose, compile=False,
+                        features=features(EPYC_AVX2))
+    message = str(caught[-1].message)
+    assert fast.choice.precision != "int8" and "misses the target" not in message, message
+    assert ("it met a looser target than auto's: top-1 agreement 99.4% (auto needs 99.5% or more) and accuracy change "
+            "-0.80 point (auto allows 0.5); run cgavit quantize with --agreement 99.5 or more and --accuracy-tolerance "
+            "0.5 or less") in message
+
+
 def test_auto_says_an_exported_int8_file_records_no_verdict(tmp_path, monkeypatch):
     """An int8 file cgavit export wrote (it records how it was quantised, not a verdict) was passed over because "its
     recorded verdict misses the target", a verdict it never had: the warning says it records none, and what to run."""

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET
+from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET, Agreement
 from .formats import FORMATS, SUFFIX_FORMATS, open_exported
 from .quantize import QuantizeResult
 from .runtime import RuntimeModule
@@ -47,23 +47,39 @@ class QuantizedArtifact:
     @property
     def distrusted(self) -> str | None:
         """Why ``auto`` may not take it on its record (None: :attr:`trusted`): it records no verdict (an int8 file
-        ``cgavit export`` wrote), or its recorded verdict misses ``quantize``'s target or the general one."""
+        ``cgavit export`` wrote), its recorded verdict misses ``quantize``'s target, or it met a looser target than the
+        general one (what to run instead is said)."""
         v = self.verdict
         if "meets_target" not in v:
             return ("it records no verdict: written by cgavit export, not cgavit quantize; run cgavit quantize for a "
                     "file auto can use")
         agreement, change = v.get("agreement"), v.get("accuracy_change")
-        if not v.get("meets_target") or not isinstance(agreement, (int, float)) or agreement < AGREEMENT_TARGET - 1e-9 \
-                or (change is not None and abs(change) > ACCURACY_TOLERANCE + 1e-9):
+        if not v.get("meets_target") or not isinstance(agreement, (int, float)):
             return "its recorded verdict misses the target"
+        looser = [f"top-1 agreement {self.agreement_shown()} (auto needs {100 * AGREEMENT_TARGET:g}% or more)"
+                  ] if agreement < AGREEMENT_TARGET - 1e-9 else []
+        if change is not None and abs(change) > ACCURACY_TOLERANCE + 1e-9:
+            looser.append(f"accuracy change {change:+.2f} point (auto allows {ACCURACY_TOLERANCE:g})")
+        if looser:
+            return (f"it met a looser target than auto's: {' and '.join(looser)}; run cgavit quantize with --agreement "
+                    f"{100 * AGREEMENT_TARGET:g} or more and --accuracy-tolerance {ACCURACY_TOLERANCE:g} or less")
         return None
+
+    def agreement_shown(self) -> str:
+        """The recorded agreement as reports print it (:meth:`~cgavit.deploy.agreement.Agreement.shown`: rounded down
+        to one image's resolution), e.g. ``"99.48%"``; ``"not recorded"``."""
+        v = self.verdict
+        agreement, n = v.get("agreement"), v.get("evaluation_images")
+        if not isinstance(agreement, (int, float)):
+            return "not recorded"
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 10_000
+        return f"{Agreement(n=n, top1_agreement=agreement, max_rel_err=0.0).shown()}%"
 
     def describe(self) -> str:
         v = self.verdict
         if "meets_target" not in v:  # distrusted says so
             return f"the int8 artifact {self.source}"
-        agreement = v.get("agreement")
-        shown = f"{100 * agreement:.1f}%" if isinstance(agreement, (int, float)) else "not recorded"
+        shown = self.agreement_shown()
         which = "images held out of its search" if v.get("held_out_of_search") else "images its search was judged on"
         return (f"the int8 artifact {self.source} (cgavit quantize: top-1 agreement {shown} on "
                 f"{v.get('evaluation_images', '?')} {which}, {len(v.get('float_layers', []))} layer(s) in "
