@@ -239,6 +239,22 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
         optimize(other, x, "auto", quantized=path, compile=False, features=features(EPYC_AVX2))
 
 
+def test_each_optimize_of_a_quantize_result_is_its_own_module(digits_int8, trained_digits, monkeypatch):
+    """optimize(quantized=result) returned the result's own module and set its choice and error: a second call
+    returned the same object and rewrote the first one's choice (its reason then named images it never saw)."""
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
+    x = trained_digits.images[torch.randperm(len(trained_digits.images))[:16]]
+    first = optimize(trained_digits.model, x, "auto", quantized=digits_int8, compile=False, features=features(EPYC_AVX2))
+    reason = first.choice.reason
+    second = optimize(trained_digits.model, x[:4], "auto", quantized=digits_int8, compile=False,
+                      features=features(EPYC_AVX2), evaluation=[trained_digits.images])
+    assert (first.choice.precision, second.choice.precision) == ("int8", "int8")
+    assert first is not second and digits_int8.module not in (first, second)
+    assert first.choice.reason == reason and "the example input" in reason and "evaluation images" in second.choice.reason
+    assert digits_int8.module.choice is None and digits_int8.module.rel_err is None
+    assert torch.equal(first(x), digits_int8.module(x))
+
+
 def test_auto_refuses_an_artifact_that_missed_its_target(scrambled_int8, trained_digits, monkeypatch):
     model, missed = scrambled_int8
     monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET, Agreement
 from .formats import FORMATS, SUFFIX_FORMATS, open_exported
-from .quantize import QuantizeResult
+from .quantize import QuantizeResult, int8_module
 from .runtime import RuntimeModule
 
 
@@ -92,9 +92,10 @@ def quantized_artifact(quantized: QuantizeResult | str | os.PathLike) -> Quantiz
     Raises:
         ValueError: not a result or such a file, not an int8 file, or no cgavit metadata.
     """
-    if isinstance(quantized, QuantizeResult):
-        return QuantizedArtifact(quantized.module, quantized.runtime, quantized.info.img_size,
-                                 dict(quantized.info.int8), "returned by quantize()")
+    if isinstance(quantized, QuantizeResult):  # a module of its own: optimize sets its choice and error
+        module = int8_module(quantized.runtime, quantized.artifact, float_part=quantized.float_part)
+        return QuantizedArtifact(module, quantized.runtime, quantized.info.img_size, dict(quantized.info.int8),
+                                 "returned by quantize()")
     if not isinstance(quantized, (str, os.PathLike)):
         raise ValueError(f"quantized must be a QuantizeResult or the path of a file cgavit quantize wrote, "
                          f"got {type(quantized).__name__}")
