@@ -1312,6 +1312,28 @@ def test_a_copy_of_an_evaluation_image_among_the_training_images_is_named(traine
     assert "copy.png" in err and not list(tmp_path.glob("q*"))
 
 
+def test_openvinos_options_are_refused_where_only_onnx_runtime_is_searched(trained_digits, tmp_path, capsys,
+                                                                           monkeypatch):
+    """Without OpenVINO (or with it failing to import) and no --runtime, --bias-correction and --float-part were
+    accepted and did nothing: the search was ONNX Runtime's alone. Now one line before any work."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    monkeypatch.setattr(quantize_cli, "quant_runtimes", lambda runtime: [runtime] if runtime else ["onnxruntime"])
+    monkeypatch.setattr(quantize_cli, "load_model", loaded)
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--output", str(tmp_path / "q")]
+    for option in (["--bias-correction", "fast"], ["--float-part", "fp32"]):
+        assert main(base + option) == 2, option
+        err = capsys.readouterr().err
+        assert f"{option[0]} is " in err and "OpenVINO is not installed or fails to import, so this run searches ONNX " \
+            f"Runtime alone; drop {option[0]}, or install it (pip install 'cgavit[openvino]')" in err and \
+            err.count("\n") == 1, err
+    assert main(base[:-1] + [str(tmp_path / "q.onnx"), "--bias-correction", "none"]) == 2  # the suffix names the runtime
+    assert "--bias-correction is OpenVINO's (NNCF's); drop it, or use --runtime openvino" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_what_quantize_needs_is_said_before_any_work(trained_digits, tmp_path, capsys, monkeypatch):
     """torchao missing was said after the whole post-training search, onnx missing as a disk problem in a temporary
     folder, a runtime that is installed but fails to import as a traceback (after ONNX Runtime's whole search when not

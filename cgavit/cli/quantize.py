@@ -124,9 +124,9 @@ def taken(path: Path) -> bool:
 REPORT_SUFFIXES = (".json", ".md", ".png")
 
 
-def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
-    """The files ``--output`` names, checked before any work, and the runtime: ``--runtime``, or the one the
-    suffix names.
+def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None, list[str]]:
+    """The files ``--output`` names, checked before any work, the runtime: ``--runtime``, or the one the
+    suffix names, and the runtimes this run searches (:func:`~cgavit.deploy.quantize.quant_runtimes`).
 
     Raises:
         ValueError: not a file name (empty, ``.``, ``..``, a trailing ``/``, an existing folder), a missing or
@@ -141,7 +141,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
     if not implied and out.suffix.lower() in WRITTEN_SUFFIXES:
         raise ValueError(f"--output {out.name} names another kind of file; give NAME, NAME.onnx or NAME.xml")
     runtime = args.runtime or implied
-    quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read
+    searched = quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read
     outputs = Outputs(out.with_suffix("") if implied else out)
     folders = [p for p in outputs.all() if p.is_dir()]
     if folders:
@@ -152,7 +152,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
     except OSError as err:
         raise ValueError(f"cannot write into {out.parent} ({err.strerror or err}); give an --output in a folder you "
                          "can write") from None
-    return outputs, runtime
+    return outputs, runtime, searched
 
 
 def checked_numbers(args: argparse.Namespace) -> None:
@@ -179,6 +179,27 @@ def checked_numbers(args: argparse.Namespace) -> None:
                          f"--qat-lr above 0; got {args.epochs}, {args.qat_batch}, {args.qat_images} and {args.qat_lr:g}")
 
 
+def check_runtime_options(args: argparse.Namespace, searched: list[str]) -> None:
+    """Refuse a runtime's own option when this run searches no build of that runtime (``searched``): ``--runtime``
+    names the other one, or OpenVINO is not installed (or fails to import) and the search is ONNX Runtime's alone,
+    where ``--float-part`` and ``--bias-correction`` were accepted and did nothing.
+
+    Raises:
+        ValueError: the option, and what to do.
+    """
+    for flag, runtime, given, what in (("--float-part", "openvino", args.float_part != "auto",
+                                        "is how OpenVINO runs what int8 leaves float"),
+                                       ("--weights", "onnxruntime", args.weights != "int8", "is ONNX Runtime's weight type"),
+                                       ("--bias-correction", "openvino", args.bias_correction != "full",
+                                        "is OpenVINO's (NNCF's)")):
+        if not given or runtime in searched:
+            continue
+        if args.runtime or SUFFIX_RUNTIMES.get(Path(args.output).suffix.lower()):
+            raise ValueError(f"{flag} {what}; drop it, or use --runtime {runtime}")
+        raise ValueError(f"{flag} {what}, and OpenVINO is not installed or fails to import, so this run searches ONNX "
+                         f"Runtime alone; drop {flag}, or install it ({FORMATS['openvino'].install()})")
+
+
 def run(args: argparse.Namespace) -> int:
     qat_only = [f"--{key.replace('_', '-')}" for key in QAT_DEFAULTS if getattr(args, key) is not None]
     if qat_only and not args.qat:
@@ -194,14 +215,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.max_float_layers} allows; give at most {args.max_float_layers}, or leave it out")
     if args.qat:  # torchao missing: said before the post-training search, not after it
         require_qat()
-    outputs, runtime = checked_outputs(args)
+    outputs, runtime, searched = checked_outputs(args)
     float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
-    if runtime == "onnxruntime" and args.float_part != "auto":
-        raise ValueError("--float-part is how OpenVINO runs what int8 leaves float; drop it, or use --runtime openvino")
-    if runtime == "openvino" and args.weights != "int8":
-        raise ValueError("--weights is ONNX Runtime's weight type; drop it, or use --runtime onnxruntime")
-    if runtime == "onnxruntime" and args.bias_correction != "full":
-        raise ValueError("--bias-correction is OpenVINO's (NNCF's); drop it, or use --runtime openvino")
+    check_runtime_options(args, searched)
     model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
                              trust=args.trust_checkpoint)
     info = replace(info, img_size=args.img_size or info.img_size)
