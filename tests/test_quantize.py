@@ -1062,7 +1062,8 @@ def test_target_and_options_are_checked(trained_digits):
            (dict(labels=trained_digits.labels + 0.5), "whole class indices"),
            (dict(labels=list(trained_digits.labels)), "labels must be a tensor"),
            (dict(target=0.995), "QuantizeTarget"), (dict(options={"calibration": "minmax"}), "Int8Options"),
-           (dict(batch=0), "at least 1"), (dict(threads=0), "at least 1"), (dict(max_float_layers="3"), "whole number")]
+           (dict(batch=0), "at least 1"), (dict(threads=0), "at least 1"), (dict(max_float_layers="3"), "whole number"),
+           (dict(float_part="fp32"), "float_part is how OpenVINO runs .* onnxruntime alone")]  # was ignored
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
             quantize(trained_digits.model, cal, x, **{**QUICK, **kwargs})

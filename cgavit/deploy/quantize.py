@@ -377,7 +377,7 @@ def quantize(
             beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
 
     Raises:
-        ValueError: bad images, labels, runtime, target, holdout, ``info`` (:func:`_check_info`), or a bf16 float part.
+        ValueError: bad images, labels, runtime, target, holdout, ``info`` or float part (:func:`_float_parts`).
     """
     runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, model_classes(model))
     _check_settings(target, options, (batch, threads, warmup, repeats))
@@ -385,7 +385,7 @@ def quantize(
                                          or max_float_layers < 0):
         raise ValueError(f"max_float_layers must be a whole number, at least 0 (or None: no cap), got {max_float_layers!r}")
     features, size = features or cpu_features(), tuple(ev.shape[2:])
-    parts, opts = float_parts_for_cpu(features, float_part), options.for_cpu(features)
+    parts, opts = _float_parts(features, float_part, runtimes), options.for_cpu(features)
     made = _file_info(info, size, model)
     search = _Search(fuse(model), fuse(reference if reference is not None else model), cal,
                      *split_holdout(ev, labels, holdout), target, size, (batch, threads, warmup, repeats))
@@ -450,6 +450,15 @@ def assess(
     result.method = method
     result.info = replace(result.info, int8={**result.info.int8, "method": method})
     return result
+
+
+def _float_parts(features: CpuFeatures, float_part: str, runtimes: list[str]) -> tuple[str, ...]:
+    """OpenVINO's float parts to search (:func:`~cgavit.deploy.int8.float_parts_for_cpu`); one asked for by a search
+    without OpenVINO (``runtimes``), where it would be ignored, is a ValueError."""
+    if float_part != "auto" and "openvino" not in runtimes:
+        raise ValueError(f"float_part is how OpenVINO runs what int8 leaves float, and this search builds for "
+                         f"{', '.join(runtimes)} alone; leave it 'auto', or give runtime='openvino' (or None)")
+    return float_parts_for_cpu(features, float_part)
 
 
 def _file_info(info: object | None, size: tuple[int, int], model: nn.Module) -> ExportInfo:
