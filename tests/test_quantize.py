@@ -1313,6 +1313,23 @@ def test_a_copy_of_an_evaluation_image_among_the_training_images_is_named(traine
     assert "copy.png" in err and not list(tmp_path.glob("q*"))
 
 
+def test_a_pipe_where_the_report_goes_is_refused_before_any_work(trained_digits, tmp_path, capsys, monkeypatch):
+    """A named pipe at NAME.quantize.json (or any of the run's files) passed the output checks, and after the whole
+    search the run hung reading it as an earlier run's report."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    monkeypatch.setattr(quantize_cli, "load_model", loaded)
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--runtime", "onnxruntime", "--output"]
+    for name in ("q.quantize.json", "r.onnx"):
+        os.mkfifo(tmp_path / name)
+        assert main([*base, str(tmp_path / name.split(".")[0])]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name} is not a regular file (a pipe, socket or device)" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.quantize.json", "r.onnx"]
+
+
 def test_openvinos_options_are_refused_where_only_onnx_runtime_is_searched(trained_digits, tmp_path, capsys,
                                                                            monkeypatch):
     """Without OpenVINO (or with it failing to import) and no --runtime, --bias-correction and --float-part were

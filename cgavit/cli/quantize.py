@@ -131,7 +131,8 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None, list
     Raises:
         ValueError: not a file name (empty, ``.``, ``..``, a trailing ``/``, an existing folder), a missing or
             unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, one of the
-            files to write is a folder, or a runtime asked for (ONNX Runtime always) missing or broken.
+            files to write is a folder, pipe, socket or device, or a runtime asked for (ONNX Runtime always) missing
+            or broken.
     """
     out = file_name(args.output, "q/digits_int8 (.onnx or .xml is added)")
     implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
@@ -146,6 +147,10 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None, list
     folders = [p for p in outputs.all() if p.is_dir()]
     if folders:
         raise ValueError(f"{folders[0]} is a folder, and this run may write a file there; give another --output")
+    odd = [p for p in outputs.all() if p.exists() and not p.is_file()]  # reading NAME.quantize.json as a pipe hung
+    if odd:
+        raise ValueError(f"{odd[0]} is not a regular file (a pipe, socket or device), and this run may read and "
+                         "replace a file there; remove it, or give another --output")
     try:
         with tempfile.TemporaryFile(dir=out.parent):
             pass
