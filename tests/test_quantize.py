@@ -906,6 +906,23 @@ def test_quantize_cli_writes_the_file_and_report(trained_digits, tmp_path, capsy
     assert f"for scale: {floor.describe()}" in text
 
 
+def test_the_plot_marks_the_answer_and_says_which_images_its_agreement_is_on(digits_int8, tmp_path, monkeypatch):
+    """The plot drew every build at its agreement on the search's half of the images under 'top-1 agreement with fp32
+    (%)', beside a report whose figure is the held-out half's, and did not show which build was the answer."""
+    figure = pytest.importorskip("matplotlib.figure")
+    drawn, save = [], figure.Figure.savefig
+    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))[1])
+    assert quantize_cli.plot_curves(digits_int8, tmp_path / "p.png") == tmp_path / "p.png"
+    ax = drawn[0].axes[0]
+    assert ax.get_ylabel() == "top-1 agreement with fp32 (%)\non the 180 images the search judged on"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    n = len(digits_int8.float_layers)
+    assert f"answer: {n} float layers, {digits_int8.agreement.shown()}% on the 180 held out" in legend, legend
+    star = next(line for line in ax.get_lines() if line.get_marker() == "*")
+    point = next(p for p in digits_int8.curves["onnxruntime"] if p.float_layers == digits_int8.float_layers)
+    assert list(star.get_ydata()) == [100 * point.agreement.top1_agreement]
+
+
 def test_a_quantisers_chatter_goes_to_the_debug_log(capsys, caplog):
     """What a runtime's quantiser prints (calibrator notes, progress bars) and NNCF's INFO lines stay off a
     command's stdout, where its results go: printed text reaches cgavit's debug log, NNCF is held to warnings

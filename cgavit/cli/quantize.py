@@ -398,8 +398,10 @@ def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool,
 
 
 def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
-    """Agreement against speed-up over fp32 ONNX Runtime, one line per path (runtime and float part: the search) and crosses for the
-    pruning's builds, each point labelled with its number of float layers; None (and a note) without matplotlib."""
+    """Agreement against speed-up over fp32 ONNX Runtime on the images the search judged on, one line per path (runtime
+    and float part: the search) and crosses for the pruning's builds, each point labelled with its number of float
+    layers, and a star at the answer (or the best found), its held-out figure in the legend; None (and a note) without
+    matplotlib."""
     try:
         mpl = matplotlib_agg()
     except ImportError:
@@ -418,9 +420,16 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
         for p in search + pruned:
             ax.annotate(str(len(p.float_layers)), (p.speedup, 100 * p.agreement.top1_agreement),
                         textcoords="offset points", xytext=(4, 4), fontsize=8)
+    chosen = next((p for p in result.curves.get(result.point.path, []) if p.float_layers == result.float_layers),
+                  result.point)  # where the curve shows it
+    held = f", {result.agreement.shown()}% on the {result.held_out_images} held out" if result.held_out_images else ""
+    ax.plot([chosen.speedup], [100 * chosen.agreement.top1_agreement], "*", ms=14, color="black", zorder=3,
+            label=f"{'answer' if result.meets_target else 'best found (misses)'}: {len(chosen.float_layers)} float "
+                  f"layers{held}")
     ax.axhline(100 * result.target.agreement, color="grey", ls="--", lw=1, label="target")
     ax.set_xlabel("speed-up over fp32 ONNX Runtime (same run)")
-    ax.set_ylabel("top-1 agreement with fp32 (%)")
+    searched = result.evaluation_images - result.held_out_images
+    ax.set_ylabel(f"top-1 agreement with fp32 (%)\non the {searched} images the search judged on", fontsize=9)
     ax.set_title(f"int8 builds, labelled by layers kept in float\n{result.cpu}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
