@@ -229,7 +229,7 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
     assert torch.equal(module(x), digits_int8.module(x))
     monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     for given in (digits_int8, path):  # the result, or the file cgavit quantize wrote
-        fast = optimize(trained_digits.model, x, "auto", quantized=given, compile=False, features=features(EPYC_AVX2))
+        fast = optimize(trained_digits.model, x, "auto", quantized=given, compile=False, features=features(XEON_AMX))
         assert (fast.choice.precision, fast.choice.backend) == ("int8", "onnxruntime"), fast.choice.reason
         assert "cgavit quantize" in fast.choice.reason and "meets" in fast.choice.reason
     with pytest.raises(ValueError, match="precision='auto'"):
@@ -244,10 +244,10 @@ def test_each_optimize_of_a_quantize_result_is_its_own_module(digits_int8, train
     returned the same object and rewrote the first one's choice (its reason then named images it never saw)."""
     monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
     x = trained_digits.images[torch.randperm(len(trained_digits.images))[:16]]
-    first = optimize(trained_digits.model, x, "auto", quantized=digits_int8, compile=False, features=features(EPYC_AVX2))
+    first = optimize(trained_digits.model, x, "auto", quantized=digits_int8, compile=False, features=features(XEON_AMX))
     reason = first.choice.reason
     second = optimize(trained_digits.model, x[:4], "auto", quantized=digits_int8, compile=False,
-                      features=features(EPYC_AVX2), evaluation=[trained_digits.images])
+                      features=features(XEON_AMX), evaluation=[trained_digits.images])
     assert (first.choice.precision, second.choice.precision) == ("int8", "int8")
     assert first is not second and digits_int8.module not in (first, second)
     assert first.choice.reason == reason and "the example input" in reason and "evaluation images" in second.choice.reason
@@ -297,6 +297,24 @@ def test_auto_says_an_exported_int8_file_records_no_verdict(tmp_path, monkeypatc
                         features=features(EPYC_AVX2))
     assert "misses the target" not in str(caught[0].message) and "misses the target" not in fast.choice.reason
     assert "q.onnx (it records no verdict" in fast.choice.reason, fast.choice.reason
+
+
+def test_auto_does_not_take_an_artifact_on_a_verdict_that_does_not_hold_on_its_cpu(digits_int8, trained_digits,
+                                                                                 monkeypatch):
+    """open_exported warned that the recorded verdict does not hold on this CPU (8-bit weights where the int8 kernels
+    saturate, another instruction set), and auto deciding for that CPU took the file all the same, on that verdict."""
+    monkeypatch.setattr(fastpath, "backend_available", lambda backend, precision="fp32": backend != "openvino")
+    x = trained_digits.images[torch.randperm(len(trained_digits.images))[:8]]
+    for changed, cpu, why in (({"weight_range": "8-bit"}, EPYC_AVX2, "has full 8-bit weights, and this CPU"),
+                              ({"architecture": "arm64"}, XEON_AMX, "was judged on an arm64 CPU")):
+        verdict = {**digits_int8.info.int8, **changed}
+        other = replace(digits_int8, info=replace(digits_int8.info, int8=verdict))
+        with pytest.warns(RuntimeWarning, match="the quantized artifact was not used") as caught:
+            fast = optimize(trained_digits.model, x, "auto", quantized=other, compile=False, features=features(cpu))
+        assert fast.choice.precision != "int8" and why in str(caught[-1].message), str(caught[-1].message)
+        assert why in fast.choice.reason
+    fast = optimize(trained_digits.model, x, "auto", quantized=digits_int8, compile=False, features=features(XEON_AMX))
+    assert fast.choice.precision == "int8"  # as recorded: the verdict holds
 
 
 def test_auto_says_which_path_came_before_the_artifact(digits_int8, trained_digits, monkeypatch):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .agreement import ACCURACY_TOLERANCE, AGREEMENT_TARGET, Agreement
+from .cpu import CpuFeatures, architecture
+from .int8 import architecture_warning, float_part_warning, weight_range_warning
 from .formats import FORMATS, SUFFIX_FORMATS, open_exported
 from .quantize import QuantizeResult, int8_module
 from .runtime import RuntimeModule
@@ -64,6 +66,17 @@ class QuantizedArtifact:
             return (f"it met a looser target than auto's: {' and '.join(looser)}; run cgavit quantize with --agreement "
                     f"{100 * AGREEMENT_TARGET:g} or more and --accuracy-tolerance {ACCURACY_TOLERANCE:g} or less")
         return None
+
+    def distrusted_on(self, features: CpuFeatures) -> str | None:
+        """Why ``auto`` deciding for ``features``' CPU may not take it on its record: :attr:`distrusted`, or its recorded
+        verdict does not hold on that CPU (full 8-bit weights where the int8 kernels saturate, a bf16 float part without
+        native bf16, or judged on another instruction set: the warnings :func:`~cgavit.deploy.formats.open_exported`
+        gives). None: it may."""
+        v = self.verdict
+        unsuited = (weight_range_warning(str(v.get("weight_range", "")), features),
+                    float_part_warning(str(v.get("float_part", "fp32")), features) if self.runtime == "openvino" else None,
+                    architecture_warning(str(v.get("architecture", "")), architecture()))
+        return self.distrusted or next((why for why in unsuited if why), None)
 
     def agreement_shown(self) -> str:
         """The recorded agreement as reports print it (:meth:`~cgavit.deploy.agreement.Agreement.shown`: rounded down
