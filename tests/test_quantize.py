@@ -237,6 +237,9 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
     other = cgavit.create_model("efficientvit_m0", num_classes=1000, img_size=48)  # not the file's model
     with pytest.raises(ValueError, match="returns 10 logits and the model 1000: it is another model's file"):
         optimize(other, x, "auto", quantized=path, compile=False, features=features(EPYC_AVX2))
+    grey = cgavit.create_model("efficientvit_m0", num_classes=10, img_size=48, in_chans=1)  # was told to convert images
+    with pytest.raises(ValueError, match="takes 3-channel images and the model 1-channel ones: it is another model's"):
+        optimize(grey, x[:, :1], "auto", quantized=path, compile=False, features=features(EPYC_AVX2))
 
 
 def test_each_optimize_of_a_quantize_result_is_its_own_module(digits_int8, trained_digits, monkeypatch):

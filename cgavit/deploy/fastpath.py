@@ -444,12 +444,16 @@ def _optimize_auto(
 
 
 def _check_artifact_fits(model: nn.Module, example_input: torch.Tensor, artifact: QuantizedArtifact | None) -> None:
-    """Refuse an artifact made for another image size or another model (its number of logits)."""
+    """Refuse an artifact made for another image size or another model (its image channels, its number of logits)."""
     if artifact is None:
         return
     if tuple(example_input.shape[2:]) != tuple(artifact.img_size):
         raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
                          f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
+    inputs, channels = getattr(artifact.module, "input_shape", None), getattr(model, "in_chans", None)
+    if inputs and len(inputs) == 4 and None not in (inputs[1], channels) and inputs[1] != channels:
+        raise ValueError(f"the quantized artifact takes {inputs[1]}-channel images and the model {channels}-channel "
+                         "ones: it is another model's file; give the one cgavit quantize wrote for this model")
     outputs = getattr(artifact.module, "output_shape", None)
     classes = model_classes(model)
     if outputs and outputs[-1] is not None and classes is not None and outputs[-1] != classes:
