@@ -1087,6 +1087,8 @@ def test_target_and_options_are_checked(trained_digits):
         QuantizeTarget(agreement=99.5)
     with pytest.raises(ValueError, match="points"):
         QuantizeTarget(accuracy_tolerance=-0.1)
+    assert QuantizeTarget().describe().endswith("within 0.3 point of fp32")  # '5 point' read as a slip
+    assert QuantizeTarget(accuracy_tolerance=5).describe().endswith("within 5 points of fp32")
     with pytest.raises(ValueError, match="calibration must be one of"):
         Int8Options(calibration="kl")
     x, cal = trained_digits.images, trained_digits.train_images[:8]  # held-out images judged, training ones calibrate

@@ -112,7 +112,7 @@ class QuantizeTarget:
 
     def describe(self) -> str:
         return (f"top-1 agreement >= {100 * self.agreement:g}% and accuracy within "
-                f"{self.accuracy_tolerance:g} point of fp32")
+                f"{self.accuracy_tolerance:g} point{'s' if self.accuracy_tolerance > 1 else ''} of fp32")
 
 
 @dataclass
