@@ -638,7 +638,7 @@ def split_holdout(images: torch.Tensor, labels: torch.Tensor | None, share: floa
         return images, labels, None
     if not 0 < held < len(images):
         raise ValueError(f"holding out {share:g} of {len(images)} evaluation images leaves a part empty: "
-                         "give more evaluation images, or holdout 0")
+                         "give more evaluation images, or holdout=0 (--holdout 0 on the command line)")
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
     kept, out = order[held:].sort().values, order[:held].sort().values
     return images[kept], None if labels is None else labels[kept], (images[out], None if labels is None else labels[out])
