@@ -7,6 +7,8 @@ import cgavit
 from cgavit.analysis.roofline import (
     attention_costs,
     elementwise_cost,
+    OpRow,
+    format_rows,
     format_summary,
     given_peaks,
     matmul_cost,
@@ -62,6 +64,17 @@ def test_profile_model_verdicts():
 
     flop_sum = sum(r.flops for r in rows if r.op in ("aten::convolution", "aten::addmm", "aten::bmm"))
     assert flop_sum == pytest.approx(2 * count_macs(model, (64, 64)) * 2, rel=0.01)  # batch 2, 2 FLOPs per MAC
+
+
+def test_rows_of_one_operator_are_told_apart_by_their_input_shapes():
+    """A row is one operator at one set of input shapes; the table printed the operator alone, so a model's
+    top rows read 'aten::convolution' eight times with nothing to tell them apart."""
+    peaks = dict(flops=50e9, bandwidth=10e9, ridge=5.0)
+    rows = [OpRow("aten::convolution", "[(4, 3, 64, 64), (8, 3, 3, 3)]", 1, 1e6, 1e5, 1e-3, "compute"),
+            OpRow("aten::convolution", "[(4, 8, 32, 32), (16, 8, 3, 3)]", 1, 1e6, 1e5, 1e-3, "compute")]
+    head, _, first, second = format_rows(rows, peaks).splitlines()
+    assert "input shapes" in head
+    assert first.endswith("[(4, 3, 64, 64), (8, 3, 3, 3)]") and second.endswith("[(4, 8, 32, 32), (16, 8, 3, 3)]")
 
 
 def test_roofline_cli(capsys):

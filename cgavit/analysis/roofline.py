@@ -219,12 +219,13 @@ def summarize(rows: list[OpRow]) -> dict[str, float]:
 def format_rows(rows: list[OpRow], peaks: dict[str, float], top: int = 20) -> str:
     total = sum(r.time_s for r in rows) or 1.0
     head = f"{'operator':<34}{'calls':>6}{'MFLOP':>10}{'MB moved':>10}{'FLOP/B':>8}{'ms':>9}{'time %':>7}  bound   roofline ms"
+    head += "  input shapes"  # one row per operator and shapes: the shapes tell same-named rows apart
     lines = [head, "-" * len(head)]
     for r in rows[:top]:
         ideal = max(r.flops / peaks["flops"], r.bytes / peaks["bandwidth"]) * 1e3
         ai = f"{r.intensity:.1f}" if r.bytes else "-"
         lines.append(f"{r.op[:33]:<34}{r.calls:>6}{r.flops / 1e6:>10.1f}{r.bytes / 1e6:>10.2f}{ai:>8}"
-                     f"{r.time_s * 1e3:>9.2f}{100 * r.time_s / total:>6.1f}%  {r.bound:<8}{ideal:>8.2f}")
+                     f"{r.time_s * 1e3:>9.2f}{100 * r.time_s / total:>6.1f}%  {r.bound:<8}{ideal:>8.2f}     {r.shapes}")
     return "\n".join(lines)
 
 
