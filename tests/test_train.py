@@ -227,6 +227,14 @@ def test_a_process_group_terminated_mid_run_saves_it(data, tmp_path):
     assert proc.stderr.count("received SIGTERM") == 1, proc.stderr[-3000:]  # the run's, not once more per worker
     assert ckpt_io.load(out / "last.pt")["next_step"] == 2
 
+def test_the_start_line_says_1_epoch(tmp_path, caplog):
+    """The run's first log line said '1 epochs' (the demo's summary had been mended, this line not)."""
+    root = make_folder(tmp_path / "ds")
+    with caplog.at_level(logging.INFO, logger="cgavit"):
+        train(tiny(data=str(root), epochs=1, workers=0, output=str(tmp_path / "run")))
+    assert f", 1 epoch -> {tmp_path / 'run'}" in caplog.text, caplog.text
+
+
 def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
     root = make_folder(tmp_path / "ds")
     (root / "train" / "class_0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")

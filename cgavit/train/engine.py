@@ -241,9 +241,10 @@ def _fit(run: Run, t_start: float) -> TrainResult:
         run.net = nn.parallel.DistributedDataParallel(run.model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
     total_epochs = cfg.epochs + cfg.cooldown_epochs
     log.info(
-        "%s (%.2fM params), %d classes, %d train / %d val images, %d process(es) x batch %d, lr %.2e, %d epochs -> %s",
+        "%s (%.2fM params), %d classes, %d train / %d val images, %d process(es) x batch %d, lr %.2e, %d epoch%s -> %s",
         cfg.model, sum(p.numel() for p in run.model.parameters()) / 1e6, len(run.classes), len(run.loaders.train.dataset),
-        len(run.loaders.val.dataset), env.world, cfg.batch_size, run.lr, total_epochs, output,
+        len(run.loaders.val.dataset), env.world, cfg.batch_size, run.lr, total_epochs, "" if total_epochs == 1 else "s",
+        output,
     )
     rows = records.read_metrics(output / "metrics.jsonl") if env.is_main else []  # rank 0 keeps the record
     skipped: set[str] = set()  # unreadable images met so far, each warned about once
