@@ -235,6 +235,27 @@ def test_the_start_line_says_1_epoch(tmp_path, caplog):
     assert f", 1 epoch -> {tmp_path / 'run'}" in caplog.text, caplog.text
 
 
+def test_the_curves_mark_whole_epochs(tmp_path, monkeypatch):
+    """A one-epoch run's curves.png had its epoch axes ticked 0.96, 0.98, 1.00, 1.02, 1.04."""
+    import matplotlib.pyplot as plt
+
+    from cgavit.train import records
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    for epochs in (1, 3, 40):
+        rows = [dict(epoch=e, train_loss=2.0, val_loss=2.1, val_top1=20.0, val_top5=50.0, lr=1e-4) for e in range(epochs)]
+        records.plot_curves(rows, tmp_path / "curves.png")
+        fig = figures.pop()
+        for ax in fig.axes:
+            lo, hi = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+            assert ticks and all(float(t).is_integer() for t in ticks), (epochs, ax.get_title(), ticks)
+        monkeypatch.undo()
+        plt.close(fig)
+        monkeypatch.setattr(plt, "close", figures.append)
+
+
 def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
     root = make_folder(tmp_path / "ds")
     (root / "train" / "class_0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")

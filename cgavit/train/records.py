@@ -102,6 +102,8 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> Path | None:
     ax.plot(ep, [r["lr"] for r in rows], "o-", ms=3)
     ax.set(xlabel="epoch", ylabel="learning rate", title="learning rate (last update of the epoch)")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    for ax in axes:  # whole epochs only (a one-epoch run's axis read 0.96, 0.98, 1.00, ...)
+        ax.xaxis.get_major_locator().set_params(integer=True, min_n_ticks=1)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
