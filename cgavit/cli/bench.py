@@ -130,5 +130,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-split", default="train", help="calibration split folder name (default train)")
     p.add_argument("--val-split", default="val", help="evaluated split folder name (default val)")
     p.add_argument("--train-batch", type=int, default=64, help="--train: batch of the training comparison (default 64)")
-    p.add_argument("--output", "--out", dest="out", default="bench-results", help="folder for bench.csv, bench.json and the plot; with --skip-table, bench.json alone ('' = none)")
+    p.add_argument("--output", "--out", dest="out", default="bench-results", help="folder for bench.csv, bench.json and the plot; with --skip-table, bench.json alone "
+                   "(default bench-results; '' = write none)")
     p.set_defaults(func=run)

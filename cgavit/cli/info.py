@@ -30,8 +30,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="print the variant table (params, MACs, widths, depths, heads)")
+    p = sub.add_parser(
+        "info",
+        help="print the variant table (params, MACs, widths, depths, heads)",
+        description="Print each EfficientViT variant's parameters and MACs (counted on the model at --img-size), "
+        "its published ImageNet-1k top-1 (at 224 px) and its widths, depths and heads per stage: the names "
+        "--model takes in every command.",
+    )
     p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N", help="input size: N or H W (default 224)")
-    p.add_argument("--model", nargs="*", help="only these variants")
+    p.add_argument("--model", nargs="*", help="only these variants, e.g. efficientvit_m0 m4 (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)

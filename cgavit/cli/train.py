@@ -19,7 +19,7 @@ from ..bounds import INTERPOLATIONS
 from ..deploy.agreement import Agreement
 from ..io import printable, printable_line
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
-from ..train.demo import run_demo, summary_lines
+from ..train.demo import DEMO_EPOCHS, run_demo, summary_lines
 from .common import add_dial_args, dials_from_args, image_size
 from .options import add_options, option_values
 
@@ -221,7 +221,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "`cgavit train`, evaluates the held-out split, and writes a checkpoint, report and curves.",
     )
     p.add_argument("--output", default="runs/demo", metavar="DIR", help="output folder (default runs/demo)")
-    p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the demo recipe's)")
+    p.add_argument("--epochs", type=int, default=None, help=f"training epochs (default {DEMO_EPOCHS}, the demo recipe's; 1 for a quick look at the pipeline)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores - 1, at most 4)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
