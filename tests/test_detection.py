@@ -594,6 +594,23 @@ def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_pat
     assert model.detections_per_img == 7 and "left out the detector setting scor_thresh=0.9" in caplog.text
 
 
+def test_shapes_says_how_to_train_on_what_it_wrote(tmp_path, capsys):
+    """``detect shapes`` named its files and stopped; training on them takes four paths and flags a newcomer has to
+    find in the docs. The command it suggests must parse as written."""
+    import shlex
+
+    from cgavit.cli import build_parser
+
+    out = tmp_path / "my shapes"
+    assert main(["detect", "shapes", "--out", str(out), "--num-train", "1", "--num-val", "1", "--size", "48"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("try:")]
+    argv = shlex.split(line[len("try:"):])
+    assert argv[:3] == ["cgavit", "detect", "train"]
+    args = build_parser().parse_args(argv[1:])
+    assert (args.train_json, args.val_images) == (str(out / "train.json"), str(out / "val"))
+    assert args.freeze_bn is False and (args.min_size, args.max_size) == (48, 48)  # --train-bn: a random backbone
+
+
 def test_shapes_never_writes_over_a_users_files(tmp_path, capsys):
     """``detect shapes --out data`` replaced a user's own train.json without a word."""
     user = tmp_path / "data"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -125,6 +126,11 @@ def run_shapes(args: argparse.Namespace) -> int:
     for split, n, seed in (("train", args.num_train, args.seed), ("val", args.num_val, args.seed + 1)):
         d, j = write_shapes_dataset(args.out, n, args.size, seed=seed, max_shapes=args.max_shapes, split=split)
         print(f"{split}: {n} images in {d}, annotations {j}")
+    out = Path(args.out)
+    command = ["cgavit", "detect", "train", "--train-json", str(out / "train.json"), "--train-images", str(out / "train"),
+               "--val-json", str(out / "val.json"), "--val-images", str(out / "val"), "--backbone", "efficientvit_m0",
+               "--train-bn", "--min-size", str(args.size), "--max-size", str(args.size)]
+    print(f"try:   {printable_line(shlex.join(command))}")  # a random backbone needs --train-bn (see its help)
     return 0
 
 
