@@ -594,6 +594,17 @@ def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_pat
     assert model.detections_per_img == 7 and "left out the detector setting scor_thresh=0.9" in caplog.text
 
 
+def test_progress_in_a_log_file_is_lines_not_bars(shapes, tmp_path, capsys, caplog):
+    """Piped to a file, detect train wrote its tqdm bars' redraws there (a carriage return each, one long line per
+    epoch); cgavit train's way is a bar on a terminal only, else a log line every --log-every updates."""
+    with caplog.at_level(logging.INFO, logger="cgavit"):
+        train(_config(shapes, tmp_path / "run", epochs=1, batch_size=1, val_json=shapes["val_json"],
+                      val_images=shapes["val_images"]))
+    err = capsys.readouterr().err
+    assert "epoch 1/1:" not in err and "eval:" not in err and "\r" not in err, err[-2000:]
+    assert "epoch 1/1 [1/2] loss" in caplog.text and "epoch 1/1 [2/2] loss" in caplog.text, caplog.text
+
+
 def test_shapes_says_how_to_train_on_what_it_wrote(tmp_path, capsys):
     """``detect shapes`` named its files and stopped; training on them takes four paths and flags a newcomer has to
     find in the docs. The command it suggests must parse as written."""

@@ -110,7 +110,7 @@ class DetectionTrainConfig:
         "polygons under 3 points) and images too thin for the resize instead of skipping them with a warning",
     )
     device: str = option("auto", "auto (GPU of this process if any), cpu or cuda")
-    log_every: int = option(20, "iterations between metrics.jsonl lines")
+    log_every: int = option(20, "iterations between metrics.jsonl lines, and between progress lines in the log when stderr is not a terminal (a terminal shows a bar)")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (its command-line flag) that is missing or out of bounds."""
@@ -210,7 +210,8 @@ def evaluate(
                             worker_init_fn=ignore_stop_signals)
     label_to_cat = [0] + [cid for cid, _ in dataset.categories]
     bbox, segm = [], []
-    for images, targets in tqdm(batches(loader), total=len(loader), desc="eval", disable=not (progress and env.is_main), leave=False):
+    hidden = None if progress and env.is_main else True  # None: a bar where stderr is a terminal, none in a log file
+    for images, targets in tqdm(batches(loader), total=len(loader), desc="eval", disable=hidden, leave=False):
         outputs = model([im.to(env.device) for im in images])
         for target, output in zip(targets, outputs):
             b, s = to_coco_results(int(target["image_id"]), output, label_to_cat)
@@ -681,7 +682,7 @@ def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> t
     sums: dict[str, float] = {}
     t0 = time.time()
     bar = tqdm(batches(run.loader), total=updates, initial=start, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-               disable=not env.is_main, leave=False)
+               disable=None if env.is_main else True, leave=False)  # a terminal's: else a log line every --log-every
     lr = run.optimizer.param_groups[0]["lr"]
     for images, targets in bar:
         seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + made))  # RPN / RoI sampling: keyed to the update
@@ -694,7 +695,10 @@ def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> t
             keys = sorted(values)
             avg = reduce_sum(env, [values[k] for k in keys])
             if env.is_main:
-                append_jsonl(run.metrics_path, dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)}))
+                record = dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)})
+                append_jsonl(run.metrics_path, record)
+                if bar.disable:  # stderr is no terminal (a log file): a line, not the bar's redraws
+                    log.info("epoch %d/%d [%d/%d] loss %.4f lr %.2e", epoch + 1, cfg.epochs, made, updates, record["loss"], lr)
         if made < updates and any_true(env, run.stopper.signum is not None):  # every rank stops where any was signalled
             break
     sums, count = _epoch_sums(env, sums, made - start, part)
