@@ -110,7 +110,8 @@ class DetectionTrainConfig:
         "polygons under 3 points) and images too thin for the resize instead of skipping them with a warning",
     )
     device: str = option("auto", "auto (GPU of this process if any), cpu or cuda")
-    log_every: int = option(20, "iterations between metrics.jsonl lines, and between progress lines in the log when stderr is not a terminal (a terminal shows a bar)")
+    log_every: int = option(20, "iterations between metrics.jsonl lines, and between progress lines in the log when "
+                                "stderr is not a terminal (a terminal shows a bar)")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (its command-line flag) that is missing or out of bounds."""
