@@ -605,6 +605,32 @@ def test_progress_in_a_log_file_is_lines_not_bars(shapes, tmp_path, capsys, capl
     assert "epoch 1/1 [1/2] loss" in caplog.text and "epoch 1/1 [2/2] loss" in caplog.text, caplog.text
 
 
+def test_the_loss_figure_reads_in_plain_words_and_numbers(tmp_path, monkeypatch):
+    """loss.png's axes were labelled 'lr' and ticked '2 x 10^0', '10^0', its total loss listed as 'loss' beside the
+    losses it sums."""
+    import matplotlib.pyplot as plt
+
+    from cgavit.detection.engine import plot_losses
+
+    rows = [dict(type="step", epoch=1, iter=i, lr=1e-4, loss=2.1 - i / 100, classification=1.1, bbox_regression=0.8)
+            for i in range(2, 10, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    monkeypatch.undo()
+    (fig,) = figures
+    fig.canvas.draw()
+    losses, rate = fig.axes
+    assert rate.get_ylabel() == "learning rate" and "log scale" in losses.get_ylabel()
+    assert sorted(t.get_text() for t in losses.get_legend().get_texts()) == ["bbox_regression", "classification", "total"]
+    lo, hi = losses.get_ylim()
+    ticks = [t.get_text() for t in losses.get_yticklabels() + losses.get_yticklabels(minor=True)
+             if t.get_text() and lo <= t.get_position()[1] <= hi]
+    assert ticks and all(t.replace(".", "").isdigit() for t in ticks), ticks
+    plt.close(fig)
+
+
 def test_shapes_says_how_to_train_on_what_it_wrote(tmp_path, capsys):
     """``detect shapes`` named its files and stopped; training on them takes four paths and flags a newcomer has to
     find in the docs. The command it suggests must parse as written."""

@@ -204,6 +204,17 @@ def scatter(
     return _save(fig, path)
 
 
+def _plain_log_labels():
+    """A log axis's minor tick labels as plain numbers (%g): the ticks matplotlib's LogFormatter labels (those of a
+    narrow axis, none of one spanning decades), not in its e- or x10^ notation."""
+
+    class Plain(pyplot().LogFormatter):
+        def __call__(self, x, pos=None):
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    return Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4))
+
+
 def training_curves(
     steps: Sequence[Mapping[str, float]], path: Path, x: str = "iter", rate: str = "lr", skip: Sequence[str] = ()
 ) -> Path:
@@ -220,13 +231,16 @@ def training_curves(
     xs = [r[x] for r in steps]
     keys = [k for k in steps[-1] if k not in (x, rate, *skip)]
     for k in keys:
-        ax.plot(xs, [r.get(k, float("nan")) for r in steps], label=k, lw=1.5 if k == "loss" else 1)
-    ax.set_ylabel("training loss")
+        total = k == "loss"
+        ax.plot(xs, [r.get(k, float("nan")) for r in steps], label="total" if total else k, lw=1.5 if total else 1)
+    ax.set_ylabel("training loss (log scale)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))  # 0.1, 1: not 10^-1, 10^0
+    ax.yaxis.set_minor_formatter(_plain_log_labels())  # 2, 0.5: not 2x10^0, 5e-01
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax_lr.plot(xs, [r[rate] for r in steps], color="k")
-    ax_lr.set_ylabel("lr")
+    ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("iteration")
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
