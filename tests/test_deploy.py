@@ -249,6 +249,30 @@ def test_export_cli(tmp_path, capsys):
     assert main(["export", "--model", "m0", "--output", os.fspath(tmp_path / "missing" / "m.onnx")]) == 2
 
 
+def test_export_says_how_to_use_the_file_it_wrote(tmp_path, capsys):
+    """export wrote the file, checked it and stopped; eval and predict take an ONNX file with class names, and the
+    command now says so (and only then: a file without class names is refused by both)."""
+    import shlex
+
+    from cgavit.cli import main
+    from cgavit.schema import WeightsMeta
+
+    model = cgavit.create_model("m0", img_size=64, embed_dim=(32, 48, 64), depth=(1, 1, 1), num_heads=(2, 2, 2),
+                                num_classes=2)
+    ckpt = tmp_path / "two classes.safetensors"
+    cgavit.save_weights(model, ckpt, WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=2,
+                                                 img_size=64, class_names=("cat", "dog")))
+    out = tmp_path / "m 0.onnx"
+    assert main(["export", "--checkpoint", str(ckpt), "--output", str(out)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("try:")]
+    predict, evaluate = (shlex.split(part) for part in line[len("try:"):].split("   or   "))
+    assert predict == ["cgavit", "predict", "IMAGE", "--checkpoint", str(out)]
+    assert evaluate == ["cgavit", "eval", "--checkpoint", str(out), "--data", "DIR"]
+    assert main(["export", "--model", "m0", "--output", str(tmp_path / "random.onnx"), "--img-size", "64",
+                 "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"]) == 0
+    assert "try:" not in capsys.readouterr().out  # random weights, no class names: eval and predict refuse it
+
+
 def test_a_runtime_installed_but_broken_is_passed_over_and_named(tmp_path, monkeypatch):
     """From a fast-path review: a runtime found on the path counted as available though it failed to import (a
     missing shared library), so optimize's default fp32 path and precision='auto' were ImportError tracebacks. It

@@ -4,6 +4,7 @@ against PyTorch."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from torch import nn
@@ -14,7 +15,7 @@ from ..deploy.formats import FIXED_BATCH_FORMATS, export_metadata, require_forma
 from ..deploy.fusion import named_output
 from ..deploy.openvino import ir_path
 from ..factory import ModelInfo, create_model, load_model
-from ..io import replace_together, staging
+from ..io import printable_line, replace_together, staging
 from .common import add_dial_args, dials_from_args, image_size
 
 __all__ = ["EXPORT_TOLERANCE", "register", "run"]
@@ -129,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{dest} does not pass its check (above): it is kept for a look under that name, and {out} was not "
               f"written{' (the file there is as it was)' if out.exists() else ''}; do not ship it; exit status 1")
         return 1
+    if FORMATS[args.format].metadata and metadata.class_names:  # a file eval and predict take
+        name = printable_line(shlex.quote(str(dest)))
+        print(f"try:   cgavit predict IMAGE --checkpoint {name}   or   cgavit eval --checkpoint {name} --data DIR")
     return 0
 
 
