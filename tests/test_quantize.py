@@ -1524,3 +1524,26 @@ def test_an_answer_replaces_only_the_other_runtimes_earlier_answer(digits_int8, 
         text = capsys.readouterr().out
         assert f"note: {folder}/{left.format(folder)}" in text and "removed" not in text, text
     assert open_exported(folder / "fp32.xml")[1].precision == "fp32" and (folder / "lone.bin").exists()
+
+
+def test_the_quantize_plot_names_its_target_and_stops_at_100_percent(tmp_path, monkeypatch):
+    """The plot's dashed line was labelled 'target' with no value, and its agreement axis ran to 104 % when every
+    build agreed fully (the axis padding around 100 %)."""
+    from types import SimpleNamespace
+
+    import matplotlib.pyplot as plt
+
+    from cgavit.cli.quantize import plot_curves
+
+    points = [SimpleNamespace(step="search", float_layers=["a"] * n, speedup=s, agreement=SimpleNamespace(top1_agreement=1.0))
+              for n, s in ((3, 1.07), (1, 1.4))]
+    result = SimpleNamespace(curves={"onnxruntime": points}, target=SimpleNamespace(agreement=0.995), cpu="a CPU")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    assert plot_curves(result, tmp_path / "q.png") == tmp_path / "q.png"
+    monkeypatch.undo()
+    (fig,) = figures
+    (ax,) = fig.axes
+    assert "target: 99.5 % agreement" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert 100 < ax.get_ylim()[1] <= 100.5 and ax.get_ylim()[0] < 99.5
+    plt.close(fig)

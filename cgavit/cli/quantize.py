@@ -423,10 +423,12 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
     chosen = next((p for p in result.curves.get(result.point.path, []) if p.float_layers == result.float_layers),
                   result.point)  # where the curve shows it
     held = f", {result.agreement.shown()}% on the {result.held_out_images} held out" if result.held_out_images else ""
-    ax.plot([chosen.speedup], [100 * chosen.agreement.top1_agreement], "*", ms=14, color="black", zorder=3,
+    ax.plot([chosen.speedup], [100 * chosen.agreement.top1_agreement], "*", ms=14, color="black", zorder=3, clip_on=False,
             label=f"{'answer' if result.meets_target else 'best found (misses)'}: {len(chosen.float_layers)} float "
                   f"layers{held}")
-    ax.axhline(100 * result.target.agreement, color="grey", ls="--", lw=1, label="target")
+    ax.axhline(100 * result.target.agreement, color="grey", ls="--", lw=1,
+               label=f"target: {100 * result.target.agreement:g} % agreement")
+    ax.set_ylim(top=min(ax.get_ylim()[1], 100.5))  # no agreement above 100 %: the axis stops there
     ax.set_xlabel("speed-up over fp32 ONNX Runtime (same run)")
     searched = result.evaluation_images - result.held_out_images
     ax.set_ylabel(f"top-1 agreement with fp32 (%)\non the {searched} images the search judged on", fontsize=9)
