@@ -631,6 +631,26 @@ def test_the_loss_figure_reads_in_plain_words_and_numbers(tmp_path, monkeypatch)
     plt.close(fig)
 
 
+def test_detect_train_says_how_to_use_the_model_it_wrote(shapes, tmp_path, capsys):
+    """detect train named its files and stopped; the next commands (predict, and eval on the validation data given)
+    are printed, and parse as written."""
+    import shlex
+
+    from cgavit.cli import build_parser
+
+    out = tmp_path / "my run"
+    assert main(["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+                 "--val-json", shapes["val_json"], "--val-images", shapes["val_images"], "--backbone", "m0",
+                 "--train-bn", "--min-size", "64", "--max-size", "64", "--warmup-iters", "0", "--lr-steps",
+                 "--epochs", "1", "--workers", "0", "--device", "cpu", "--output", str(out)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("try:")]
+    predict, evaluate = (shlex.split(part) for part in line[len("try:"):].split("   or   "))
+    assert predict[:4] == ["cgavit", "detect", "predict", "IMAGE"]
+    assert build_parser().parse_args(predict[1:]).checkpoint == str(out / "model.pth")
+    args = build_parser().parse_args(evaluate[1:])
+    assert (args.detect_command, args.checkpoint, args.val_json) == ("eval", str(out / "model.pth"), shapes["val_json"])
+
+
 def test_shapes_says_how_to_train_on_what_it_wrote(tmp_path, capsys):
     """``detect shapes`` named its files and stopped; training on them takes four paths and flags a newcomer has to
     find in the docs. The command it suggests must parse as written."""

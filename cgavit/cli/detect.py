@@ -76,7 +76,19 @@ def run_train(args: argparse.Namespace) -> int:
         written = [name for name in ("checkpoint.pth", "model.pth", "metrics.jsonl", "loss.png") if (Path(cfg.output) / name).is_file()]
         note = "" if "loss.png" in written else " (no loss.png: no loss was logged; runs shorter than --log-every iterations log none)"
         print(f"{', '.join(written)} in {cfg.output}{note}")
+        if "model.pth" in written:
+            print(f"try:   {printable_line('   or   '.join(shlex.join(c) for c in next_commands(cfg)))}")
     return 0
+
+
+def next_commands(cfg: DetectionTrainConfig) -> list[list[str]]:
+    """What to run on a trained detector: draw its detections, and evaluate it on the validation data it was given."""
+    model = str(Path(cfg.output) / "model.pth")
+    commands = [["cgavit", "detect", "predict", "IMAGE", "--checkpoint", model]]
+    if cfg.val_json and cfg.val_images:
+        commands.append(["cgavit", "detect", "eval", "--checkpoint", model, "--val-json", cfg.val_json,
+                         "--val-images", cfg.val_images])
+    return commands
 
 
 def shown_metrics(record: dict[str, Any]) -> dict[str, float]:
