@@ -256,6 +256,23 @@ def test_the_curves_mark_whole_epochs(tmp_path, monkeypatch):
         monkeypatch.setattr(plt, "close", figures.append)
 
 
+def test_train_says_how_to_use_the_weights_it_wrote(tmp_path, capsys):
+    """cgavit train printed its JSON result and stopped; on stderr (stdout stays the JSON alone) it now gives the
+    commands that use best.safetensors, as the demo does, and they parse as written."""
+    import shlex
+
+    from cgavit.cli import build_parser, main
+
+    root, out = make_folder(tmp_path / "my data"), tmp_path / "run"
+    assert main(["train", "--data", str(root), *TINY_ARGV, "--epochs", "1", "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["weights"] == str(out / "best.safetensors")
+    (line,) = [x for x in captured.err.splitlines() if x.startswith("try:")]
+    evaluate, predict = (build_parser().parse_args(shlex.split(p)[1:]) for p in line[len("try:"):].split("   or   "))
+    assert (evaluate.checkpoint, evaluate.data) == (str(out / "best.safetensors"), str(root))
+    assert (predict.images, predict.checkpoint) == (["IMAGE"], str(out / "best.safetensors"))
+
+
 def test_unreadable_images_are_skipped_and_counted(tmp_path, caplog):
     root = make_folder(tmp_path / "ds")
     (root / "train" / "class_0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")

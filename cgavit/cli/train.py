@@ -54,9 +54,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
-    result = train(config_from_args(args))
+    cfg = config_from_args(args)
+    result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in result.to_dict().items() if k != "classes"}, indent=1))
+        if result.weights:  # on stderr: stdout is the JSON alone
+            use = [["cgavit", "eval", "--checkpoint", result.weights, "--data", cfg.data or "DIR"],
+                   ["cgavit", "predict", "IMAGE", "--checkpoint", result.weights]]
+            print(f"try:   {printable_line('   or   '.join(shlex.join(c) for c in use))}", file=sys.stderr)
     if result.interrupted and result.signal is not None:
         return 128 + int(result.signal)
     return 0
