@@ -172,8 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cgavit",
         description="EfficientViT with cascaded group attention: models, training, speed, analyses.",
+        epilog="New here? 'cgavit demo' trains a small model on bundled digits (no data or download needed) and "
+        "prints a predict command to try on it. 'cgavit COMMAND --help' explains each command and its options.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (more detail on stderr)")
     parser.add_argument("--debug", action="store_true", help="show the full traceback when a command fails")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in command_modules():

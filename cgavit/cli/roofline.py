@@ -78,11 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="efficientvit_m4", help="cgavit variant or timm model (default efficientvit_m4)")
     p.add_argument("--compare", default="deit_tiny_patch16_224",
                    help="second model side by side (default deit_tiny_patch16_224; '' for none)")
-    p.add_argument("--batch", type=int, default=16, help="batch (default 16)")
-    p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
-    p.add_argument("--threads", type=int, default=1, help="threads (default 1)")
+    p.add_argument("--batch", type=int, default=16, help="images per profiled forward pass (default 16)")
+    p.add_argument("--img-size", type=int, default=224, help="input size in pixels, square (default 224)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for the peaks and the profile (default 1, as cgavit bench on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="profiled forward passes (default 3)")
-    p.add_argument("--top", type=int, default=20, help="operator rows to print (default 20)")
+    p.add_argument("--top", type=int, default=20,
+                   help="rows to print per model, slowest first: one per operator and input shapes (default 20)")
     p.add_argument("--json", action="store_true", help="print only one JSON object: the peaks, each model's summary and its --top operator rows")
     p.add_argument("--peak-seconds", type=float, default=1.0, help="seconds per peak micro-benchmark (default 1; best rate kept)")
     p.add_argument("--peak-gflops", type=float, help="use this fp32 peak (GFLOP/s) instead of the measured one")
