@@ -341,6 +341,21 @@ def test_taylor_refuses_all_zero_importance(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+def test_taylor_refuses_random_weights_before_any_work(tmp_path, monkeypatch):
+    """Without --checkpoint or --pretrained the importances are all zero by construction, yet analyze taylor read
+    the images and ran every pass first (24 s at its defaults on 2 cores) to say so."""
+    from cgavit.analysis import reports
+
+    def never(cfg):
+        raise AssertionError("images read for a refused run")
+
+    monkeypatch.setattr(reports, "load_sample", never)
+    cfg = AnalysisConfig(output=str(tmp_path / "t"), data=str(tmp_path / "data"), img_size=64, dials=TINY)
+    with pytest.raises(ValueError, match="gradients are all zero.*give a trained --checkpoint or --pretrained"):
+        run_taylor(cfg)
+    assert not (tmp_path / "t").exists()
+
+
 def test_taylor_no_gradient_kinds_are_marked_and_not_pruned(tmp_path, capsys, trained_digits):
     # at 48 px stage 3 attends over one token: its softmax is 1, so Q and K get no gradient at all
     blocks = taylor_importance(trained_digits.model, [(trained_digits.images[:16], trained_digits.labels[:16])])

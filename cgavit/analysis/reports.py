@@ -313,8 +313,9 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
         list_pruned: how many first-pruned channels the JSON lists.
 
     Raises:
-        ValueError: bad options, labels the model has no classes for, or importances that are all zero
-            (random weights: :func:`~cgavit.analysis.taylor.taylor_importance`).
+        ValueError: bad options (no checkpoint or published weights: random weights have no importance), labels
+            the model has no classes for, or importances that are all zero
+            (:func:`~cgavit.analysis.taylor.taylor_importance`).
     """
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
@@ -322,6 +323,10 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
         raise ValueError(f"--prune-ratio must be in [0, 1), got {prune_ratio}")
     if list_pruned < 0:
         raise ValueError(f"--list-pruned must be >= 0, got {list_pruned}")
+    if not (cfg.checkpoint or cfg.pretrained):  # known before the images are read and the passes run
+        raise ValueError("randomly initialised weights have no Taylor importance: the loss gradients are all zero "
+                         "(each residual branch ends in a zero-initialised BatchNorm); give a trained --checkpoint "
+                         "or --pretrained")
     sample = load_sample(cfg)
     y, why = loss_targets(cfg, sample, targets)
     parts = y.tensor_split(len(sample.batches)) if y is not None else [None] * len(sample.batches)

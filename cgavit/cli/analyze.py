@@ -83,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="first-order Taylor importance of Q/K/V/FFN/projection channels",
         description="|w * dL/dw| summed per output channel over the images (eval mode, mean cross-entropy). Writes "
         "taylor.json, taylor_spread.png (Q/K vs V vs FFN importance per stage) and taylor_pruning.png (channels kept "
-        "per stage and kind when the least important --prune-ratio of all are removed).",
+        "per stage and kind when the least important --prune-ratio of all are removed). Needs trained weights "
+        "(--checkpoint or --pretrained): a random model's gradients are all zero.",
     )
     _common(t)
     t.add_argument("--targets", choices=TARGETS, default="auto",
