@@ -441,6 +441,16 @@ def _texts(fig) -> list[str]:
     return [t.get_text() for ax in fig.axes for t in ax.texts]
 
 
+def test_the_heatmaps_name_their_axes(tmp_path, drawn):
+    """heads_matrices.png's panels were ticked 1..h on both axes with nothing saying these were heads."""
+    cfg = AnalysisConfig(output=str(tmp_path / "h"), data=str(_image_folder(tmp_path / "data")), img_size=64,
+                         num_images=2, dials=dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2)))
+    run_heads(cfg)
+    panels = [ax for ax in drawn["heads_matrices.png"].axes if ax.images]
+    assert len(panels) == 3 and all(ax.get_xlabel() == "head" for ax in panels)
+    assert [ax.get_ylabel() for ax in panels] == ["head", "", ""]  # beside the row, not between its panels
+
+
 def test_heads_plot_marks_one_token_blocks(tmp_path, trained_digits, drawn):
     cfg = AnalysisConfig(output=str(tmp_path / "h"), checkpoint=str(trained_digits.checkpoint),
                          data=str(trained_digits.data / "val"), num_images=4)

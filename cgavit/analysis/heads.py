@@ -237,6 +237,7 @@ def plot_similarity(blocks: list[BlockSimilarity], out_dir: str | os.PathLike, t
             [f"{lab} ({b.tokens} tok)" for lab, b in zip(labels, blocks)],
             out_dir / "heads_matrices.png",
             title=f"head attention-map cosine similarity {title}".strip(),
+            axis_label="head",
         ),
         bar_chart(
             {"mean off-diagonal": means},

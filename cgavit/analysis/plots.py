@@ -50,8 +50,8 @@ def _save(fig, path: Path) -> Path:
     return Path(path)
 
 
-def heatmap_grid(matrices: Sequence, titles: Sequence[str], path: Path, title: str = "") -> Path:
-    """One panel per matrix (values 0..1), a shared colour bar."""
+def heatmap_grid(matrices: Sequence, titles: Sequence[str], path: Path, title: str = "", axis_label: str = "") -> Path:
+    """One panel per matrix (values 0..1), a shared colour bar; ``axis_label`` names what rows and columns are."""
     plt = pyplot()
     n = len(matrices)
     cols = min(n, 6)
@@ -66,6 +66,9 @@ def heatmap_grid(matrices: Sequence, titles: Sequence[str], path: Path, title: s
         ax.set_xticklabels([str(i + 1) for i in range(h)], fontsize=7)
         ax.set_yticklabels([str(i + 1) for i in range(h)], fontsize=7)
         ax.set_title(t, fontsize=8)
+        ax.set_xlabel(axis_label, fontsize=7)
+        if ax.get_subplotspec().is_first_col():  # beside a panel, not between two
+            ax.set_ylabel(axis_label, fontsize=7)
         if h <= 6:
             for i in range(h):
                 for j in range(h):
