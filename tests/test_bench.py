@@ -395,3 +395,26 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "out of memory (768.0 GiB asked for at once); give a smaller batch or image size" in err
     assert "Traceback" not in err
+
+
+def test_the_throughput_axis_is_ticked_in_plain_numbers(tmp_path, monkeypatch):
+    """accuracy_vs_throughput.png's log axis read '1000' beside '2 x 10^3' and '3 x 10^3' (its minor ticks)."""
+    import matplotlib.pyplot as plt
+
+    from cgavit.bench.report import plot
+
+    results = [Result("cgavit efficientvit_m0 fuse", "ours", "efficientvit_m0", 63.2, [937.0]),
+               Result("timm efficientvit_m0", "timm-port", "efficientvit_m0", 63.2, [1147.0]),
+               Result("cgavit efficientvit_m0 onnxruntime", "ours", "efficientvit_m0", 63.2, [3682.0])]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    plot(results, tmp_path / "p.png", "title")
+    monkeypatch.undo()
+    (fig,) = figures
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    lo, hi = ax.get_xlim()
+    ticks = [t.get_text() for t in ax.get_xticklabels() + ax.get_xticklabels(minor=True)
+             if t.get_text() and lo <= t.get_position()[0] <= hi]
+    assert "1000" in ticks and "2000" in ticks and all(t.isdigit() for t in ticks), ticks
+    plt.close(fig)

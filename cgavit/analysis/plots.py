@@ -207,7 +207,7 @@ def scatter(
     return _save(fig, path)
 
 
-def _plain_log_labels():
+def plain_log_labels():
     """A log axis's minor tick labels as plain numbers (%g): the ticks matplotlib's LogFormatter labels (those of a
     narrow axis, none of one spanning decades), not in its e- or x10^ notation."""
 
@@ -239,7 +239,7 @@ def training_curves(
     ax.set_ylabel("training loss (log scale)")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))  # 0.1, 1: not 10^-1, 10^0
-    ax.yaxis.set_minor_formatter(_plain_log_labels())  # 2, 0.5: not 2x10^0, 5e-01
+    ax.yaxis.set_minor_formatter(plain_log_labels())  # 2, 0.5: not 2x10^0, 5e-01
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax_lr.plot(xs, [r[rate] for r in steps], color="k")
