@@ -1535,9 +1535,11 @@ def test_the_quantize_plot_names_its_target_and_stops_at_100_percent(tmp_path, m
 
     from cgavit.cli.quantize import plot_curves
 
-    points = [SimpleNamespace(step="search", float_layers=["a"] * n, speedup=s, agreement=SimpleNamespace(top1_agreement=1.0))
-              for n, s in ((3, 1.07), (1, 1.4))]
-    result = SimpleNamespace(curves={"onnxruntime": points}, target=SimpleNamespace(agreement=0.995), cpu="a CPU")
+    points = [SimpleNamespace(step="search", float_layers=["a"] * n, speedup=s, agreement=SimpleNamespace(top1_agreement=1.0),
+                              path="onnxruntime") for n, s in ((3, 1.07), (1, 1.4))]
+    result = SimpleNamespace(curves={"onnxruntime": points}, target=SimpleNamespace(agreement=0.995), cpu="a CPU",
+                             point=points[1], float_layers=points[1].float_layers, meets_target=True,
+                             evaluation_images=360, held_out_images=0)
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
     assert plot_curves(result, tmp_path / "q.png") == tmp_path / "q.png"
