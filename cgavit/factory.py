@@ -100,7 +100,7 @@ def create_model(
     key = resolve_name(name)
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     _check_weights_args(pretrained, checkpoint_path)
-    stages = _feature_stages(features_only, out_indices)  # refused before any download
+    stages = _feature_stages(features_only, out_indices, len(cfg.depth))  # refused before any download
     model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool,
                          drop_rate=drop_rate)
@@ -113,7 +113,7 @@ def create_model(
     return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
 
 
-def _feature_stages(features_only: object, out_indices: object) -> list[int]:
+def _feature_stages(features_only: object, out_indices: object, stages: int) -> list[int]:
     """The stages a ``features_only`` model gives (:func:`~cgavit.model.stage_indices` of ``out_indices``, all by
     default); ``ValueError`` for a bad value, or ``out_indices`` without ``features_only``."""
     if not isinstance(features_only, bool):
@@ -121,7 +121,7 @@ def _feature_stages(features_only: object, out_indices: object) -> list[int]:
     if out_indices is not None and not features_only:
         raise ValueError("out_indices selects the stage maps of a features_only model; give features_only=True, "
                          "or call model.forward_intermediates(x, indices=...) on the whole model")
-    return stage_indices(out_indices, 3)
+    return stage_indices(out_indices, stages)
 
 
 def _check_weights_args(pretrained: object, checkpoint_path: object) -> None:

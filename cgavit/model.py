@@ -415,11 +415,15 @@ class EfficientViT(nn.Module):
                 maps.append(x)
         return maps if intermediates_only else (x, maps)
 
+    def _one_training_image(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a batch of one image run eagerly in training mode, the case the two checks below look at."""
+        return self.training and not isinstance(x, torch.fx.Proxy) and not _compiling() and x.shape[0] == 1
+
     def _check_trainable_batch(self, x: torch.Tensor, stages: int) -> None:
         """Raise ``ValueError`` for one image that the first ``stages`` stages cannot train on: in training mode a
         BatchNorm normalises each channel over the batch and the map, and a lone image small enough (up to 64 px a
         side) gives the last of them a 1x1 map, one value (torch's error named a shape the caller never gave)."""
-        if not self.training or isinstance(x, torch.fx.Proxy) or _compiling() or x.shape[0] != 1:
+        if not self._one_training_image(x):
             return
         side = [stage_resolution(int(n), stages - 1) for n in x.shape[2:]]
         norms = [m for m in self.stages[:stages].modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -431,7 +435,7 @@ class EfficientViT(nn.Module):
     def _check_trainable_head(self, x: torch.Tensor) -> None:
         """Raise ``ValueError`` for features of one image that the classifier cannot train on: its BatchNorm1d
         normalises each feature over the batch, and one image gives one value (torch's error named a (1, C) shape)."""
-        if not self.training or isinstance(x, torch.fx.Proxy) or _compiling() or x.shape[0] != 1:
+        if not self._one_training_image(x):
             return
         if isinstance(self.head, BNLinear) and self.head.bn.training:
             raise ValueError("a batch of one image cannot train the classifier: its BatchNorm1d normalises each "

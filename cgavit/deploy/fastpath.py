@@ -416,8 +416,8 @@ def _optimize_auto(
     unused = "this CPU's rule-table row does not run it" if artifact is not None and not in_row else None
     for cand in candidates:
         given = artifact is not None and (cand.precision, cand.backend) == ("int8", artifact.runtime)
-        if given and artifact.distrusted_on(features):
-            unused = artifact.distrusted_on(features)
+        if given and (why := artifact.distrusted_on(features)):
+            unused = why
             passed.append(f"{artifact.describe()} ({unused})")
             continue
         # where bf16 is native, int8 OpenVINO runs what it leaves float in bf16: faster, and judged like any path
