@@ -1370,6 +1370,34 @@ def test_a_pipe_where_the_report_goes_is_refused_before_any_work(trained_digits,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.quantize.json", "r.onnx"]
 
 
+def test_a_second_run_on_the_same_name_stops_before_any_work(trained_digits, tmp_path, capsys, monkeypatch):
+    """Two runs on one --output at once could leave one run's int8 file beside the other's report: the second now
+    stops at once, naming the first, and a name whose run has ended (however it ended) is free again."""
+    import subprocess
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    monkeypatch.setattr(quantize_cli, "load_model", loaded)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from cgavit.lock import FileLock\n"
+                               "with FileLock(sys.argv[1], 'holds it'):\n print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "q.quantize.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                "--runtime", "onnxruntime", "--output", str(tmp_path / "q")]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"another run (pid {holder.pid}) is writing {tmp_path / 'q'}.* (cgavit quantize); wait for it, stop " \
+            "it, or use another --output" in err and err.count("\n") == 1, err
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(AssertionError, match="the checkpoint was loaded"):  # the holder was killed: taken over
+        main(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock goes with its run
+
+
 def test_openvinos_options_are_refused_where_only_onnx_runtime_is_searched(trained_digits, tmp_path, capsys,
                                                                            monkeypatch):
     """Without OpenVINO (or with it failing to import) and no --runtime, --bias-correction and --float-part were

@@ -33,6 +33,7 @@ from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, quant_r
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import atomic_write, replace_together, staging, write_json, write_text
+from ..lock import FileLock
 from .common import add_dial_args, dials_from_args, image_size
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,11 @@ class Outputs:
 
     def report(self, suffix: str, missed: bool = False) -> Path:
         return self.stem.with_name(f"{self.stem.name}.quantize{'-missed' if missed else ''}{suffix}")
+
+    def lock(self) -> Path:
+        """``NAME.quantize.lock``, held for the whole run (:class:`~cgavit.lock.FileLock`): two runs on one NAME would
+        leave one run's int8 file beside the other's report."""
+        return self.stem.with_name(f"{self.stem.name}.quantize.lock")
 
     def all(self) -> list[Path]:
         return [*(p for rt in QUANT_RUNTIMES for p in self.artifact(rt)),
@@ -221,32 +227,35 @@ def run(args: argparse.Namespace) -> int:
     if args.qat:  # torchao missing: said before the post-training search, not after it
         require_qat()
     outputs, runtime, searched = checked_outputs(args)
-    float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused before any work
-    check_runtime_options(args, searched)
-    model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
-                             trust=args.trust_checkpoint)
-    info = replace(info, img_size=args.img_size or info.img_size)
-    calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info, model.num_classes,
-                                                  args.calibration_images, args.eval_images,
-                                                  all_calibration_images=True, channels=model.in_chans)
-    if args.qat:
-        check_qat_count(args)
-    size = (info.img_size, info.img_size)
-    print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} images of "
-          f"{evaluated.source} ({args.holdout:g} of them held out of the search); target: {target.describe()}")
-    options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
-    with files_named(evaluated, calibration=calib):  # the images' check is the library's first step
-        result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels,
-                          options=options, sensitivity=not args.skip_sensitivity, max_float_layers=args.max_float_layers,
-                          profile_layers=not args.no_layer_profile, prune=not args.no_prune, float_part=args.float_part,
-                          holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
-                          threads=args.threads, warmup=args.warmup, repeats=args.repeats)
-    if args.qat and not (result.meets_target and set(result.float_layers) <= _no_faster(result)):
-        result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
-    elif args.qat:
-        print("--qat: post-training int8 already meets the target with every layer int8 that int8 makes faster; "
-              "no fine-tuning needed")
-    return write_outputs(result, outputs)
+    with FileLock(outputs.lock(), f"is writing {outputs.stem}.* (cgavit quantize)"):  # a second run on NAME stops here
+        float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused now
+        check_runtime_options(args, searched)
+        model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
+                                 trust=args.trust_checkpoint)
+        info = replace(info, img_size=args.img_size or info.img_size)
+        calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info,
+                                                      model.num_classes, args.calibration_images, args.eval_images,
+                                                      all_calibration_images=True, channels=model.in_chans)
+        if args.qat:
+            check_qat_count(args)
+        size = (info.img_size, info.img_size)
+        print(f"calibrating on {len(calib.images)} images of {calib.source}, judging on {len(evaluated.images)} "
+              f"images of {evaluated.source} ({args.holdout:g} of them held out of the search); "
+              f"target: {target.describe()}")
+        options = Int8Options(calibration=args.calibration, weights=args.weights, bias_correction=args.bias_correction)
+        with files_named(evaluated, calibration=calib):  # the images' check is the library's first step
+            result = quantize(model, calib.images, evaluated.images, target, runtime, labels=evaluated.labels,
+                              options=options, sensitivity=not args.skip_sensitivity,
+                              max_float_layers=args.max_float_layers, profile_layers=not args.no_layer_profile,
+                              prune=not args.no_prune, float_part=args.float_part,
+                              holdout=args.holdout, info=export_info(info, size, getattr(model, "in_chans", 3)),
+                              threads=args.threads, warmup=args.warmup, repeats=args.repeats)
+        if args.qat and not (result.meets_target and set(result.float_layers) <= _no_faster(result)):
+            result = qat_result(args, model, info, (calib, evaluated), target, runtime, result, options)
+        elif args.qat:
+            print("--qat: post-training int8 already meets the target with every layer int8 that int8 makes faster; "
+                  "no fine-tuning needed")
+        return write_outputs(result, outputs)
 
 
 def _no_faster(result: QuantizeResult) -> set[str]:
