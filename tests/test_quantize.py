@@ -1398,6 +1398,33 @@ def test_a_second_run_on_the_same_name_stops_before_any_work(trained_digits, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock goes with its run
 
 
+def test_an_earlier_answer_whose_runtime_is_missing_here_is_not_called_no_answer(tmp_path, monkeypatch):
+    """With OpenVINO uninstalled since an earlier run's OpenVINO answer, a new ONNX Runtime answer left NAME.xml and
+    .bin in place with a note calling them "not an answer of cgavit quantize", which its report had said they were."""
+    outputs = quantize_cli.Outputs(tmp_path / "q")
+    left = outputs.artifact("openvino")
+    for path in left:
+        path.write_text("an earlier run's answer")
+    report = outputs.report(".json")
+    report.write_text(json.dumps({"runtime": "openvino", "meets_target": True}))
+    assert outputs.recorded_answer() == "openvino"
+
+    class Runtime:
+        def __init__(self, problem):
+            self.problem = lambda precision: problem
+
+    monkeypatch.setattr(quantize_cli, "runtime_format", lambda runtime: Runtime("openvino is not installed"))
+    assert quantize_cli.left_note(left, outputs.recorded_answer()) == (
+        f"note: {left[0]}, {left[1]} left as they are: the earlier report named them this name's answer in openvino, "
+        "which cannot be checked here (openvino is not installed); remove them if this run's file is to be the only "
+        "answer")
+    monkeypatch.setattr(quantize_cli, "runtime_format", lambda runtime: Runtime(None))  # usable: the file is what it says
+    assert "(not an answer of cgavit quantize under this name) left as they are" in quantize_cli.left_note(
+        left, outputs.recorded_answer())
+    report.write_text(json.dumps({"runtime": "openvino", "meets_target": False}))  # a run that missed records none
+    assert outputs.recorded_answer() is None
+
+
 def test_openvinos_options_are_refused_where_only_onnx_runtime_is_searched(trained_digits, tmp_path, capsys,
                                                                            monkeypatch):
     """Without OpenVINO (or with it failing to import) and no --runtime, --bias-correction and --float-part were

@@ -24,7 +24,7 @@ from ..bounds import check_threads
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..train.data import list_split
 from ..deploy import Int8Options, QatConfig, QuantizeResult, QuantizeTarget, open_exported, quantize, quantize_aware
-from ..deploy.formats import FORMATS, QUANT_RUNTIMES, SUFFIX_FORMATS
+from ..deploy.formats import FORMATS, QUANT_RUNTIMES, SUFFIX_FORMATS, runtime_format
 from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
@@ -94,12 +94,8 @@ class Outputs:
         records an answer in that runtime, and that runtime's file here carries cgavit's int8 metadata with
         ``cgavit quantize``'s verdict for it. None otherwise (no answer, or a file of something else under the name:
         ``cgavit export``'s, or the user's)."""
-        try:
-            record = json.loads(self.report(".json").read_text())
-            runtime = record["runtime"] if record["meets_target"] is True else None
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        if not isinstance(runtime, str) or runtime not in QUANT_RUNTIMES:
+        runtime = self.recorded_answer()
+        if runtime is None:
             return None
         try:
             with warnings.catch_warnings():  # a file for another CPU is still this name's answer
@@ -108,6 +104,17 @@ class Outputs:
         except ValueError:  # missing, unreadable, its runtime not installed, no cgavit metadata
             return None
         return runtime if info.precision == "int8" and info.int8.get("runtime") == runtime else None
+
+    def recorded_answer(self) -> str | None:
+        """The runtime whose file the report ``NAME.quantize.json`` records as this name's answer; None without such a
+        report (none, unreadable, or a run that met no target). What the file itself says is
+        :meth:`earlier_answer`'s to check."""
+        try:
+            record = json.loads(self.report(".json").read_text())
+            runtime = record["runtime"] if record["meets_target"] is True else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return runtime if isinstance(runtime, str) and runtime in QUANT_RUNTIMES else None
 
     def replaced(self, runtime: str, earlier: str | None) -> tuple[list[Path], list[Path]]:
         """What an answer in ``runtime`` removes besides the files it writes: the earlier answer of another runtime
@@ -344,7 +351,7 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
     (:meth:`Outputs.earlier_answer`) and a report of a run that missed since; other files under the name stay. A run
     that meets no target leaves an earlier answer and its report as they were (its own report is then
     ``NAME.quantize-missed.*``). Exit status 0 or 1."""
-    earlier = outputs.earlier_answer()
+    earlier, recorded = outputs.earlier_answer(), outputs.recorded_answer()  # read before the report is replaced
     replaced, stale = outputs.replaced(result.runtime, earlier) if result.meets_target else ([], [])
     out, written = written_together(result, outputs, earlier is not None, replaced + stale)
     for layer, why in result.reasons.items():
@@ -368,8 +375,7 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
         print(f"note: removed {', '.join(map(str, stale))}: the report of an earlier run that met no target")
     left = outputs.others(result.runtime)
     if left:
-        print(f"note: {', '.join(map(str, left))} (not an answer of cgavit quantize under this name) left as "
-              f"{'it is' if len(left) == 1 else 'they are'}")
+        print(left_note(left, recorded if earlier is None else None))
     if result.runoff_disturbed:
         print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "
               "cores of it): the runtime chosen may not be the faster here; run cgavit quantize with nothing else running")
@@ -378,6 +384,21 @@ def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
               f"({len(result.float_layers)} layers had to stay in float): on this CPU the fp32 file "
               "(cgavit export) is as fast; timings at this model size are noisy, check with cgavit bench")
     return 0
+
+
+def left_note(left: list[Path], recorded: str | None) -> str:
+    """The note on another runtime's files under the name that an answer leaves (:meth:`Outputs.others`).
+    ``recorded``: the runtime the replaced report named as this name's answer where the file itself could not confirm
+    it (:meth:`Outputs.earlier_answer` said None): when that runtime cannot be used here, the note says so rather than
+    calling its file no answer."""
+    files, verb = ", ".join(map(str, left)), "it is" if len(left) == 1 else "they are"
+    unread = recorded is not None and any(SUFFIX_RUNTIMES.get(p.suffix) == recorded for p in left)
+    problem = runtime_format(recorded).problem("int8") if unread else None
+    if problem:
+        return (f"note: {files} left as {verb}: the earlier report named {'it' if len(left) == 1 else 'them'} this "
+                f"name's answer in {recorded}, which cannot be checked here ({problem}); remove "
+                f"{'it' if len(left) == 1 else 'them'} if this run's file is to be the only answer")
+    return f"note: {files} (not an answer of cgavit quantize under this name) left as {verb}"
 
 
 def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool,
