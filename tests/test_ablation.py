@@ -283,6 +283,28 @@ def test_a_ladder_that_cannot_be_built_is_refused_before_anything_is_written(tmp
     AblationConfig(data=str(data), output=str(out), epochs=1, depth=(1, 1, 32)).validate()
 
 
+def test_data_the_trainer_refuses_is_refused_before_anything_is_written(tmp_path, capsys):
+    """Data of one class was refused only by the first run's trainer, after study.json and the subset were written:
+    the same command, once a class was added, was refused as "a study whose rungs were built otherwise, by an earlier
+    cgavit" (the ladder of one class was recorded), and the subset made from one class stayed one class."""
+    import shutil
+
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    for split in ("train", "test"):
+        shutil.move(data / split / "class1", tmp_path / f"{split}_class1")
+    out = tmp_path / "study"
+    argv = ["ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--img-size", "32", "--embed-dim",
+            "16,24,32", "--num-heads", "2,2,2", "--train-subset", "2", "--val-subset", "2", "--no-throughput"]
+    assert main(argv) == 2
+    assert "has one class folder (class0)" in capsys.readouterr().err
+    assert not out.exists()
+    for split in ("train", "test"):
+        shutil.move(tmp_path / f"{split}_class1", data / split / "class1")
+    cfg = AblationConfig(data=str(data), output=str(out), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2), train_subset=2, val_subset=2)
+    assert study._prepare_study(cfg, out).classes == ["class0", "class1"]
+
+
 def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
     """--output "" was accepted: the study's folders and files went into the folder the command ran in."""
     data = _dataset(tmp_path / "data", per_class=2, held=1)

@@ -15,7 +15,7 @@ from ...info import count_macs
 from ...io import read_json_record, write_json
 from ...train import TrainConfig, TrainResult, evaluate_checkpoint, train
 from ...train import checkpoint as train_checkpoint
-from ...train.data import check_folder
+from ...train.data import check_folder, check_layout
 from ...train.records import read_metrics
 from ..data import balanced_subset, list_images
 from ..heads import head_similarity, mean_similarity
@@ -49,11 +49,17 @@ def prepare_data(data: str | Path, out: Path, train_subset: int, val_subset: int
     the held-out split is named ``test``, ``out/data/{train,val}/<class>/`` is filled with links to the
     chosen files, each at its path under its class folder (once; a later call with other sizes is refused). They are
     made in ``out/data.partial`` and renamed to ``out/data`` when all are there.
+
+    Raises:
+        DataError: a layout the trainer refuses (:func:`~cgavit.train.data.check_layout`: one class, splits that
+            name other classes, ...), found before anything is written.
+        ValueError: no ``train/`` or held-out split, or a subset smaller than the classes.
     """
     root = check_folder(data)
     held = next((s for s in ("val", "test") if (root / s).is_dir()), None)
     if not (root / "train").is_dir() or held is None:
         raise ValueError(f"{root} needs train/<class>/ and val/<class>/ (or test/<class>/) image folders")
+    check_layout(root, "train", held)  # the trainer's refusals (one class, splits naming other classes), before any write
     if not train_subset and not val_subset and held == "val":
         return root
     dest = out / "data"
