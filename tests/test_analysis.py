@@ -475,6 +475,18 @@ def test_taylor_plots_mark_zero_importance_all_pruned_and_missing(tmp_path, trai
     assert sorted(_texts(drawn["taylor_pruning.png"])) == ["0: all pruned", "n/a"]
 
 
+def test_the_importance_axis_is_labelled_in_plain_numbers(tmp_path, trained_digits, drawn):
+    """The log axis of taylor_spread.png read 2x10^0, 3x10^-1 (matplotlib's notation) beside plain tick marks."""
+    blocks = taylor_importance(trained_digits.model, [(trained_digits.images[:16], None)])
+    plot_importance(blocks, 0.3, tmp_path)
+    fig = drawn["taylor_spread.png"]
+    fig.canvas.draw()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels() + fig.axes[0].get_yticklabels(minor=True)]
+    shown = [t for t in labels if t]
+    assert "1" in shown and len(shown) > 2, labels
+    assert all(float(t) > 0 for t in shown), labels  # plain numbers, not mathtext such as 2x10^0
+
+
 def test_interrupted_analysis_keeps_the_previous_set(tmp_path, monkeypatch):
     data = _image_folder(tmp_path / "data")
     out = tmp_path / "h"

@@ -166,6 +166,7 @@ def box_panels(
         ax.set_title(t, fontsize=9)
         if log:
             ax.set_yscale("log")
+            plain_log_axis(ax.yaxis)
             _note_zeros(ax, [list(data[k]) for k in names])
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].set_ylabel(ylabel)
@@ -218,6 +219,13 @@ def plain_log_labels():
     return Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4))
 
 
+def plain_log_axis(axis) -> None:
+    """Label a log ``axis`` (``ax.yaxis``, after ``set_yscale("log")``) in plain numbers: major ticks 0.1, 1 (not
+    10^-1, 10^0), minor ticks 2, 0.5 where matplotlib labels them (not 2x10^0, 5e-01)."""
+    axis.set_major_formatter(pyplot().FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(plain_log_labels())
+
+
 def training_curves(
     steps: Sequence[Mapping[str, float]], path: Path, x: str = "iter", rate: str = "lr", skip: Sequence[str] = ()
 ) -> Path:
@@ -238,8 +246,7 @@ def training_curves(
         ax.plot(xs, [r.get(k, float("nan")) for r in steps], label="total" if total else k, lw=1.5 if total else 1)
     ax.set_ylabel("training loss (log scale)")
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))  # 0.1, 1: not 10^-1, 10^0
-    ax.yaxis.set_minor_formatter(plain_log_labels())  # 2, 0.5: not 2x10^0, 5e-01
+    plain_log_axis(ax.yaxis)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax_lr.plot(xs, [r[rate] for r in steps], color="k")
