@@ -475,6 +475,24 @@ def test_taylor_plots_mark_zero_importance_all_pruned_and_missing(tmp_path, trai
     assert sorted(_texts(drawn["taylor_pruning.png"])) == ["0: all pruned", "n/a"]
 
 
+def test_the_pruning_legend_covers_no_bar(tmp_path, drawn):
+    """At a small budget every kind keeps about all its channels, and the legend, drawn inside the axes where it
+    overlapped least, sat on the top of stage 3's bars."""
+    blocks = []
+    for stage in range(3):
+        blk = BlockImportance(f"stages.{stage}.blocks.0", stage, 0)
+        blk.q, blk.k, blk.v = ([torch.linspace(1, 2, 16, dtype=torch.float64)] for _ in range(3))
+        blk.ffn = [torch.linspace(1, 2, 32, dtype=torch.float64)]
+        blocks.append(blk)
+    plot_importance(blocks, 0.01, tmp_path)
+    fig = drawn["taylor_pruning.png"]
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent()
+    bars = [bar.get_window_extent() for bar in ax.patches if bar.get_height() > 0]
+    assert len(bars) == 12 and not any(legend.overlaps(bar) for bar in bars)
+
+
 def test_the_importance_axis_is_labelled_in_plain_numbers(tmp_path, trained_digits, drawn):
     """The log axis of taylor_spread.png read 2x10^0, 3x10^-1 (matplotlib's notation) beside plain tick marks."""
     blocks = taylor_importance(trained_digits.model, [(trained_digits.images[:16], None)])

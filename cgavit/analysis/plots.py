@@ -135,14 +135,15 @@ def bar_chart(
 
 
 def _legend(ax, series: bool, marked_label: str) -> None:
-    """The legend of :func:`bar_chart`: the series when there are several, and the marked bars' meaning."""
+    """The legend of :func:`bar_chart`: the series when there are several, and the marked bars' meaning; beside
+    the axes, where it covers no bar (inside, a chart whose bars all reach the top had one hidden under it)."""
     handles, names = ax.get_legend_handles_labels() if series else ([], [])
     if marked_label:
         patches = matplotlib_api().patches
         handles.append(patches.Patch(facecolor="0.85", edgecolor="0.45", hatch="//"))
         names.append(marked_label)
     if handles:
-        ax.legend(handles, names, fontsize=8)
+        ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
 def box_panels(
