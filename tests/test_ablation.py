@@ -305,6 +305,46 @@ def test_data_the_trainer_refuses_is_refused_before_anything_is_written(tmp_path
     assert study._prepare_study(cfg, out).classes == ["class0", "class1"]
 
 
+def test_the_summary_is_written_as_one_set_and_leaves_other_files(tmp_path, monkeypatch):
+    """The summary's files were written one by one (a study stopped among them kept new figures beside the old
+    ablation.json), and every ablation_*.png it did not draw was deleted: a figure kept in the study's folder, such as
+    an analysis saved as ablation_heads_matrices_standard.png (docs/ names them so), went at the next re-run."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    out = tmp_path / "study"
+
+    def measured(variant, seed, *args):  # a finished run's result.json, without the training
+        blocks = [dict(stage=0, block=0, num_heads=2, tokens=4, mean_off_diagonal=0.5)]
+        return dict(rung=variant.rung, seed=seed, dials={"depth": list(variant.dials["depth"])}, params=1, macs=1,
+                    top1=50.0 + len(variant.rung), head_similarity=0.5, head_similarity_blocks=blocks, train_epoch_s=1.0)
+
+    monkeypatch.setattr(study, "run_variant", measured)
+    cfg = AblationConfig(data=str(data), output=str(out), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2), rungs=("standard",), heads_images=2, no_throughput=True)
+    out.mkdir()
+    (out / "ablation_heads_matrices_standard.png").write_bytes(b"kept by the user")
+    (out / "ablation_speed_accuracy.png").write_bytes(b"an earlier summary's")
+    run_ablation(cfg)
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        "ablation.json", "ablation_heads.png", "ablation_heads_matrices_standard.png", "ablation_table.md",
+        "ablation_top1.png", "study.json"]
+    assert (out / "ablation_heads_matrices_standard.png").read_bytes() == b"kept by the user"
+    def summary() -> dict:
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "study.json"}
+
+    before = summary()
+    draw = study.plot_study
+
+    def stopped(rows, folder):
+        draw(rows, folder)
+        raise KeyboardInterrupt  # after the figures, before the report and the table
+
+    monkeypatch.setattr(study, "plot_study", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_ablation(replace(cfg, rungs=("sandwich",)))
+    assert summary() == before  # the study.json of its ladder is written first, as ever
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
 def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
     """--output "" was accepted: the study's folders and files went into the folder the command ran in."""
     data = _dataset(tmp_path / "data", per_class=2, held=1)

@@ -20,7 +20,7 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from ..factory import ModelInfo, create_model, load_model
 from ..fields import option
 from ..imagenet import class_names
-from ..io import json_ready, replace_together, staging, write_error, write_json
+from ..io import json_ready, replace_together, staging, write_error, write_json, write_text
 from ..classes import check_classes, class_difference, model_indices
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
@@ -219,17 +219,23 @@ def report_header(cfg: AnalysisConfig, sample: AnalysisSample) -> dict[str, Any]
     )
 
 
-#: The figures each analysis draws (a previous run's that a run did not draw again are removed).
-FIGURES = {"heads": ("heads_matrices.png", "heads_mean.png"), "taylor": ("taylor_spread.png", "taylor_pruning.png")}
+#: The figures each analysis (and the ablation study's summary) draws: a previous run's that a run did not draw
+#: again are removed, and no other file.
+FIGURES = {
+    "heads": ("heads_matrices.png", "heads_mean.png"),
+    "taylor": ("taylor_spread.png", "taylor_pruning.png"),
+    "ablation": ("ablation_top1.png", "ablation_heads.png", "ablation_speed_accuracy.png"),
+}
 
 
 def write_outputs(
-    out: Path, name: str, report: dict[str, Any], draw: Callable[[Path], list[Path]]
+    out: Path, name: str, report: dict[str, Any], draw: Callable[[Path], list[Path]], texts: dict[str, str] | None = None
 ) -> tuple[Path, list[Path]]:
-    """Write one analysis's figures and its report ``NAME.json`` into ``out`` as one set; returns their paths.
+    """Write one analysis's figures, its report ``NAME.json`` and ``texts`` (file name -> text) into ``out`` as one
+    set; returns the report's and the figures' paths.
 
-    ``draw(folder)`` draws the figures into a temporary folder inside ``out``, the report is written beside
-    them, and all are moved into place together (:func:`~cgavit.io.replace_together`), a previous run's
+    ``draw(folder)`` draws the figures into a temporary folder inside ``out``, the report and texts are written
+    beside them, and all are moved into place together (:func:`~cgavit.io.replace_together`), a previous run's
     figures that this run did not draw (:data:`FIGURES`) removed in the same step: an error or an
     interruption leaves the previous run's set as it was, and a report always describes the figures
     beside it.
@@ -246,8 +252,9 @@ def write_outputs(
         drawn = draw(tmp)
         plots = [out / p.name for p in drawn]
         stale = [out / f for f in FIGURES[name] if out / f not in plots and (out / f).exists()]
-        written = write_json(tmp / report_path.name, json_ready(report))
-        replace_together([*zip(drawn, plots), (written, report_path), *((None, p) for p in stale)])
+        written = [(write_json(tmp / report_path.name, json_ready(report)), report_path)]
+        written += [(write_text(tmp / file, text), out / file) for file, text in (texts or {}).items()]
+        replace_together([*zip(drawn, plots), *written, *((None, p) for p in stale)])
     return report_path, plots
 
 

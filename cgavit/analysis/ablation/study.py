@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from ...factory import create_model
-from ...io import DataError, read_json_record, write_json, write_text
+from ...io import DataError, read_json_record, write_json
 from ...train import TrainConfig
 from ...train.config import normalize_dials
 from ...train.data import list_split
 from ..data import load_images
+from ..reports import write_outputs
 from .config import AblationConfig
 from .ladder import RUNGS, Variant, build_ladder
 from .runs import prepare_data, run_variant
@@ -140,15 +141,15 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
         throughput = measure_throughput(models, cfg.img_size, rounds=cfg.speed_rounds, seconds=cfg.speed_seconds)
     rows = summarize(results, throughput, [v.rung for v in study.variants])
     table = table_markdown(rows)
-    plots = plot_study(rows, out)
-    for stale in set(out.glob("ablation_*.png")) - set(plots):  # e.g. a speed plot a run with --no-throughput left
-        stale.unlink()
     protocol = ("torch.set_num_threads(1), batch 16, fp32, BatchNorm fused, traced, random weights; "
                 f"{cfg.speed_rounds} interleaved rounds of ~{cfg.speed_seconds:g} s per variant, median")
-    json_path = write_json(out / "ablation.json", dict(
+    record = dict(
         spec=study.spec, matching=study.matching, seeds=sorted({r["seed"] for r in results}), rows=rows, throughput_protocol=protocol,
         this_invocation_s=round(time.perf_counter() - t0, 1),
         train_epoch_s_total=round(sum(x["train_epoch_s"] for x in results), 1),
-    ))
-    table_path = write_text(out / "ablation_table.md", table)
-    return StudySummary(rows, table, study.matching, json_path, table_path, plots)
+    )
+    # one set, as analyze writes its own: a previous summary's speed plot that this one lacks (--no-throughput) goes
+    # with it, and no other file of the folder
+    json_path, plots = write_outputs(out, "ablation", record, lambda folder: plot_study(rows, folder),
+                                     texts={"ablation_table.md": table})
+    return StudySummary(rows, table, study.matching, json_path, out / "ablation_table.md", plots)
