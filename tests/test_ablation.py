@@ -345,6 +345,18 @@ def test_the_summary_is_written_as_one_set_and_leaves_other_files(tmp_path, monk
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
+def test_an_output_inside_a_split_of_the_data_is_refused(tmp_path, capsys):
+    """--output DATA/train/study wrote study.json there, and the first run refused its own study folder as "a class
+    folder that holds no images"; a study beside the splits (DATA/study) is fine."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)
+    for split in ("train", "test"):
+        out = data / split / "study"
+        assert main(["ablate", "--data", str(data), "--output", str(out), "--epochs", "1", "--img-size", "32", "--batch-size", "2"]) == 2
+        assert f"is inside the {split} split of --data" in capsys.readouterr().err
+        assert not out.exists()
+    AblationConfig(data=str(data), output=str(data / "study"), epochs=1, img_size=32).validate()
+
+
 def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
     """--output "" was accepted: the study's folders and files went into the folder the command ran in."""
     data = _dataset(tmp_path / "data", per_class=2, held=1)

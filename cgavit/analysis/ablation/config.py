@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...bounds import check_threads
 from ...fields import option
@@ -59,6 +60,10 @@ class AblationConfig:
         """Raise ``ValueError`` for options that cannot work, naming the one to change."""
         if not self.output.strip():  # Path("") is the current folder: the study would fill the folder it ran in
             raise ValueError(f"--output must name a folder for the study, got {self.output!r}; give e.g. --output studies/ladder")
+        split = next((s for s in ("train", "val", "test") if _inside(self.output, Path(self.data) / s)), None)
+        if split:  # the runs would read the study's folder as a class (of its figures, or of none), and refuse it
+            raise ValueError(f"--output {self.output} is inside the {split} split of --data {self.data}: the study's folders "
+                             f"and figures would be read there as a class of images; give an --output outside {Path(self.data) / split}")
         if self.epochs < 1:
             raise ValueError(f"--epochs must be at least 1, got {self.epochs}")
         if not self.seeds:
@@ -95,3 +100,8 @@ class AblationConfig:
         if self.heads_images > most:
             raise ValueError(f"--heads-images {self.heads_images} at {self.img_size} px are too many for the head-similarity "
                              f"measurement's one forward pass; give --heads-images {most} or fewer")
+
+
+def _inside(path: str, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it, links resolved."""
+    return Path(path).resolve().is_relative_to(folder.resolve())
