@@ -685,3 +685,18 @@ def test_an_output_inside_the_data_folder_is_refused(tmp_path, capsys):
         assert f"cgavit analyze: error: --output {output} is inside --data {data}" in capsys.readouterr().err
     assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
     AnalysisConfig(output=str(tmp_path / "data-heads"), data=str(data)).validate()  # beside it, with a shared prefix
+
+
+def test_an_output_that_is_a_file_is_refused_before_the_analysis_runs(tmp_path, monkeypatch, capsys):
+    """--output naming a file (or a path under one) was refused only when the report was written, after the model had
+    run on every image: minutes of a large Taylor analysis, lost to a typo."""
+    data = _image_folder(tmp_path / "data")
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.setattr(reports, "head_similarity", lambda *a: pytest.fail("the analysis ran"))
+    small = ["--img-size", "64", "--num-images", "2", "--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2"]
+    for output in (tmp_path / "file", tmp_path / "file" / "heads"):
+        assert main(["analyze", "heads", "--data", str(data), "--output", str(output), *small]) == 2
+        err = capsys.readouterr().err
+        assert err == f"cgavit analyze: error: --output {output} cannot be a folder: {tmp_path / 'file'} is a file; give a " \
+                      "folder for the report and figures, e.g. --output out/analysis\n"
+    assert (tmp_path / "file").read_text() == "mine"

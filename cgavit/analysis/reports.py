@@ -68,6 +68,10 @@ class AnalysisConfig:
         """Raise ``ValueError`` naming the option (its command-line flag) that is out of bounds."""
         if not str(self.output).strip():  # Path("") is the current folder: the files would land where the command ran
             raise ValueError(f"--output must name a folder for the report and figures, got {self.output!r}; give e.g. --output out/analysis")
+        blocker = next(p for p in (Path(self.output), *Path(self.output).absolute().parents) if p.exists())
+        if not blocker.is_dir():  # known now, not after the model has run on every image
+            raise ValueError(f"--output {self.output} cannot be a folder: {blocker} is a file; give a folder for the report "
+                             "and figures, e.g. --output out/analysis")
         if self.data and Path(self.output).resolve().is_relative_to(Path(self.data).resolve()):
             # the figures are PNG files: the next run on --data would read them as images (or a class of them)
             raise ValueError(f"--output {self.output} is inside --data {self.data}: the figures written there would be read "
