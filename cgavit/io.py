@@ -342,6 +342,15 @@ def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+def file_in_the_way(folder: str | os.PathLike) -> Path | None:
+    """The file that stops ``folder`` from being (or being made) a folder: ``folder`` itself, or the nearest of its
+    parents that exists, when that is not a folder; None when nothing is in the way. Commands refuse such an
+    ``--output`` before their work, not when they write its result."""
+    folder = Path(folder)
+    nearest = next(p for p in (folder, *folder.absolute().parents) if p.exists() or p == p.parent)
+    return None if nearest.is_dir() else nearest
+
+
 def make_folder(path: str | os.PathLike, what: str = "folder") -> Path:
     """Create folder ``path`` and its parents (nothing happens when it exists); returns it.
 

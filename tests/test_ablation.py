@@ -357,6 +357,18 @@ def test_an_output_inside_a_split_of_the_data_is_refused(tmp_path, capsys):
     AblationConfig(data=str(data), output=str(data / "study"), epochs=1, img_size=32).validate()
 
 
+def test_an_output_under_a_file_is_refused_in_one_line(tmp_path, capsys):
+    """--output FILE/study with a data subset to link was a NotADirectoryError traceback from the subset's mkdir."""
+    data = _dataset(tmp_path / "data", per_class=2, held=1)  # held-out split test/: a subset is linked
+    (tmp_path / "file").write_text("mine")
+    for output in (tmp_path / "file", tmp_path / "file" / "study"):
+        assert main(["ablate", "--data", str(data), "--output", str(output), "--epochs", "1", "--img-size", "32",
+                     "--batch-size", "2", "--train-subset", "4", "--val-subset", "2"]) == 2
+        assert capsys.readouterr().err == (f"cgavit ablate: error: --output {output} cannot be a folder: {tmp_path / 'file'} "
+                                           "is a file; give a folder for the study\n")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_an_empty_output_is_refused(tmp_path, monkeypatch, capsys):
     """--output "" was accepted: the study's folders and files went into the folder the command ran in."""
     data = _dataset(tmp_path / "data", per_class=2, held=1)

@@ -20,7 +20,7 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from ..factory import ModelInfo, create_model, load_model
 from ..fields import option
 from ..imagenet import class_names
-from ..io import json_ready, replace_together, staging, write_error, write_json, write_text
+from ..io import file_in_the_way, json_ready, replace_together, staging, write_error, write_json, write_text
 from ..classes import check_classes, class_difference, model_indices
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
@@ -68,8 +68,8 @@ class AnalysisConfig:
         """Raise ``ValueError`` naming the option (its command-line flag) that is out of bounds."""
         if not str(self.output).strip():  # Path("") is the current folder: the files would land where the command ran
             raise ValueError(f"--output must name a folder for the report and figures, got {self.output!r}; give e.g. --output out/analysis")
-        blocker = next(p for p in (Path(self.output), *Path(self.output).absolute().parents) if p.exists())
-        if not blocker.is_dir():  # known now, not after the model has run on every image
+        blocker = file_in_the_way(self.output)
+        if blocker:  # known now, not after the model has run on every image
             raise ValueError(f"--output {self.output} cannot be a folder: {blocker} is a file; give a folder for the report "
                              "and figures, e.g. --output out/analysis")
         if self.data and Path(self.output).resolve().is_relative_to(Path(self.data).resolve()):

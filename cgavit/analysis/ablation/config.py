@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ...bounds import check_threads
 from ...fields import option
+from ...io import file_in_the_way
 from ...train import TrainConfig
 from ...train.config import normalize_dials, train_defaults
 from ..reports import MAX_BATCH_PIXELS
@@ -60,6 +61,9 @@ class AblationConfig:
         """Raise ``ValueError`` for options that cannot work, naming the one to change."""
         if not self.output.strip():  # Path("") is the current folder: the study would fill the folder it ran in
             raise ValueError(f"--output must name a folder for the study, got {self.output!r}; give e.g. --output studies/ladder")
+        blocker = file_in_the_way(self.output)
+        if blocker:  # known now, not once the data subset is being linked or a run has trained
+            raise ValueError(f"--output {self.output} cannot be a folder: {blocker} is a file; give a folder for the study")
         split = next((s for s in ("train", "val", "test") if _inside(self.output, Path(self.data) / s)), None)
         if split:  # the runs would read the study's folder as a class (of its figures, or of none), and refuse it
             raise ValueError(f"--output {self.output} is inside the {split} split of --data {self.data}: the study's folders "

@@ -120,8 +120,6 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     cfg.validate()
     torch.set_num_threads(max(1, cfg.threads))
     out = Path(cfg.output)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out} is a file; give a folder for the study")
     t0 = time.perf_counter()
     study = _prepare_study(cfg, out)
     fed = TrainConfig(**cfg.train_args)  # the head-similarity images are fed as the runs are evaluated
