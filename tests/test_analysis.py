@@ -287,6 +287,22 @@ def test_images_beside_class_folders_are_warned_about(tmp_path, caplog):
     assert "2 image(s) directly in" in caplog.text and "are left out" in caplog.text
 
 
+def test_a_labelled_folder_is_read_as_training_reads_it(tmp_path, capsys):
+    """The analyses read a class folder without images as no class, shifting the index of every class after it
+    (--targets labels by index then scored class 2's images as class 1), and a hidden folder of images as a class;
+    training and evaluation refuse the first and leave the second out."""
+    from cgavit.analysis.data import list_images
+
+    for name in ("a/x.png", "c/y.png", ".thumbs/z.png"):
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "data" / name)
+    files, labels, classes = list_images([tmp_path / "data"])
+    assert classes == ["a", "c"] and labels == [0, 1] and [p.name for p in files] == ["x.png", "y.png"]
+    (tmp_path / "data" / "b").mkdir()  # between a and c
+    assert main(["analyze", "heads", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "h")]) == 2
+    assert "1 class folder(s) in " in capsys.readouterr().err and not (tmp_path / "h").exists()
+
+
 def test_analyze_bad_input(tmp_path, capsys):
     assert main(["analyze", "heads", "--data", str(tmp_path / "missing"), "--output", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err

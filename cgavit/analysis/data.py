@@ -12,10 +12,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ..io import DataError
-from ..classes import class_name
 from ..images import BadImageError
-from ..train.data import build_transform, load_transformed
-from ..train.data.layout import IMAGE_EXTENSIONS, files_under, warn_loose_images
+from ..train.data import build_transform, list_split, load_transformed
+from ..train.data.layout import IMAGE_EXTENSIONS, files_under
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +27,9 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
 
     Args:
         sources: one folder, or image files. A folder whose sub-folders hold the images is read as
-            ``DIR/<class>/<image>`` (classes sorted by name, as timm and torchvision do); a folder
-            of images without sub-folders, or a list of files, has no labels.
+            ``DIR/<class>/<image>``, as training reads a split (:func:`~cgavit.train.data.list_split`: classes sorted
+            by name, as timm and torchvision do; hidden folders left out); a folder of images without sub-folders, or
+            a list of files, has no labels.
 
     Returns:
         ``(paths, labels, class_names)``; ``labels`` and ``class_names`` are None without classes.
@@ -37,6 +37,8 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
     Raises:
         FileNotFoundError: a source does not exist.
         ValueError: no images found, or a folder mixed with files.
+        DataError: a labelled folder that training would refuse too, e.g. a class folder without images (left out,
+            it would shift the index of every class after it).
     """
     paths = [Path(s) for s in sources]
     if not paths:
@@ -46,16 +48,11 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
             raise FileNotFoundError(f"{p} does not exist")
     if len(paths) == 1 and paths[0].is_dir():
         root = paths[0]
-        folders = sorted((class_name(d.name), d.name) for d in root.iterdir() if d.is_dir() and _images_in(d))
-        classes = [name for name, _ in folders]  # ordered and named as list_split orders and names them
-        if classes:
-            files, labels = [], []
-            for i, (_, folder) in enumerate(folders):
-                found = _images_in(root / folder)
-                files += found
-                labels += [i] * len(found)
-            warn_loose_images(root)  # read as a labelled folder, DIR/<class>/<image>
-            return files, labels, classes
+        if any(not d.name.startswith(".") and d.is_dir() and _images_in(d) for d in root.iterdir()):
+            # DIR/<class>/<image>, read as training and evaluation read a split: the same classes in the same order
+            # (hidden folders are none, a class folder without images is refused), the same images
+            classes, samples = list_split(root)
+            return [Path(p) for p, _ in samples], [y for _, y in samples], classes
         files = _images_in(root)
         if not files:
             raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {root}")
