@@ -2,9 +2,12 @@
 
 The importance of an output channel is ``sum |w * dL/dw|`` over the weights that produce it (the
 weight row of a 1x1 / kxk convolution), with ``dL/dw`` the gradient of the mean cross-entropy over a
-data sample, taken in eval mode (BatchNorm running statistics, as the model is used). This is the
-first-order estimate of how much the loss would change if that channel's weights were removed
-(Molchanov et al., 2019), per weight, summed over the channel.
+data sample, taken in eval mode (BatchNorm running statistics, as the model is used). Each term
+``|w * dL/dw|`` is the first-order estimate of how much the loss would change if that one weight were
+removed; their sum over the channel bounds the estimate for removing the whole channel, ``|sum w * dL/dw|``.
+It is not the exact criterion of Molchanov et al. (2019), which squares each channel's sum per
+mini-batch and averages those over the mini-batches: the gradient of the mean loss over the whole
+sample taken here lets opposite gradients of different images cancel (on a converged model, more so).
 
 Per attention block it reports, for every head, the Q, K and V channels (the head's qkv convolution
 output split ``[key_dim, key_dim, value_dim]``) and the output projection channels; per block the
