@@ -106,3 +106,27 @@ def test_optimize_takes_a_model_of_any_float_dtype(dtype, precision):
     backend = dict(backend="torch") if precision == "fp32" else {}
     result = cgavit.optimize(model, torch.randn(2, 3, 64, 64), precision, compile=False, **backend)
     assert result.rel_err is not None and result.rel_err < 0.05
+
+
+def test_statistics_drawn_from_images_make_the_logits_depend_on_the_image():
+    """With statistics drawn without regard to the activations' scale, a randomised network's logits hardly depend on
+    its input (unrelated images' logits differed by ~1e-4, relative), so whole-model checks at 1e-5 barely saw a
+    path computing on the wrong pixels. Drawn around each BatchNorm's input on ``images``, they do, and a fold still
+    matches; the modules' modes are kept."""
+    torch.manual_seed(0)
+    images = torch.randn(4, 3, 64, 96)
+    model = cgavit.create_model("m0", num_classes=5, img_size=64, **SMALL).train()
+    randomize_(model, 2, images=images)
+    assert all(m.training for m in model.modules())
+    stem = model.patch_embed[0].bn  # the first BatchNorm: its statistics are near those of its input
+    with torch.no_grad():
+        seen = model.patch_embed[0].conv(images)
+    assert torch.allclose(stem.running_mean, seen.mean((0, 2, 3)), atol=0.5 * float(seen.std()))
+    ratio = stem.running_var / seen.var((0, 2, 3), unbiased=False)
+    assert bool(((ratio >= 0.5) & (ratio <= 1.5)).all())
+    model.eval()
+    x, other = torch.randn(2, 3, 64, 96), torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        assert rel_err(model(other), model(x)) > 0.1
+        assert rel_err(model(x.flip(3)), model(x)) > 0.1
+        assert rel_err(cgavit.fuse(model)(x), model(x)) <= 1e-4
