@@ -11,6 +11,9 @@ sees a path that computes on the wrong pixels: give :func:`randomize_` ``images`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -78,3 +81,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / ||b||`` in float64."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@contextmanager
+def full_fp32() -> Iterator[None]:
+    """Run CUDA float32 convolutions and matrix products in full float32 inside (TF32 off), and restore torch's
+    flags on the way out; nothing changes on the CPU.
+
+    torch's default lets cuDNN round a float32 convolution's inputs to TF32 (a 10-bit mantissa: ~1e-4 to 1e-3
+    relative) on Ampere and later GPUs. A float32 reference made so is no reference for a check at 1e-5: the Triton
+    kernel's products are IEEE float32, and a path that folds a scale or the identity into its weights rounds them
+    differently, so a check there failed paths that are right."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    matmul_tf32 = matmul.allow_tf32
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = matmul_tf32

@@ -12,7 +12,7 @@ from cgavit.deploy.fastpath import TOLERANCE, choose_backend
 from cgavit.deploy.onnx import OnnxModule, export_onnx, onnxruntime_available, quantize_onnx
 from cgavit.fast import FastWindowAttention, fold_depthwise_residual, swap_fast_modules
 from cgavit.layers import Residual
-from cgavit.testing import randomize_, rel_err
+from cgavit.testing import full_fp32, randomize_, rel_err
 
 TINY = dict(embed_dim=(32, 48, 64), depth=(1, 1, 1), num_heads=(2, 2, 2), kernels=(5, 3))
 
@@ -501,3 +501,42 @@ def test_a_backend_without_the_precision_names_the_backends_that_offer_it():
             ("bf16", "onnxruntime", "torch, openvino and triton offer it: use backend='torch', or backend='auto'")):
         with pytest.raises(ValueError, match=f"precision {precision} is not offered by the {backend} backend .*; {says}"):
             choose_backend(precision, backend)
+
+
+#: torch's TF32 flags (cuDNN convolutions, CUDA matrix products) as each call of a _RecordsTf32 saw them
+TF32_SEEN = []
+
+
+def _tf32_flags():
+    return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+
+class _RecordsTf32(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        TF32_SEEN.append(_tf32_flags())
+        return self.conv(x).mean((2, 3))
+
+
+def test_optimize_checks_in_full_fp32_and_leaves_the_flags_as_they_were():
+    """On a GPU torch's default runs float32 convolutions in TF32 (~1e-3 relative): the reference and the checked
+    call of optimize's 1e-5 check ran so, against the Triton kernel's IEEE float32 products. Both now run with TF32
+    off; the path's own calls keep the caller's flags, which are restored (the flags are readable on the CPU)."""
+    TF32_SEEN.clear()
+    before = _tf32_flags()
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True  # a caller who turned both on
+    try:
+        optimize(_RecordsTf32().eval(), torch.randn(2, 3, 32, 32), backend="torch", compile=False, fast_attention=False)
+        after = _tf32_flags()
+        with pytest.raises(ZeroDivisionError), full_fp32():
+            1 / 0
+        after_error = _tf32_flags()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+    assert TF32_SEEN[0] == (False, False)  # the reference
+    assert (True, True) in TF32_SEEN[1:-1]  # the build's call: the caller's flags
+    assert TF32_SEEN[-1] == (False, False)  # the check
+    assert after == after_error == (True, True)

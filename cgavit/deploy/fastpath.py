@@ -18,7 +18,7 @@ from ..io import require_flag
 from ..kernels import interpreted, triton_available
 from ..kernels import load as load_kernels
 from ..model import check_image_batch
-from ..testing import rel_err
+from ..testing import full_fp32, rel_err
 from .agreement import Agreement, batched_logits, compare_logits
 from .artifact import QuantizedArtifact, quantized_artifact
 from .auto import auto_candidates, precision_warning, untried_paths
@@ -209,7 +209,8 @@ def optimize(
     if on_cpu:
         _warn_if_slow(precision, features or cpu_features(), batches)
     fused = fused_fp32(model)
-    reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
+    with full_fp32():  # on a GPU, not TF32 (torch's default for convolutions): the reference of a 1e-5 check
+        reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
     result = _build(fused, example_input, precision, backend, batches, opts)
     result.rel_err = _check(result, example_input, reference, precision) if check else None
     return result
@@ -379,9 +380,10 @@ def _triton_path(
 
 
 def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tensor, precision: str) -> float:
-    """Relative error of ``result`` against the fused model's ``reference`` logits; raises above tolerance, and
-    where the error is not finite (a check that cannot fail is no check)."""
-    with torch.no_grad():
+    """Relative error of ``result`` against the fused model's ``reference`` logits, both in full float32 on a GPU
+    (:func:`~cgavit.testing.full_fp32`); raises above tolerance, and where the error is not finite (a check that
+    cannot fail is no check)."""
+    with torch.no_grad(), full_fp32():
         err = rel_err(result(example_input), reference)
     log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
     if not math.isfinite(err):
