@@ -440,7 +440,7 @@ def _optimize_auto(
     log.info("optimize auto: chose %s", result.choice.describe())
     _warn_if_artifact_unused(artifact, result, unused)
     if check:
-        with torch.no_grad():
+        with torch.no_grad(), full_fp32():  # as _check: not TF32 on a GPU
             result.rel_err = rel_err(result(example_input), batched_logits(fused_fp32(model), example_input))
     return result
 
