@@ -163,9 +163,24 @@ def test_bad_inputs_say_what_to_do():
         attn(torch.randn(1, 16, 4, 4, device=DEVICE).double())
     with pytest.raises(ValueError, match="no backward"):
         attn(torch.randn(1, 16, 4, 4, device=DEVICE, requires_grad=True))
-    big = module.TritonWindowAttention(_attention(16, 2, 16, None, 17, True, True, [3, 3]))
-    with pytest.raises(ValueError, match="window 17"):
-        big(torch.randn(1, 16, 17, 17, device=DEVICE))
+    with pytest.raises(ValueError, match="17x17 windows"):
+        cga.cga_forward(torch.randn(1, 16, 17, 17, device=DEVICE), dataclasses.replace(attn.layout, window=17),
+                        attn.weights())
+
+
+def test_windows_over_16_are_refused_when_built_not_at_the_first_call():
+    """A 17x17 window was accepted by TritonWindowAttention and swap_triton_modules and refused only when run (by
+    optimize, inside its build), saying to 'use the plain fused attention'; swap_triton_modules could leave a model
+    half swapped. Now both refuse it first, naming the attention and what to run instead."""
+    with pytest.raises(ValueError, match=r"this attention attends 17x17 windows .*backend='torch'"):
+        module.TritonWindowAttention(_attention(16, 2, 16, None, 17, True, True, [3, 3]))
+    small = _attention(16, 2, 16, None, 4, True, True, [3, 3])
+    model = torch.nn.Sequential(small, _attention(16, 2, 16, None, 17, True, True, [3, 3]))
+    with pytest.raises(ValueError, match=r"^1 attends 17x17 windows"):
+        module.swap_triton_modules(model)
+    assert model[0] is small
+    assert isinstance(module.swap_triton_modules(torch.nn.Sequential(_attention(16, 2, 16, None, 16, True, True, [3])))[0],
+                      module.TritonWindowAttention)
 
 
 def test_weights_that_do_not_fit_the_layout_are_refused_not_read_past():

@@ -309,6 +309,16 @@ def window_grid(layout: CgaLayout, height: int, width: int) -> tuple[int, int]:
     return layout.window, layout.window
 
 
+def check_window(window: int, where: str = "this attention") -> None:
+    """Raise ``ValueError`` for a window the kernel cannot attend: more than ``MAX_WINDOW_TOKENS`` tokens (16 x 16),
+    saying what to run instead (``where`` names the attention in the message)."""
+    if window**2 > MAX_WINDOW_TOKENS:
+        raise ValueError(
+            f"{where} attends {window}x{window} windows ({window**2} tokens), over the Triton kernel's "
+            f"{MAX_WINDOW_TOKENS} (16x16); run such a model with optimize(..., backend='torch'), or fused as it is"
+        )
+
+
 def check_inputs(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights) -> None:
     """Raise ``ValueError`` for an input or weights the kernel cannot take, saying what to do (``TypeError`` for
     an ``x`` that is no tensor or a ``layout`` that is no :class:`CgaLayout`)."""
@@ -330,11 +340,7 @@ def check_inputs(x: torch.Tensor, layout: CgaLayout, weights: CgaWeights) -> Non
             f"the compiled CGA kernel needs a GPU tensor, got one on {x.device}; for the CPU set "
             "TRITON_INTERPRET=1 before cgavit.kernels.load() (slow: for tests)"
         )
-    if layout.window**2 > MAX_WINDOW_TOKENS:
-        raise ValueError(
-            f"window {layout.window} has {layout.window**2} tokens, over the kernel's "
-            f"{MAX_WINDOW_TOKENS}; use the plain fused attention for windows above 16"
-        )
+    check_window(layout.window)
     if layout.cascade and layout.in_per_head != layout.value_dim:
         raise ValueError("cascade needs value_dim == dim // num_heads (as CascadedGroupAttention checks)")
     _check_weights(x, layout, weights)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import FusedCascadedGroupAttention, LocalWindowAttention
-from .cga import CgaLayout, CgaWeights, cga_forward, interpreted
+from .cga import CgaLayout, CgaWeights, cga_forward, check_window, interpreted
 
 __all__ = ["TritonWindowAttention", "interpreted", "swap_triton_modules"]  # interpreted: cga's, for kernels.interpreted()
 
@@ -51,6 +51,7 @@ class TritonWindowAttention(nn.Module):
                 "TritonWindowAttention needs a fused attention (cgavit.fuse the model first), "
                 f"got {type(attn).__name__}"
             )
+        check_window(lwa.window)
         kernel = max(_kernel_size(dw) for dw in attn.dws)
         self.project = project
         self.layout = CgaLayout(
@@ -94,13 +95,15 @@ def swap_triton_modules(model: nn.Module, project: bool = True) -> nn.Module:
     replacement when ``model`` is one).
 
     Raises:
-        ValueError: when an attention is not fused (``cgavit.fuse`` the model first); refused before anything
-            is swapped, so ``model`` is left as it was.
+        ValueError: when an attention is not fused (``cgavit.fuse`` the model first), or attends windows larger
+            than the kernel's 16x16; refused before anything is swapped, so ``model`` is left as it was.
     """
-    unfused = [name or "the model" for name, m in model.named_modules()
-               if isinstance(m, LocalWindowAttention) and not isinstance(m.attn, FusedCascadedGroupAttention)]
+    attentions = [(name or "the model", m) for name, m in model.named_modules() if isinstance(m, LocalWindowAttention)]
+    unfused = [name for name, m in attentions if not isinstance(m.attn, FusedCascadedGroupAttention)]
     if unfused:
         raise ValueError(f"swap_triton_modules needs a fused model (cgavit.fuse first); {unfused[0]} is not fused")
+    for name, m in attentions:
+        check_window(m.window, name)
     return _swap(model, project)
 
 
