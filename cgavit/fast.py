@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import FusedCascadedGroupAttention, LocalWindowAttention, window_bias
+from .bounds import is_whole
 from .layers import FFN, PatchMerging, Residual, SqueezeExcite, conv_like
 from .model import image_size_pair
 
@@ -191,21 +192,33 @@ def swap_fast_modules(
     """Replace, in place, every fused :class:`LocalWindowAttention` of ``model`` by its fast form,
     fold every depthwise residual into its conv (``fold_residuals``) and make every ReLU whose input
     nothing else reads in-place (saves one allocation per activation; :func:`private_relu`); returns
-    ``model``.
+    ``model``, or its fast form when ``model`` is itself a :class:`LocalWindowAttention`.
 
     With ``img_size`` (one side, or ``(H, W)``) the fast modules are specialised to the maps ``img_size`` images give
-    (the form for exporting: an image of another size is then refused); without it they take any size.
+    (the form for exporting: an image of another size is then refused); without it they take any size. For a
+    :class:`LocalWindowAttention` itself, ``img_size`` is the size of its map.
 
     Raises:
         ValueError: a model not fused (:func:`cgavit.fuse`; refused before anything changes), or a bad ``img_size``.
     """
-    unfused = [name for name, m in model.named_modules()
+    unfused = [name or "the model" for name, m in model.named_modules()
                if isinstance(m, LocalWindowAttention) and not isinstance(m.attn, FusedCascadedGroupAttention)]
     if unfused:  # refused before anything is swapped: the caller's model is left as it was
         raise ValueError(f"swap_fast_modules needs a fused model (cgavit.fuse first); {unfused[0]} is not fused")
+    if isinstance(model, LocalWindowAttention):  # its input is the map: no dry run of images
+        return FastWindowAttention(model, _map_size(img_size))
     sizes = window_input_sizes(model, image_size_pair(img_size)) if img_size is not None else {}
     _swap(model, sizes, fold_residuals)
     return model
+
+
+def _map_size(size: object) -> tuple[int, int] | None:
+    """A map's ``(H, W)`` from one side or a pair of positive whole numbers (None stays None)."""
+    sides = size if isinstance(size, (tuple, list)) else (size, size)
+    if size is not None and (len(sides) != 2 or not all(is_whole(s) for s in sides)):
+        raise ValueError(f"img_size of a LocalWindowAttention is the size of its map: one side or (H, W), positive "
+                         f"whole numbers; got {size!r}")
+    return None if size is None else (int(sides[0]), int(sides[1]))
 
 
 #: cgavit's blocks whose ``act`` ReLU is only ever given a conv's output, which nothing else reads

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cgavit
+from cgavit.attention import LocalWindowAttention
 from cgavit.deploy import optimize
 from cgavit.deploy.fastpath import TOLERANCE, choose_backend
 from cgavit.deploy.onnx import OnnxModule, export_onnx, onnxruntime_available, quantize_onnx
@@ -540,3 +541,21 @@ def test_optimize_checks_in_full_fp32_and_leaves_the_flags_as_they_were():
     assert (True, True) in TF32_SEEN[1:-1]  # the build's call: the caller's flags
     assert TF32_SEEN[-1] == (False, False)  # the check
     assert after == after_error == (True, True)
+
+
+def test_swap_fast_modules_given_a_window_attention_itself_returns_its_fast_form():
+    """A fused LocalWindowAttention given alone came back unchanged (no fast form, silently), and with img_size the
+    dry run fed it a 3-channel image (a RuntimeError about conv channels). As swap_triton_modules does, it is now
+    replaced, and img_size is its map's size."""
+    fused = cgavit.fuse(randomize_(LocalWindowAttention(16, 7, num_heads=2, kernels=[3, 3]), 4))
+    x = torch.randn(2, 16, 10, 9)
+    fast, sized = swap_fast_modules(fused), swap_fast_modules(fused, img_size=(10, 9))
+    assert isinstance(fast, FastWindowAttention) and isinstance(sized, FastWindowAttention)
+    with torch.no_grad():
+        assert rel_err(fast(x), fused(x)) <= 1e-5 and rel_err(sized(x), fused(x)) <= 1e-5
+        with pytest.raises(ValueError, match="built for 10x9"):
+            sized(torch.randn(1, 16, 9, 10))
+    with pytest.raises(ValueError, match="size of its map"):
+        swap_fast_modules(fused, img_size=(10, 0))
+    with pytest.raises(ValueError, match="the model is not fused"):
+        swap_fast_modules(LocalWindowAttention(16, 7, num_heads=2))
