@@ -209,8 +209,7 @@ def optimize(
     if on_cpu:
         _warn_if_slow(precision, features or cpu_features(), batches)
     fused = fused_fp32(model)
-    with full_fp32():  # on a GPU, not TF32 (torch's default for convolutions): the reference of a 1e-5 check
-        reference = fused(example_input) if check else None  # before the fast path rewrites ``fused`` in place
+    reference = checked_logits(fused, example_input) if check else None  # before the fast path rewrites ``fused``
     result = _build(fused, example_input, precision, backend, batches, opts)
     result.rel_err = _check(result, example_input, reference, precision) if check else None
     return result
@@ -379,12 +378,17 @@ def _triton_path(
     return result
 
 
-def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tensor, precision: str) -> float:
-    """Relative error of ``result`` against the fused model's ``reference`` logits, both in full float32 on a GPU
-    (:func:`~cgavit.testing.full_fp32`); raises above tolerance, and where the error is not finite (a check that
-    cannot fail is no check)."""
+def checked_logits(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """``model(images)`` without autograd and, on a GPU, with TF32 off (:func:`~cgavit.testing.full_fp32`; torch's
+    default rounds float32 convolutions to TF32, ~1e-3 relative): both sides of the fp32 check at 1e-5."""
     with torch.no_grad(), full_fp32():
-        err = rel_err(result(example_input), reference)
+        return model(images)
+
+
+def _check(result: nn.Module, example_input: torch.Tensor, reference: torch.Tensor, precision: str) -> float:
+    """Relative error of ``result`` against the fused model's ``reference`` logits, both :func:`checked_logits`;
+    raises above tolerance, and where the error is not finite (a check that cannot fail is no check)."""
+    err = rel_err(checked_logits(result, example_input), reference)
     log.info("optimize: relative error vs the fused model %.2e (tolerance %.0e)", err, TOLERANCE[precision])
     if not math.isfinite(err):
         raise _not_finite("example_input")
@@ -440,8 +444,8 @@ def _optimize_auto(
     log.info("optimize auto: chose %s", result.choice.describe())
     _warn_if_artifact_unused(artifact, result, unused)
     if check:
-        with torch.no_grad(), full_fp32():  # as _check: not TF32 on a GPU
-            result.rel_err = rel_err(result(example_input), batched_logits(fused_fp32(model), example_input))
+        with full_fp32():  # as checked_logits: not TF32 on a GPU
+            result.rel_err = rel_err(checked_logits(result, example_input), batched_logits(fused_fp32(model), example_input))
     return result
 
 
