@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -164,3 +165,65 @@ def test_a_signal_to_one_rank_stops_every_rank_as_a_signal(tmp_path):
     assert summary["interrupted"] and summary["signal"] == signal.SIGTERM, err[-3000:]
     assert err.count("(by SIGTERM); continue with --resume") == 1, err[-3000:]
     assert 1 <= ckpt_io.load(out / "last.pt")["next_epoch"] < 500
+
+
+def _torchrun_script(script: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """The Python file ``script`` (which runs ``cgavit`` with ``args``) under a 2-process torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _no_rank_traceback(err: str) -> bool:
+    """Whether no rank died of a traceback (torchrun prefixes a rank's with ``[rankN]:``), such as the process
+    group's "connection closed by peer" of a rank left in a collective that a failed rank never joined."""
+    return not any(text in err for text in ("[rank0]:", "[rank1]:", "by peer"))
+
+
+def test_an_unreadable_image_under_strict_stops_every_rank_with_its_line(tmp_path):
+    """Rank 1 met the image and stopped with its line; rank 0, left in the next update's collective, died of gloo's
+    "Connection reset by peer" traceback (NCCL: waited for the time-out), and its train.log never said why."""
+    data = make_folder(tmp_path / "ds", classes=3, train=4, val=2)
+    (data / "train" / "class_1" / "0.png").unlink()
+    (data / "train" / "class_1" / "bad.png").write_bytes(b"not an image")  # 12 images: 3 batches of 2 per rank
+    proc = _torchrun("train", *TINY_ARGV, "--batch-size", "2", "--aug-repeats", "0", "--strict", "--data", str(data),
+                     "--epochs", "1", "--output", str(tmp_path / "run"), "--device", "cpu")
+    line = f"cgavit train: error: cannot read image {data / 'train' / 'class_1' / 'bad.png'}"
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]  # each rank says it
+    assert _no_rank_traceback(proc.stderr), proc.stderr[-3000:]
+
+
+NAN_ON_RANK_1 = """
+import os, sys
+from cgavit.cli import main
+from cgavit.train import recipe
+forward = recipe.DistillationLoss.forward
+if os.environ["RANK"] == "1":  # this rank's loss alone is NaN
+    recipe.DistillationLoss.forward = lambda self, *args: forward(self, *args) * float("nan")
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_loss_that_is_not_finite_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """Rank 1 raised before its backward; rank 0 died in the gradient all-reduce with gloo's traceback."""
+    data = make_folder(tmp_path / "ds", classes=3, train=4, val=2)
+    script = tmp_path / "nan_on_rank_1.py"
+    script.write_text(NAN_ON_RANK_1)
+    proc = _torchrun_script(script, "train", *TINY_ARGV, "--aug-repeats", "0", "--data", str(data),
+                            "--epochs", "1", "--output", str(tmp_path / "run"), "--device", "cpu")
+    line = "cgavit train: error: the loss became nan at epoch 1, update 1; lower --lr or check the data"
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    assert _no_rank_traceback(proc.stderr), proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_line(tmp_path, mount_tmpfs):
+    """A full disk ended rank 0 with its line, and rank 1, gone on to its next collective, with a traceback."""
+    data = make_folder(tmp_path / "ds", classes=3, train=4, val=2)
+    out = mount_tmpfs(size="600k") / "run"  # room for the log and metrics, not for last.pt
+    proc = _torchrun("train", *TINY_ARGV, "--aug-repeats", "0", "--data", str(data), "--epochs", "2", "--output", str(out),
+                     "--device", "cpu")
+    line = f"cgavit train: error: cannot write {out / 'last.pt'}: the disk is full"
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    assert _no_rank_traceback(proc.stderr), proc.stderr[-3000:]
+    assert not (out / "last.pt").exists() and not list(out.glob("*.tmp*"))

@@ -12,9 +12,11 @@ import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Iterator
+import pickle
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,8 @@ import torch.distributed as dist
 from ..lock import FileLock
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -143,11 +147,60 @@ def joined(device: str = "auto") -> Iterator[DistEnv]:
 
 def any_true(env: DistEnv, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+    return any_each(env, [flag])[0]
+
+
+def any_each(env: DistEnv, flags: Sequence[bool]) -> list[bool]:
+    """For each of ``flags``: true on every rank when it is true on any rank (one tiny all-reduce for them all)."""
     if not env.distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=env.device)
+        return [bool(flag) for flag in flags]
+    t = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return [value > 0 for value in t.tolist()]
+
+
+def first_message(env: DistEnv, message: str | None) -> str | None:
+    """The ``message`` of the first rank (in rank order) that has one, on every rank (a collective), so that a failure
+    one rank met (an image it could not read) is raised by every rank with the same line, and none waits for the
+    others in a collective the failed one never joins."""
+    return next((m for m in gather_objects(env, message) if m), None)
+
+
+def on_main(env: DistEnv, action: Callable[[], T]) -> T | None:
+    """``action()`` run by rank 0 alone (its result there, None on the others); an exception it raises is raised on
+    every rank (a collective: every rank calls this).
+
+    Rank 0 alone writes the run's files. Without this, a write that fails (a full disk) ends rank 0 with its error
+    while the others go on into their next collective, where they fail with the process group's "connection
+    closed by peer" traceback (gloo) or wait for its time-out (NCCL). An exception that cannot travel between
+    processes reaches the other ranks as a ``RuntimeError`` of its message.
+    """
+    if not env.distributed:
+        return action()
+    result, error = None, None
+    if env.is_main:
+        try:
+            result = action()
+        except Exception as err:
+            error = err
+    shared = broadcast_object(env, _portable(error) if env.is_main else None)
+    if error is not None:
+        raise error
+    if shared is not None:
+        raise shared
+    return result
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """``error``, or a ``RuntimeError`` of its message where it cannot be pickled and rebuilt (its class takes
+    other arguments than it keeps): what :func:`on_main` can send to the other ranks."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def reduce_sum(env: DistEnv, values: list[float]) -> list[float]:

@@ -23,7 +23,7 @@ import shlex
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -43,9 +43,10 @@ from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult, changed_options, check_same_network
-from .data import BadImageError, check_layout, epoch_seed, seed_all, unreadable_classes
+from .data import Batch, BadImageError, check_layout, epoch_seed, seed_all, unreadable_classes
 from .distributed import (
-    DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, main_rank_logs, reduce_sum, setup, teardown,
+    DistEnv, RunLock, any_each, any_true, barrier, broadcast_object, first_message, gather_objects, main_rank_logs, on_main,
+    reduce_sum, setup, teardown,
 )
 from .evaluation import evaluate
 from .recipe import (
@@ -196,9 +197,9 @@ def _read_val_split(run: Run) -> None:
                 break
     except BadImageError as err:
         error = str(err)
-    errors = [e for e in gather_objects(run.env, error) if e]  # every rank raises, so none waits for the others
-    if errors:
-        raise BadImageError(errors[0])
+    error = first_message(run.env, error)  # every rank raises, so none waits for the others
+    if error:
+        raise BadImageError(error)
 
 
 def _build_run(cfg: TrainConfig, env: DistEnv, stopper: Stopper, layout: dict, output: Path) -> Run:
@@ -281,16 +282,14 @@ def _fit(run: Run, t_start: float) -> TrainResult:
         _save(run, output / "last.pt", epoch + 1, 0, mid=False)
         if is_best:
             _save(run, output / "best.pt", epoch + 1, 0, mid=False)
-            if env.is_main:
-                meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
-                save_weights(run.model, output / "best.safetensors", meta)
+            meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
+            on_main(env, lambda: save_weights(run.model, output / "best.safetensors", meta))
         if any_true(env, run.stopper.signum is not None):  # every rank stops where any rank was signalled
             interrupted = True
             _report_stop(run, f"stopped after epoch {epoch + 1}")
             break
     barrier(env)
-    if env.is_main and rows:
-        records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}")
+    on_main(env, lambda: records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}"))  # none without rows
     return _result(run, rows, skipped, val, interrupted, t_start)
 
 
@@ -338,8 +337,9 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     """Train epoch ``epoch`` from update ``start_step`` (0, or where a stopped run left it), stopping
     early, after the update in progress, on SIGTERM or SIGINT.
 
-    Each update: the batch -> mixup -> forward (AMP) -> loss (with distillation) -> backward ->
-    clipping -> optimiser step -> EMA -> progress; a per-update schedule steps before it.
+    Each update: the batch -> :func:`_update` -> progress; a per-update schedule steps before it. What stops the run at
+    one rank (an unreadable image under ``strict``, a loss that is not finite) is agreed at every update with the stop
+    signals, and stops every rank with that rank's line: none is left in a collective the others never join.
     """
     cfg, env, state, loader = run.cfg, run.env, run.state, run.loaders.train
     _start_epoch(run, epoch, start_step)
@@ -349,7 +349,7 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     stats = EpochStats(float(resumed.get("loss_sum", 0.0)), int(resumed.get("seen", 0)), next_step=steps)
     stats.lr = run.optimizer.param_groups[0]["lr"]
     t0 = time.perf_counter()
-    for step, batch in enumerate(loader, start=start_step):
+    for step, (batch, unreadable) in enumerate(_batches(loader), start=start_step):
         seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))  # mixup, drop path: keyed to the update
         stats.bad.update(zip(batch.bad, batch.errors))
         if cfg.sched_on_updates:  # counted in this run's batches, whatever batch the epochs before had
@@ -357,32 +357,22 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
         stats.lr = run.optimizer.param_groups[0]["lr"]
         # timm's batch mixup pairs images: a batch made odd by unreadable images leaves one out (--batch-size is even)
         n = len(batch) - (len(batch) % 2 if run.mixup is not None else 0)
-        if any_true(env, n < 2):  # a batch emptied by unreadable images: every rank skips the update
+        empty, failed = any_each(env, [n < 2, unreadable is not None])
+        if failed:  # strict, and an image this rank or another could not read
+            raise BadImageError(first_message(env, unreadable))
+        diverged = None
+        if empty:  # a batch emptied by unreadable images: every rank skips the update
             bar.update(step, 0, None, stats.lr)
         else:
-            x = batch.images[:n].to(env.device, non_blocking=True)  # (n, 3, H, W)
-            y = batch.labels[:n].to(env.device, non_blocking=True)  # (n,)
-            if run.mixup is not None:
-                x, y = run.mixup(x, y)  # y: (n, classes), mixed soft targets
-            with _autocast(cfg, env):
-                loss = run.criterion(x, run.net(x), y)  # DeiT's distillation loss when a teacher is set
-            value = float(loss.detach())
+            value = _update(run, batch, n)
             if not math.isfinite(value):
-                raise ValueError(f"the loss became {value} at epoch {epoch + 1}, update {step + 1}; lower --lr or check the data")
-            run.optimizer.zero_grad(set_to_none=True)
-            run.scaler.scale(loss).backward()
-            if cfg.clip_grad > 0:
-                run.scaler.unscale_(run.optimizer)
-                dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            state.global_step += 1
-            if run.ema is not None:
-                run.ema.update(run.model, step=state.global_step)
+                diverged = f"the loss became {value} at epoch {epoch + 1}, update {step + 1}; lower --lr or check the data"
             stats.add(value, n)
             bar.update(step, n * env.world, value, stats.lr)
-        stop = run.stopper.signum is not None
-        if any_true(env, stop) and step + 1 < steps:
+        stop, failed = any_each(env, [run.stopper.signum is not None, diverged is not None])
+        if failed:  # nothing of the epoch is saved: last.pt keeps the point before it
+            raise ValueError(first_message(env, diverged))
+        if stop and step + 1 < steps:
             stats.next_step, stats.interrupted = step + 1, True
             break
     loader.sampler.start = 0
@@ -393,6 +383,41 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     stats.loss_sum, stats.seen, stats.timed = reduce_sum(env, [stats.loss_sum, stats.seen, stats.timed])
     state.partial = {"loss_sum": stats.loss_sum / env.world, "seen": int(stats.seen / env.world)} if stats.interrupted else {}
     return stats
+
+
+def _batches(loader: Iterable[Batch]) -> Iterator[tuple[Batch, str | None]]:
+    """``loader``'s batches, each with None; where it raises a :class:`~cgavit.train.data.BadImageError` (``strict``),
+    an empty batch with that error's line, last: the update loop then stops every rank with it."""
+    try:
+        for batch in loader:
+            yield batch, None
+    except BadImageError as err:
+        yield Batch(None, None, None, []), str(err)
+
+
+def _update(run: Run, batch: Batch, n: int) -> float:
+    """One optimiser update on the first ``n`` images of ``batch``: mixup -> forward (AMP) -> loss (with distillation)
+    -> backward -> clipping -> optimiser step -> EMA. Returns the loss, which the caller checks: under several
+    processes a rank whose loss is not finite still joins the backward's gradient all-reduce, so that every rank
+    reaches the check that stops them all."""
+    cfg, env = run.cfg, run.env
+    x = batch.images[:n].to(env.device, non_blocking=True)  # (n, 3, H, W)
+    y = batch.labels[:n].to(env.device, non_blocking=True)  # (n,)
+    if run.mixup is not None:
+        x, y = run.mixup(x, y)  # y: (n, classes), mixed soft targets
+    with _autocast(cfg, env):
+        loss = run.criterion(x, run.net(x), y)  # DeiT's distillation loss when a teacher is set
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()
+    if cfg.clip_grad > 0:
+        run.scaler.unscale_(run.optimizer)
+        dispatch_clip_grad(run.model.parameters(), value=cfg.clip_grad, mode=cfg.clip_mode)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.state.global_step += 1
+    if run.ema is not None:
+        run.ema.update(run.model, step=run.state.global_step)
+    return float(loss.detach())
 
 
 def _start_epoch(run: Run, epoch: int, start_step: int) -> None:
@@ -454,8 +479,7 @@ def _record(run: Run, epoch: int, total_epochs: int, stats: EpochStats, val: dic
         epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], val["top5"], state.best_top1,
         state.best_epoch + 1, stats.img_per_s, f", {skipped} unreadable images skipped" if skipped else "",
     )
-    if run.env.is_main:
-        records.append_metrics(run.output / "metrics.jsonl", row)
+    on_main(run.env, lambda: records.append_metrics(run.output / "metrics.jsonl", row))
     return row, is_best
 
 
@@ -513,35 +537,36 @@ def _written(path: Path, env: DistEnv) -> str | None:
 # ---------------------------------------------------------------------------------- checkpoints
 def _save(run: Run, path: Path, next_epoch: int, next_step: int, mid: bool) -> None:
     """Write a training checkpoint on rank 0 (RNG states of every rank gathered first; a collective,
-    so every rank calls it)."""
+    so every rank calls it, and every rank raises the error of a write that fails)."""
     rngs = gather_objects(run.env, ckpt_io.rng_state(run.env.device))
-    if not run.env.is_main:
-        return
+    on_main(run.env, lambda: ckpt_io.save(path, _checkpoint(run, rngs, next_epoch, next_step, mid)))
+
+
+def _checkpoint(run: Run, rngs: list, next_epoch: int, next_step: int, mid: bool) -> dict:
+    """What a training checkpoint holds (:mod:`~cgavit.train.checkpoint`), at update ``next_step`` of ``next_epoch``;
+    ``rngs``: every rank's RNG states."""
     state = run.state
-    ckpt_io.save(
-        path,
-        {
-            "model": run.model.state_dict(),
-            "model_ema": run.ema.module.state_dict() if run.ema is not None else None,
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-            "next_epoch": next_epoch,
-            "next_step": next_step,
-            "global_step": state.global_step,
-            "rng": rngs,  # used on resume only mid-epoch: every epoch start re-seeds
-            "progress": {
-                "best_top1": state.best_top1,
-                "best_top5": state.best_top5,
-                "best_epoch": state.best_epoch,
-                "partial": state.partial if mid else {},
-            },
-            "world_size": run.env.world,
-            "args": run.cfg.to_record(),
-            "classes": list(run.classes),
-            "saved": datetime.now().isoformat(timespec="seconds"),
+    return {
+        "model": run.model.state_dict(),
+        "model_ema": run.ema.module.state_dict() if run.ema is not None else None,
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+        "next_epoch": next_epoch,
+        "next_step": next_step,
+        "global_step": state.global_step,
+        "rng": rngs,  # used on resume only mid-epoch: every epoch start re-seeds
+        "progress": {
+            "best_top1": state.best_top1,
+            "best_top5": state.best_top5,
+            "best_epoch": state.best_epoch,
+            "partial": state.partial if mid else {},
         },
-    )
+        "world_size": run.env.world,
+        "args": run.cfg.to_record(),
+        "classes": list(run.classes),
+        "saved": datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def _check_mid_epoch(ck: dict, cfg: TrainConfig, world: int) -> None:
@@ -594,8 +619,7 @@ def _resume(run: Run, ck: dict) -> None:
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
     check_optimizer_state(run.optimizer, run.cfg.resume)
-    if env.is_main:
-        records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch)
+    on_main(env, lambda: records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch))
     log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
 
 
