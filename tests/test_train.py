@@ -472,3 +472,16 @@ def test_distillation_with_timm_teacher_and_finetune(data, tmp_path):
     assert tuned["head.linear.weight"].shape[0] == 2 and res.classes == ["class_0", "class_1"]
     w = "patch_embed.conv1.conv.weight"
     torch.testing.assert_close(tuned[w], sd[w], rtol=1e-4, atol=1e-5)  # body carried over (lr ~0)
+
+
+def test_a_signal_as_the_last_epoch_ends_stops_nothing(data, tmp_path, sigterm_after, caplog):
+    """A SIGTERM after the last update of the last epoch (or during its evaluation) let the run end in full, but it
+    said "stopped after epoch 1 ... continue with --resume", returned interrupted, and `cgavit train` exited 143:
+    a job scheduler would requeue a finished run, whose resume only says that nothing is left to train."""
+    out = tmp_path / "run"
+    with sigterm_after(4), caplog.at_level(logging.INFO, logger="cgavit"):  # 18 images, batch 4: 4 updates
+        result = train(tiny(data=str(data), epochs=1, output=str(out)))
+    assert not result.interrupted and result.signal is None and result.epochs == 1
+    assert "continue with --resume" not in caplog.text
+    ck = ckpt_io.load(out / "last.pt")
+    assert (ck["next_epoch"], ck["next_step"]) == (1, 0) and (out / "curves.png").is_file()

@@ -284,7 +284,8 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             _save(run, output / "best.pt", epoch + 1, 0, mid=False)
             meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
             on_main(env, lambda: save_weights(run.model, output / "best.safetensors", meta))
-        if any_true(env, run.stopper.signum is not None):  # every rank stops where any rank was signalled
+        # every rank stops where any rank was signalled; after the last epoch nothing is left to stop (or resume)
+        if epoch + 1 < total_epochs and any_true(env, run.stopper.signum is not None):
             interrupted = True
             _report_stop(run, f"stopped after epoch {epoch + 1}")
             break
@@ -523,7 +524,7 @@ def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupte
         wall_s=round(time.perf_counter() - t_start, 2),
         skipped_images=len(skipped),
         interrupted=interrupted,
-        signal=run.stopper.signum,
+        signal=run.stopper.signum if interrupted else None,  # one that came as the last epoch ended stopped nothing
         world_size=run.env.world,
         classes=run.classes,
     )
