@@ -899,6 +899,17 @@ def test_a_second_demo_on_a_folder_in_use_touches_nothing(tmp_path, capsys):
     assert {path: path.read_bytes() for path in files} == files and not (out / "data").exists()
 
 
+def test_a_demo_under_torchrun_is_refused_as_one_process(tmp_path, capsys, monkeypatch):
+    """Under `torchrun --nproc_per_node 2`, each process took the demo's folder for itself: rank 1 stopped with
+    "another run (pid N) is writing to runs/demo", N being its sibling rank 0, which torchrun then killed."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it, in every process
+    out = tmp_path / "demo"
+    assert main(["demo", "--output", str(out), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cgavit demo runs as one process, and torchrun started 2: run it without torchrun" in err, err
+    assert f"-m cgavit train --data {out / 'data'}" in err and not out.exists()
+
+
 def test_a_stopped_demo_exits_as_a_stopped_train(monkeypatch, capsys):
     """`cgavit demo` stopped by Ctrl-C or SIGTERM exited 0, where `cgavit train` exits 130 or 143."""
     import cgavit.cli.train as cli_train

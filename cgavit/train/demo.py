@@ -28,7 +28,7 @@ from ..factory import load_model
 from ..bounds import check_threads
 from ..io import make_folder, write_json, write_text
 from .config import TrainConfig, TrainResult
-from .distributed import DistEnv, RunLock
+from .distributed import DistEnv, RunLock, launched_world
 from .engine import train
 from .inference import evaluate_checkpoint, export_weights
 
@@ -159,8 +159,15 @@ def run_demo(
         The report (also in ``report.json``), or, when the training was stopped by a signal, the
         training's :meth:`~cgavit.train.TrainResult.to_dict` (``"interrupted"`` true; continue it
         with ``cgavit train --resume`` its ``"last"``).
+
+    Raises:
+        ValueError: started as several processes (``torchrun --nproc_per_node N``), or an ``output`` that is a file.
     """
     output = Path(output)
+    if launched_world() > 1:  # each process would take the demo's folder for another run's (its sibling's)
+        raise ValueError(f"cgavit demo runs as one process, and torchrun started {launched_world()}: run it without "
+                         f"torchrun; the digits it writes to {output / 'data'} can then be trained on by several "
+                         f"(torchrun ... -m cgavit train --data {output / 'data'})")
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {output} is not a folder; give a folder for the demo's data and run")
     if threads is not None:

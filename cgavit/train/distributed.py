@@ -76,6 +76,11 @@ def resolve_device(device: str | torch.device, local_rank: int | None = None) ->
     return torch.device("cuda", index)
 
 
+def launched_world() -> int:
+    """The number of processes ``torchrun`` started for this command (its ``WORLD_SIZE``; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(device: str = "auto") -> DistEnv:
     """Read the ``torchrun`` environment, pick the device and join the process group.
 
@@ -85,7 +90,7 @@ def setup(device: str = "auto") -> DistEnv:
     Raises:
         ValueError: ``cuda`` asked for without a GPU, or fewer GPUs than local processes.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device, local_rank)
