@@ -227,3 +227,16 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_line(tmp_pat
     assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]
     assert _no_rank_traceback(proc.stderr), proc.stderr[-3000:]
     assert not (out / "last.pt").exists() and not list(out.glob("*.tmp*"))
+
+
+def test_a_folder_holding_a_run_is_refused_with_the_same_line_by_every_rank(tmp_path):
+    """Rank 1, which looks at no files, said "{out} already holds a run (); choose another --output"."""
+    data = make_folder(tmp_path / "ds", classes=2, train=4, val=1)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "last.pt").write_bytes(b"an earlier run's")
+    proc = _torchrun("train", *TINY_ARGV, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu")
+    line = (f"cgavit train: error: {out} already holds a run (last.pt); continue it with --resume {out / 'last.pt'}, "
+            "or choose another --output (nothing in it was changed)")
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["last.pt"]

@@ -753,7 +753,8 @@ def _make_output(cfg: TrainConfig, env: DistEnv, resuming: bool) -> Path:
         raise ValueError(f"--output {out} is not a folder; give a folder for the run's files")
     held = [name for name in RUN_FILES if (out / name).exists()] if env.is_main else []
     taken = bool(held) and not (resuming and _resumes_in_place(cfg, out))
-    if broadcast_object(env, taken):  # every rank raises, so none waits for the others
+    held, taken = broadcast_object(env, (held, taken))  # rank 0's folder: every rank raises with its line
+    if taken:
         again = (f"continue it with --resume {out / 'last.pt'}, or " if "last.pt" in held and not resuming else "")
         raise ValueError(f"{out} already holds a run ({', '.join(held)}); {again}choose another --output "
                          "(nothing in it was changed)")
