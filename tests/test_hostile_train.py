@@ -1473,3 +1473,35 @@ def test_an_empty_path_is_named_as_empty(world, capsys):
     assert "path is empty" in capsys.readouterr().err
     with pytest.raises(ValueError, match="the path to write is empty"):
         write_text("", "x")
+
+
+def test_a_run_stopped_mid_epoch_says_when_its_training_split_changed(tmp_path, sigterm_after, caplog):
+    """Images removed between a mid-epoch stop and its resume: the skipped positions were counted in the old split's
+    order, without a word; where fewer batches remained than were skipped, the resumed epoch stopped with "epoch 1
+    made no update: no batch held two or more readable images; check --data and --batch-size"."""
+    data = make_folder(tmp_path / "ds", classes=2, train=8, val=1)  # 16 images, batch 4: 4 updates an epoch
+    out = tmp_path / "run"
+    with sigterm_after(3):
+        assert train(tiny(data=str(data), epochs=2, output=str(out))).interrupted
+    saved = out / "last.pt"
+    stopped = saved.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):  # the same split: nothing said
+        assert train(TrainConfig.resume_from(saved, workers=0)).epochs == 2
+    assert "stopped mid-epoch" not in caplog.text
+    saved.write_bytes(stopped)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    for name in ("0.png", "1.png"):  # as many images, but others
+        for c in (0, 1):
+            (data / "train" / f"class_{c}" / name).rename(data / "train" / f"class_{c}" / f"renamed_{name}")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        assert train(TrainConfig.resume_from(saved, workers=0)).epochs == 2
+    assert "on a training split of 16 images; it now holds 16 (other images): the rest of that epoch" in caplog.text
+    saved.write_bytes(stopped)
+    for path in sorted((data / "train").glob("*/*.png"))[::2]:  # half of them gone: 2 batches, 3 already made
+        path.unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        result = train(TrainConfig.resume_from(saved, workers=0))
+    assert result.epochs == 2 and not result.interrupted
+    assert "after 3 updates of epoch 1, on a training split of 16 images; it now holds 8:" in caplog.text

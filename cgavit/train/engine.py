@@ -43,10 +43,10 @@ from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult, changed_options, check_same_network
-from .data import Batch, BadImageError, check_layout, epoch_seed, seed_all, unreadable_classes
+from .data import Batch, BadImageError, check_layout, epoch_seed, seed_all, split_fingerprint, unreadable_classes
 from .distributed import (
-    DistEnv, RunLock, any_each, any_true, barrier, broadcast_object, first_message, gather_objects, main_rank_logs, on_main,
-    reduce_sum, setup, teardown,
+    DistEnv, RunLock, any_each, any_true, barrier, broadcast_object, first_message, gather_objects, main_rank_logs,
+    on_main, reduce_sum, setup, teardown,
 )
 from .evaluation import evaluate
 from .recipe import (
@@ -256,7 +256,8 @@ def _fit(run: Run, t_start: float) -> TrainResult:
         stats = train_one_epoch(run, epoch, total_epochs, start_step)
         bad = dict(sorted(item for items in gather_objects(env, sorted(stats.bad.items())) for item in items))
         _report_bad(bad, skipped)
-        if stats.updates == 0 and not stats.interrupted:
+        # no update where there were batches (a resumed epoch on a smaller split may have none left)
+        if stats.updates == 0 and not stats.interrupted and stats.next_step > start_step:
             raise DataError(_no_update(epoch, list(bad), len(run.loaders.train.dataset)))
         if stats.interrupted:
             _save(run, output / "last.pt", epoch, stats.next_step, mid=True)
@@ -290,7 +291,7 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             _report_stop(run, f"stopped after epoch {epoch + 1}")
             break
     barrier(env)
-    on_main(env, lambda: records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}"))  # none without rows
+    on_main(env, lambda: records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}"))  # rank 0's rows
     return _result(run, rows, skipped, val, interrupted, t_start)
 
 
@@ -564,10 +565,33 @@ def _checkpoint(run: Run, rngs: list, next_epoch: int, next_step: int, mid: bool
             "partial": state.partial if mid else {},
         },
         "world_size": run.env.world,
+        "train_split": _train_split(run) if mid else None,  # what the positions of the unfinished epoch index
         "args": run.cfg.to_record(),
         "classes": list(run.classes),
         "saved": datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def _train_split(run: Run) -> dict:
+    """The fingerprint of the run's training split (:func:`~cgavit.train.data.split_fingerprint`)."""
+    return split_fingerprint(run.loaders.train.dataset.samples, Path(run.cfg.data) / run.cfg.train_split)
+
+
+def _check_same_split(run: Run, ck: dict) -> None:
+    """Warn when a run stopped mid-epoch resumes on a training split other than the one it stopped on (images added
+    or removed since): the updates it skips were counted in the old split's order, so the rest of the epoch is not
+    the rest of the images."""
+    recorded = ck.get("train_split")
+    if not ck.get("next_step") or not isinstance(recorded, dict):
+        return
+    now = _train_split(run)
+    if recorded != now:
+        log.warning(
+            "%s stopped mid-epoch, after %d updates of epoch %d, on a training split of %s images; it now holds %d%s: "
+            "the rest of that epoch is drawn from the new split's order, so some of its images are trained on twice "
+            "in it and others not at all (the epochs after it are whole)", run.cfg.resume, ck["next_step"],
+            ck["next_epoch"] + 1, recorded.get("images"), now["images"],
+            " (other images)" if recorded.get("images") == now["images"] else "")
 
 
 def _check_mid_epoch(ck: dict, cfg: TrainConfig, world: int) -> None:
@@ -620,6 +644,7 @@ def _resume(run: Run, ck: dict) -> None:
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
     check_optimizer_state(run.optimizer, run.cfg.resume)
+    _check_same_split(run, ck)
     on_main(env, lambda: records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch))
     log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
 

@@ -13,7 +13,9 @@ Images are opened by :mod:`cgavit.images` (the package's one opener); its :func:
 """
 
 from ...images import BadImageError, load_image, to_rgb
-from .layout import IMAGE_EXTENSIONS, check_folder, check_layout, check_split_name, list_split, unreadable_classes
+from .layout import (
+    IMAGE_EXTENSIONS, check_folder, check_layout, check_split_name, list_split, split_fingerprint, unreadable_classes,
+)
 from .loaders import Batch, BadSample, ImageFolderDataset, collate, make_loader
 from .samplers import EpochRandomSampler, PaddedEvalSampler, SeededSampler, epoch_seed, eval_sampler, seed_all, train_sampler
 from .transforms import build_transform, load_transformed
@@ -39,6 +41,7 @@ __all__ = [
     "load_transformed",
     "make_loader",
     "seed_all",
+    "split_fingerprint",
     "to_rgb",
     "train_sampler",
     "unreadable_classes",

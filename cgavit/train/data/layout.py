@@ -11,6 +11,7 @@ the standard 1000-class order.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -189,6 +190,18 @@ def _warn_left_out(folder: Path, left_out: list[Path], dangling: list[Path], spe
     if dangling:
         log.warning("%d link(s) in %s are left out: they lead to no file (a target moved or deleted, or a loop), e.g. "
                     "%s", len(dangling), folder, ", ".join(shown(str(p)) for p in sorted(dangling)[:3]))
+
+
+def split_fingerprint(samples: Sequence[tuple[str, int]], folder: str | Path) -> dict:
+    """What identifies a split's images in their order: ``{"images": count, "digest": hex}``, the digest over each
+    sample's path relative to the split's ``folder`` and its class index (so a dataset moved elsewhere keeps it).
+
+    A run stopped mid-epoch records its training split's, so that a resume can tell whether the positions it skips
+    are still the images it trained on (an epoch's order is a permutation of the samples' indices)."""
+    prefix = os.path.join(str(folder), "")
+    text = "\n".join(f"{path[len(prefix):] if path.startswith(prefix) else path}\0{label}" for path, label in samples)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    return {"images": len(samples), "digest": digest[:32]}
 
 
 def same_split(root: str | Path, a: str, b: str) -> bool:
