@@ -240,3 +240,19 @@ def test_a_folder_holding_a_run_is_refused_with_the_same_line_by_every_rank(tmp_
             "or choose another --output (nothing in it was changed)")
     assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["last.pt"]
+
+
+def test_eval_under_strict_stops_every_rank_with_the_line_of_an_unreadable_image(tmp_path):
+    """The rank that met the image stopped with its line; the other died in the gathering of results with gloo's
+    "Connection closed by peer" traceback."""
+    data = make_folder(tmp_path / "ds", classes=3, train=4, val=2)
+    bad = data / "val" / "class_2" / "zz.png"
+    bad.write_bytes(b"not an image")
+    out = tmp_path / "run"
+    proc = _torchrun("train", *TINY_ARGV, "--data", str(data), "--epochs", "1", "--output", str(out), "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _torchrun("eval", "--checkpoint", str(out / "last.pt"), "--data", str(data), "--workers", "0", "-b", "2",
+                     "--device", "cpu", "--strict")
+    line = f"cgavit eval: error: cannot read image {bad}"
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    assert _no_rank_traceback(proc.stderr), proc.stderr[-3000:]

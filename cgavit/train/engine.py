@@ -23,7 +23,7 @@ import shlex
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -43,7 +43,9 @@ from ..weights import checked_path, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult, changed_options, check_same_network
-from .data import Batch, BadImageError, check_layout, epoch_seed, seed_all, split_fingerprint, unreadable_classes
+from .data import (
+    Batch, BadImageError, check_layout, epoch_seed, seed_all, split_fingerprint, unreadable_classes, until_unreadable,
+)
 from .distributed import (
     DistEnv, RunLock, any_each, any_true, barrier, broadcast_object, first_message, gather_objects, main_rank_logs,
     on_main, reduce_sum, setup, teardown,
@@ -351,7 +353,7 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     stats = EpochStats(float(resumed.get("loss_sum", 0.0)), int(resumed.get("seen", 0)), next_step=steps)
     stats.lr = run.optimizer.param_groups[0]["lr"]
     t0 = time.perf_counter()
-    for step, (batch, unreadable) in enumerate(_batches(loader), start=start_step):
+    for step, (batch, unreadable) in enumerate(until_unreadable(loader), start=start_step):
         seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + step))  # mixup, drop path: keyed to the update
         stats.bad.update(zip(batch.bad, batch.errors))
         if cfg.sched_on_updates:  # counted in this run's batches, whatever batch the epochs before had
@@ -385,16 +387,6 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     stats.loss_sum, stats.seen, stats.timed = reduce_sum(env, [stats.loss_sum, stats.seen, stats.timed])
     state.partial = {"loss_sum": stats.loss_sum / env.world, "seen": int(stats.seen / env.world)} if stats.interrupted else {}
     return stats
-
-
-def _batches(loader: Iterable[Batch]) -> Iterator[tuple[Batch, str | None]]:
-    """``loader``'s batches, each with None; where it raises a :class:`~cgavit.train.data.BadImageError` (``strict``),
-    an empty batch with that error's line, last: the update loop then stops every rank with it."""
-    try:
-        for batch in loader:
-            yield batch, None
-    except BadImageError as err:
-        yield Batch(None, None, None, []), str(err)
 
 
 def _update(run: Run, batch: Batch, n: int) -> float:

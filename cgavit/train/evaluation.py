@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import Batch
+from .data import Batch, BadImageError, until_unreadable
 from .distributed import DistEnv, gather_objects
 
 
@@ -38,13 +38,17 @@ def evaluate(
         whose logits are not all finite (a diverged model); they count as misses, and make the loss NaN or inf.
         With ``reference`` also ``"agreement"`` (percent of images whose top-1 class is the reference's) and
         ``"changed"`` (the images whose is not; a non-finite output on either side counts as changed).
+
+    Raises:
+        BadImageError: a ``strict`` loader met an image it cannot read (on any rank: every rank raises the first's).
     """
     env = env or DistEnv()
     was_training = model.training
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device  # an exported file's runtime has none: CPU
     idx, losses, hit1, hit5, bad, broken, same = [], [], [], [], [], [], []
-    for batch in loader:
+    unreadable = None  # a strict loader's error: raised by every rank once the shares are gathered
+    for batch, unreadable in until_unreadable(loader):
         bad.extend(zip(batch.bad, batch.errors))
         if batch.images is None:
             continue
@@ -67,8 +71,12 @@ def evaluate(
             same.append(((out.argmax(dim=1) == ref.argmax(dim=1)) & finite & torch.isfinite(ref).all(dim=1)).cpu())
     model.train(was_training)
     mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad,
-            _cat(broken, torch.bool), _cat(same, torch.bool))
-    return _merge(gather_objects(env, mine), compared=reference is not None)
+            _cat(broken, torch.bool), _cat(same, torch.bool), unreadable)
+    parts = gather_objects(env, mine)
+    unreadable = next((p[7] for p in parts if p[7]), None)
+    if unreadable:
+        raise BadImageError(unreadable)
+    return _merge(parts, compared=reference is not None)
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -77,8 +85,8 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 def _merge(parts: list[tuple], compared: bool = False) -> dict:
     """Every rank's ``(indices, losses, top-1 hits, top-5 hits, (bad path, its error) pairs, non-finite outputs, top-1
-    classes equal to
-    the reference's)`` as one set of metrics, each dataset index counted once (with ``compared``, the agreement too)."""
+    classes equal to the reference's, ...)`` as one set of metrics, each dataset index counted once (with ``compared``,
+    the agreement too)."""
     all_idx = torch.cat([p[0] for p in parts])
     order = torch.argsort(all_idx, stable=True)
     all_idx = all_idx[order]

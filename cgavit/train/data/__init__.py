@@ -16,7 +16,7 @@ from ...images import BadImageError, load_image, to_rgb
 from .layout import (
     IMAGE_EXTENSIONS, check_folder, check_layout, check_split_name, list_split, split_fingerprint, unreadable_classes,
 )
-from .loaders import Batch, BadSample, ImageFolderDataset, collate, make_loader
+from .loaders import Batch, BadSample, ImageFolderDataset, collate, make_loader, until_unreadable
 from .samplers import EpochRandomSampler, PaddedEvalSampler, SeededSampler, epoch_seed, eval_sampler, seed_all, train_sampler
 from .transforms import build_transform, load_transformed
 
@@ -45,4 +45,5 @@ __all__ = [
     "to_rgb",
     "train_sampler",
     "unreadable_classes",
+    "until_unreadable",
 ]

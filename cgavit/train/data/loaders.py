@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,6 +100,21 @@ def collate(items: list) -> Batch:
         paths,
         errors,
     )
+
+
+def until_unreadable(batches: Iterable[Batch]) -> Iterator[tuple[Batch, str | None]]:
+    """``batches``, each with None; where they raise a :class:`~cgavit.images.BadImageError` (a ``strict`` loader), an
+    empty batch with that error's line, last.
+
+    Under several processes one rank meets the image: raised there alone, it would leave the others waiting in their
+    next collective, to fail with the process group's "connection closed" traceback (or its time-out). Its caller
+    shares the line with the other ranks instead, and every rank raises it.
+    """
+    try:
+        for batch in batches:
+            yield batch, None
+    except BadImageError as err:
+        yield Batch(None, None, None, []), str(err)
 
 
 def _worker_init(worker_id: int) -> None:
