@@ -1505,3 +1505,16 @@ def test_a_run_stopped_mid_epoch_says_when_its_training_split_changed(tmp_path, 
         result = train(TrainConfig.resume_from(saved, workers=0))
     assert result.epochs == 2 and not result.interrupted
     assert "after 3 updates of epoch 1, on a training split of 16 images; it now holds 8:" in caplog.text
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_its_own_seed(tmp_path, sigterm_after):
+    """Resumed mid-epoch with another --seed, a run skipped the positions already trained on in an order the new seed
+    drew: other images than it had trained on, with only the warning that names changed options."""
+    data = make_folder(tmp_path / "ds", classes=2, train=8, val=1)
+    out = tmp_path / "run"
+    with sigterm_after(2):
+        assert train(tiny(data=str(data), epochs=1, output=str(out))).interrupted
+    with pytest.raises(ValueError, match=r"after 2 updates of an order drawn with --seed 0: resume it with --seed 0 "):
+        train(TrainConfig.resume_from(out / "last.pt", seed=5, workers=0))
+    # one process draws no repeated augmentation: another --aug-repeats changes nothing of the order
+    assert train(TrainConfig.resume_from(out / "last.pt", aug_repeats=0, workers=0)).epochs == 1

@@ -588,17 +588,23 @@ def _check_same_split(run: Run, ck: dict) -> None:
 
 def _check_mid_epoch(ck: dict, cfg: TrainConfig, world: int) -> None:
     """A run stopped mid-epoch goes on from the image its updates reached, counted in its own batches of its own
-    processes' shares of the epoch: another ``--batch-size`` or number of processes would skip the wrong images (or
-    run out of them), and the processes' random states would not fit. An epoch's end may change either."""
-    step, saved = int(ck.get("next_step", 0)), TrainConfig.from_checkpoint(ck, cfg.resume).batch_size
-    if step > 0 and saved != cfg.batch_size:
-        raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of batch {saved}: resume it with "
-                         f"--batch-size {saved} (a new batch size can start at an epoch's end)")
+    processes' shares of the epoch, in the order its ``--seed`` (and, under several processes, its ``--aug-repeats``)
+    drew: another ``--batch-size``, number of processes, seed or repeated augmentation would skip the wrong images (or
+    run out of them), and the processes' random states would not fit. An epoch's end may change any of them."""
+    step, recorded = int(ck.get("next_step", 0)), TrainConfig.from_checkpoint(ck, cfg.resume)
+    if step > 0 and recorded.batch_size != cfg.batch_size:
+        raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of batch {recorded.batch_size}: resume it "
+                         f"with --batch-size {recorded.batch_size} (a new batch size can start at an epoch's end)")
     was = ck.get("world_size", 1)
     if step > 0 and isinstance(was, int) and was != world:
         raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of {was} process(es): resume it with "
                          f"{was} process(es) (torchrun --nproc_per_node {was}, or none for 1), not {world}; another "
                          "number of processes can start at an epoch's end")
+    for name in ("seed", "aug_repeats") if world > 1 else ("seed",):  # repeated augmentation: several processes only
+        saved, flag = getattr(recorded, name), f"--{name.replace('_', '-')}"
+        if step > 0 and getattr(cfg, name) != saved:
+            raise ValueError(f"{cfg.resume} stopped mid-epoch, after {step} updates of an order drawn with {flag} {saved}: "
+                             f"resume it with {flag} {saved} (another can start at an epoch's end)")
 
 
 def _resume(run: Run, ck: dict) -> None:
