@@ -312,7 +312,7 @@ class EpochStats:
     """One epoch's (or its trained part's) training figures; the sums are over ranks once it ends."""
 
     loss_sum: float = 0.0  # loss x images of the epoch (a resumed epoch starts from the saved sums)
-    seen: int = 0  # images trained on in the epoch
+    seen: float = 0  # images trained on in the epoch (a resumed one's start: the ranks' mean, a fraction maybe)
     timed: int = 0  # images trained on in this invocation, for the speed
     updates: int = 0  # optimiser updates made in this invocation (the same on every rank)
     bad: dict[str, str] = field(default_factory=dict)  # unreadable images met, this rank: path -> what was wrong
@@ -350,7 +350,7 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
     steps = start_step + len(loader)
     bar = records.Progress(steps, epoch, total_epochs, env.is_main, cfg.progress, cfg.log_interval)
     resumed = state.partial if start_step > 0 else {}
-    stats = EpochStats(float(resumed.get("loss_sum", 0.0)), int(resumed.get("seen", 0)), next_step=steps)
+    stats = EpochStats(float(resumed.get("loss_sum", 0.0)), float(resumed.get("seen", 0)), next_step=steps)
     stats.lr = run.optimizer.param_groups[0]["lr"]
     t0 = time.perf_counter()
     for step, (batch, unreadable) in enumerate(until_unreadable(loader), start=start_step):
@@ -385,7 +385,8 @@ def train_one_epoch(run: Run, epoch: int, total_epochs: int, start_step: int) ->
         torch.cuda.synchronize(env.device)
     stats.seconds = time.perf_counter() - t0
     stats.loss_sum, stats.seen, stats.timed = reduce_sum(env, [stats.loss_sum, stats.seen, stats.timed])
-    state.partial = {"loss_sum": stats.loss_sum / env.world, "seen": int(stats.seen / env.world)} if stats.interrupted else {}
+    # each rank of the resumed epoch starts from the mean, so that their sum is the total (not rounded: 7 images / 2)
+    state.partial = {"loss_sum": stats.loss_sum / env.world, "seen": stats.seen / env.world} if stats.interrupted else {}
     return stats
 
 
