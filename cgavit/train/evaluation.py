@@ -72,11 +72,17 @@ def evaluate(
     model.train(was_training)
     mine = (_cat(idx, torch.long), _cat(losses, torch.float64), _cat(hit1, torch.bool), _cat(hit5, torch.bool), bad,
             _cat(broken, torch.bool), _cat(same, torch.bool), unreadable)
+    return _merge(_gathered(env, mine), compared=reference is not None)
+
+
+def _gathered(env: DistEnv, mine: tuple) -> list[tuple]:
+    """Every rank's share of :func:`evaluate`'s results (``mine``: this rank's); the error of a strict loader that met
+    an image it cannot read, on any rank, raised on every rank (the first rank's)."""
     parts = gather_objects(env, mine)
     unreadable = next((p[7] for p in parts if p[7]), None)
     if unreadable:
         raise BadImageError(unreadable)
-    return _merge(parts, compared=reference is not None)
+    return parts
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
