@@ -1518,3 +1518,31 @@ def test_a_run_stopped_mid_epoch_resumes_with_its_own_seed(tmp_path, sigterm_aft
         train(TrainConfig.resume_from(out / "last.pt", seed=5, workers=0))
     # one process draws no repeated augmentation: another --aug-repeats changes nothing of the order
     assert train(TrainConfig.resume_from(out / "last.pt", aug_repeats=0, workers=0)).epochs == 1
+
+
+def test_a_run_stopped_before_its_best_files_were_written_writes_them_on_resume(tmp_path, monkeypatch, caplog):
+    """A full disk at best.safetensors, after last.pt and best.pt of the run's best epoch: resumed, the run never wrote
+    it again (no later epoch beat the one recorded as best), and ended without best.safetensors, its summary saying
+    weights None."""
+    from cgavit.train import engine
+
+    data = make_folder(tmp_path / "ds", classes=2, train=4, val=1)
+    out = tmp_path / "run"
+
+    def full_disk(model, path, meta):
+        raise WriteError(errno.ENOSPC, f"cannot write {path}: the disk is full (nothing was written)")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "save_weights", full_disk)
+        with pytest.raises(WriteError, match="the disk is full"):
+            train(tiny(data=str(data), epochs=2, output=str(out)))
+    assert sorted(p.name for p in out.glob("best*")) == ["best.pt"]
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        result = train(TrainConfig.resume_from(out / "last.pt", workers=0))
+    assert "best.safetensors did not hold epoch 1, the best so far" in caplog.text
+    assert result.weights == str(out / "best.safetensors")
+    assert read_weights_meta(out / "best.safetensors").extra["epoch"] == str(result.best_epoch)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgavit"):  # all in place: nothing written again
+        train(TrainConfig.resume_from(out / "last.pt", workers=0))
+    assert "did not hold" not in caplog.text

@@ -39,7 +39,7 @@ from ..classes import same_classes
 from ..io import CheckpointError, DataError, make_folder, open_append, remove_stale_temporaries
 from ..loading import load_checkpoint
 from ..schema import check_finite
-from ..weights import checked_path, save_weights
+from ..weights import checked_path, read_weights_meta, save_weights
 from . import checkpoint as ckpt_io
 from . import records
 from .config import TrainConfig, TrainResult, changed_options, check_same_network
@@ -284,9 +284,7 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             rows.append(row)
         _save(run, output / "last.pt", epoch + 1, 0, mid=False)
         if is_best:
-            _save(run, output / "best.pt", epoch + 1, 0, mid=False)
-            meta = records.weights_meta(cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{val['top1']:.4f}"})
-            on_main(env, lambda: save_weights(run.model, output / "best.safetensors", meta))
+            _save_best(run, epoch, val["top1"])
         # every rank stops where any rank was signalled; after the last epoch nothing is left to stop (or resume)
         if epoch + 1 < total_epochs and any_true(env, run.stopper.signum is not None):
             interrupted = True
@@ -565,6 +563,47 @@ def _checkpoint(run: Run, rngs: list, next_epoch: int, next_step: int, mid: bool
     }
 
 
+def _save_best(run: Run, epoch: int, top1: float) -> None:
+    """``best.pt`` and ``best.safetensors`` of the run as it stands at the end of ``epoch`` (0-based), whose validation
+    top-1 was ``top1`` (a collective: every rank calls it)."""
+    _save(run, run.output / "best.pt", epoch + 1, 0, mid=False)
+    meta = records.weights_meta(run.cfg, run.model, run.classes, {"epoch": str(epoch), "val_top1": f"{top1:.4f}"})
+    on_main(run.env, lambda: save_weights(run.model, run.output / "best.safetensors", meta))
+
+
+def _restore_best(run: Run, ck: dict) -> None:
+    """Resuming in place at the end of the best epoch so far (``ck`` then holds its weights), write ``best.pt`` and
+    ``best.safetensors`` again where they do not hold it: the run stopped between ``last.pt`` and them (a full disk, a
+    kill), and no later epoch that does not beat it would ever write them. A collective."""
+    state = run.state
+    if ck.get("next_step") or state.best_epoch != state.next_epoch - 1 or not _resumes_in_place(run.cfg, run.output):
+        return
+    stale = _stale_best(run.output, int(ck.get("global_step", 0)), state.best_epoch) if run.env.is_main else None
+    stale = broadcast_object(run.env, stale)
+    if stale:
+        log.warning("%s did not hold epoch %d, the best so far, which %s holds (their write was stopped); written again",
+                    " and ".join(stale), state.best_epoch + 1, run.cfg.resume)
+        _save_best(run, state.best_epoch, state.best_top1)
+
+
+def _stale_best(output: Path, global_step: int, epoch: int) -> list[str]:
+    """Which of ``output``'s best.pt and best.safetensors are missing, unreadable, or of another point of the run than
+    update ``global_step`` at the end of ``epoch``."""
+    stale = []
+    try:
+        if int(ckpt_io.load(output / "best.pt").get("global_step", -1)) != global_step:
+            stale.append("best.pt")
+    except CheckpointError:
+        stale.append("best.pt")
+    try:
+        meta = read_weights_meta(output / "best.safetensors")
+        if meta is None or meta.extra.get("epoch") != str(epoch):
+            stale.append("best.safetensors")
+    except (CheckpointError, OSError):
+        stale.append("best.safetensors")
+    return stale
+
+
 def _train_split(run: Run) -> dict:
     """The fingerprint of the run's training split (:func:`~cgavit.train.data.split_fingerprint`)."""
     return split_fingerprint(run.loaders.train.dataset.samples, Path(run.cfg.data) / run.cfg.train_split)
@@ -644,6 +683,7 @@ def _resume(run: Run, ck: dict) -> None:
         raise CheckpointError(f"{run.cfg.resume} does not fit this model or options: {' '.join(str(err).split())[:400]}") from None
     check_optimizer_state(run.optimizer, run.cfg.resume)
     _check_same_split(run, ck)
+    _restore_best(run, ck)
     on_main(env, lambda: records.truncate_metrics(run.output / "metrics.jsonl", state.next_epoch))
     log.info("resumed %s at epoch %d, update %d of it", run.cfg.resume, state.next_epoch + 1, state.next_step)
 
