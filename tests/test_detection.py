@@ -542,6 +542,22 @@ def test_torchrun_two_processes(shapes, tmp_path):
     assert "bbox_AP" in rows[-1] and read_checkpoint(out / "checkpoint.pth")["iteration"] == 1
 
 
+def test_torchrun_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_line(shapes, mount_tmpfs):
+    """A full disk ended rank 0 with its line, and rank 1, gone on to its next collective, with gloo's "connection
+    closed by peer" traceback (NCCL: a wait for the time-out)."""
+    out = mount_tmpfs(size="1m") / "ddp"  # room for the records, not for checkpoint.pth
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cgavit",
+           "detect", "train", "--backbone", "m0", "--device", "cpu", "--batch-size", "1",
+           "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+           "--min-size", str(SIZE), "--max-size", str(SIZE), "--epochs", "1", "--workers", "0", "--warmup-iters", "0",
+           "--log-every", "1", "--output", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    line = f"cgavit detect: error: cannot write {out / 'checkpoint.pth'}: the disk is full"
+    assert res.returncode != 0 and res.stderr.count(line) == 2, res.stderr[-3000:]  # each rank says it
+    assert not any(text in res.stderr for text in ("[rank0]:", "[rank1]:", "by peer")), res.stderr[-3000:]
+    assert not (out / "checkpoint.pth").exists()
+
+
 def test_maskrcnn_roi_scales_do_not_depend_on_the_first_image():
     """torchvision's RoI poolers inferred each level's scale from the first batch they pooled: after an image whose
     resized height padding stretched past sqrt(2) (64x40 padded to 64x64), every scale was twice its value for good."""

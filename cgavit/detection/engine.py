@@ -40,7 +40,9 @@ from ..fields import option
 from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch, write_jsonl
 from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
 from ..train.data.samplers import SeededSampler, epoch_seed, seed_all
-from ..train.distributed import DistEnv, RunLock, any_true, barrier, broadcast_object, gather_objects, reduce_sum
+from ..train.distributed import (
+    DistEnv, RunLock, any_true, broadcast_object, gather_objects, on_main, reduce_sum,
+)
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
 from ..train.engine import Stopper
@@ -446,27 +448,25 @@ def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | 
     for epoch in range(start_epoch, cfg.epochs):
         record, step = _train_epoch(run, epoch, step, part if epoch == start_epoch else {})
         if record["type"] == "partial":  # stopped by a signal mid-epoch
-            if env.is_main:
-                _save_checkpoint(run, epoch, step, {k: record[k] for k in ("updates", "sums", "count", "time_s")})
+            part = {k: record[k] for k in ("updates", "sums", "count", "time_s")}
+            on_main(env, lambda: _save_checkpoint(run, epoch, step, part))  # a failed write: every rank's error
             _report_stop(run, f"stopped after update {record['updates']} of epoch {epoch + 1}")
             return row
         row = record
+        path = on_main(env, lambda: _save_checkpoint(run, epoch + 1, step))
         if env.is_main:
-            path = _save_checkpoint(run, epoch + 1, step)
             log.info("epoch %d: loss %.4f (%.0f s), checkpoint %s", row["epoch"], row["loss"], row["time_s"], path)
         last = epoch + 1 == cfg.epochs
         if val_set is not None and (last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0)):
             row.update(_evaluate_epoch(run, val_set, row))
-        if env.is_main:
-            append_jsonl(run.metrics_path, row)
+        on_main(env, lambda: append_jsonl(run.metrics_path, row))
         if not last and any_true(env, run.stopper.signum is not None):
             _report_stop(run, f"stopped after epoch {epoch + 1}")
             return row
-    if env.is_main:
-        done = max(cfg.epochs, start_epoch)  # more than --epochs: a finished run's missing model.pth (_epochs_left)
-        save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), epoch=done))
-        plot_losses(run.metrics_path, run.out / "loss.png")
-    barrier(env)
+    done = max(cfg.epochs, start_epoch)  # more than --epochs: a finished run's missing model.pth (_epochs_left)
+    on_main(env, lambda: (save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config,
+                                                                 model=run.raw_model.state_dict(), epoch=done)),
+                          plot_losses(run.metrics_path, run.out / "loss.png")))
     return row
 
 
@@ -695,11 +695,10 @@ def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> t
         if cfg.log_every and step % cfg.log_every == 0:
             keys = sorted(values)
             avg = reduce_sum(env, [values[k] for k in keys])
-            if env.is_main:
-                record = dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)})
-                append_jsonl(run.metrics_path, record)
-                if bar.disable:  # stderr is no terminal (a log file): a line, not the bar's redraws
-                    log.info("epoch %d/%d [%d/%d] loss %.4f lr %.2e", epoch + 1, cfg.epochs, made, updates, record["loss"], lr)
+            record = dict(type="step", epoch=epoch + 1, iter=step, lr=lr, **{k: v / env.world for k, v in zip(keys, avg)})
+            on_main(env, lambda: append_jsonl(run.metrics_path, record))
+            if env.is_main and bar.disable:  # stderr is no terminal (a log file): a line, not the bar's redraws
+                log.info("epoch %d/%d [%d/%d] loss %.4f lr %.2e", epoch + 1, cfg.epochs, made, updates, record["loss"], lr)
         if made < updates and any_true(env, run.stopper.signum is not None):  # every rank stops where any was signalled
             break
     sums, count = _epoch_sums(env, sums, made - start, part)
