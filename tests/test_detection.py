@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -556,6 +557,65 @@ def test_torchrun_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_lin
     assert res.returncode != 0 and res.stderr.count(line) == 2, res.stderr[-3000:]  # each rank says it
     assert not any(text in res.stderr for text in ("[rank0]:", "[rank1]:", "by peer")), res.stderr[-3000:]
     assert not (out / "checkpoint.pth").exists()
+
+
+def _torchrun_detect_train(shapes, out, *extra, script=None, env=None):
+    """``cgavit detect train`` on the shapes (m0, 64 px, batch 1, no worker) under a 2-process torchrun (gloo), or the
+    Python file ``script`` that runs ``cgavit`` with those arguments."""
+    argv = ["detect", "train", "--backbone", "m0", "--device", "cpu", "--batch-size", "1", "--min-size", "64",
+            "--max-size", "64", "--epochs", "1", "--workers", "0", "--warmup-iters", "0", "--log-every", "1",
+            "--train-json", shapes["train_json"], "--train-images", shapes["train_images"], "--output", str(out), *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           *([str(script)] if script else ["-m", "cgavit"]), *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _no_rank_traceback(err):
+    """Whether no rank died of a traceback (torchrun prefixes a rank's with ``[rankN]:``), such as gloo's "connection
+    closed by peer" of a rank left in a collective that a failed rank never joined."""
+    return not any(text in err for text in ("[rank0]:", "[rank1]:", "by peer"))
+
+
+def test_torchrun_an_image_one_rank_cannot_read_stops_every_rank_with_its_line(shapes, tmp_path):
+    """The rank that read the image stopped with its line; the other, in the update's gradient all-reduce (training)
+    or the gathering of detections (evaluation), died of gloo's "connection closed by peer" traceback."""
+    images = tmp_path / "train"
+    shutil.copytree(shapes["train_images"], images)
+    damaged = images / "train_00001.png"
+    damaged.write_bytes(damaged.read_bytes()[:200])  # its header is whole: found only when decoded, by one rank
+    out = tmp_path / "run"
+    res = _torchrun_detect_train({**shapes, "train_images": str(images)}, out)
+    line = f"cgavit detect: error: image 2: cannot read image {damaged}: image file is truncated"
+    assert res.returncode != 0 and res.stderr.count(line) == 2, res.stderr[-3000:]  # each rank says it
+    assert _no_rank_traceback(res.stderr), res.stderr[-3000:]
+    assert not (out / "checkpoint.pth").exists()
+    val = {**shapes, "train_json": shapes["val_json"], "train_images": shapes["val_images"]}  # 3 images to train on
+    res = _torchrun_detect_train(val, out, "--val-json", shapes["train_json"], "--val-images", str(images))
+    assert res.returncode != 0 and res.stderr.count(line) == 2, res.stderr[-3000:]
+    assert "Epoch 1 was saved before its evaluation" in res.stderr and _no_rank_traceback(res.stderr), res.stderr[-3000:]
+
+
+NAN_ON_RANK_1 = """
+import math, os, sys
+from torchvision.models.detection.retinanet import RetinaNet
+from cgavit.cli import main
+compute_loss = RetinaNet.compute_loss
+if os.environ["RANK"] == "1":  # this rank's loss alone is not finite
+    RetinaNet.compute_loss = lambda self, *args: {k: v * math.nan for k, v in compute_loss(self, *args).items()}
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_a_loss_that_is_not_finite_on_one_rank_stops_every_rank_with_its_line(shapes, tmp_path):
+    """Rank 1 raised before its backward; rank 0 died in the gradient all-reduce with gloo's traceback."""
+    script = tmp_path / "nan_on_rank_1.py"
+    script.write_text(NAN_ON_RANK_1)
+    res = _torchrun_detect_train(shapes, tmp_path / "run", script=script)
+    line = "cgavit detect: error: the loss became nan at iteration 0 ({'classification': nan, 'bbox_regression': nan})"
+    assert res.returncode != 0 and res.stderr.count(line) == 2, res.stderr[-3000:]
+    assert _no_rank_traceback(res.stderr), res.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoint.pth").exists()
 
 
 def test_maskrcnn_roi_scales_do_not_depend_on_the_first_image():

@@ -23,7 +23,7 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from ..images import decode, open_image
+from ..images import BadImageError, decode, open_image
 from ..io import DataError, UnreadableFileError
 from ..train.data.samplers import seed_all
 from .annotations import CocoCheck
@@ -131,7 +131,7 @@ class UnreadableItem:
 class Guarded(torch.utils.data.Dataset):
     """``dataset`` for a ``DataLoader`` whose batches go through :func:`batches`: an item that cannot
     be read becomes an :class:`UnreadableItem`, so the loop stops with the item's own one-line
-    :class:`~cgavit.io.DataError`, whichever process read it."""
+    :class:`~cgavit.images.BadImageError`, whichever process read it."""
 
     def __init__(self, dataset: torch.utils.data.Dataset) -> None:
         self.dataset = dataset
@@ -156,9 +156,10 @@ def batches(loader: Iterable) -> Iterator[tuple]:
     """The batches of a loader over a :class:`Guarded` dataset.
 
     Raises:
-        DataError: an image could not be read (the message names it).
+        BadImageError: an image could not be read (the message names it); under several processes the caller
+            shares it with the other ranks (:func:`~cgavit.train.data.until_unreadable`).
     """
     for batch in loader:
         if isinstance(batch, UnreadableItem):
-            raise DataError(f"{batch.message}; fix or remove it from the annotation file")
+            raise BadImageError(f"{batch.message}; fix or remove it from the annotation file")
         yield batch

@@ -37,11 +37,13 @@ from ..analysis.plots import training_curves
 from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
 from ..fields import option
+from ..images import BadImageError
 from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch, write_jsonl
+from ..train.data import until_unreadable
 from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
 from ..train.data.samplers import SeededSampler, epoch_seed, seed_all
 from ..train.distributed import (
-    DistEnv, RunLock, any_true, broadcast_object, gather_objects, on_main, reduce_sum,
+    DistEnv, RunLock, any_each, any_true, broadcast_object, first_message, gather_objects, on_main, reduce_sum,
 )
 from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
@@ -214,13 +216,21 @@ def evaluate(
     label_to_cat = [0] + [cid for cid, _ in dataset.categories]
     bbox, segm = [], []
     hidden = None if progress and env.is_main else True  # None: a bar where stderr is a terminal, none in a log file
-    for images, targets in tqdm(batches(loader), total=len(loader), desc="eval", disable=hidden, leave=False):
+    unreadable = None
+    for batch, unreadable in tqdm(until_unreadable(batches(loader)), total=len(loader), desc="eval", disable=hidden,
+                                  leave=False):
+        if unreadable is not None:  # this rank's image: every rank raises it below, none waits in the gathering
+            break
+        images, targets = batch
         outputs = model([im.to(env.device) for im in images])
         for target, output in zip(targets, outputs):
             b, s = to_coco_results(int(target["image_id"]), output, label_to_cat)
             bbox += b
             segm += s
     model.train(was_training)
+    unreadable = first_message(env, unreadable)
+    if unreadable:
+        raise BadImageError(unreadable)
     gathered = gather_objects(env, (bbox, segm))
     metrics, summary = {}, ""
     if env.is_main:
@@ -673,7 +683,9 @@ def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> t
     """Epoch ``epoch`` from its update ``part["updates"]`` (0, or where a stopped run left it: ``part`` holds the
     checkpoint's record of the updates before); returns its ``metrics.jsonl`` record (mean losses over all
     processes and updates) and the step. A signal stops it after the update in progress: the record is then of
-    type ``"partial"``, with what a checkpoint keeps of the epoch so far (:func:`_epoch_sums`)."""
+    type ``"partial"``, with what a checkpoint keeps of the epoch so far (:func:`_epoch_sums`). An image one rank
+    cannot read, or a loss that is not finite on one, stops every rank with that rank's line (agreed at every
+    update with the signals): none is left in a collective the others never join."""
     cfg, env = run.cfg, run.env
     start = int(part.get("updates", 0))
     run.sampler.set_epoch(epoch)  # the order: (seed, epoch) alone
@@ -682,13 +694,20 @@ def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> t
     run.model.train()
     sums: dict[str, float] = {}
     t0 = time.time()
-    bar = tqdm(batches(run.loader), total=updates, initial=start, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+    bar = tqdm(until_unreadable(batches(run.loader)), total=updates, initial=start, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                disable=None if env.is_main else True, leave=False)  # a terminal's: else a log line every --log-every
     lr = run.optimizer.param_groups[0]["lr"]
-    for images, targets in bar:
+    for batch, unreadable in bar:
+        if any_true(env, unreadable is not None):  # an image this rank or another could not read: every rank stops
+            raise BadImageError(first_message(env, unreadable))
         seed_all(epoch_seed(cfg.seed, epoch, env.rank, stream=16 + made))  # RPN / RoI sampling: keyed to the update
-        values, lr = _train_step(run, images, targets, step)
+        values, lr = _train_step(run, *batch, step)
+        diverged = None if math.isfinite(values["loss"]) else _diverged(values, step)
         step, made = step + 1, made + 1
+        # every rank stops where any was signalled (after the epoch's last update: at its end), or where any diverged
+        stop, failed = any_each(env, [made < updates and run.stopper.signum is not None, diverged is not None])
+        if failed:  # nothing of the epoch is saved: checkpoint.pth keeps its start
+            raise ValueError(first_message(env, diverged))
         for k, v in values.items():
             sums[k] = sums.get(k, 0.0) + v
         bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{lr:.2e}")
@@ -699,7 +718,7 @@ def _train_epoch(run: _Run, epoch: int, step: int, part: Mapping[str, Any]) -> t
             on_main(env, lambda: append_jsonl(run.metrics_path, record))
             if env.is_main and bar.disable:  # stderr is no terminal (a log file): a line, not the bar's redraws
                 log.info("epoch %d/%d [%d/%d] loss %.4f lr %.2e", epoch + 1, cfg.epochs, made, updates, record["loss"], lr)
-        if made < updates and any_true(env, run.stopper.signum is not None):  # every rank stops where any was signalled
+        if stop:
             break
     sums, count = _epoch_sums(env, sums, made - start, part)
     seconds = float(part.get("time_s", 0.0)) + time.time() - t0
@@ -722,24 +741,27 @@ def _epoch_sums(env: DistEnv, sums: Mapping[str, float], made: int, part: Mappin
 
 
 def _train_step(run: _Run, images: Sequence[torch.Tensor], targets: Sequence[dict], step: int) -> tuple[dict[str, float], float]:
-    """One optimizer step; returns the loss values and the learning rate it used."""
+    """One optimizer step; returns the loss values and the learning rate it used. The caller checks the loss: under
+    several processes a rank whose loss is not finite still joins the backward's gradient all-reduce, so that every
+    rank reaches the check that stops them all (nothing is saved after it)."""
     device = run.env.device
     images = [im.to(device) for im in images]
     targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
     losses = run.model(images, targets)
     loss = sum(losses.values())
-    if not math.isfinite(loss.item()):
-        raise ValueError(
-            f"the loss became {loss.item()} at iteration {step} ({ {k: round(v.item(), 4) for k, v in losses.items()} }); "
-            "nothing was saved from this step; lower --lr, lengthen --warmup-iters, or check the annotations and the "
-            "starting weights (--pretrained-backbone, --resume)"
-        )
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # a loss that is not finite too: the gradients' all-reduce waits for every rank
     run.optimizer.step()
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
     return {"loss": loss.item(), **{k: v.item() for k, v in losses.items()}}, lr
+
+
+def _diverged(values: Mapping[str, float], step: int) -> str:
+    """What stops a run whose loss at iteration ``step`` is not finite (``values``: its terms, by :func:`_train_step`)."""
+    return (f"the loss became {values['loss']} at iteration {step} "
+            f"({ {k: round(v, 4) for k, v in values.items() if k != 'loss'} }); nothing was saved from this step; lower "
+            "--lr, lengthen --warmup-iters, or check the annotations and the starting weights (--pretrained-backbone, --resume)")
 
 
 def _save_checkpoint(run: _Run, done: int, step: int, part: Mapping[str, Any] | None = None) -> Path:
