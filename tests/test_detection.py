@@ -479,6 +479,28 @@ def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shape
     assert [r["iter"] for r in rows[1]] == [1, 2, 2] and rows[0] == rows[1]  # steps 1 and 2, then the epoch
 
 
+def test_a_signal_after_the_last_update_stops_nothing(shapes, tmp_path, monkeypatch, capsys, caplog):
+    """A SIGTERM during the run's last update (or its last evaluation) let the run end in full, model.pth and all, yet
+    `detect train` then ended as stopped by it (exit 143, no summary): a job scheduler would requeue a finished run."""
+    from cgavit.detection import engine
+
+    step, made = engine._train_step, []
+
+    def signalled(*args):
+        made.append(step(*args))
+        if len(made) == 2:  # the second and last update
+            os.kill(os.getpid(), signal.SIGTERM)
+        return made[-1]
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(engine, "_train_step", signalled)
+    assert main(["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+                 "--backbone", "m0", "--min-size", "64", "--max-size", "64", "--batch-size", "1", "--workers", "0",
+                 "--device", "cpu", "--epochs", "1", "--output", str(out)]) == 0
+    assert len(made) == 2 and (out / "model.pth").is_file() and read_checkpoint(out / "checkpoint.pth")["epoch"] == 1
+    assert "model.pth" in capsys.readouterr().out and "continue with" not in caplog.text
+
+
 def test_training_leaves_no_loader_worker_behind(shapes, tmp_path):
     """`detect train --workers N` (4 by default) never exited once it had finished: its persistent loader workers,
     which ignore SIGTERM so that the run's process alone stops the run, outlived the run, and Python's exit waited

@@ -337,7 +337,8 @@ def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
 
     A SIGINT (Ctrl-C), SIGTERM or SIGHUP while it trains stops it after the update in progress, with
     ``checkpoint.pth`` saved there (``resume`` goes on from that update), or after the evaluation in progress;
-    the signal then has its usual effect (Ctrl-C: ``KeyboardInterrupt``). A second Ctrl-C stops it at once.
+    the signal then has its usual effect (Ctrl-C: ``KeyboardInterrupt``). A second Ctrl-C stops it at once. One that
+    comes after the run's last update stops nothing: the run ends as it would have, with nothing left to resume.
 
     Raises:
         ValueError: bad options (:meth:`DetectionTrainConfig.validate`), an output folder holding another
@@ -350,11 +351,11 @@ def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
     env = setup_distributed(cfg.device)
     stopper = Stopper(announce=env.is_main)
     try:
-        record = _train(cfg, env, stopper)
+        record, stopped = _train(cfg, env, stopper)
     finally:
         stopper.uninstall()
         teardown_distributed(env)
-    if stopper.signum is not None:  # saved where it stopped: the signal now does what it was sent for
+    if stopped:  # saved where it stopped: the signal now does what it was sent for (one after the last update stopped nothing)
         signal.raise_signal(stopper.signum)
     return record
 
@@ -383,13 +384,15 @@ class _Run:
         return self.out / "metrics.jsonl"
 
 
-def _train(cfg: DetectionTrainConfig, env: DistEnv, stopper: Stopper) -> dict[str, Any]:
+def _train(cfg: DetectionTrainConfig, env: DistEnv, stopper: Stopper) -> tuple[dict[str, Any], bool]:
+    """``(the last epoch's record, whether a signal stopped the run)``: :func:`_epochs`, after the data, checkpoint and
+    folder are checked."""
     train_check, train_set, val_set = _datasets(cfg)
     _check_one_image_batches(cfg, train_set, env.world)
     config = model_config(cfg, train_check.categories)
     resume, ckpt = _resume_checkpoint(cfg, config)
     if ckpt is not None and not _epochs_left(cfg, env, resume, ckpt):
-        return {}
+        return {}, False
     if cfg.freeze_bn and not cfg.pretrained_backbone and ckpt is None and env.is_main:
         log.warning(
             "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
@@ -444,9 +447,10 @@ def _drop_rows_after(path: Path, rows: list[dict], done: int, step: int) -> None
                  len(rows) - len(kept), path, step)
 
 
-def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | None) -> dict[str, Any]:
+def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
     """The epochs of ``run`` from where ``ckpt`` (if any) left it to ``cfg.epochs``, then the final weights; the
-    last epoch's record (of this call: empty when a signal stopped it before an epoch ended).
+    last epoch's record (of this call: empty when a signal stopped it before an epoch ended), and whether a signal
+    stopped the run (one that comes after its last update stops nothing: the run ends as it would have).
 
     Each epoch's checkpoint is written before its evaluation, so an evaluation that fails (a damaged
     validation image) does not lose the epoch; its record is appended after it, with its scores. A signal
@@ -461,7 +465,7 @@ def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | 
             part = {k: record[k] for k in ("updates", "sums", "count", "time_s")}
             on_main(env, lambda: _save_checkpoint(run, epoch, step, part))  # a failed write: every rank's error
             _report_stop(run, f"stopped after update {record['updates']} of epoch {epoch + 1}")
-            return row
+            return row, True
         row = record
         path = on_main(env, lambda: _save_checkpoint(run, epoch + 1, step))
         if env.is_main:
@@ -472,12 +476,12 @@ def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | 
         on_main(env, lambda: append_jsonl(run.metrics_path, row))
         if not last and any_true(env, run.stopper.signum is not None):
             _report_stop(run, f"stopped after epoch {epoch + 1}")
-            return row
+            return row, True
     done = max(cfg.epochs, start_epoch)  # more than --epochs: a finished run's missing model.pth (_epochs_left)
     on_main(env, lambda: (save_torch(run.out / "model.pth", dict(format=CHECKPOINT_FORMAT, config=run.config,
                                                                  model=run.raw_model.state_dict(), epoch=done)),
                           plot_losses(run.metrics_path, run.out / "loss.png")))
-    return row
+    return row, False
 
 
 def _report_stop(run: _Run, what: str) -> None:
