@@ -471,12 +471,47 @@ def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shape
     assert main([*argv[:-1], str(tmp_path / "damaged"), "--resume", "auto"]) == 2
     assert "is damaged: it was saved after update 1 of an epoch" in capsys.readouterr().err
     assert main([*argv, "--resume", "auto"]) == 0
+    assert "on a training set of" not in caplog.text  # the same images: nothing to say
     a, b = read_checkpoint(tmp_path / "straight" / "checkpoint.pth"), read_checkpoint(cut / "checkpoint.pth")
     assert a["iteration"] == b["iteration"] == 2 and b["epoch_step"] == 0
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     rows = [[{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in (out / "metrics.jsonl").read_text().splitlines()]
             for out in (tmp_path / "straight", cut)]
     assert [r["iter"] for r in rows[1]] == [1, 2, 2] and rows[0] == rows[1]  # steps 1 and 2, then the epoch
+
+
+def test_a_run_stopped_mid_epoch_resumes_on_its_own_order_of_its_own_images(tmp_path, monkeypatch, capsys, caplog):
+    """A mid-epoch resume skips the positions already trained on, in the order its --seed drew from its images:
+    another seed skipped other images without a word (another batch size or number of processes was refused), and
+    so did images added to or removed from the annotation file since the stop."""
+    images, three = write_shapes_dataset(tmp_path / "d", 3, SIZE, seed=0, split="train")
+    two = tmp_path / "two.json"
+    coco = json.loads(three.read_text())
+    two.write_text(json.dumps({**coco, "images": coco["images"][:2],
+                               "annotations": [a for a in coco["annotations"] if a["image_id"] in {i["id"] for i in coco["images"][:2]}]}))
+    from cgavit.detection import engine
+
+    step, made = engine._train_step, []
+
+    def signalled(*args):
+        made.append(step(*args))
+        if len(made) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return made[-1]
+
+    argv = ["detect", "train", "--train-images", str(images), "--backbone", "m0", "--min-size", "64", "--max-size", "64",
+            "--batch-size", "1", "--workers", "0", "--device", "cpu", "--epochs", "1", "--output", str(tmp_path / "run")]
+    monkeypatch.setattr(engine, "_train_step", signalled)
+    assert main([*argv, "--train-json", str(two)]) == 128 + signal.SIGTERM
+    monkeypatch.setattr(engine, "_train_step", step)
+    capsys.readouterr()
+    assert main([*argv, "--train-json", str(two), "--resume", "auto", "--seed", "1"]) == 2
+    assert ("was stopped after update 1 of epoch 1, of an order drawn with --seed 0: resume it with --seed 0, not 1"
+            in capsys.readouterr().err)
+    caplog.clear()
+    assert main([*argv, "--train-json", str(three), "--resume", "auto"]) == 0
+    assert (f"was stopped after update 1 of epoch 1 on a training set of 2 images; {three} now holds 3: the rest of that "
+            "epoch is drawn from the new set's order") in caplog.text
 
 
 def test_a_signal_after_the_last_update_stops_nothing(shapes, tmp_path, monkeypatch, capsys, caplog):

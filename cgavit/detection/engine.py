@@ -39,7 +39,7 @@ from ..factory import resolve_name
 from ..fields import option
 from ..images import BadImageError
 from ..io import CheckpointError, DataError, append_jsonl, read_jsonl, remove_stale_temporaries, save_torch, write_jsonl
-from ..train.data import until_unreadable
+from ..train.data import split_fingerprint, until_unreadable
 from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
 from ..train.data.samplers import SeededSampler, epoch_seed, seed_all
 from ..train.distributed import (
@@ -615,18 +615,13 @@ def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, ckpt: Map
 def _check_iterations_per_epoch(run: _Run, resume: str, ckpt: Mapping[str, Any]) -> None:
     """Refuse to resume with another number of updates per epoch (batch size, processes or training
     images changed): the schedule's milestones, counted in updates, would fall mid-epoch. A run stopped within
-    an epoch goes on from the image its updates reached, counted in its own batches of its own processes' shares:
-    it needs the same batch size and number of processes (an epoch's end may change them, as ``cgavit train``'s)."""
+    an epoch is checked by :func:`_check_mid_epoch` too."""
     done, within, per_epoch = int(ckpt["epoch"]), int(ckpt["epoch_step"]), len(run.loader)
     made = int(ckpt["iteration"]) - within  # the updates of the epochs finished
     old = ckpt.get("train_config")
     old_batch = old.get("batch_size") if isinstance(old, dict) and is_int(old.get("batch_size")) else None
-    if within and (old_batch, ckpt["world_size"]) != (run.cfg.batch_size, run.env.world):
-        raise ValueError(
-            f"{resume} was stopped after update {within} of epoch {done + 1}, made by {ckpt['world_size']} process(es) x "
-            f"--batch-size {old_batch}: resume it with those, not {run.env.world} x {run.cfg.batch_size} (another batch size "
-            "or number of processes can start at an epoch's end; nothing was written)"
-        )
+    if within:
+        _check_mid_epoch(run, resume, ckpt)
     if made == done * per_epoch and within < per_epoch:
         return
     raise ValueError(
@@ -636,6 +631,41 @@ def _check_iterations_per_epoch(run: _Run, resume: str, ckpt: Mapping[str, Any])
         f"schedule would shift. Resume with the --batch-size{f' ({old_batch})' if old_batch else ''}, number of processes "
         "and training images the run started with (nothing was written)"
     )
+
+
+def _check_mid_epoch(run: _Run, resume: str, ckpt: Mapping[str, Any]) -> None:
+    """A run stopped within an epoch goes on from the image its updates reached, counted in its own batches of its own
+    processes' shares of the epoch's order, which its ``--seed`` drew: another batch size, number of processes or seed
+    would skip other images than those it trained on, and is refused (an epoch's end may change any of them, as
+    ``cgavit train``'s). A training set changed since the stop (images added or removed) is warned about: the rest of
+    the epoch is drawn from the new set's order."""
+    cfg, env, done, within = run.cfg, run.env, int(ckpt["epoch"]), int(ckpt["epoch_step"])
+    old = ckpt.get("train_config") if isinstance(ckpt.get("train_config"), dict) else {}
+    old_batch = old.get("batch_size") if is_int(old.get("batch_size")) else None
+    if (old_batch, ckpt["world_size"]) != (cfg.batch_size, env.world):
+        raise ValueError(
+            f"{resume} was stopped after update {within} of epoch {done + 1}, made by {ckpt['world_size']} process(es) x "
+            f"--batch-size {old_batch}: resume it with those, not {env.world} x {cfg.batch_size} (another batch size "
+            "or number of processes can start at an epoch's end; nothing was written)"
+        )
+    if is_int(old.get("seed")) and old["seed"] != cfg.seed:
+        raise ValueError(f"{resume} was stopped after update {within} of epoch {done + 1}, of an order drawn with --seed "
+                         f"{old['seed']}: resume it with --seed {old['seed']}, not {cfg.seed} (another seed can start at an "
+                         "epoch's end; nothing was written)")
+    recorded, now = ckpt.get("train_split"), _train_split(run)
+    if isinstance(recorded, dict) and recorded != now and env.is_main:
+        log.warning(
+            "%s was stopped after update %d of epoch %d on a training set of %s images; %s now holds %d%s: the rest of that "
+            "epoch is drawn from the new set's order, so some of its images are trained on twice in it and others not at "
+            "all (the epochs after it are whole)", resume, within, done + 1, recorded.get("images"), cfg.train_json,
+            now["images"], " (other images)" if recorded.get("images") == now["images"] else "")
+
+
+def _train_split(run: _Run) -> dict:
+    """The fingerprint of the run's training images in their order (:func:`~cgavit.train.data.split_fingerprint` of
+    their file names and ids), which the positions of a stopped epoch index."""
+    train_set = run.loader.dataset.dataset  # within Guarded
+    return split_fingerprint([(train_set.coco.imgs[i]["file_name"], i) for i in train_set.ids], train_set.image_dir)
 
 
 def _check_output_free(out: Path, resume: str | None) -> None:
@@ -776,6 +806,7 @@ def _save_checkpoint(run: _Run, done: int, step: int, part: Mapping[str, Any] | 
         format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
         scheduler=run.scheduler.state_dict(), epoch=done, iteration=step, epoch_step=int(part["updates"]) if part else 0,
         partial=dict(part or {}), world_size=run.env.world, train_config=_plain(asdict(run.cfg)),
+        train_split=_train_split(run) if part else None,  # what the positions of the unfinished epoch index
     )
     return save_torch(run.out / "checkpoint.pth", state)
 
