@@ -436,6 +436,28 @@ def test_resume_continues_exactly(shapes, tmp_path):
     assert [r["iter"] for r in rows if r["type"] == "step"] == [1, 2, 3, 4, 5, 6] and 9.0 not in [r["loss"] for r in rows]
 
 
+def test_a_finished_run_resumed_writes_a_model_pth_that_is_not_its_checkpoints(shapes, tmp_path, caplog):
+    """A run resumed with more --epochs and stopped after its last checkpoint.pth, before model.pth (a kill, a full
+    disk), kept the model.pth of the epochs before: resumed again, it was 'left as it stands', model.pth and
+    checkpoint.pth disagreeing for good (only a missing model.pth was written again)."""
+    kw = dict(min_size=64, max_size=64, freeze_bn=True, batch_size=1)
+    out = tmp_path / "run"
+    train(_config(shapes, out, epochs=1, **kw))
+    earlier = (out / "model.pth").read_bytes()
+    train(_config(shapes, out, epochs=2, resume="auto", **kw))
+    for left in (earlier, earlier[:300]):  # the model.pth of epoch 1, or one whose write was cut short
+        (out / "model.pth").write_bytes(left)
+        caplog.clear()
+        assert train(_config(shapes, out, epochs=2, resume="auto", **kw)) == {}
+        model, ckpt = read_checkpoint(out / "model.pth"), read_checkpoint(out / "checkpoint.pth")
+        assert model["epoch"] == ckpt["epoch"] == 2 and all(torch.equal(model["model"][k], v) for k, v in ckpt["model"].items())
+        assert ("its model.pth holds epoch 1, written before: writing epoch 2's" if left is earlier
+                else "writing the model.pth it stopped before") in caplog.text
+    caplog.clear()
+    assert train(_config(shapes, out, epochs=2, resume="auto", **kw)) == {}
+    assert "is left as it stands" in caplog.text
+
+
 def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shapes, tmp_path, monkeypatch, capsys, caplog):
     """A Ctrl-C or SIGTERM (a job scheduler's) mid-epoch lost every update of the epoch, only the checkpoint of the
     epoch before kept (on COCO, hours of GPUs); `cgavit train` saves where it stopped. Now so does `detect train`,

@@ -593,7 +593,8 @@ def _stopped_within_epoch(ckpt: Mapping[str, Any], resume: str) -> int:
 
 def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, ckpt: Mapping[str, Any]) -> bool:
     """Whether a resumed run has anything to do: epochs left, or, for a finished run in its own folder,
-    the ``model.pth`` it stopped before writing. A finished run is left as it stands (said); resumed
+    the ``model.pth`` it stopped before writing (missing, damaged, or of an earlier epoch: a run resumed with more
+    ``--epochs`` and stopped after its last ``checkpoint.pth``). A finished run is left as it stands (said); resumed
     into another folder it is refused, as ``cgavit train`` does; one stopped within an epoch past ``--epochs`` too."""
     done = int(ckpt["epoch"])
     if done < cfg.epochs:
@@ -605,11 +606,22 @@ def _epochs_left(cfg: DetectionTrainConfig, env: DistEnv, resume: str, ckpt: Map
     out = Path(cfg.output)
     if out.resolve() != Path(resume).resolve().parent:
         raise ValueError(f"{what}; give a larger --epochs (e.g. --epochs {done + 1}) to train on (nothing was written)")
-    missing = not os.path.lexists(out / "model.pth")
+    held = _model_epoch(out / "model.pth")
     if env.is_main:
         log.warning("%s: %s; give a larger --epochs to train on", what,
-                    "writing the model.pth it stopped before" if missing else f"the run in {out} is left as it stands")
-    return missing
+                    f"the run in {out} is left as it stands" if held == done else "writing the model.pth it stopped before"
+                    if held is None else f"its model.pth holds epoch {held}, written before: writing epoch {done}'s")
+    return held != done
+
+
+def _model_epoch(path: Path) -> int | None:
+    """The epoch of the weights ``model.pth`` at ``path`` holds; None where it is missing or cannot be read (a run
+    stopped before or while writing it)."""
+    try:
+        epoch = read_checkpoint(path).get("epoch") if os.path.lexists(path) else None
+    except CheckpointError:
+        return None
+    return epoch if is_int(epoch) else None
 
 
 def _check_iterations_per_epoch(run: _Run, resume: str, ckpt: Mapping[str, Any]) -> None:
