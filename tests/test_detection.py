@@ -697,6 +697,37 @@ def test_torchrun_a_loss_that_is_not_finite_on_one_rank_stops_every_rank_with_it
     assert not (tmp_path / "run" / "checkpoint.pth").exists()
 
 
+FULL_DISK_ON_RANK_0 = """
+import errno, os, sys
+from cgavit.cli import main
+from cgavit.detection import engine
+from cgavit.io import WriteError
+
+def full(path, rows):
+    raise WriteError(errno.ENOSPC, f"cannot write {path}: the disk is full")
+
+if os.environ["RANK"] == "0":  # the only rank that writes
+    engine.write_jsonl = full
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_a_resume_whose_records_rank_0_cannot_rewrite_stops_every_rank_with_its_line(shapes, tmp_path):
+    """A resume drops the rows a killed run wrote after its checkpoint, on rank 0 alone, outside on_main: on a full
+    disk rank 0 ended with its line and rank 1, waiting for rank 0's word on metrics.jsonl, with gloo's traceback."""
+    out = tmp_path / "run"
+    assert _torchrun_detect_train(shapes, out).returncode == 0
+    metrics = out / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + json.dumps(dict(type="step", epoch=2, iter=2, lr=1e-4, loss=1.0)) + "\n")
+    script = tmp_path / "full_disk_on_rank_0.py"
+    script.write_text(FULL_DISK_ON_RANK_0)
+    res = _torchrun_detect_train(shapes, out, "--resume", "auto", "--epochs", "2", script=script)
+    line = f"cgavit detect: error: cannot write {metrics}: the disk is full"
+    assert res.returncode != 0 and res.stderr.count(line) == 2, res.stderr[-3000:]
+    assert _no_rank_traceback(res.stderr), res.stderr[-3000:]
+    assert read_checkpoint(out / "checkpoint.pth")["epoch"] == 1
+
+
 def test_maskrcnn_roi_scales_do_not_depend_on_the_first_image():
     """torchvision's RoI poolers inferred each level's scale from the first batch they pooled: after an image whose
     resized height padding stretched past sqrt(2) (64x40 padded to 64x64), every scale was twice its value for good."""

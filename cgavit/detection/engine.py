@@ -414,21 +414,20 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv, stopper: Stopper) -> tuple[d
             len(run.loader), start_epoch + 1, cfg.epochs,
         )
     with RunLock(run.out, env):  # makes the folder; one run per folder; stale temporaries cleared under it
-        damaged = None
-        if env.is_main:
-            for tmp in remove_stale_temporaries(run.out):
-                log.info("removed %s, left by an interrupted write", tmp)
-            try:  # a damaged record file stops the run now (every rank), not after its last epoch
-                rows = read_jsonl(run.metrics_path)
-                if ckpt is not None:
-                    _drop_rows_after(run.metrics_path, rows, start_epoch, int(ckpt["iteration"]))
-            except DataError as err:
-                damaged = str(err)
-        damaged = broadcast_object(env, damaged)
-        if damaged:
-            raise DataError(damaged)
+        on_main(env, lambda: _clear_records(run, ckpt))  # a damaged or unwritable metrics.jsonl: every rank's error
         stopper.install()  # from here a signal stops the run where it can be saved
         return _epochs(run, val_set, ckpt)
+
+
+def _clear_records(run: _Run, ckpt: Mapping[str, Any] | None) -> None:
+    """Rank 0's part of a run's start in its locked folder: the temporaries of interrupted writes removed, and
+    ``metrics.jsonl`` read (a damaged one stops the run now, not after its last epoch) and, when resuming, cleared of
+    the rows written after the checkpoint (:func:`_drop_rows_after`)."""
+    for tmp in remove_stale_temporaries(run.out):
+        log.info("removed %s, left by an interrupted write", tmp)
+    rows = read_jsonl(run.metrics_path)
+    if ckpt is not None:
+        _drop_rows_after(run.metrics_path, rows, int(ckpt["epoch"]), int(ckpt["iteration"]))
 
 
 def _drop_rows_after(path: Path, rows: list[dict], done: int, step: int) -> None:
