@@ -458,6 +458,24 @@ def test_a_finished_run_resumed_writes_a_model_pth_that_is_not_its_checkpoints(s
     assert "is left as it stands" in caplog.text
 
 
+def test_a_resume_writes_the_record_of_the_epoch_its_checkpoint_ended_where_the_run_stopped_before_it(shapes, tmp_path, caplog):
+    """An epoch's checkpoint.pth is written before its evaluation and its metrics.jsonl row after: a run killed during
+    the evaluation (or on a full disk at the row) resumed past that epoch with no record of it, for good."""
+    kw = dict(min_size=64, max_size=64, freeze_bn=True, batch_size=1, val_json=shapes["val_json"],
+              val_images=shapes["val_images"])
+    out = tmp_path / "run"
+    train(_config(shapes, out, epochs=1, **kw))
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["type"] for r in rows] == ["step", "step", "epoch"] and "bbox_AP" in rows[-1]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))  # what a kill during the evaluation leaves
+    train(_config(shapes, out, epochs=2, resume="auto", **kw))
+    assert f"{metrics} has no record of epoch 1" in caplog.text
+    again = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["type"], r["epoch"]) for r in again] == [("step", 1)] * 2 + [("epoch", 1)] + [("step", 2)] * 2 + [("epoch", 2)]
+    assert again[2] == rows[2]  # its losses kept by the checkpoint, its evaluation made again on the same weights
+
+
 def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shapes, tmp_path, monkeypatch, capsys, caplog):
     """A Ctrl-C or SIGTERM (a job scheduler's) mid-epoch lost every update of the epoch, only the checkpoint of the
     epoch before kept (on COCO, hours of GPUs); `cgavit train` saves where it stopped. Now so does `detect train`,

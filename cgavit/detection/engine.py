@@ -414,20 +414,42 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv, stopper: Stopper) -> tuple[d
             len(run.loader), start_epoch + 1, cfg.epochs,
         )
     with RunLock(run.out, env):  # makes the folder; one run per folder; stale temporaries cleared under it
-        on_main(env, lambda: _clear_records(run, ckpt))  # a damaged or unwritable metrics.jsonl: every rank's error
+        unrecorded = on_main(env, lambda: _clear_records(run, ckpt))  # a damaged or unwritable file: every rank's error
+        if broadcast_object(env, unrecorded):
+            _record_again(run, val_set, resume, ckpt)
         stopper.install()  # from here a signal stops the run where it can be saved
         return _epochs(run, val_set, ckpt)
 
 
-def _clear_records(run: _Run, ckpt: Mapping[str, Any] | None) -> None:
+def _clear_records(run: _Run, ckpt: Mapping[str, Any] | None) -> bool:
     """Rank 0's part of a run's start in its locked folder: the temporaries of interrupted writes removed, and
     ``metrics.jsonl`` read (a damaged one stops the run now, not after its last epoch) and, when resuming, cleared of
-    the rows written after the checkpoint (:func:`_drop_rows_after`)."""
+    the rows written after the checkpoint (:func:`_drop_rows_after`). Returns whether it lacks the record of the
+    epoch a checkpoint saved at an epoch's end ended (:func:`_record_again`)."""
     for tmp in remove_stale_temporaries(run.out):
         log.info("removed %s, left by an interrupted write", tmp)
     rows = read_jsonl(run.metrics_path)
-    if ckpt is not None:
-        _drop_rows_after(run.metrics_path, rows, int(ckpt["epoch"]), int(ckpt["iteration"]))
+    if ckpt is None:
+        return False
+    done = int(ckpt["epoch"])
+    _drop_rows_after(run.metrics_path, rows, done, int(ckpt["iteration"]))
+    return done > 0 and not ckpt["epoch_step"] and not any(r.get("type") == "epoch" and r.get("epoch") == done for r in rows)
+
+
+def _record_again(run: _Run, val_set: CocoDetection | None, resume: str, ckpt: Mapping[str, Any]) -> None:
+    """Append the record of the epoch ``ckpt`` ended, which ``metrics.jsonl`` lacks: the run stopped between the two
+    writes (killed during the epoch's evaluation, a full disk). Its losses are those the checkpoint keeps; its
+    evaluation, where one is due, is made again on the checkpoint's weights. A collective: every rank calls it."""
+    cfg, epoch, row = run.cfg, int(ckpt["epoch"]), ckpt.get("record")
+    if not (isinstance(row, dict) and row.get("epoch") == epoch and all(isinstance(v, (int, float, str)) for v in row.values())):
+        return  # a checkpoint written before they kept their epoch's record
+    if run.env.is_main:
+        log.warning("%s has no record of epoch %d, which %s ended with (the run stopped between the two): written again",
+                    run.metrics_path, epoch, resume)
+    row = dict(row)
+    if val_set is not None and (epoch >= cfg.epochs or (cfg.eval_every and epoch % cfg.eval_every == 0)):
+        row.update(_evaluate_epoch(run, val_set, row))
+    on_main(run.env, lambda: append_jsonl(run.metrics_path, row))
 
 
 def _drop_rows_after(path: Path, rows: list[dict], done: int, step: int) -> None:
@@ -466,7 +488,7 @@ def _epochs(run: _Run, val_set: CocoDetection | None, ckpt: Mapping[str, Any] | 
             _report_stop(run, f"stopped after update {record['updates']} of epoch {epoch + 1}")
             return row, True
         row = record
-        path = on_main(env, lambda: _save_checkpoint(run, epoch + 1, step))
+        path = on_main(env, lambda: _save_checkpoint(run, epoch + 1, step, record=row))
         if env.is_main:
             log.info("epoch %d: loss %.4f (%.0f s), checkpoint %s", row["epoch"], row["loss"], row["time_s"], path)
         last = epoch + 1 == cfg.epochs
@@ -809,15 +831,19 @@ def _diverged(values: Mapping[str, float], step: int) -> str:
             "--lr, lengthen --warmup-iters, or check the annotations and the starting weights (--pretrained-backbone, --resume)")
 
 
-def _save_checkpoint(run: _Run, done: int, step: int, part: Mapping[str, Any] | None = None) -> Path:
+def _save_checkpoint(
+    run: _Run, done: int, step: int, part: Mapping[str, Any] | None = None, record: Mapping[str, Any] | None = None
+) -> Path:
     """Replace ``checkpoint.pth`` (rank 0) with the run's state after ``done`` epochs and ``step`` updates in all: at
-    an epoch's end, or within the next epoch, whose updates so far ``part`` records (their count ``updates``,
-    loss ``sums`` over the processes and ``count``, ``time_s``)."""
+    an epoch's end, with the epoch's ``metrics.jsonl`` ``record`` (its losses, before its evaluation), or within the
+    next epoch, whose updates so far ``part`` records (their count ``updates``, loss ``sums`` over the processes and
+    ``count``, ``time_s``)."""
     state = dict(
         format=CHECKPOINT_FORMAT, config=run.config, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
         scheduler=run.scheduler.state_dict(), epoch=done, iteration=step, epoch_step=int(part["updates"]) if part else 0,
         partial=dict(part or {}), world_size=run.env.world, train_config=_plain(asdict(run.cfg)),
         train_split=_train_split(run) if part else None,  # what the positions of the unfinished epoch index
+        record=dict(record or {}),  # the epoch's row, written again by a resume where the run stopped before it
     )
     return save_torch(run.out / "checkpoint.pth", state)
 
