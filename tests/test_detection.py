@@ -715,6 +715,18 @@ def test_torchrun_a_loss_that_is_not_finite_on_one_rank_stops_every_rank_with_it
     assert not (tmp_path / "run" / "checkpoint.pth").exists()
 
 
+def test_torchrun_a_warning_is_said_once_by_rank_0(shapes, tmp_path):
+    """Every rank checks the same annotation file and logged what it skipped: each warning came once per process."""
+    coco = json.loads(Path(shapes["train_json"]).read_text())
+    coco["annotations"].append({**coco["annotations"][0], "id": 999, "bbox": [5, 5, 0, 0]})
+    degenerate = tmp_path / "degenerate.json"
+    degenerate.write_text(json.dumps(coco))
+    res = _torchrun_detect_train({**shapes, "train_json": str(degenerate)}, tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("skipping 1 degenerate entries") == 1, res.stderr[-3000:]
+    assert res.stderr.count("training a random backbone with frozen BatchNorm") == 1, res.stderr[-3000:]
+
+
 FULL_DISK_ON_RANK_0 = """
 import errno, os, sys
 from cgavit.cli import main

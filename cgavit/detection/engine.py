@@ -43,10 +43,8 @@ from ..train.data import split_fingerprint, until_unreadable
 from ..train.data.loaders import StopSafeLoader, ignore_stop_signals
 from ..train.data.samplers import SeededSampler, epoch_seed, seed_all
 from ..train.distributed import (
-    DistEnv, RunLock, any_each, any_true, broadcast_object, first_message, gather_objects, on_main, reduce_sum,
+    DistEnv, RunLock, any_each, any_true, broadcast_object, first_message, gather_objects, joined, on_main, reduce_sum,
 )
-from ..train.distributed import setup as setup_distributed
-from ..train.distributed import teardown as teardown_distributed
 from ..train.engine import Stopper
 from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
@@ -272,8 +270,7 @@ def evaluate_checkpoint(
         raise ValueError("give the evaluation data: --val-json FILE --val-images DIR (or --data COCO_ROOT)")
     if not (is_int(batch_size) and 1 <= batch_size <= 1024) or not (is_int(workers) and 0 <= workers <= 256):
         raise ValueError(f"--batch-size must be in 1..1024 and --workers in 0..256, got {batch_size} and {workers}")
-    env = setup_distributed(device)
-    try:
+    with joined(device) as env:  # warnings said by rank 0 alone: every rank checks the same data and files
         model, config = load_detector(checkpoint, env.device)
         masks = config["kind"] == "maskrcnn"
         check = check_coco(val_json, val_images, strict=strict, require_masks=masks, resize=detector_resize(config))
@@ -284,8 +281,6 @@ def evaluate_checkpoint(
             )
         dataset = CocoDetection(check, val_images, masks=masks)
         return evaluate(model, dataset, env, batch_size, workers)
-    finally:
-        teardown_distributed(env)
 
 
 # --------------------------------------------------------------------------------------- training
@@ -348,13 +343,12 @@ def train(cfg: DetectionTrainConfig) -> dict[str, Any]:
         CheckpointError: a ``resume`` or ``pretrained_backbone`` file that cannot be used.
     """
     cfg.validate()
-    env = setup_distributed(cfg.device)
-    stopper = Stopper(announce=env.is_main)
-    try:
-        record, stopped = _train(cfg, env, stopper)
-    finally:
-        stopper.uninstall()
-        teardown_distributed(env)
+    with joined(cfg.device) as env:  # warnings said by rank 0 alone: every rank checks the same data and files
+        stopper = Stopper(announce=env.is_main)
+        try:
+            record, stopped = _train(cfg, env, stopper)
+        finally:
+            stopper.uninstall()
     if stopped:  # saved where it stopped: the signal now does what it was sent for (one after the last update stopped nothing)
         signal.raise_signal(stopper.signum)
     return record
