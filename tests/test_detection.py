@@ -476,6 +476,20 @@ def test_a_resume_writes_the_record_of_the_epoch_its_checkpoint_ended_where_the_
     assert again[2] == rows[2]  # its losses kept by the checkpoint, its evaluation made again on the same weights
 
 
+def sigterm_after(step, n: int):
+    """``step`` (the engine's ``_train_step``) wrapped to send this process a SIGTERM as its ``n``-th call returns, and
+    the list of the wrapped calls' results (one per update made)."""
+    made = []
+
+    def signalled(*args):
+        made.append(step(*args))
+        if len(made) == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return made[-1]
+
+    return signalled, made
+
+
 def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shapes, tmp_path, monkeypatch, capsys, caplog):
     """A Ctrl-C or SIGTERM (a job scheduler's) mid-epoch lost every update of the epoch, only the checkpoint of the
     epoch before kept (on COCO, hours of GPUs); `cgavit train` saves where it stopped. Now so does `detect train`,
@@ -484,13 +498,8 @@ def test_a_signal_mid_epoch_saves_the_run_there_and_resume_goes_on_exactly(shape
     train(_config(shapes, tmp_path / "straight", **kw))  # two updates, flips and the warm-up across the cut
     from cgavit.detection import engine
 
-    step, made = engine._train_step, []
-
-    def signalled(*args):
-        made.append(step(*args))
-        if len(made) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return made[-1]
+    step = engine._train_step
+    signalled, made = sigterm_after(step, 1)
 
     cut = tmp_path / "cut"
     argv = ["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"], "--backbone",
@@ -531,13 +540,8 @@ def test_a_run_stopped_mid_epoch_resumes_on_its_own_order_of_its_own_images(tmp_
                                "annotations": [a for a in coco["annotations"] if a["image_id"] in {i["id"] for i in coco["images"][:2]}]}))
     from cgavit.detection import engine
 
-    step, made = engine._train_step, []
-
-    def signalled(*args):
-        made.append(step(*args))
-        if len(made) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return made[-1]
+    step = engine._train_step
+    signalled, _ = sigterm_after(step, 1)
 
     argv = ["detect", "train", "--train-images", str(images), "--backbone", "m0", "--min-size", "64", "--max-size", "64",
             "--batch-size", "1", "--workers", "0", "--device", "cpu", "--epochs", "1", "--output", str(tmp_path / "run")]
@@ -559,13 +563,8 @@ def test_a_signal_after_the_last_update_stops_nothing(shapes, tmp_path, monkeypa
     `detect train` then ended as stopped by it (exit 143, no summary): a job scheduler would requeue a finished run."""
     from cgavit.detection import engine
 
-    step, made = engine._train_step, []
-
-    def signalled(*args):
-        made.append(step(*args))
-        if len(made) == 2:  # the second and last update
-            os.kill(os.getpid(), signal.SIGTERM)
-        return made[-1]
+    step = engine._train_step
+    signalled, made = sigterm_after(step, 2)  # the second and last update
 
     out = tmp_path / "run"
     monkeypatch.setattr(engine, "_train_step", signalled)
