@@ -48,8 +48,8 @@ class FileLock:
         return self
 
     def acquire(self) -> Exception | None:
-        """Take the lock (making the folder first); the error to raise on every rank when it cannot
-        be taken, else None."""
+        """Take the lock (making the folder first); the error to raise when it cannot be taken (on every rank, for
+        :class:`~cgavit.train.distributed.RunLock`), else None."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
