@@ -42,9 +42,14 @@ _MOVE_CACHE = "set TORCH_HOME=DIR (or call torch.hub.set_dir(DIR)) to keep the w
 
 
 def release_url(url: str) -> str:
-    """``url``, with its directory replaced by ``$CGAVIT_WEIGHTS_MIRROR`` when that is set."""
-    mirror = os.environ.get(MIRROR_ENV)
-    return f"{mirror.rstrip('/')}/{url.rsplit('/', 1)[-1]}" if mirror else url
+    """``url``, with its directory replaced by ``$CGAVIT_WEIGHTS_MIRROR`` when that is set: a folder URL, or a plain
+    folder path (``/srv/weights``, ``~/weights``), read as the ``file://`` URL of that folder."""
+    mirror = os.environ.get(MIRROR_ENV, "").strip()
+    if not mirror:
+        return url
+    if "://" not in mirror:  # a path: urllib would refuse it as an "unknown url type"
+        mirror = Path(mirror).expanduser().absolute().as_uri()
+    return f"{mirror.rstrip('/')}/{url.rsplit('/', 1)[-1]}"
 
 
 def download_release(url: str, progress: bool = True, timeout: float | None = None) -> Path:

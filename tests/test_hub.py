@@ -266,3 +266,16 @@ def test_ema_asked_of_the_published_weights_says_they_hold_none(release_bytes, t
     with caplog.at_level(logging.WARNING, logger="cgavit"):
         cgavit.load_model(None, "efficientvit_m0", pretrained=True)
     assert "EMA" not in caplog.text
+
+
+def test_a_mirror_given_as_a_plain_folder_path_is_read_from_that_folder(tmp_path, monkeypatch, release_bytes):
+    """CGAVIT_WEIGHTS_MIRROR=/srv/weights (a folder, not a file:// URL) failed with urllib's 'unknown url type'."""
+    (tmp_path / "mirror").mkdir()
+    (tmp_path / "mirror" / NAME).write_bytes(release_bytes)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.chdir(tmp_path)
+    for given in (str(tmp_path / "mirror"), "mirror/", f"  {tmp_path / 'mirror'}  "):
+        monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", given)
+        assert hub.release_url(f"https://example.org/v1/{NAME}") == (tmp_path / "mirror" / NAME).as_uri()
+    cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert os.listdir(_cache()) == [NAME]
