@@ -154,7 +154,7 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
     changed = [f"{k}={getattr(model.cfg, k)!r}" for k in model.cfg.differs_from(VARIANTS[key].cfg)]
     if changed:
         log.warning("loading published weights into a model with changed dials %s", ", ".join(changed))
-    cached = download_release(VARIANTS[key].url)
+    cached = download_release(VARIANTS[key].url, check=lambda sd: _check_published(sd, key))
     try:
         sd = read_state_dict(cached)
     except CheckpointError as err:  # the file itself: damaged since, or cached unchecked by an older version
@@ -168,6 +168,16 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
             raise CheckpointError(f"{published} are for the paper's design; {', '.join(changed)} cannot load them: "
                                   f"{err}. Drop those options to use them, or train with them without pretrained=True") from None
         raise CheckpointError(f"{err}; it is not {published}: delete {cached} to download it again") from None
+
+
+def _check_published(sd: Mapping[str, torch.Tensor], key: str) -> None:
+    """Raise :class:`CheckpointError` unless ``sd`` fits variant ``key`` as the paper builds it (any class count)."""
+    with torch.device("meta"):  # the architecture, allocating nothing
+        target = EfficientViT(VARIANTS[key].cfg).state_dict()
+    try:
+        fit_state_dict(sd, target, "the file")
+    except CheckpointError as err:
+        raise CheckpointError(f"it is not the published {key} weights ({err})") from None
 
 
 @dataclass

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -52,12 +53,14 @@ def release_url(url: str) -> str:
     return f"{mirror.rstrip('/')}/{url.rsplit('/', 1)[-1]}"
 
 
-def download_release(url: str, progress: bool = True, timeout: float | None = None) -> Path:
+def download_release(url: str, progress: bool = True, timeout: float | None = None,
+                     check: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
     """Fetch a release file into ``<torch hub dir>/checkpoints`` (once) and return its path.
 
     The file is streamed into a temporary file of its own beside its place (so threads and processes
     downloading the same file at once do not meet) and moved there only once it reads as a weights file
-    (a safe ``torch.load``): a download cut short, or an error page a proxy served, is never cached.
+    (a safe ``torch.load``) and passes ``check``: a download cut short, an error page a proxy served, or (with
+    ``check``) another file a mirror serves under that name, is never cached.
     Temporary files of earlier downloads whose process has ended are removed first.
 
     Args:
@@ -66,9 +69,11 @@ def download_release(url: str, progress: bool = True, timeout: float | None = No
         progress: show a progress bar on stderr (when tqdm is installed).
         timeout: seconds to wait for the server to answer, or for the next bytes, before giving up;
             default :data:`STALL_TIMEOUT`.
+        check: called with the downloaded state dict before it is cached; raises :class:`CheckpointError` (saying
+            what the file is not) to refuse it.
 
     Raises:
-        CheckpointError: the download failed, stalled or is not a weights file (the message says how to get
+        CheckpointError: the download failed, stalled, is not a weights file or fails ``check`` (the message says how to get
             the file by hand).
         WriteError: the cache folder cannot be made or written (the message names it and how to move it).
     """
@@ -90,7 +95,7 @@ def download_release(url: str, progress: bool = True, timeout: float | None = No
     part = dst.with_name(f".{dst.name}.{os.getpid()}.{uuid.uuid4().hex}.part")  # one per call: threads too
     try:
         _fetch(url, part, timeout, progress)
-        _check_weights(part, url)
+        _check_weights(part, url, check)
         try:
             os.replace(part, dst)
         except OSError as err:
@@ -174,15 +179,22 @@ def _copy(response: BinaryIO, out: BinaryIO, size: int | None, progress: bool, t
     return got
 
 
-def _check_weights(part: Path, url: str) -> None:
+def _check_weights(part: Path, url: str, check: Callable[[dict[str, torch.Tensor]], None] | None) -> None:
     """Raise unless the downloaded ``part`` reads as a weights file as ``--checkpoint`` reads one (safely: no code
-    runs; a state dict of tensors, unwrapped from the dict around it)."""
+    runs; a state dict of tensors, unwrapped from the dict around it) and passes ``check``."""
     try:
-        read_state_dict(part)
+        sd = read_state_dict(part)
     except CheckpointError as err:
         reason = " ".join(str(err).replace(str(part), "it").split())[:200]
         raise CheckpointError(f"the download of {url} is not a weights file (cut short, or an error page: {reason}); "
                               f"nothing was cached. {_by_hand()}") from None
+    if check is None:
+        return
+    try:
+        check(sd)
+    except CheckpointError as err:
+        raise CheckpointError(f"the download of {url} was refused: {err}; nothing was cached (does the mirror serve "
+                              f"another file under that name?). {_by_hand()}") from None
 
 
 def _remove_dead_downloads(folder: Path, name: str, timeout: float) -> None:

@@ -279,3 +279,19 @@ def test_a_mirror_given_as_a_plain_folder_path_is_read_from_that_folder(tmp_path
         assert hub.release_url(f"https://example.org/v1/{NAME}") == (tmp_path / "mirror" / NAME).as_uri()
     cgavit.create_model("efficientvit_m0", pretrained=True)
     assert os.listdir(_cache()) == [NAME]
+
+
+def test_a_mirror_serving_another_variant_under_the_name_caches_nothing(tmp_path, monkeypatch, release_bytes):
+    """A mirror serving M1's weights as efficientvit_m0.pth had them cached: every later call failed without
+    downloading again, saying to delete the file, and deleting it downloaded the same wrong file."""
+    (tmp_path / "mirror").mkdir()
+    torch.save({"model": cgavit.create_model("efficientvit_m1").state_dict()}, tmp_path / "mirror" / NAME)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", (tmp_path / "mirror").as_uri())
+    with pytest.raises(CheckpointError, match=r"refused: it is not the published efficientvit_m0 weights .*shape "
+                                              r"mismatch.*nothing was cached .*another file under that name"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert os.listdir(_cache()) == []
+    (tmp_path / "mirror" / NAME).write_bytes(release_bytes)  # the right file: a class count of the caller's still loads
+    assert cgavit.create_model("efficientvit_m0", pretrained=True, num_classes=10).num_classes == 10
+    assert os.listdir(_cache()) == [NAME]
