@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import torch
 
-from .io import CheckpointError, WriteError, make_folder, process_alive, write_reason
+from .io import CheckpointError, UnsafeCheckpointError, WriteError, make_folder, process_alive, write_reason
 from .weights import read_state_dict
 
 try:
@@ -73,8 +73,8 @@ def download_release(url: str, progress: bool = True, timeout: float | None = No
             what the file is not) to refuse it.
 
     Raises:
-        CheckpointError: the download failed, stalled, is not a weights file or fails ``check`` (the message says how to get
-            the file by hand).
+        CheckpointError: the download failed, stalled, is not a weights file or fails ``check`` (the message says
+            how to get the file by hand).
         WriteError: the cache folder cannot be made or written (the message names it and how to move it).
     """
     url = release_url(url)
@@ -184,6 +184,10 @@ def _check_weights(part: Path, url: str, check: Callable[[dict[str, torch.Tensor
     runs; a state dict of tensors, unwrapped from the dict around it) and passes ``check``."""
     try:
         sd = read_state_dict(part)
+    except UnsafeCheckpointError:  # not damage: guessing "cut short" would mislead, and pretrained=True has no opt-in
+        raise CheckpointError(f"the download of {url} holds pickled Python objects that could run code when loaded, "
+                              f"so it was refused and nothing was cached. If you trust its source, download it by hand "
+                              f"and load it with trust=True (--trust-checkpoint). {_by_hand()}") from None
     except CheckpointError as err:
         reason = " ".join(str(err).replace(str(part), "it").split())[:200]
         raise CheckpointError(f"the download of {url} is not a weights file (cut short, or an error page: {reason}); "

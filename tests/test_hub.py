@@ -295,3 +295,24 @@ def test_a_mirror_serving_another_variant_under_the_name_caches_nothing(tmp_path
     (tmp_path / "mirror" / NAME).write_bytes(release_bytes)  # the right file: a class count of the caller's still loads
     assert cgavit.create_model("efficientvit_m0", pretrained=True, num_classes=10).num_classes == 10
     assert os.listdir(_cache()) == [NAME]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_a_download_with_pickled_code_is_refused_saying_so(tmp_path, monkeypatch):
+    """A release file holding pickled objects was refused as 'cut short, or an error page', with an opt-in
+    (load_checkpoint(..., trust=True)) that pretrained=True does not have."""
+    (tmp_path / "mirror").mkdir()
+    weights = cgavit.create_model("efficientvit_m0").state_dict()
+    torch.save({"model": weights, "x": _RunsCode()}, tmp_path / "mirror" / NAME)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", (tmp_path / "mirror").as_uri())
+    with pytest.raises(CheckpointError) as caught:
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    text = str(caught.value)
+    assert "holds pickled Python objects" in text and "download it by hand and load it with trust=True" in text
+    assert "cut short" not in text
+    assert os.listdir(_cache()) == []
