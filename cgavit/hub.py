@@ -136,7 +136,8 @@ def _fetch(url: str, part: Path, timeout: float, progress: bool) -> None:
     try:
         with out, urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "cgavit"}),
                                          timeout=timeout) as response:
-            size = int(response.headers.get("Content-Length") or 0) or None
+            length = (response.headers.get("Content-Length") or "").strip()
+            size = (int(length) or None) if length.isdigit() else None  # as http.client, a bad one is no length
             got = _copy(response, out, size, progress, timeout)
     except WriteError:
         raise
