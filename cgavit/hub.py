@@ -148,6 +148,9 @@ def _fetch(url: str, part: Path, timeout: float, progress: bool) -> None:
             slow = f"under {MIN_BYTES_PER_WINDOW // 1024} KiB" if isinstance(err, _TooSlow) else "no data"
             raise CheckpointError(f"could not download {url}: {slow} for {timeout:g} s (the server or mirror does "
                                   f"not answer, or too slowly); nothing was cached. {_by_hand()}") from None
+        if isinstance(err, http.client.IncompleteRead):  # a chunked body cut short; its text: "IncompleteRead(0 bytes read)"
+            raise CheckpointError(f"could not download {url}: the connection closed before the end of the file; "
+                                  f"nothing was cached. Try again. {_by_hand()}") from None
         raise CheckpointError(f"could not download {url} ({err}). {_by_hand()}") from None
     if size is not None and got < size:
         raise CheckpointError(f"could not download {url}: the connection closed after {got} of {size} bytes; "

@@ -23,7 +23,8 @@ NAME = "efficientvit_m0.pth"
 class _Handler(http.server.BaseHTTPRequestHandler):
     """``/ok/NAME`` serves the file, ``/slow/NAME`` in pieces, ``/hang/NAME`` never answers, ``/hangmid/NAME``
     sends the headers and 1000 bytes then stalls, ``/trickle/NAME`` sends a byte every 20 ms, ``/redir/NAME``
-    redirects to ``/ok/NAME``, ``/badlength/NAME`` sends the file with a Content-Length that is no number."""
+    redirects to ``/ok/NAME``, ``/badlength/NAME`` sends the file with a Content-Length that is no number, ``/chunkcut/NAME`` one chunk of
+    it and closes."""
 
     protocol_version = "HTTP/1.1"
     data = b""
@@ -39,6 +40,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if mode == "redir":
             self._send(302, b"", Location=f"/ok/{NAME}")
+            return
+        if mode == "chunkcut":  # a chunked body whose connection closes before its last chunk
+            self._send(200, None, **{"Transfer-Encoding": "chunked", "Connection": "close"})
+            self.wfile.write(b"%x\r\n%s\r\n" % (1000, self.data[:1000]))
+            self.close_connection = True
             return
         if mode == "badlength":  # a length http.client ignores, reading to the end of the connection
             self._send(200, None, **{"Content-Length": "9.8 MB", "Connection": "close"})
@@ -240,6 +246,15 @@ def test_a_folder_where_the_weights_go_is_named_before_the_download(server, monk
     with pytest.raises(WriteError, match=rf"holds a folder .* at {in_the_way}, where the weights go"):
         cgavit.create_model("efficientvit_m0", pretrained=True)
     assert fetched == []
+
+
+def test_a_chunked_download_cut_short_says_so(server, monkeypatch):
+    """A chunked response cut short failed with 'IncompleteRead(0 bytes read)', saying neither what happened nor
+    that nothing was cached."""
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", f"{server}/chunkcut")
+    with pytest.raises(CheckpointError, match="closed before the end of the file; nothing was cached. Try again"):
+        cgavit.create_model("efficientvit_m0", pretrained=True)
+    assert os.listdir(_cache()) == []
 
 
 def test_a_content_length_that_is_no_number_is_ignored_as_http_client_does(server, monkeypatch, release_bytes):
