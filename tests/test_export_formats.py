@@ -104,6 +104,20 @@ def test_fp32_export_with_data_is_checked_on_the_validation_images_alone(trained
     assert "--train-split would change nothing here" in capsys.readouterr().err
 
 
+def test_export_at_another_size_reads_data_at_that_size(trained_digits, tmp_path, capsys):
+    """--img-size 64 with --data read the images at the checkpoint's 48 px and stopped on "takes images (B, 3, 64, 64),
+    got (16, 3, 48, 48)"; a size that is not square, which --data cannot be read at, is refused before any work."""
+    out = tmp_path / "m.onnx"
+    args = ["export", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--eval-images", "40", "--output", str(out)]
+    assert main([*args, "--img-size", "64"]) == 0
+    assert "agreement 100.0% on 40 images" in capsys.readouterr().out
+    out.unlink()
+    assert main([*args, "--img-size", "64", "40"]) == 2
+    assert "this file takes 64x40: export at one size" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @need("executorch")
 def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
     """ExecuTorch's threadpool starts with a thread per core: the module sets it to ``threads`` (the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -30,17 +31,18 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
         square = size[0] if size and size[0] == size[1] else None  # built for it; else at the recorded size
         model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=square,
                                  trust=args.trust_checkpoint)
-        return model, info, size or (info.img_size, info.img_size)
+        # --data's images are read at the size the file takes, not the one the checkpoint was trained at
+        return model, replace(info, img_size=square or info.img_size), size or (info.img_size, info.img_size)
     if not args.model:
         raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
     size = image_size(args.img_size or [224])
     return create_model(args.model, img_size=size, **dials_from_args(args)), ModelInfo([], img_size=size[0]), size
 
 
-def calibration_and_check(args: argparse.Namespace, info: ModelInfo,
-                          channels: int) -> tuple[LabelledImages | None, LabelledImages | None]:
+def calibration_and_check(args: argparse.Namespace, info: ModelInfo, channels: int,
+                          size: tuple[int, int]) -> tuple[LabelledImages | None, LabelledImages | None]:
     """With ``--data``: training images to calibrate int8 on (none for fp32) and validation images to check against,
-    read for a model of ``channels`` input channels."""
+    read for a model of ``channels`` input channels taking ``size`` images (square: the commands read images so)."""
     if args.calibration_images < 1 or args.eval_images < 0 or args.batch < 1:
         raise ValueError("--calibration-images and --batch must be at least 1, --eval-images at least 0")
     ignored = [flag for flag, given in (
@@ -53,6 +55,9 @@ def calibration_and_check(args: argparse.Namespace, info: ModelInfo,
         raise ValueError(f"{', '.join(ignored)} would change nothing here (--batch is fixed in "
                          f"{' and '.join(FIXED_BATCH_FORMATS)} files only; --calibration-images and --train-split are "
                          "read for --precision int8, --val-split and --eval-images with --data): leave them out")
+    if args.data and size[0] != size[1]:
+        raise ValueError(f"--data images are read square (resized and centre-cropped to N x N), and this file takes "
+                         f"{size[0]}x{size[1]}: export at one size, --img-size N, to calibrate or check on --data")
     if not args.data:
         if args.precision == "int8":
             raise ValueError("--precision int8 needs --data DIR: calibration on DIR/train, the agreement check on DIR/val")
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     channels = getattr(model, "in_chans", 3)
     metadata = export_metadata(info, args.format, size, channels)  # refused before the work too
     with staging(out) as tmp:  # the build is made and checked beside its destination, moved there if it passes
-        calib, check = calibration_and_check(args, info, channels)
+        calib, check = calibration_and_check(args, info, channels, size)
         batches = list(calib.images.split(16)) if calib is not None else None
         built = export_model(model, tmp / out.name, args.format, size, args.precision, batches, args.batch,
                              info=metadata)
