@@ -131,6 +131,18 @@ def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
         assert module(torch.randn(2, 3, 48, 48)).shape == (2, 10)
 
 
+@need("executorch")
+def test_a_fixed_batch_file_refuses_images_of_another_size_or_channels_in_one_line(trained_digits, tmp_path):
+    """An ExecuTorch file declared no input shape, so images of another size or channel count reached the runtime,
+    which printed its C++ log and raised "method->set_inputs() ... failed with error 0x10"; any batch still runs."""
+    module = load_exported(export_model(trained_digits.model, tmp_path / "m.pte", "executorch", (48, 40), batch=4),
+                           "executorch")
+    assert module(torch.randn(9, 3, 48, 40)).shape == (9, 10)
+    for shape, why in (((4, 3, 32, 32), "build it again for that size"), ((4, 1, 48, 40), "takes 3-channel images")):
+        with pytest.raises(ValueError, match=rf"takes images \(B, 3, 48, 40\), got {re.escape(str(shape))}: .*{why}"):
+            module(torch.randn(*shape))
+
+
 def test_an_export_named_without_its_suffix_gets_it(tmp_path, capsys):
     """--output m0 writes m0.onnx, a file that cgavit predict and the runtimes recognise; a name ending in
     another kind of file's suffix is refused before any work."""

@@ -161,7 +161,7 @@ class ExecutorchModule(FixedBatchModule):
         try:
             self.program = et.Runtime.get().load_program(data)  # owns the method's memory: keep it
             self.method = self.program.load_method("forward")
-            self.batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
+            self.takes(self.method.metadata.input_tensor_meta(0).sizes())
         except RuntimeError as err:
             if isinstance(program, bytes):  # built here, not read from a file: a defect of ours
                 raise

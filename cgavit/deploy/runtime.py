@@ -8,7 +8,7 @@ import importlib.util
 import io
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,10 +137,17 @@ def pad_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
 class FixedBatchModule(RuntimeModule, ABC):
     """A runtime whose program accepts one batch size only (ExecuTorch, LiteRT), run on any batch:
     the input is split into pieces of :attr:`batch` images, the last piece padded, the padding's
-    outputs dropped. Subclasses set ``self.batch`` and implement :meth:`run_batch`."""
+    outputs dropped. Subclasses call :meth:`takes` with their program's input shape and implement
+    :meth:`run_batch`."""
 
     batch: int = 1
     copyable = False
+
+    def takes(self, shape: Sequence[int]) -> None:
+        """Record the program's input ``(batch, C, H, W)``: its batch, and the images it takes in any batch (others
+        are refused in one line before the runtime sees them)."""
+        self.batch = int(shape[0])
+        self.input_shape = (None, *(int(n) for n in shape[1:]))
 
     @abstractmethod
     def run_batch(self, x: torch.Tensor) -> torch.Tensor:

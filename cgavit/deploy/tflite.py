@@ -101,7 +101,7 @@ class TfliteModule(FixedBatchModule):
             raise unreadable_file(model, "a LiteRT (.tflite) model", err) from None
         self.input = self.interpreter.get_input_details()[0]
         self.output = self.interpreter.get_output_details()[0]
-        self.batch = int(self.input["shape"][0])
+        self.takes(self.input["shape"])
 
     def run_batch(self, x: torch.Tensor) -> torch.Tensor:
         self.interpreter.set_tensor(self.input["index"], x.numpy())
