@@ -111,11 +111,22 @@ def test_export_at_another_size_reads_data_at_that_size(trained_digits, tmp_path
     args = ["export", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
             "--eval-images", "40", "--output", str(out)]
     assert main([*args, "--img-size", "64"]) == 0
-    assert "agreement 100.0% on 40 images" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "agreement 100.0% on 40 images" in text and "try:   cgavit predict IMAGE" in text
     out.unlink()
     assert main([*args, "--img-size", "64", "40"]) == 2
     assert "this file takes 64x40: export at one size" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_is_not_square_is_not_offered_to_predict(trained_digits, tmp_path, capsys):
+    """A 48x40 export ended with "try: cgavit predict IMAGE --checkpoint m.onnx", which refuses it (eval and predict
+    read images square)."""
+    out = str(tmp_path / "m.onnx")
+    assert main(["export", "--checkpoint", str(trained_digits.checkpoint), "--img-size", "48", "40", "--output", out]) == 0
+    assert "cgavit predict" not in capsys.readouterr().out
+    assert main(["predict", str(next((trained_digits.data / "val" / "0").iterdir())), "--checkpoint", out]) == 2
+    assert "eval and predict use square inputs" in capsys.readouterr().err
 
 
 @need("executorch")

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{dest} does not pass its check (above): it is kept for a look under that name, and {out} was not "
               f"written{' (the file there is as it was)' if out.exists() else ''}; do not ship it; exit status 1")
         return 1
-    if FORMATS[args.format].metadata and metadata.class_names:  # a file eval and predict take
+    if FORMATS[args.format].metadata and metadata.class_names and size[0] == size[1]:  # a file eval and predict take
         name = printable_line(shlex.quote(str(dest)))
         print(f"try:   cgavit predict IMAGE --checkpoint {name}   or   cgavit eval --checkpoint {name} --data DIR")
     return 0
