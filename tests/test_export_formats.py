@@ -142,12 +142,13 @@ def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
         assert module(torch.randn(2, 3, 48, 48)).shape == (2, 10)
 
 
-@need("executorch")
-def test_a_fixed_batch_file_refuses_images_of_another_size_or_channels_in_one_line(trained_digits, tmp_path):
-    """An ExecuTorch file declared no input shape, so images of another size or channel count reached the runtime,
-    which printed its C++ log and raised "method->set_inputs() ... failed with error 0x10"; any batch still runs."""
-    module = load_exported(export_model(trained_digits.model, tmp_path / "m.pte", "executorch", (48, 40), batch=4),
-                           "executorch")
+@pytest.mark.parametrize("name", [pytest.param(name, marks=need(name)) for name in ("executorch", "tflite")])
+def test_a_fixed_batch_file_refuses_images_of_another_size_or_channels_in_one_line(name, trained_digits, tmp_path):
+    """An ExecuTorch or LiteRT file declared no input shape, so images of another size or channel count reached the
+    runtime, which printed its C++ log and raised "method->set_inputs() ... failed with error 0x10" (ExecuTorch) or
+    its own ValueError about a tensor's dimensions (LiteRT); any batch still runs."""
+    path = export_model(trained_digits.model, tmp_path / f"m{FORMATS[name].suffix}", name, (48, 40), batch=4)
+    module = load_exported(path, name)
     assert module(torch.randn(9, 3, 48, 40)).shape == (9, 10)
     for shape, why in (((4, 3, 32, 32), "build it again for that size"), ((4, 1, 48, 40), "takes 3-channel images")):
         with pytest.raises(ValueError, match=rf"takes images \(B, 3, 48, 40\), got {re.escape(str(shape))}: .*{why}"):
