@@ -55,6 +55,8 @@ def shared_window_index(window: int, device=None) -> torch.Tensor:
     """:func:`relative_bias_index` of a full ``window x window`` window on ``device``, the one tensor every
     module at that window shares there (never written to: an index)."""
     device = torch.device(device if device is not None else "cpu")
+    if device.index is None and device.type not in ("cpu", "meta"):
+        device = torch.empty(0, device=device).device  # "cuda" is the current one: its key names it
     index = _SHARED_INDEX.get((window, str(device)))
     if index is None:
         with torch.inference_mode(False):  # an ordinary tensor even when made under inference mode

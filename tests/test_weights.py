@@ -723,6 +723,17 @@ def test_attention_modules_at_one_window_share_one_index():
     assert torch.equal(attn.attention_bias_idxs, relative_bias_index(attn.window, attn.window, attn.window))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_named_without_its_index_shares_the_index_of_the_current_one():
+    """``shared_window_index(w, "cuda")`` looked its tensor up under "cuda" and stored it under "cuda:0", so every
+    such call made another; and a key "cuda" would go on naming the device that was current when it was made."""
+    from cgavit.attention import shared_window_index
+
+    plain = shared_window_index(7, "cuda")
+    assert plain.device == torch.device("cuda", torch.cuda.current_device())
+    assert shared_window_index(7, "cuda") is plain is shared_window_index(7, plain.device)
+
+
 def test_state_dicts_torch_would_load_are_loaded_and_damaged_ones_refused(caplog):
     """From a model-core review: a classifier-less file (num_classes=0) into a model with a classifier was
     refused as incomplete, where another class count is fine-tuned from; a state dict without BatchNorm's
