@@ -43,9 +43,9 @@ class Stage(nn.Module):
         if downsample:
             self.downsample = nn.Sequential(
                 OrderedDict(
-                    res1=nn.Sequential(*dw_ffn_pair(in_dim, ffn_ratio, 0.0)),
+                    res1=nn.Sequential(*dw_ffn_pair(in_dim, ffn_ratio, 0.0, dw_bn_init=1.0)),
                     patchmerge=PatchMerging(in_dim, dim),
-                    res2=nn.Sequential(*dw_ffn_pair(dim, ffn_ratio, 0.0)),
+                    res2=nn.Sequential(*dw_ffn_pair(dim, ffn_ratio, 0.0, dw_bn_init=1.0)),
                 )
             )
         else:

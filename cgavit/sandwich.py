@@ -15,10 +15,14 @@ from .attention import LocalWindowAttention
 from .layers import FFN, ConvBN, Residual
 
 
-def dw_ffn_pair(dim: int, ffn_ratio: float, drop: float) -> list[nn.Module]:
-    """Residual depthwise 3x3 Conv-BN (local token interaction) then residual FFN."""
+def dw_ffn_pair(dim: int, ffn_ratio: float, drop: float, dw_bn_init: float = 0.0) -> list[nn.Module]:
+    """Residual depthwise 3x3 Conv-BN (local token interaction) then residual FFN.
+
+    ``dw_bn_init`` is the depthwise branch's initial BatchNorm scale: 0 (the branch starts as identity) in the
+    sandwich blocks, 1 in the subsample blocks, as the official code initialises them (the FFN's last BatchNorm
+    starts at 0 in both)."""
     return [
-        Residual(ConvBN(dim, dim, 3, 1, 1, groups=dim, bn_weight_init=0.0), drop),
+        Residual(ConvBN(dim, dim, 3, 1, 1, groups=dim, bn_weight_init=dw_bn_init), drop),
         Residual(FFN(dim, int(dim * ffn_ratio)), drop),
     ]
 

@@ -346,7 +346,7 @@ def test_taylor_refuses_or_skips_classes_the_checkpoint_lacks(tmp_path, trained_
 
 
 def test_taylor_refuses_all_zero_importance(tmp_path):
-    # fresh weights: every residual branch ends in a zero-initialised BatchNorm, so no gradient reaches any channel
+    # fresh weights: every attention and FFN branch ends in a zero-initialised BatchNorm, so no gradient reaches any channel
     model = create_model("m0", num_classes=3, img_size=64, **TINY)
     with pytest.raises(ValueError, match="gradients are all zero.*trained --checkpoint"):
         taylor_importance(model, [(torch.randn(2, 3, 64, 64), None)])

@@ -78,6 +78,21 @@ def test_equivalent_to_timm_at_other_build_and_input_sizes():
             torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_new_model_starts_with_the_batchnorm_scales_of_the_official_code():
+    """Training from scratch starts where the official code (and timm's port) start: every residual branch of a
+    sandwich block ends in a BatchNorm scaled 0, but the depthwise convolutions of the subsample blocks are scaled
+    1 (cgavit started those 0 too, so the four branches began as identities)."""
+    from cgavit.model import to_timm_state_dict
+
+    ours = to_timm_state_dict(cgavit.create_model("efficientvit_m0").state_dict())
+    ref = timm.create_model("efficientvit_m0").state_dict()
+    scales = [k for k in ref if k.endswith("bn.weight")]
+    assert len(scales) > 40 and all(k in ours for k in scales)
+    differ = [k for k in scales if not torch.equal(ours[k], ref[k])]
+    assert not differ, differ
+    assert {float(ref[k].unique()) for k in scales} == {0.0, 1.0}
+
+
 def test_official_release_file_loads_and_matches(tmp_path):
     ref = randomize_(timm.create_model("efficientvit_m1"), 3).eval()
     path = tmp_path / "efficientvit_m1.pth"

@@ -336,7 +336,7 @@ def run_taylor(cfg: AnalysisConfig, targets: str = "auto", prune_ratio: float = 
         raise ValueError(f"--list-pruned must be >= 0, got {list_pruned}")
     if not (cfg.checkpoint or cfg.pretrained):  # known before the images are read and the passes run
         raise ValueError("randomly initialised weights have no Taylor importance: the loss gradients are all zero "
-                         "(each residual branch ends in a zero-initialised BatchNorm); give a trained --checkpoint "
+                         "(each attention and FFN branch ends in a zero-initialised BatchNorm); give a trained --checkpoint "
                          "or --pretrained")
     sample = load_sample(cfg)
     y, why = loss_targets(cfg, sample, targets)

@@ -15,7 +15,7 @@ hidden channels of every FFN (its first 1x1 convolution). :func:`pruning_order` 
 across the network for a pruning budget.
 
 An importance of exactly 0 means no gradient reached the weights: a model whose every importance is 0
-(random weights: the residual branches end in zero-initialised BatchNorm) is refused, and a kind of
+(random weights: the attention and FFN branches end in zero-initialised BatchNorm) is refused, and a kind of
 channel that is all 0 in a block (Q and K in a window of one token, whose softmax is 1 whatever they
 are) is reported as having no gradient (:attr:`BlockImportance.no_gradient`) and kept out of the
 pruning ranking, where it would otherwise be pruned first in arbitrary order.
@@ -214,7 +214,7 @@ def _check_importances(out: list[BlockImportance], loss: float) -> None:
         raise ValueError("every Taylor importance is zero because the loss is zero on every image (the model gives "
                          "its targets a probability of 1, so no gradient flows); give images it is less sure of")
     raise ValueError("every Taylor importance is zero because the loss gradients are all zero (randomly "
-                     "initialised weights end each residual branch in a zero BatchNorm); "
+                     "initialised weights end each attention and FFN branch in a zero BatchNorm); "
                      "give a trained --checkpoint")
 
 

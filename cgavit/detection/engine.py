@@ -87,8 +87,8 @@ class DetectionTrainConfig:
     trust_checkpoint: bool = option(False, "allow pickled objects in --pretrained-backbone (only for files you trust)")
     freeze_bn: bool = option(
         True, "train the backbone's BatchNorm instead of freezing it (paper: frozen, with ImageNet weights); needed "
-        "without --pretrained-backbone, since frozen zero-initialised BN scales keep a random backbone's residual "
-        "branches at zero", flags=("--train-bn",), action="store_false",
+        "without --pretrained-backbone, since frozen zero-initialised BN scales keep a random backbone's attention "
+        "and FFN branches at zero", flags=("--train-bn",), action="store_false",
     )
     model_kwargs: dict = field(default_factory=dict)  # torchvision detector settings, e.g. {"box_detections_per_img": 300}
     min_size: int = option(800, "resize so the shorter side is this")
