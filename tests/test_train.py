@@ -485,3 +485,20 @@ def test_a_signal_as_the_last_epoch_ends_stops_nothing(data, tmp_path, sigterm_a
     assert "continue with --resume" not in caplog.text
     ck = ckpt_io.load(out / "last.pt")
     assert (ck["next_epoch"], ck["next_step"]) == (1, 0) and (out / "curves.png").is_file()
+
+
+@pytest.mark.parametrize("aa", ["v0", "rand-m9-mstd0.5-inc1", "rand-m9-mstd0.5", "augmix-m5"])
+def test_every_op_of_the_offered_auto_augment_policies_runs_on_current_pillow(aa):
+    """--aa v0 (offered by its own error message) stopped a run with Pillow's 'bits must be between or equal to 1 and 8':
+    its Posterize at level 2 keeps 0 bits, and only RandAugment's and AugMix's posterize ops were patched."""
+    from cgavit.train.data import build_transform
+
+    transform = build_transform(32, True, auto_augment=aa)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 40, 3), dtype=np.uint8))
+    ops = [op for t in transform.transforms for op in [*getattr(t, "ops", []), *sum(getattr(t, "policy", []), [])]]
+    assert ops, transform
+    for op in ops:
+        op.prob, op.magnitude_std = 1.0, 0.0  # each op applied, at its policy's magnitude and at the top one
+        for magnitude in (op.magnitude, 10):
+            op.magnitude = magnitude
+            assert op(img).size == img.size, op

@@ -120,10 +120,12 @@ def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image
 
 
 def _pillow_safe(transform: Callable) -> Callable:
-    """Patch the RandAugment ops of a timm transform (this instance only) so ``PosterizeIncreasing``
-    at the top magnitude (``rand-m9-mstd0.5-inc1`` reaches it) does not raise on current Pillow."""
+    """Patch the posterize ops of a timm transform (this instance only) so that keeping 0 bits does not raise on
+    current Pillow: ``PosterizeIncreasing`` at the top magnitude of RandAugment (``rand-m9-mstd0.5-inc1`` reaches it)
+    and AugMix (their ``ops``), and the ``Posterize`` of AutoAugment's ``v0`` policy (its sub-policies, ``policy``),
+    which stopped a run with Pillow's ValueError from the loader."""
     for t in getattr(transform, "transforms", []):
-        for op in getattr(t, "ops", []):
+        for op in [*getattr(t, "ops", []), *(op for sub in getattr(t, "policy", []) for op in sub)]:
             if getattr(op, "aug_fn", None) is posterize:
                 op.aug_fn = _posterize_any_bits
     return transform
