@@ -502,3 +502,28 @@ def test_every_op_of_the_offered_auto_augment_policies_runs_on_current_pillow(aa
         for magnitude in (op.magnitude, 10):
             op.magnitude = magnitude
             assert op(img).size == img.size, op
+
+
+def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path):
+    """A dataset whose held-out split is 'validation' was told only that DIR/val does not exist (train), or that its
+    class folders 'train' and 'validation' were not the checkpoint's classes (eval, which read DIR as the split)."""
+    from cgavit.factory import create_model
+    from cgavit.train import evaluate_checkpoint
+    from cgavit.train.records import weights_meta
+    from cgavit.weights import save_weights
+
+    root = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
+    (root / "val").rename(root / "validation")
+    with pytest.raises(DataError, match=r"--val-split 'val': .*/val does not exist \(.* holds the folders 'train', "
+                                        r"'validation'\); give --data the dataset folder and --val-split"):
+        check_layout(root)
+    with pytest.raises(DataError, match=r"--train-split 'train': .*train/train does not exist \(.* holds the folders "
+                                        r"'class_0', 'class_1'\)"):
+        check_layout(root / "train")  # the split folder given as the dataset
+    assert len(check_layout(root, val_split="validation")["val"]) == 2
+    cfg = tiny()
+    model = create_model(cfg.model, num_classes=2, img_size=cfg.img_size, **cfg.dials)
+    weights = save_weights(model, tmp_path / "w.safetensors", weights_meta(cfg, model, ["class_0", "class_1"], {}))
+    with pytest.raises(DataError, match="has no val folder, so its folders were read as classes; give --split"):
+        evaluate_checkpoint(root, weights, workers=0, device="cpu")
+    assert evaluate_checkpoint(root, weights, split="validation", workers=0, device="cpu")["n"] == 2

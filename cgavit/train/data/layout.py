@@ -92,7 +92,7 @@ def list_split(
     if not folder.exists():
         raise DataError(
             f"data folder {folder} does not exist; expected the image-folder layout "
-            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>"
+            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>{_folders_held(root) if split else ''}"
         )
     check_folder(folder)
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
@@ -127,6 +127,15 @@ def list_split(
             f"(recognised extensions: {' '.join(IMAGE_EXTENSIONS)})"
         )
     return classes, samples
+
+
+def _folders_held(root: str | Path) -> str:
+    """What a dataset folder without the split asked for holds, for the message: its splits may have other names
+    (``validation``, ``test``), to be named by the split option."""
+    held = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not held:
+        return f" ({root} holds no folder)"
+    return f" ({root} holds the folders {_first_few([shown(n) for n in held])})"
 
 
 def check_split_name(root: str | Path, split: str | None, flag: str = "a split") -> None:
@@ -228,6 +237,10 @@ def check_layout(root: str | Path, train_split: str = "train", val_split: str = 
         raise DataError(f"--train-split {train_split!r} and --val-split {val_split!r} are the same folder of {root}: "
                         "validation on the training images says nothing about others (and best.* would be chosen on "
                         "them); give a held-out split")
+    for flag, split, role in (("--train-split", train_split, "training"), ("--val-split", val_split, "validation")):
+        if Path(root).is_dir() and split.strip() and not (Path(root) / split).exists():  # a dataset's "validation"
+            raise DataError(f"{flag} {split!r}: {Path(root) / split} does not exist{_folders_held(root)}; give --data the "
+                            f"dataset folder and {flag} the name of its {role} split folder")
     train_classes, train_samples = list_split(root, train_split, order)
     val_classes, val_samples = list_split(root, val_split, order)
     shared = _real_folders(train_samples).keys() & _real_folders(val_samples).keys()
