@@ -239,3 +239,16 @@ def test_training_library_has_no_argparse_and_imports_our_modules_at_the_top():
                     assert node.level == 0 and not (node.module or "").startswith("cgavit"), f"{path}:{node.lineno}"
                 elif isinstance(node, ast.Import):
                     assert not any(a.name.startswith("cgavit") for a in node.names), f"{path}:{node.lineno}"
+
+
+def test_the_color_jitter_help_says_which_policies_jitter():
+    """--help said colour jitter is ignored whenever --aa is set, yet timm jitters under --aa 3a (DeiT III's 3-Augment)."""
+    from torchvision.transforms import ColorJitter
+
+    from cgavit.train.data import build_transform
+
+    text = {f.name: f for f in fields(TrainConfig)}["color_jitter"].metadata["help"]
+    for aa, jitters in (("rand-m9-mstd0.5-inc1", False), ("3a", True), (None, True)):
+        steps = build_transform(32, True, auto_augment=aa, color_jitter=0.4).transforms
+        assert any(isinstance(t, ColorJitter) for t in steps) == jitters, aa
+    assert "ignored when --aa is set" in text and "but for --aa 3a" in text, text

@@ -122,7 +122,7 @@ class TrainConfig:
     reprob: float = option(0.25, "random-erasing probability")
     hflip: float = option(0.5, "horizontal-flip probability")
     scale: tuple[float, float] = option((0.08, 1.0), "random-resized-crop area range", metavar=("MIN", "MAX"))
-    color_jitter: float = option(0.4, "colour-jitter strength (ignored when --aa is set)")
+    color_jitter: float = option(0.4, "colour-jitter strength (ignored when --aa is set, but for --aa 3a, which jitters too)")
     smoothing: float = option(0.1, "label smoothing")
     mixup: float = option(0.8, "mixup alpha; 0 disables")
     cutmix: float = option(1.0, "cutmix alpha; 0 disables")
