@@ -1133,6 +1133,9 @@ def test_a_demo_checks_its_data_folder_holds_its_split(tmp_path):
     removed = sorted((root / "train" / "2").iterdir())[0]
     removed.unlink()  # one image alone
     assert write_digits(root) == split and removed.exists()
+    for damaged in (b'{"train": 14', b"\xff\xfe"):  # a hand's edit cut short: 'Expecting ...' stopped every demo
+        (root / "SPLIT.json").write_bytes(damaged)
+        assert write_digits(root) == split and json.loads((root / "SPLIT.json").read_text()) == split
 
 
 def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):

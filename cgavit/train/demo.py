@@ -26,7 +26,7 @@ from PIL import Image
 
 from ..factory import load_model
 from ..bounds import check_threads
-from ..io import make_folder, write_json, write_text
+from ..io import DataError, make_folder, read_json_record, write_json, write_text
 from .config import TrainConfig, TrainResult
 from .distributed import DistEnv, RunLock, launched_world
 from .engine import train
@@ -77,7 +77,7 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
         for i in idx:
             expected[split, str(labels[i])].add(f"{i:04d}.png")
     _check_only_digits(root, classes)
-    if marker.is_file() and json.loads(marker.read_text()) == summary and _holds(root, expected):
+    if _recorded_split(marker) == summary and _holds(root, expected):
         return summary
     marker.unlink(missing_ok=True)  # until the new split is whole, the folder holds no split
     for split, idx in (("train", idx_train), ("val", idx_val)):
@@ -88,6 +88,17 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
             Image.fromarray(images[i], mode="L").save(root / split / str(labels[i]) / f"{i:04d}.png")
     write_text(marker, json.dumps(summary))
     return summary
+
+
+def _recorded_split(marker: Path) -> dict | None:
+    """The split the demo's ``SPLIT.json`` records; None where there is none, or one damaged (a hand's edit): the
+    split is then written again, as after a stopped write (a damaged one stopped the demo with 'Expecting ...')."""
+    if not marker.is_file():
+        return None
+    try:
+        return read_json_record(marker)
+    except DataError:
+        return None
 
 
 def _holds(root: Path, expected: dict[tuple[str, str], set[str]]) -> bool:
