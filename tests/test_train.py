@@ -526,4 +526,6 @@ def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path):
     weights = save_weights(model, tmp_path / "w.safetensors", weights_meta(cfg, model, ["class_0", "class_1"], {}))
     with pytest.raises(DataError, match="has no val folder, so its folders were read as classes; give --split"):
         evaluate_checkpoint(root, weights, workers=0, device="cpu")
+    with pytest.raises(DataError, match=r"val does not exist; .* \(.* holds the folders 'train', 'validation'\)"):
+        evaluate_checkpoint(root, weights, split="val", workers=0, device="cpu")
     assert evaluate_checkpoint(root, weights, split="validation", workers=0, device="cpu")["n"] == 2

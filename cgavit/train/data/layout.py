@@ -92,7 +92,7 @@ def list_split(
     if not folder.exists():
         raise DataError(
             f"data folder {folder} does not exist; expected the image-folder layout "
-            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>{_folders_held(root) if split else ''}"
+            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>{_folders_held(folder.parent) if folder.parent.is_dir() else ''}"
         )
     check_folder(folder)
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
