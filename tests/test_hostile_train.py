@@ -1138,6 +1138,22 @@ def test_a_demo_checks_its_data_folder_holds_its_split(tmp_path):
         assert write_digits(root) == split and json.loads((root / "SPLIT.json").read_text()) == split
 
 
+def test_a_demo_data_folder_in_the_way_is_named(tmp_path):
+    """A file where the demo's data folder goes stopped it with NotADirectoryError's traceback (SPLIT.json's unlink),
+    and a folder named SPLIT.json with '[Errno 21] Is a directory'."""
+    from cgavit.io import WriteError
+    from cgavit.train.demo import write_digits
+
+    (tmp_path / "data").write_text("mine")
+    with pytest.raises(WriteError, match="cannot create the demo data folder .*data is a file, not a folder"):
+        write_digits(tmp_path / "data")
+    assert (tmp_path / "data").read_text() == "mine"
+    (tmp_path / "other" / "SPLIT.json").mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds a SPLIT.json that is no file .*; move it away"):
+        write_digits(tmp_path / "other")
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["SPLIT.json"]
+
+
 def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):
     """With the default 5 warm-up epochs, a run of 5 epochs or fewer never reached its peak lr (an --epochs 1 run
     trained entirely at --warmup-lr 1e-6), while the log said "lr 1.00e-02"; nothing said so."""

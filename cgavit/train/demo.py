@@ -62,7 +62,7 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    root = Path(root)
+    root = make_folder(root, "demo data folder")  # a file there: one line, not a traceback from SPLIT.json's unlink
     digits = load_digits()
     images = np.clip(np.round(digits.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)  # (1797, 8, 8)
     labels = digits.target
@@ -112,7 +112,11 @@ def _holds(root: Path, expected: dict[tuple[str, str], set[str]]) -> bool:
 
 def _check_only_digits(root: Path, classes: list[str]) -> None:
     """Refuse what the demo did not write in its data folder, which training would learn too: class folders the
-    digits have not, and files among the digits not named as the demo names them (nothing of them is removed)."""
+    digits have not, and files among the digits not named as the demo names them (nothing of them is removed); and a
+    ``SPLIT.json`` that is no file, which the demo cannot replace."""
+    if (root / "SPLIT.json").exists() and not (root / "SPLIT.json").is_file():
+        raise ValueError(f"the demo's data folder {root} holds a SPLIT.json that is no file (a folder?), where the demo "
+                         "records its split; move it away, or give the demo another --output")
     for split in ("train", "val"):
         folder = root / split
         entries = [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
