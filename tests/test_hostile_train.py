@@ -1114,6 +1114,9 @@ def test_a_demo_with_another_seed_replaces_the_split(tmp_path):
     assert (len(files["train"]), len(files["val"])) == (split["train"], split["val"]) == (1437, 360)
     assert not files["train"] & files["val"]
     assert json.loads((root / "SPLIT.json").read_text())["seed"] == 1
+    # any --seed that cgavit train takes: one above 2**32 stopped with scikit-learn's 'random_state' message
+    assert write_digits(root, seed=2**32 + 1)["train"] == 1437 and not files["train"] ^ {
+        p.relative_to(root / "train") for p in (root / "train").rglob("[0-9]*.png")}  # seed 1's split: the same images
 
 
 def test_a_demo_checks_its_data_folder_holds_its_split(tmp_path):

@@ -49,7 +49,7 @@ _DEMO_NAME = re.compile(r"[0-9]{4}\.png")
 def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> dict:
     """Write scikit-learn's digits as ``root/{train,val}/<digit>/<n>.png`` (8x8 grayscale PNGs).
 
-    The split is stratified by class with a fixed seed; an existing, complete folder of the same split is
+    The split is stratified by class with a fixed seed (``seed`` modulo 2**32, as scikit-learn takes it); an existing, complete folder of the same split is
     reused. Any other split there (another seed or fraction, a write that was stopped, images removed or added since)
     is replaced: its images are removed first, so no image of one split's training set is among another's held-out
     ones. What the demo did not write there (a class folder that is no digit, a file among the digits) is refused, and
@@ -66,8 +66,8 @@ def write_digits(root: str | Path, val_fraction: float = 0.2, seed: int = 0) -> 
     digits = load_digits()
     images = np.clip(np.round(digits.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)  # (1797, 8, 8)
     labels = digits.target
-    idx_train, idx_val = train_test_split(
-        np.arange(len(labels)), test_size=val_fraction, random_state=seed, stratify=labels
+    idx_train, idx_val = train_test_split(  # scikit-learn takes seeds below 2**32, --seed up to 2**63 - 1
+        np.arange(len(labels)), test_size=val_fraction, random_state=seed % 2**32, stratify=labels
     )
     classes = [str(c) for c in range(10)]
     marker = root / "SPLIT.json"
