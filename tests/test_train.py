@@ -504,7 +504,7 @@ def test_every_op_of_the_offered_auto_augment_policies_runs_on_current_pillow(aa
             assert op(img).size == img.size, op
 
 
-def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path):
+def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path, monkeypatch):
     """A dataset whose held-out split is 'validation' was told only that DIR/val does not exist (train), or that its
     class folders 'train' and 'validation' were not the checkpoint's classes (eval, which read DIR as the split)."""
     from cgavit.factory import create_model
@@ -521,6 +521,10 @@ def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path):
                                         r"'class_0', 'class_1'\)"):
         check_layout(root / "train")  # the split folder given as the dataset
     assert len(check_layout(root, val_split="validation")["val"]) == 2
+    with monkeypatch.context() as m:  # a dataset folder that cannot be listed (root lists any): the line, no list
+        m.setattr(Path, "iterdir", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+        with pytest.raises(DataError, match=r"/val does not exist; give --data"):
+            check_layout(root)
     cfg = tiny()
     model = create_model(cfg.model, num_classes=2, img_size=cfg.img_size, **cfg.dials)
     weights = save_weights(model, tmp_path / "w.safetensors", weights_meta(cfg, model, ["class_0", "class_1"], {}))

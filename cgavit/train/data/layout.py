@@ -92,7 +92,7 @@ def list_split(
     if not folder.exists():
         raise DataError(
             f"data folder {folder} does not exist; expected the image-folder layout "
-            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>{_folders_held(folder.parent) if folder.parent.is_dir() else ''}"
+            f"DIR/train/<class>/<image> and DIR/val/<class>/<image>{_folders_held(folder.parent)}"
         )
     check_folder(folder)
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
@@ -132,7 +132,10 @@ def list_split(
 def _folders_held(root: str | Path) -> str:
     """What a dataset folder without the split asked for holds, for the message: its splits may have other names
     (``validation``, ``test``), to be named by the split option."""
-    held = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    try:
+        held = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:  # missing, a file, or not permitted: the message goes without the list
+        return ""
     if not held:
         return f" ({root} holds no folder)"
     return f" ({root} holds the folders {_first_few([shown(n) for n in held])})"
