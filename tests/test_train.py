@@ -528,8 +528,13 @@ def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path, monkeypat
     cfg = tiny()
     model = create_model(cfg.model, num_classes=2, img_size=cfg.img_size, **cfg.dials)
     weights = save_weights(model, tmp_path / "w.safetensors", weights_meta(cfg, model, ["class_0", "class_1"], {}))
-    with pytest.raises(DataError, match="has no val folder, so its folders were read as classes; give --split"):
+    with pytest.raises(DataError, match="has no val folder, so its folders, train among them, were read as classes; if "
+                                        "they are its splits, give --split the one to evaluate"):
         evaluate_checkpoint(root, weights, workers=0, device="cpu")
+    (root / "validation" / "class_1").rename(root / "validation" / "other")
+    with pytest.raises(DataError, match=r"'other' is not among them; give the folder the model was trained on$"):
+        evaluate_checkpoint(root / "validation", weights, workers=0, device="cpu")  # a split folder: no word of --split
+    (root / "validation" / "other").rename(root / "validation" / "class_1")
     with pytest.raises(DataError, match=r"val does not exist; .* \(.* holds the folders 'train', 'validation'\)"):
         evaluate_checkpoint(root, weights, split="val", workers=0, device="cpu")
     assert evaluate_checkpoint(root, weights, split="validation", workers=0, device="cpu")["n"] == 2

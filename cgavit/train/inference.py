@@ -98,7 +98,7 @@ def evaluate_checkpoint(
         split_dir = _split_folder(root, split)
         size, pct, interp = img_size or info.img_size, crop_pct or info.crop_pct, interpolation or info.interpolation
         ds = _eval_dataset(split_dir, info, num_classes, eval_transform(info, input_channels(model), size, pct, interp),
-                           as_split=split is None and split_dir == root)
+                           as_split=split is None and split_dir == root and (root / "train").is_dir())
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
                              pin_memory=env.device.type == "cuda", strict=strict)
         against = None if reference is None else check_reference(reference, info, num_classes, (size, pct, interp),
@@ -129,14 +129,15 @@ def _split_folder(root: Path, split: str | None) -> Path:
 def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, transform: Callable,
                   as_split: bool = False) -> ImageFolderDataset:
     """``split_dir``'s images labelled in the model's class order, through its evaluation ``transform``. ``as_split``:
-    ``split_dir`` is the dataset folder, read as a split since it has no ``val`` (a message says so)."""
+    ``split_dir``, which has no ``val`` but a ``train`` folder, was read as a split: a dataset folder whose held-out
+    split has another name, perhaps (a message refusing it says so)."""
     try:
         classes, samples = split_for_model(split_dir, info, num_classes)
     except DataError as err:
         if not as_split:  # a dataset whose held-out split is "validation" or "test": its split folders were the classes
             raise
-        raise DataError(f"{err} ({split_dir} has no val folder, so its folders were read as classes; give --split the "
-                        "name of the split folder to evaluate)") from None
+        raise DataError(f"{err} ({split_dir} has no val folder, so its folders, train among them, were read as classes; "
+                        "if they are its splits, give --split the one to evaluate)") from None
     return ImageFolderDataset(samples, classes, transform)
 
 
