@@ -169,6 +169,16 @@ def test_eval_holds_workers_to_training_s_bound(tmp_path, capsys):
     assert "--workers within 0..1024" in capsys.readouterr().err
 
 
+def test_eval_refuses_an_unknown_interpolation_in_one_line(tmp_path):
+    """evaluate_checkpoint(interpolation="cubic") loaded the model, then raised a bare KeyError('cubic') from timm's
+    table; it is a ValueError naming the choices, before the model is read."""
+    from cgavit.train import evaluate_checkpoint
+
+    data = make_folder(tmp_path / "ds", classes=2, train=1, val=1)
+    with pytest.raises(ValueError, match=r"--interpolation must be one of bicubic, bilinear, nearest, got 'cubic'"):
+        evaluate_checkpoint(data, tmp_path / "never-read.safetensors", interpolation="cubic", workers=0)
+
+
 def test_weights_in_the_older_training_layout_still_load(tmp_path):
     from safetensors.torch import save_file
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torchvision.transforms import Compose, Grayscale
 
-from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE
+from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..classes import check_classes, model_indices, same_classes
 from ..deploy import ExportInfo, open_exported
 from ..deploy.metadata import channel_normalisation
@@ -88,7 +88,7 @@ def evaluate_checkpoint(
         CheckpointError: an unreadable or damaged checkpoint (NaN/inf weights included).
         ValueError: options out of bounds, or a reference for other classes or other preprocessing.
     """
-    check_eval_options(img_size, crop_pct, batch_size, workers)
+    check_eval_options(img_size, crop_pct, batch_size, workers, interpolation)
     root = check_folder(data)
     exported = is_exported(checkpoint)
     with joined(inference_device(device, checkpoint, reference)) as env:  # under torchrun: warnings once, by rank 0
@@ -326,10 +326,13 @@ def split_for_model(split_dir: Path, info: ModelInfo, num_classes: int) -> tuple
     return list(info.class_names), [(path, index[label]) for path, label in samples]
 
 
-def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size: int = 1, workers: int = 0) -> None:
+def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size: int = 1, workers: int = 0,
+                       interpolation: str | None = None) -> None:
     """Raise ``ValueError`` when an evaluation image size or crop fraction (None: the checkpoint's)
-    is out of bounds (sizes within 32..4096 pixels, crops within 0.2..1), or the batch size is below 1
-    or the worker count outside 0..1024, as training's (each worker is a process: ``-j 100000`` forked them all)."""
+    is out of bounds (sizes within 32..4096 pixels, crops within 0.2..1), the interpolation (None: the checkpoint's)
+    is not one of :data:`~cgavit.bounds.INTERPOLATIONS` (``"cubic"`` raised a bare ``KeyError`` once the model was
+    loaded), or the batch size is below 1 or the worker count outside 0..1024, as training's (each worker is a
+    process: ``-j 100000`` forked them all)."""
     low, high = BOUNDS["workers"]
     if batch_size < 1 or not low <= workers <= high:
         raise ValueError(f"--batch-size must be at least 1 and --workers within {low}..{high}, got {batch_size} and "
@@ -340,6 +343,8 @@ def check_eval_options(img_size: int | None, crop_pct: float | None, batch_size:
     lo, hi = CROP_PCT_RANGE
     if crop_pct is not None and not (math.isfinite(crop_pct) and lo <= crop_pct <= hi):
         raise ValueError(f"--crop-pct must be within {lo}..{hi}, got {crop_pct}")
+    if interpolation is not None and interpolation not in INTERPOLATIONS:
+        raise ValueError(f"--interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
 
 
 @torch.no_grad()
