@@ -19,6 +19,7 @@ from cgavit import load_model
 from cgavit.images import load_image, to_rgb
 from cgavit.imagenet import imagenet_classes
 from cgavit.train import predict, train
+from cgavit.schema import WeightsMeta
 from cgavit.weights import read_weights_meta, save_weights
 
 from test_train import make_folder, tiny
@@ -177,6 +178,33 @@ def test_eval_refuses_an_unknown_interpolation_in_one_line(tmp_path):
     data = make_folder(tmp_path / "ds", classes=2, train=1, val=1)
     with pytest.raises(ValueError, match=r"--interpolation must be one of bicubic, bilinear, nearest, got 'cubic'"):
         evaluate_checkpoint(data, tmp_path / "never-read.safetensors", interpolation="cubic", workers=0)
+
+
+def test_eval_of_a_folder_of_splits_without_val_says_to_name_one(tmp_path, capsys, caplog):
+    """A dataset of train/ and test/ (no val/) was read as two classes named 'train' and 'test': a checkpoint with
+    class names was refused with 'give the folder the model was trained on', and a 2-class file without names was
+    evaluated on the training and test images with the split names as labels, without a word. Both now name
+    --split test; with the split named, nothing is said."""
+    data = make_folder(tmp_path / "ds", classes=2, train=1, val=1)
+    (data / "val").rename(data / "test")
+    model = create_model("m0", num_classes=2, img_size=32, **DIALS).eval()
+    save_weights(model, tmp_path / "bare.safetensors")  # no class names: matched to folders by count
+    named = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=2, img_size=32, crop_pct=0.875,
+                        class_names=("class_0", "class_1"))
+    save_weights(model, tmp_path / "named.safetensors", named)
+    run = ["eval", "--data", str(data), "--workers", "0", "--checkpoint"]
+    assert main([*run, str(tmp_path / "named.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "'test', 'train' hold folders of their own" in err and "--split test" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    with caplog.at_level("WARNING"):
+        assert main([*run, str(tmp_path / "bare.safetensors")]) == 0
+    assert "evaluating 'test', 'train' as class folders" in caplog.text and "--split test" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert main([*run, str(tmp_path / "named.safetensors"), "--split", "test"]) == 0
+    assert "--split" not in caplog.text
+    assert "on " + str(data / "test") in capsys.readouterr().out
 
 
 def test_weights_in_the_older_training_layout_still_load(tmp_path):

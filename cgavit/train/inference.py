@@ -98,7 +98,7 @@ def evaluate_checkpoint(
         split_dir = _split_folder(root, split)
         size, pct, interp = img_size or info.img_size, crop_pct or info.crop_pct, interpolation or info.interpolation
         ds = _eval_dataset(split_dir, info, num_classes, eval_transform(info, input_channels(model), size, pct, interp),
-                           as_split=split is None and split_dir == root and (root / "train").is_dir())
+                           guessed=split is None and split_dir == root)
         loader = make_loader(ds, batch_size, eval_sampler(ds, env.world, env.rank), workers,
                              pin_memory=env.device.type == "cuda", strict=strict)
         against = None if reference is None else check_reference(reference, info, num_classes, (size, pct, interp),
@@ -127,18 +127,40 @@ def _split_folder(root: Path, split: str | None) -> Path:
 
 
 def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, transform: Callable,
-                  as_split: bool = False) -> ImageFolderDataset:
-    """``split_dir``'s images labelled in the model's class order, through its evaluation ``transform``. ``as_split``:
-    ``split_dir``, which has no ``val`` but a ``train`` folder, was read as a split: a dataset folder whose held-out
-    split has another name, perhaps (a message refusing it says so)."""
+                  guessed: bool = False) -> ImageFolderDataset:
+    """``split_dir``'s images labelled in the model's class order, through its evaluation ``transform``.
+
+    ``guessed``: ``split_dir`` is the data folder itself, taken as the split because it has no ``val``. Where the
+    folders read as its classes hold folders of their own (``train/``, ``test/``: splits), the error of a checkpoint
+    with names says to name one with ``--split`` (it said 'give the folder the model was trained on'), and one without
+    names, which matches folders by count, warns so: a 2-class file evaluated ``train`` and ``test`` as its classes.
+    """
+    splits = _nested_folders(split_dir) if guessed else []
+    pick = next((name for name in splits if name != "train"), splits[0] if splits else "")
+    hint = (f"{split_dir} has no val folder, and {', '.join(map(repr, splits[:5]))} hold folders of their own: if they "
+            f"are splits, name the one to evaluate, e.g. --split {pick}")
     try:
         classes, samples = split_for_model(split_dir, info, num_classes)
     except DataError as err:
-        if not as_split:  # a dataset whose held-out split is "validation" or "test": its split folders were the classes
+        if not splits:
             raise
-        raise DataError(f"{err} ({split_dir} has no val folder, so its folders, train among them, were read as classes; "
-                        "if they are its splits, give --split the one to evaluate)") from None
+        raise DataError(f"{err}. {hint}") from None
+    if splits and not info.names_recorded and len(splits) == len(classes):
+        log.warning("evaluating %s as class folders; %s", ", ".join(map(repr, classes[:5])), hint)
     return ImageFolderDataset(samples, classes, transform)
+
+
+def _nested_folders(folder: Path) -> list[str]:
+    """The names of ``folder``'s visible sub-folders that hold folders themselves (splits, not classes of images)."""
+    def holds_folders(path: str) -> bool:
+        with os.scandir(path) as entries:
+            return any(e.is_dir() and not e.name.startswith(".") for e in entries)
+
+    try:
+        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith(".")
+                      and holds_folders(e.path))
+    except OSError:  # unreadable: the error already raised says what it could
+        return []
 
 
 def input_channels(model: nn.Module) -> int:
