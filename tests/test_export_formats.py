@@ -1172,3 +1172,23 @@ def test_predict_on_a_file_exported_without_class_names_says_how_it_was_made(tmp
     assert main(["predict", "--checkpoint", str(tmp_path / "random.onnx"), str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert "cgavit export --model without --checkpoint (random weights" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=need(n)) for n, fmt in FORMATS.items() if not fmt.metadata])
+def test_eval_and_predict_on_a_file_without_metadata_say_what_they_run(name, trained_digits, tmp_path, capsys):
+    """cgavit eval / predict on the .pte or .tflite a user is about to ship said 'an exported model, not weights: give
+    the checkpoint it was exported from': nothing of the files they do run, nor of how to run this one. The refusal
+    (one line, exit 2; --reference too) names the .onnx and .xml files they run and load_exported for this one."""
+    path = export_model(_tiny(10), tmp_path / "digits", name, 32)
+    capsys.readouterr()  # the exporter's own chatter
+    image = str(sorted((trained_digits.data / "val").glob("*/*"))[0])
+    runs = (["predict", "--checkpoint", str(path), image],
+            ["eval", "--data", str(trained_digits.data), "--workers", "0", "--checkpoint", str(path)],
+            ["eval", "--data", str(trained_digits.data), "--workers", "0", "--checkpoint",
+             str(trained_digits.checkpoint), "--reference", str(path)])
+    for argv in runs:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{path.name}, a file for {FORMATS[name].runtime}, records no class names" in err, err
+        assert "run .onnx and .xml files" in err and f"load_exported(path, '{name}')" in err
+        assert len(err.strip().splitlines()) == 1, err

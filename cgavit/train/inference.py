@@ -20,7 +20,7 @@ from torchvision.transforms import Compose, Grayscale
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..classes import check_classes, model_indices, same_classes
-from ..deploy import ExportInfo, open_exported
+from ..deploy import FORMATS, ExportInfo, open_exported
 from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
@@ -274,11 +274,13 @@ def open_for_inference(
         ``(model, info, number of classes)``.
 
     Raises:
-        ValueError: an exported file with options that only a checkpoint takes (``--model``, dials,
+        ValueError: an ExecuTorch or LiteRT file (no metadata to read it by), an exported file with options that
+            only a checkpoint takes (``--model``, dials,
             ``--ema``, ``--pretrained``, ``--trust-checkpoint``), another device than the CPU, an
             ``--img-size`` other than the file's, a file without cgavit metadata, or a network without a classifier.
         CheckpointError: an unreadable or damaged checkpoint.
     """
+    _refuse_unrun_format(checkpoint)
     if not is_exported(checkpoint):
         model, info = load_model(checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema,
                                  pretrained=pretrained, trust=trust, device=device)  # built for --img-size, if given
@@ -296,6 +298,20 @@ def open_for_inference(
                          "evaluate the checkpoint it was exported from on the GPU")
     model, exported = open_exported(checkpoint)
     return model, exported_model_info(exported, name, img_size), len(exported.class_names)
+
+
+def _refuse_unrun_format(checkpoint: str | Path | None) -> None:
+    """Refuse an ExecuTorch ``.pte`` or LiteRT ``.tflite`` file, which records no class names or preprocessing, saying
+    what eval and predict run instead: it was 'an exported model, not weights: give the checkpoint it was exported
+    from', which named neither the files they run nor how to run this one."""
+    suffix = Path(checkpoint).suffix.lower() if checkpoint is not None else ""
+    fmt = next((f for f in FORMATS.values() if f.suffix == suffix and not f.metadata), None)
+    if fmt is not None:
+        runnable = " and ".join(f.suffix for f in FORMATS.values() if f.metadata)
+        raise ValueError(f"{Path(checkpoint).name}, a file for {fmt.runtime}, records no class names or "
+                         f"preprocessing: eval and predict run {runnable} files; export the checkpoint to one of them "
+                         f"to check the network here, or run this file with cgavit.deploy.load_exported(path, "
+                         f"{fmt.name!r})")
 
 
 def exported_model_info(exported: ExportInfo, name: str, img_size: int | None = None) -> ModelInfo:
