@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
+from xml.etree import ElementTree
 
 import torch
 from torch import nn
@@ -555,13 +556,25 @@ def check_weights(ov_model, path: Path) -> None:
         text = ov_model.get_rt_info([PREFIX, WEIGHTS_KEY]).astype(str)
     except RuntimeError:  # a 'cgavit' entry that is no section of keys: openvino_metadata refuses it
         return
+    recorded = _parsed_record(text)
+    if recorded is None:
+        raise ValueError(f"{path}: its record of its weights (rt_info '{PREFIX}' '{WEIGHTS_KEY}') is malformed; export "
+                         "it again")
+    _match_weights(recorded, path)
+
+
+def _parsed_record(text: str) -> dict | None:
+    """A weights record (:func:`weights_record`) read from its JSON text, or None where it is malformed."""
     try:
         recorded = bounded_json(text, f"{PREFIX}.{WEIGHTS_KEY}")
     except ValueError:  # too long, too deep, not JSON
-        recorded = None
-    if not (isinstance(recorded, dict) and type(recorded.get("bytes")) is int and isinstance(recorded.get("sha256"), str)):
-        raise ValueError(f"{path}: its record of its weights (rt_info '{PREFIX}' '{WEIGHTS_KEY}') is malformed; export "
-                         "it again")
+        return None
+    ok = isinstance(recorded, dict) and type(recorded.get("bytes")) is int and isinstance(recorded.get("sha256"), str)
+    return recorded if ok else None
+
+
+def _match_weights(recorded: dict, path: Path) -> None:
+    """Refuse the ``.bin`` beside the ``.xml`` at ``path`` where it is not the one ``recorded`` (size and SHA-256)."""
     weights = path.with_suffix(".bin")
     found = weights_record(weights)
     if found["bytes"] != recorded["bytes"] or found["sha256"] != recorded["sha256"]:
@@ -569,6 +582,18 @@ def check_weights(ov_model, path: Path) -> None:
                else "another SHA-256 digest than it records")
         raise ValueError(f"{weights} is not the .bin {path.name} was written with ({how}): put the .bin exported with "
                          "it beside it, or export it again")
+
+
+def _text_weights_record(path: Path) -> dict | None:
+    """The weights record of the ``.xml`` at ``path``, read from its XML text, for an ``.xml`` that OpenVINO could not
+    read with the ``.bin`` beside it: another export's ``.bin`` (of another size) failed as 'truncated or corrupt?'
+    with OpenVINO's reason ('Output pattern dim[0] has invalid bounds'), never naming the ``.bin``. None where the
+    text cannot be parsed or records none."""
+    try:
+        found = ElementTree.parse(path).getroot().find(f"rt_info/{PREFIX}/{WEIGHTS_KEY}")
+    except (ElementTree.ParseError, OSError):  # a cut-short .xml: OpenVINO's own error says it
+        return None
+    return None if found is None else _parsed_record(found.get("value", ""))
 
 
 def openvino_metadata(ov_model, source: str = "the OpenVINO model") -> dict[str, str]:
@@ -695,6 +720,9 @@ def read_openvino(path: str | os.PathLike):
     try:
         model = core.read_model(str(path))
     except RuntimeError as err:
+        recorded = _text_weights_record(Path(path))
+        if recorded is not None and Path(path).with_suffix(".bin").is_file():  # another export's .bin: said as such
+            _match_weights(recorded, Path(path))
         raise unreadable_file(path, "OpenVINO IR with the .bin beside it", err) from None
     if not model.inputs or not model.outputs:
         raise ValueError(f"{path}: it has no input or no output, so it is not a network of images; export it again")
