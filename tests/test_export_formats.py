@@ -1215,3 +1215,26 @@ def test_eval_and_predict_on_a_file_without_metadata_say_what_they_run(name, tra
         assert f"{path.name}, a file for {FORMATS[name].runtime}, records no class names" in err, err
         assert "run .onnx and .xml files" in err and f"load_exported(path, '{name}')" in err
         assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("suffix", EXPORTED)
+def test_an_exported_file_under_another_name_is_named_by_its_first_bytes(suffix, digits_exports, trained_digits,
+                                                                         tmp_path, capsys):
+    """An exported file saved without its suffix (a download named 'model') or renamed .pt was read as weights:
+    'its first bytes are neither safetensors nor a PyTorch checkpoint ... or a truncated download?'. eval and predict
+    tell exported files by their suffix, and now say which format the file is and what to name it. A pipe given as
+    the checkpoint is still refused from its type, never opened."""
+    source = digits_exports[suffix]
+    image = str(sorted((trained_digits.data / "val").glob("*/*"))[0])
+    for name in ("model", "model.pt"):
+        renamed = tmp_path / name
+        renamed.write_bytes(source.read_bytes())
+        for argv in (["predict", "--checkpoint", str(renamed), image],
+                     ["eval", "--data", str(trained_digits.data), "--workers", "0", "--checkpoint", str(renamed)]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"{name} is a file for {'ONNX Runtime' if suffix == '.onnx' else 'OpenVINO'} by its first bytes" in err
+            assert f"name it model{suffix}" in err and len(err.strip().splitlines()) == 1, err
+    os.mkfifo(tmp_path / "pipe")
+    assert main(["predict", "--checkpoint", str(tmp_path / "pipe"), image]) == 2
+    assert "is not a regular file" in capsys.readouterr().err

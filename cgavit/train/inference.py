@@ -21,10 +21,11 @@ from torchvision.transforms import Compose, Grayscale
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..classes import check_classes, model_indices, same_classes
 from ..deploy import FORMATS, ExportInfo, open_exported
+from ..deploy.formats import ExportFormat
 from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
-from ..io import DataError
+from ..io import CheckpointError, DataError, sniff_format
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
 from .config import BOUNDS, TrainConfig
@@ -282,8 +283,12 @@ def open_for_inference(
     """
     _refuse_unrun_format(checkpoint)
     if not is_exported(checkpoint):
-        model, info = load_model(checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema,
-                                 pretrained=pretrained, trust=trust, device=device)  # built for --img-size, if given
+        try:
+            model, info = load_model(checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema,
+                                     pretrained=pretrained, trust=trust, device=device)  # built for --img-size, if given
+        except CheckpointError:
+            _refuse_renamed_export(checkpoint)
+            raise
         if model.num_classes == 0:
             raise ValueError(f"{checkpoint} has no classifier (num_classes 0: a feature extractor), and eval and predict "
                              "need one: fine-tune it for your classes with cgavit train --finetune")
@@ -307,11 +312,47 @@ def _refuse_unrun_format(checkpoint: str | Path | None) -> None:
     suffix = Path(checkpoint).suffix.lower() if checkpoint is not None else ""
     fmt = next((f for f in FORMATS.values() if f.suffix == suffix and not f.metadata), None)
     if fmt is not None:
-        runnable = " and ".join(f.suffix for f in FORMATS.values() if f.metadata)
-        raise ValueError(f"{Path(checkpoint).name}, a file for {fmt.runtime}, records no class names or "
-                         f"preprocessing: eval and predict run {runnable} files; export the checkpoint to one of them "
-                         f"to check the network here, or run this file with cgavit.deploy.load_exported(path, "
-                         f"{fmt.name!r})")
+        raise _unrun_format(f"{Path(checkpoint).name}, a file for {fmt.runtime},", fmt)
+
+
+def _unrun_format(described: str, fmt: ExportFormat) -> ValueError:
+    """The refusal of a file of ``fmt``, a format without metadata, ``described`` as the start of the line."""
+    runnable = " and ".join(f.suffix for f in FORMATS.values() if f.metadata)
+    return ValueError(f"{described} records no class names or preprocessing: eval and predict run {runnable} files; "
+                      f"export the checkpoint to one of them to check the network here, or run this file with "
+                      f"cgavit.deploy.load_exported(path, {fmt.name!r})")
+
+
+#: How each exported format's files begin: ONNX's protobuf with its IR version (field 1) then its producer (field 2);
+#: OpenVINO's XML; ExecuTorch's and LiteRT's flatbuffer identifiers at bytes 4-8.
+_FIRST_BYTES: dict[str, Callable[[bytes], bool]] = {
+    "onnx": lambda head: len(head) > 2 and head[0] == 0x08 and head[1] < 0x80 and head[2] == 0x12,
+    "openvino": lambda head: head.lstrip().startswith((b"<?xml", b"<net")),
+    "executorch": lambda head: head[4:6] == b"ET" and head[6:8].isdigit(),
+    "tflite": lambda head: head[4:8] == b"TFL3",
+}
+
+
+def _refuse_renamed_export(checkpoint: str | Path | None) -> None:
+    """Refuse, naming its format, an exported file under another suffix that the weights reader could not read (a
+    ``model`` downloaded without its ``.onnx``, an ``.xml`` renamed ``.pt``): it was 'neither safetensors nor a PyTorch
+    checkpoint ... or a truncated download?', and eval and predict tell an exported file by its suffix."""
+    try:  # a pipe is never opened (it would block): the reader refused it
+        if not os.path.isfile(checkpoint) or sniff_format(checkpoint) != "unknown":  # a damaged checkpoint: said
+            return
+        with open(checkpoint, "rb") as f:
+            head = f.read(16)
+    except (OSError, TypeError, ValueError):  # the reader's own error said what is wrong with the path
+        return
+    fmt = next((FORMATS[name] for name, begins in _FIRST_BYTES.items() if begins(head)), None)
+    if fmt is None:
+        return
+    if not fmt.metadata:
+        raise _unrun_format(f"{Path(checkpoint).name} is a file for {fmt.runtime} by its first bytes, which", fmt)
+    beside = " (its .bin beside it, of the same name)" if fmt.name == "openvino" else ""
+    raise ValueError(f"{Path(checkpoint).name} is a file for {fmt.runtime} by its first bytes, not a checkpoint: eval "
+                     f"and predict tell an exported file by its suffix; name it {Path(checkpoint).stem}{fmt.suffix}"
+                     f"{beside}")
 
 
 def exported_model_info(exported: ExportInfo, name: str, img_size: int | None = None) -> ModelInfo:
