@@ -136,19 +136,27 @@ def _eval_dataset(split_dir: Path, info: ModelInfo, num_classes: int, transform:
     with names says to name one with ``--split`` (it said 'give the folder the model was trained on'), and one without
     names, which matches folders by count, warns so: a 2-class file evaluated ``train`` and ``test`` as its classes.
     """
-    splits = _nested_folders(split_dir) if guessed else []
-    pick = next((name for name in splits if name != "train"), splits[0] if splits else "")
-    hint = (f"{split_dir} has no val folder, and {', '.join(map(repr, splits[:5]))} hold folders of their own: if they "
-            f"are splits, name the one to evaluate, e.g. --split {pick}")
     try:
         classes, samples = split_for_model(split_dir, info, num_classes)
     except DataError as err:
+        splits = _nested_folders(split_dir) if guessed else []
         if not splits:
             raise
-        raise DataError(f"{err}. {hint}") from None
-    if splits and not info.names_recorded and len(splits) == len(classes):
-        log.warning("evaluating %s as class folders; %s", ", ".join(map(repr, classes[:5])), hint)
+        raise DataError(f"{err}. {_split_hint(split_dir, splits)}") from None
+    if guessed and not info.names_recorded:  # folders matched by count alone: looked into only then
+        splits = _nested_folders(split_dir)
+        if len(splits) == len(classes):
+            log.warning("evaluating %s as class folders; %s", ", ".join(map(repr, classes[:5])),
+                        _split_hint(split_dir, splits))
     return ImageFolderDataset(samples, classes, transform)
+
+
+def _split_hint(folder: Path, splits: list[str]) -> str:
+    """What to say of a data folder without ``val`` whose sub-folders ``splits`` hold folders of their own: that they
+    look like splits, and the ``--split`` to give (the first that is not ``train``)."""
+    pick = next((name for name in splits if name != "train"), splits[0])
+    return (f"{folder} has no val folder, and {', '.join(map(repr, splits[:5]))} hold folders of their own: if they "
+            f"are splits, name the one to evaluate, e.g. --split {pick}")
 
 
 def _nested_folders(folder: Path) -> list[str]:
