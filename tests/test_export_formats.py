@@ -1004,7 +1004,7 @@ def test_an_xml_beside_the_bin_of_another_network_names_the_bin(tmp_path):
     """An .xml beside the .bin of another export of another size (a network exported again, the .xml alone copied)
     failed in OpenVINO's reader, and was 'cannot read m.xml ... (truncated or corrupt?): Output pattern dim[0] has
     invalid bounds', which named neither file at fault; it names the .bin and the size the .xml records. Without its
-    .bin, load_exported still says OpenVINO cannot read it."""
+    .bin, load_exported says that it is missing."""
     from cgavit.deploy import open_exported
 
     path = export_model(_tiny(), tmp_path / "m.xml", "openvino", 32)
@@ -1015,7 +1015,7 @@ def test_an_xml_beside_the_bin_of_another_network_names_the_bin(tmp_path):
                                          rf"records {size:,}\): put the .bin exported with it"):
         open_exported(path)
     path.with_suffix(".bin").unlink()
-    with pytest.raises(ValueError, match=r"cannot read .*m.xml as OpenVINO IR with the .bin beside it"):
+    with pytest.raises(ValueError, match=r"OpenVINO weights \(.bin beside the .xml\) .*m.bin does not exist"):
         load_exported(path, "openvino")
 
 
@@ -1238,3 +1238,19 @@ def test_an_exported_file_under_another_name_is_named_by_its_first_bytes(suffix,
     os.mkfifo(tmp_path / "pipe")
     assert main(["predict", "--checkpoint", str(tmp_path / "pipe"), image]) == 2
     assert "is not a regular file" in capsys.readouterr().err
+
+
+@need("openvino")
+@pytest.mark.timeout(120)
+def test_an_xml_whose_bin_is_a_pipe_is_refused_not_waited_on(digits_exports, tmp_path):
+    """load_exported(m.xml, "openvino") with a pipe named m.bin beside it hung for ever in OpenVINO's reader (only
+    open_exported looked at the .bin first). Every reader of an .xml now refuses it in one line, from its type."""
+    from cgavit.deploy import open_exported
+    from cgavit.io import UnreadableFileError
+
+    (tmp_path / "m.xml").write_bytes(digits_exports[".xml"].read_bytes())
+    os.mkfifo(tmp_path / "m.bin")
+    for read in (lambda: load_exported(tmp_path / "m.xml", "openvino"), lambda: open_exported(tmp_path / "m.xml")):
+        with pytest.raises(UnreadableFileError, match=r"OpenVINO weights \(.bin beside the .xml\) .*m.bin is not a "
+                                                      r"regular file \(a pipe"):
+            read()

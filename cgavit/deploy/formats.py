@@ -407,8 +407,6 @@ def open_exported(path: str | os.PathLike, threads: int | None = None) -> tuple[
     format = SUFFIX_FORMATS.get(path.suffix.lower())
     if format is None:
         raise ValueError(f"{path.name}: give an exported .onnx or OpenVINO .xml file (got {path.suffix or 'no suffix'})")
-    if format == "openvino":
-        check_readable_file(path.with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
     require_format(format)
     module = OpenVinoModule(path, threads) if format == "openvino" else OnnxModule(path, threads)
     info = ExportInfo.from_props(module.metadata, str(path))

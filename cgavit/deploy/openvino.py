@@ -33,7 +33,7 @@ from xml.etree import ElementTree
 import torch
 from torch import nn
 
-from ..io import replace_together, staging, stop_signals_deferred, write_error
+from ..io import check_readable_file, replace_together, staging, stop_signals_deferred, write_error
 from ..schema import bounded_json
 from .cpu import ISA_CAP_VARIABLES, CpuFeatures, cpu_features
 from .first_layer import gptq_convolution
@@ -715,7 +715,10 @@ def read_openvino(path: str | os.PathLike):
     Raises:
         ValueError: a file OpenVINO cannot read (truncated or corrupt XML, weights cut short), a model
             without an input or an output, or a ``.bin`` other than the one the ``.xml`` records.
+        UnreadableFileError: the ``.bin`` beside it missing, a folder, empty or not a regular file (OpenVINO opened a
+            pipe named ``m.bin`` and waited on it for ever).
     """
+    check_readable_file(Path(path).with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
     core = _core()
     try:
         model = core.read_model(str(path))
