@@ -718,7 +718,8 @@ def read_openvino(path: str | os.PathLike):
         UnreadableFileError: the ``.bin`` beside it missing, a folder, empty or not a regular file (OpenVINO opened a
             pipe named ``m.bin`` and waited on it for ever).
     """
-    check_readable_file(Path(path).with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
+    if Path(path).suffix.lower() == ".xml":  # IR; OpenVINO reads other formats (ONNX) without a .bin
+        check_readable_file(Path(path).with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
     core = _core()
     try:
         model = core.read_model(str(path))
