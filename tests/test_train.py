@@ -528,8 +528,8 @@ def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path, monkeypat
     cfg = tiny()
     model = create_model(cfg.model, num_classes=2, img_size=cfg.img_size, **cfg.dials)
     weights = save_weights(model, tmp_path / "w.safetensors", weights_meta(cfg, model, ["class_0", "class_1"], {}))
-    with pytest.raises(DataError, match="has no val folder, so its folders, train among them, were read as classes; if "
-                                        "they are its splits, give --split the one to evaluate"):
+    with pytest.raises(DataError, match=r"has no val folder, and 'train', 'validation' hold folders of their own: if "
+                                        r"they are splits, name the one to evaluate, e.g. --split validation"):
         evaluate_checkpoint(root, weights, workers=0, device="cpu")
     (root / "validation" / "class_1").rename(root / "validation" / "other")
     with pytest.raises(DataError, match=r"'other' is not among them; give the folder the model was trained on$"):
