@@ -21,7 +21,7 @@ from torchvision.transforms import Compose, Grayscale
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..classes import check_classes, model_indices, same_classes
 from ..deploy import FORMATS, ExportInfo, open_exported
-from ..deploy.formats import ExportFormat
+from ..deploy.formats import SUFFIX_FORMATS, ExportFormat
 from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
@@ -35,9 +35,6 @@ from .evaluation import evaluate
 from .records import weights_meta
 
 log = logging.getLogger(__name__)
-
-#: Suffixes of the exported files ``eval`` and ``predict`` run in their runtime (ONNX Runtime, OpenVINO).
-EXPORTED_SUFFIXES = (".onnx", ".xml")
 
 
 def export_weights(checkpoint: str | Path, path: str | Path, use_ema: bool = False) -> Path:
@@ -111,8 +108,9 @@ def evaluate_checkpoint(
 
 
 def is_exported(path: str | Path | None) -> bool:
-    """Whether ``path`` names an exported file (:data:`EXPORTED_SUFFIXES`), which runs in its runtime on the CPU."""
-    return path is not None and Path(path).suffix.lower() in EXPORTED_SUFFIXES
+    """Whether ``path`` names an exported file that carries its metadata (a suffix of
+    :data:`~cgavit.deploy.formats.SUFFIX_FORMATS`: ``.onnx``, ``.xml``), which runs in its runtime on the CPU."""
+    return path is not None and Path(path).suffix.lower() in SUFFIX_FORMATS
 
 
 def inference_device(device: str | torch.device, *files: str | Path | None) -> str | torch.device:
@@ -275,7 +273,7 @@ def open_for_inference(
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, ModelInfo, int]:
     """The network ``eval`` and ``predict`` run: a checkpoint through :func:`~cgavit.factory.load_model`,
-    or an exported ``.onnx`` / OpenVINO ``.xml`` file (:data:`EXPORTED_SUFFIXES`) in its runtime on the
+    or an exported ``.onnx`` / OpenVINO ``.xml`` file (:data:`~cgavit.deploy.formats.SUFFIX_FORMATS`) in its runtime on the
     CPU, read with the preprocessing and class names its metadata carries, so that the file a user will
     ship is the file they check.
 
