@@ -119,9 +119,14 @@ class FileLock:
         return WriteError(code, f"cannot write into {self.path.parent}: {reason}; give --output a folder you can write to")
 
     def __exit__(self, *exc) -> None:
-        if self.fd is not None:
+        if self.fd is None:
+            return
+        try:
             if _names(self.path, self.fd):  # removed while still held, so no one takes a file on its way out
                 self.path.unlink(missing_ok=True)
+        except OSError as err:  # the folder went read-only (or unwritable) during the run: the run's own error stands
+            log.warning("could not remove %s (%s); the next run there takes it over", self.path, err.strerror or err)
+        finally:
             os.close(self.fd)
             self.fd = None
 

@@ -1398,6 +1398,40 @@ def test_a_second_run_on_the_same_name_stops_before_any_work(trained_digits, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock goes with its run
 
 
+def test_a_folder_gone_read_only_during_the_run_is_one_line_and_keeps_the_earlier_answer(
+        digits_int8, trained_digits, mount_tmpfs, tmp_path, capsys, monkeypatch):
+    """A folder made read-only while the search ran (a remount, a chmod) gave a traceback: the lock could not be
+    removed, and that OSError replaced the run's one-line write error. Now the error stands, the earlier answer stays,
+    and the lock left there is taken over by the next run."""
+    import subprocess
+
+    folder = mount_tmpfs(size="8m", folders=("out",)) / "out"
+    outputs = quantize_cli.Outputs(folder / "d")
+    assert quantize_cli.write_outputs(digits_int8, outputs) == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    capsys.readouterr()
+
+    def read_only_mid_search(*args, **kwargs):  # a read-only bind mount of the folder on itself: the lock stays open
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        return digits_int8
+
+    monkeypatch.setattr(quantize_cli, "quantize", read_only_mid_search)
+    args = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--runtime", "onnxruntime", "--output", str(folder / "d"), "--calibration-images", "16"]
+    try:
+        assert main(args) == 2
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    err = capsys.readouterr().err
+    assert err.startswith("cgavit quantize: error: cannot write") and "the file system is read-only" in err, err
+    assert err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix != ".lock"} == before
+    monkeypatch.setattr(quantize_cli, "quantize", lambda *args, **kwargs: digits_int8)
+    assert main(args) == 0  # the lock the read-only folder kept is taken over, and goes with this run
+    assert sorted(p.name for p in folder.iterdir()) == sorted(before)
+
+
 def test_an_earlier_answer_whose_runtime_is_missing_here_is_not_called_no_answer(tmp_path, monkeypatch):
     """With OpenVINO uninstalled since an earlier run's OpenVINO answer, a new ONNX Runtime answer left NAME.xml and
     .bin in place with a note calling them "not an answer of cgavit quantize", which its report had said they were."""
