@@ -12,7 +12,7 @@ import stat
 import time
 from pathlib import Path
 
-from .io import WriteError, process_alive, write_reason
+from .io import WriteError, process_alive, stop_signals_deferred, write_reason
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,9 @@ class FileLock:
         if self.fd is None:
             return
         try:
-            if _names(self.path, self.fd):  # removed while still held, so no one takes a file on its way out
-                self.path.unlink(missing_ok=True)
+            with stop_signals_deferred():  # a Ctrl-C as the run ends: the lock still goes before it takes effect
+                if _names(self.path, self.fd):  # removed while still held, so no one takes a file on its way out
+                    self.path.unlink(missing_ok=True)
         except OSError as err:  # the folder went read-only (or unwritable) during the run: the run's own error stands
             log.warning("could not remove %s (%s); the next run there takes it over", self.path, err.strerror or err)
         finally:

@@ -1398,6 +1398,24 @@ def test_a_second_run_on_the_same_name_stops_before_any_work(trained_digits, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock goes with its run
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_stop_signal_as_the_run_ends_still_removes_its_lock(tmp_path, monkeypatch):
+    """A Ctrl-C or SIGTERM that arrived while the lock was being let go ended the run with NAME.quantize.lock left
+    behind: it now takes effect once the lock is gone."""
+    import cgavit.lock as lock_mod
+
+    real = lock_mod._names
+
+    def signalled(path, fd):  # the signal arrives as the lock checks that the file is still its own
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(path, fd)
+
+    with pytest.raises(KeyboardInterrupt):
+        with lock_mod.FileLock(tmp_path / "q.quantize.lock", "holds it"):
+            monkeypatch.setattr(lock_mod, "_names", signalled)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_folder_gone_read_only_during_the_run_is_one_line_and_keeps_the_earlier_answer(
         digits_int8, trained_digits, mount_tmpfs, tmp_path, capsys, monkeypatch):
     """A folder made read-only while the search ran (a remount, a chmod) gave a traceback: the lock could not be
