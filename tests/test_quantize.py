@@ -872,6 +872,25 @@ def test_layers_no_faster_in_int8_stay_float_in_every_build(trained_digits, monk
     assert "patch_embed.conv1" not in off.curves["onnxruntime"][0].float_layers
 
 
+def test_a_temporary_disk_that_fills_in_onnx_runtimes_quantiser_is_a_write_error(trained_digits, tmp_path,
+                                                                                  mount_tmpfs, monkeypatch):
+    """ONNX Runtime's quantiser, writing its files into a temporary folder on a disk that fills, failed as a bare
+    OSError or as a protobuf DecodeError of the file it had cut short: a traceback after minutes of work. Now the
+    WriteError of a full disk (one line, exit 2), its temporary files gone."""
+    from cgavit.deploy.onnx import OnnxInt8Builder, export_onnx
+    from cgavit.io import WriteError
+
+    src = export_onnx(fuse(trained_digits.model), tmp_path / "s.onnx", (48, 48), fold_residuals=False)
+    options = Int8Options(reduce_range=False)
+    for size in ("64k", f"{src.stat().st_size * 3 // 2 // 1024}k"):  # nothing fits; the file is cut short
+        disk = mount_tmpfs(size=size)
+        monkeypatch.setattr(tempfile, "tempdir", str(disk))
+        with pytest.raises(WriteError, match="the disk is full") as err:
+            OnnxInt8Builder(src, [trained_digits.images[:8]], options)
+        assert err.value.errno == 28 and str(disk) in str(err.value)
+        assert not list(disk.iterdir())
+
+
 def test_layer_sensitivity_in_onnx_runtime(trained_digits, tmp_path):
     """Three layers quantised alone in the real runtime: rows sorted most sensitive first."""
     from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, export_onnx

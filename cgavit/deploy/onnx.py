@@ -6,6 +6,7 @@ use: it is optional and slow to import, and ``import cgavit`` must not need it.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -13,14 +14,15 @@ import statistics
 import tempfile
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from ..io import atomic_write
+from ..io import WriteError, atomic_write, write_error, write_reason
 from .cpu import CpuFeatures, cpu_features
 from .fusion import example_batch, export_form, output_path
 from .int8 import Int8Options, layer_of_onnx_node
@@ -234,6 +236,21 @@ def onnxruntime_conv_times(
     return {layer: statistics.median(times[1:] or times) for layer, times in calls.items()}
 
 
+@contextmanager
+def full_disk_said(path: Path) -> Iterator[None]:
+    """ONNX Runtime's quantiser writing ``path`` (and its other files beside it) on a disk that fills: it fails as
+    an ``OSError``, a protobuf error on the file it wrote cut short, or an ONNX Runtime error, each raised here as the
+    :class:`~cgavit.io.WriteError` of a full disk (one line, what to do); any other failure as it was."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except Exception as err:
+        if write_reason(err, path.parent)[0] not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise write_error(path, err) from err
+
+
 class _CalibrationReader:
     """Feeds image batches to ONNX Runtime's calibration (its ``CalibrationDataReader`` interface)."""
 
@@ -287,9 +304,14 @@ class OnnxInt8Builder:
         self.quant = _onnxruntime(quantization=True).quantization
         self._tmp = tempfile.TemporaryDirectory(prefix="cgavit-int8-")
         self.pre = Path(self._tmp.name) / "pre.onnx"
-        self.quant.shape_inference.quant_pre_process(str(src), str(self.pre), skip_symbolic_shape=True)
         self.cache = Path(self._tmp.name) / "ranges.json"
-        nodes = _onnx().load(str(self.pre)).graph.node
+        try:
+            with full_disk_said(self.pre):
+                self.quant.shape_inference.quant_pre_process(str(src), str(self.pre), skip_symbolic_shape=True)
+                nodes = _onnx().load(str(self.pre)).graph.node
+        except BaseException:
+            self.close()
+            raise
         readers: dict[str, list] = {}
         for n in nodes:
             for tensor in n.input:
@@ -328,7 +350,7 @@ class OnnxInt8Builder:
         method = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile,
                   "entropy": q.CalibrationMethod.Entropy}[opts.calibration]
         out = Path(self._tmp.name) / "int8.onnx"
-        with quiet_quantiser("ONNX Runtime's quantize_static"):
+        with full_disk_said(out), quiet_quantiser("ONNX Runtime's quantize_static"):
             q.quantize_static(
                 str(self.pre), str(out), None if self.cache.exists() else _CalibrationReader(self.batches),
                 quant_format=q.QuantFormat.QDQ, per_channel=True, reduce_range=opts.reduce_range and opts.weights == "int8",
