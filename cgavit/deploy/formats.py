@@ -52,6 +52,8 @@ class ExportFormat:
             tune.
         problem: why its runtime cannot be used here for a precision, or None (a package missing, or installed and
             failing to import).
+        begins: whether a file's first 16 bytes are this format's: ONNX's protobuf with its IR version (field 1) then
+            its producer (field 2); OpenVINO's XML; ExecuTorch's and LiteRT's flatbuffer identifiers at bytes 4-8.
     """
 
     name: str
@@ -63,6 +65,7 @@ class ExportFormat:
     fixed_batch: bool
     metadata: bool
     problem: Callable[[str], str | None]
+    begins: Callable[[bytes], bool]
 
     def available(self, precision: str = "fp32") -> bool:
         """Whether its packages are installed and import (for ``precision``: OpenVINO's int8 needs NNCF too)."""
@@ -75,17 +78,27 @@ class ExportFormat:
 
 FORMATS: dict[str, ExportFormat] = {
     "onnx": ExportFormat("onnx", "ONNX Runtime", "onnxruntime", "deploy", ".onnx", ("fp32", "int8"), False, True,
-                         lambda precision: onnxruntime_problem()),
+                         lambda precision: onnxruntime_problem(),
+                         lambda head: len(head) > 2 and head[0] == 0x08 and head[1] < 0x80 and head[2] == 0x12),
     "openvino": ExportFormat("openvino", "OpenVINO", "openvino", "openvino", ".xml", ("fp32", "int8"), False, True,
-                             lambda precision: openvino_problem(int8=precision == "int8")),
+                             lambda precision: openvino_problem(int8=precision == "int8"),
+                             lambda head: head.lstrip().startswith((b"<?xml", b"<net"))),
     "executorch": ExportFormat("executorch", "ExecuTorch (XNNPACK)", "executorch", "executorch", ".pte",
-                               ("fp32", "int8"), True, False, lambda precision: executorch_problem()),
+                               ("fp32", "int8"), True, False, lambda precision: executorch_problem(),
+                               lambda head: head[4:6] == b"ET" and head[6:8].isdigit()),
     "tflite": ExportFormat("tflite", "LiteRT (XNNPACK)", "tflite", "tflite", ".tflite", ("fp32",), True, False,
-                           lambda precision: tflite_problem()),
+                           lambda precision: tflite_problem(), lambda head: head[4:8] == b"TFL3"),
 }
 
 #: The format of each file suffix :func:`open_exported` reads (those that carry metadata).
 SUFFIX_FORMATS = {fmt.suffix: name for name, fmt in FORMATS.items() if fmt.metadata}
+
+
+def format_of_head(head: bytes) -> ExportFormat | None:
+    """The export format whose files begin with ``head`` (a file's first 16 bytes), or None."""
+    return next((fmt for fmt in FORMATS.values() if fmt.begins(head)), None)
+
+
 #: The formats whose files are made for one batch size (``batch=`` / ``--batch``).
 FIXED_BATCH_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.fixed_batch)
 #: The runtimes whose int8 ``cgavit quantize`` builds, searches and writes.

@@ -21,7 +21,7 @@ from torchvision.transforms import Compose, Grayscale
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..classes import check_classes, model_indices, same_classes
 from ..deploy import FORMATS, ExportInfo, open_exported
-from ..deploy.formats import SUFFIX_FORMATS, ExportFormat
+from ..deploy.formats import SUFFIX_FORMATS, ExportFormat, format_of_head
 from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
@@ -329,15 +329,6 @@ def _unrun_format(described: str, fmt: ExportFormat) -> ValueError:
                       f"cgavit.deploy.load_exported(path, {fmt.name!r})")
 
 
-#: How each exported format's files begin: ONNX's protobuf with its IR version (field 1) then its producer (field 2);
-#: OpenVINO's XML; ExecuTorch's and LiteRT's flatbuffer identifiers at bytes 4-8.
-_FIRST_BYTES: dict[str, Callable[[bytes], bool]] = {
-    "onnx": lambda head: len(head) > 2 and head[0] == 0x08 and head[1] < 0x80 and head[2] == 0x12,
-    "openvino": lambda head: head.lstrip().startswith((b"<?xml", b"<net")),
-    "executorch": lambda head: head[4:6] == b"ET" and head[6:8].isdigit(),
-    "tflite": lambda head: head[4:8] == b"TFL3",
-}
-
 
 def _refuse_renamed_export(checkpoint: str | Path | None) -> None:
     """Refuse, naming its format, an exported file under another suffix that the weights reader could not read (a
@@ -350,7 +341,7 @@ def _refuse_renamed_export(checkpoint: str | Path | None) -> None:
             head = f.read(16)
     except (OSError, TypeError, ValueError):  # the reader's own error said what is wrong with the path
         return
-    fmt = next((FORMATS[name] for name, begins in _FIRST_BYTES.items() if begins(head)), None)
+    fmt = format_of_head(head)
     if fmt is None:
         return
     if not fmt.metadata:
