@@ -26,9 +26,10 @@ Pillow comes with the ``train`` and ``detect`` extras; the model core never impo
 from __future__ import annotations
 
 import io
+import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -38,6 +39,10 @@ from .io import DataError, UnreadableFileError, check_readable_file
 
 #: Formats never opened, whatever a caller allows: Pillow hands EPS to Ghostscript, an interpreter.
 REFUSED_FORMATS = frozenset({"EPS"})
+
+SKIPPED_NAMED = 20  # unreadable images a run names one line each; the rest are counted (debug logging names them)
+
+log = logging.getLogger(__name__)
 
 Source = str | os.PathLike | bytes
 
@@ -50,6 +55,36 @@ class BadImageError(DataError):
 class ImageTooLarge(BadImageError):
     """An image whose size (as declared, or at the reduced JPEG scale it would decode at) is over
     the pixel bound: refused from its header, before any pixel is decoded."""
+
+
+class SkippedImages:
+    """The images a run skipped because they could not be read, each warned about once.
+
+    The first :data:`SKIPPED_NAMED` get a warning line each, naming the image and what was wrong; after them each
+    report counts the new ones in one line and names them at debug level (``cgavit -v``), so a folder of thousands of
+    broken files does not bury the run's output.
+    """
+
+    def __init__(self, named: int = SKIPPED_NAMED):
+        self.named = named
+        self.seen: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.seen)
+
+    def report(self, errors: Mapping[str, str]) -> None:
+        """Warn about the images in ``errors`` (path -> the line naming it and what was wrong) not reported yet."""
+        new = sorted(set(errors) - self.seen)
+        shown = max(0, min(len(new), self.named - len(self.seen)))
+        for path in new[:shown]:
+            log.warning("skipped an image: %s", errors[path])
+        for path in new[shown:]:
+            log.debug("skipped an image: %s", errors[path])
+        if len(new) > shown:
+            more = len(new) - shown
+            log.warning("skipped %d more image%s that could not be read (%d in all; cgavit -v names each)",
+                        more, "" if more == 1 else "s", len(self.seen) + len(new))
+        self.seen.update(new)
 
 
 def open_image(

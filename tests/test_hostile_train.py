@@ -43,7 +43,7 @@ from PIL import Image
 from cgavit.cli import main
 from cgavit import factory, load_model
 from cgavit.bounds import MAX_IMAGE_PIXELS
-from cgavit.images import load_image
+from cgavit.images import SKIPPED_NAMED, load_image
 from cgavit.io import CheckpointError, DataError, WriteError, atomic_write, save_torch, write_text
 from cgavit.train import TrainConfig, predict, train
 from cgavit.train import checkpoint as ckpt_io
@@ -841,6 +841,27 @@ def test_a_newline_in_a_file_name_cannot_forge_a_log_line(world, tmp_path, capsy
     err = capsys.readouterr().err
     skipped = [line for line in err.splitlines() if "skipped an image" in line]
     assert len(skipped) == 1 and "x.png\\nINFO" in skipped[0] and forged not in err.splitlines(), err
+
+
+def test_a_folder_of_many_unreadable_images_names_the_first_and_counts_the_rest(world, tmp_path, capsys, monkeypatch):
+    """Every unreadable image had a warning line of its own, so a folder holding thousands buried the run's output
+    (and its result) under them; a run now names the first SKIPPED_NAMED and counts the rest in one line."""
+    data = tmp_path / "ds"
+    shutil.copytree(world["data"], data)
+    broken = SKIPPED_NAMED + 7
+    for i in range(broken):
+        (data / "val" / "class_0" / f"broken_{i:03d}.png").write_bytes(b"not an image")
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process: the command sets up its own log output
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
+    err = capsys.readouterr().err
+    named = [line for line in err.splitlines() if "skipped an image" in line]
+    assert len(named) == SKIPPED_NAMED and "broken_000.png" in named[0], err
+    assert f"skipped 7 more images that could not be read ({broken} in all" in err, err
+    logging.root.handlers = []  # a second fresh process, with debug logging
+    assert main(["-v", "eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if "skipped an image" in line]) == broken, err
 
 
 def test_a_new_run_sets_aside_the_records_of_one_that_left_no_checkpoint(world, tmp_path):

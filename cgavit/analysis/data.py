@@ -12,7 +12,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ..io import DataError
-from ..images import BadImageError
+from ..images import BadImageError, SkippedImages
 from ..train.data import build_transform, list_split, load_transformed
 from ..train.data.layout import IMAGE_EXTENSIONS, files_under
 
@@ -130,12 +130,13 @@ def load_images(
     transform = build_transform(img_size, False, interpolation=interpolation, crop_pct=crop_pct,
                                 mean=mean or IMAGENET_DEFAULT_MEAN, std=std or IMAGENET_DEFAULT_STD)
     ds = ImageList([paths[i] for i in keep], [labels[i] for i in keep] if labels else None, transform)
-    items = []
+    items, bad = [], {}
     for i in range(len(ds)):
         try:
             items.append(ds[i])
         except BadImageError as err:
-            log.warning("skipped an image: %s", err)
+            bad[str(ds.paths[i])] = str(err)
+    SkippedImages().report(bad)
     if not items:
         raise DataError(f"none of the {len(ds)} images chosen from {', '.join(map(str, sources))} could be read")
     x = torch.stack([t for t, _ in items])

@@ -36,6 +36,7 @@ from timm.utils import ModelEmaV3, dispatch_clip_grad, distribute_bn
 from torch import nn
 
 from ..classes import same_classes
+from ..images import SkippedImages
 from ..io import CheckpointError, DataError, make_folder, open_append, remove_stale_temporaries
 from ..loading import load_checkpoint
 from ..schema import check_finite
@@ -250,14 +251,14 @@ def _fit(run: Run, t_start: float) -> TrainResult:
         output,
     )
     rows = records.read_metrics(output / "metrics.jsonl") if env.is_main else []  # rank 0 keeps the record
-    skipped: set[str] = set()  # unreadable images met so far, each warned about once
+    skipped = SkippedImages()  # unreadable images met so far, each warned about once
     val: dict = {}
     interrupted = False
     for epoch in range(state.next_epoch, total_epochs):
         start_step = state.next_step if epoch == state.next_epoch else 0
         stats = train_one_epoch(run, epoch, total_epochs, start_step)
         bad = dict(sorted(item for items in gather_objects(env, sorted(stats.bad.items())) for item in items))
-        _report_bad(bad, skipped)
+        skipped.report(bad)
         # no update where there were batches (a resumed epoch on a smaller split may have none left)
         if stats.updates == 0 and not stats.interrupted and stats.next_step > start_step:
             raise DataError(_no_update(epoch, list(bad), len(run.loaders.train.dataset)))
@@ -268,7 +269,7 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             break
         _agree_batch_norm(run)  # every rank evaluates its share with the statistics rank 0 saves
         val = evaluate(run.model, run.loaders.val, env, autocast=_autocast(cfg, env))
-        _report_bad(val["bad_errors"], skipped)
+        skipped.report(val["bad_errors"])
         if val["n"] == 0:
             raise DataError(
                 f"none of the {len(run.loaders.val.dataset)} validation images could be read (e.g. {val['bad_paths'][0]}); "
@@ -476,14 +477,6 @@ def _record(run: Run, epoch: int, total_epochs: int, stats: EpochStats, val: dic
     return row, is_best
 
 
-def _report_bad(errors: dict[str, str], seen: set[str]) -> None:
-    """Log each image that could not be used (``errors``: path -> the line naming it and what was wrong) once per
-    run, and add it to ``seen``."""
-    for path in sorted(set(errors) - seen):
-        log.warning("skipped an image: %s", errors[path])
-        seen.add(path)
-
-
 def _no_update(epoch: int, bad: list[str], total: int) -> str:
     """What to say when an epoch trained on nothing."""
     if bad:
@@ -494,7 +487,7 @@ def _no_update(epoch: int, bad: list[str], total: int) -> str:
     return f"epoch {epoch + 1} made no update: no batch held two or more readable images; check --data and --batch-size"
 
 
-def _result(run: Run, rows: list[dict], skipped: set[str], val: dict, interrupted: bool, t_start: float) -> TrainResult:
+def _result(run: Run, rows: list[dict], skipped: SkippedImages, val: dict, interrupted: bool, t_start: float) -> TrainResult:
     state, output, found = run.state, run.output, run.state.best_epoch >= 0
     if not val and rows:  # no epoch ended in this invocation (a finished run resumed): the last one recorded
         val = dict(top1=rows[-1].get("val_top1"), top5=rows[-1].get("val_top5"), loss=rows[-1].get("val_loss"))

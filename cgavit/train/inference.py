@@ -25,6 +25,7 @@ from ..deploy.formats import SUFFIX_FORMATS, ExportFormat, format_of_head
 from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
+from ..images import SkippedImages
 from ..io import CheckpointError, DataError, sniff_format
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
@@ -250,8 +251,7 @@ def _checked_metrics(res: dict, images: int, split_dir: Path, checkpoint: object
     """:func:`evaluate`'s metrics, once they mean something: unreadable images warned about; none read, or
     outputs that are not finite (a diverged model), refused."""
     res.pop("bad_paths")
-    for error in res.pop("bad_errors").values():
-        log.warning("skipped an image: %s", error)
+    SkippedImages().report(res.pop("bad_errors"))
     if res["n"] == 0:
         raise DataError(f"none of the {images} images in {split_dir} could be read; no metrics to report")
     broken = res.pop("nonfinite")
