@@ -227,12 +227,22 @@ def test_a_process_group_terminated_mid_run_saves_it(data, tmp_path):
     assert proc.stderr.count("received SIGTERM") == 1, proc.stderr[-3000:]  # the run's, not once more per worker
     assert ckpt_io.load(out / "last.pt")["next_step"] == 2
 
-def test_the_start_line_says_1_epoch(tmp_path, caplog):
-    """The run's first log line said '1 epochs' (the demo's summary had been mended, this line not)."""
+def test_the_start_line_says_1_epoch_and_the_epoch_line_no_top5_of_3_classes(tmp_path, caplog, monkeypatch):
+    """The run's first log line said '1 epochs' (the demo's summary had been mended, this line not); its epoch line
+    and curves.png gave a top-5 of 100 % for 3 classes, where eval says 'top-5 n/a (3 classes)'."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
     root = make_folder(tmp_path / "ds")
     with caplog.at_level(logging.INFO, logger="cgavit"):
         train(tiny(data=str(root), epochs=1, workers=0, output=str(tmp_path / "run")))
     assert f", 1 epoch -> {tmp_path / 'run'}" in caplog.text, caplog.text
+    assert "top-5 n/a (3 classes)" in caplog.text and "top-5 100" not in caplog.text, caplog.text
+    (curves,) = figures
+    assert [line.get_label() for line in curves.axes[1].get_lines()] == ["top-1"]
+    monkeypatch.undo()
+    plt.close(curves)
 
 
 def test_the_curves_mark_whole_epochs(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from ..deploy.agreement import Agreement
 from ..io import printable, printable_line
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
 from ..train.demo import DEMO_EPOCHS, run_demo, summary_lines
+from ..train.evaluation import top5_text
 from .common import add_dial_args, dials_from_args, image_size
 from .options import add_options, option_values
 
@@ -100,7 +101,7 @@ def _eval(args: argparse.Namespace) -> int:
             f"{printable_line(res['checkpoint'])} on {printable_line(res['data'])} "
             f"({res['n']} images at {res['img_size']} px, crop {res['crop_pct']}): "
             f"top-1 {res['top1']:.2f}%  "
-            + (f"top-5 {res['top5']:.2f}%" if res["num_classes"] > 5 else f"top-5 n/a ({res['num_classes']} classes)")
+            + top5_text(res["top5"], res["num_classes"])
             + f"  loss {res['loss']:.4f}"
             + (f"  ({res['skipped']} unreadable images skipped)" if res["skipped"] else "")
         )

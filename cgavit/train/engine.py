@@ -51,7 +51,7 @@ from .distributed import (
     DistEnv, RunLock, any_each, any_true, barrier, broadcast_object, first_message, gather_objects, main_rank_logs,
     on_main, reduce_sum, setup, teardown,
 )
-from .evaluation import evaluate
+from .evaluation import evaluate, top5_means_something, top5_text
 from .recipe import (
     DistillationLoss,
     Loaders,
@@ -292,7 +292,8 @@ def _fit(run: Run, t_start: float) -> TrainResult:
             _report_stop(run, f"stopped after epoch {epoch + 1}")
             break
     barrier(env)
-    on_main(env, lambda: records.plot_curves(rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}"))  # rank 0's rows
+    on_main(env, lambda: records.plot_curves(  # rank 0's rows
+        rows, output / "curves.png", title=f"{cfg.model} on {cfg.data}", top5=top5_means_something(len(run.classes))))
     return _result(run, rows, skipped, val, interrupted, t_start)
 
 
@@ -469,8 +470,8 @@ def _record(run: Run, epoch: int, total_epochs: int, stats: EpochStats, val: dic
     if is_best:
         state.best_top1, state.best_top5, state.best_epoch = val["top1"], val["top5"], epoch
     log.info(
-        "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, top-5 %.2f%% (best %.2f%% at %d), %.0f img/s%s",
-        epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], val["top5"], state.best_top1,
+        "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, %s (best %.2f%% at %d), %.0f img/s%s",
+        epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], top5_text(val["top5"], len(run.classes)), state.best_top1,
         state.best_epoch + 1, stats.img_per_s, f", {skipped} unreadable images skipped" if skipped else "",
     )
     on_main(run.env, lambda: records.append_metrics(run.output / "metrics.jsonl", row))

@@ -14,6 +14,16 @@ from .data import Batch, BadImageError, until_unreadable
 from .distributed import DistEnv, gather_objects
 
 
+def top5_means_something(num_classes: int) -> bool:
+    """Whether top-5 says anything: with five classes or fewer every image is within the top 5 (100 %)."""
+    return num_classes > 5
+
+
+def top5_text(top5: float, num_classes: int) -> str:
+    """Top-5 as a log or result line shows it: "n/a" where it means nothing (:func:`top5_means_something`)."""
+    return f"top-5 {top5:.2f}%" if top5_means_something(num_classes) else f"top-5 n/a ({num_classes} classes)"
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, loader: Iterable[Batch], env: DistEnv | None = None, autocast: AbstractContextManager | None = None,

@@ -79,8 +79,9 @@ def weights_meta(cfg: TrainConfig, model: nn.Module, classes: list[str], extra: 
     )
 
 
-def plot_curves(rows: list[dict], path: Path, title: str = "") -> Path | None:
-    """Loss, top-1 and learning rate per epoch, as a PNG (matplotlib, Agg backend)."""
+def plot_curves(rows: list[dict], path: Path, title: str = "", top5: bool = True) -> Path | None:
+    """Loss, top-1 (and top-5 where ``top5``: not for five classes or fewer, where it is always 100 %) and learning
+    rate per epoch, as a PNG (matplotlib, Agg backend)."""
     if not rows:
         return None
     plt = pyplot()
@@ -93,7 +94,8 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> Path | None:
     ax.legend()
     ax = axes[1]
     ax.plot(ep, [r["val_top1"] for r in rows], "o-", ms=3, label="top-1")
-    ax.plot(ep, [r["val_top5"] for r in rows], "o-", ms=3, label="top-5")
+    if top5:
+        ax.plot(ep, [r["val_top5"] for r in rows], "o-", ms=3, label="top-5")
     if any("ema_top1" in r for r in rows):
         ax.plot([r["epoch"] + 1 for r in rows if "ema_top1" in r], [r["ema_top1"] for r in rows if "ema_top1" in r], "o--", ms=3, label="EMA top-1")
     ax.set(xlabel="epoch", ylabel="%", title="validation accuracy")
