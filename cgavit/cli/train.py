@@ -113,8 +113,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def agreement_interval(percent: float, n: int) -> str:
     """Wilson's 95 % interval of an agreement of ``percent`` on ``n`` images, as ``"a-b%"``."""
-    low, high = Agreement(n=n, top1_agreement=percent / 100, max_rel_err=0.0).interval()
-    return f"{100 * low:.2f}-{100 * high:.2f}%"
+    return Agreement(n=n, top1_agreement=percent / 100, max_rel_err=0.0).shown_interval()
 
 
 def _predict(args: argparse.Namespace) -> int:

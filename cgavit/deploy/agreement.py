@@ -86,6 +86,11 @@ class Agreement:
         half = z / shrink * (share * (1 - share) / n + z * z / (4 * n * n)) ** 0.5
         return min(share, centre - half), max(share, centre + half)  # it holds the share (exactly, despite rounding)
 
+    def shown_interval(self) -> str:
+        """:meth:`interval` at 95 % in percent as reports print it, e.g. ``"98.84-99.79%"``."""
+        low, high = self.interval()
+        return f"{100 * low:.2f}-{100 * high:.2f}%"
+
     def shown(self) -> str:
         """The agreement in percent as reports print it, e.g. ``"99.48"``: to one decision's resolution
         (:func:`shown_decimals`) and rounded down, so that a share below a target never reads as reaching it (4,974 of

@@ -332,7 +332,8 @@ class ParityCheck:
                 verdict = f" ({self.precision}: judged by top-1 agreement on real images)"
             out.append(f"{self.runtime} vs PyTorch, batch {batch}: relative error {err:.1e}{verdict}")
         if self.agreement is not None:
-            out.append(f"{self.runtime} {self.precision} vs PyTorch fp32: {self.agreement.describe()}")
+            out.append(f"{self.runtime} {self.precision} vs PyTorch fp32: {self.agreement.describe()} (95% interval of "
+                       f"the agreement: {self.agreement.shown_interval()}; more --data DIR/val images narrow it)")
         elif self.precision != "fp32":
             out.append(f"{self.precision} not checked on real images: give --data DIR (DIR/val) for the agreement target")
         return out
