@@ -887,7 +887,7 @@ def test_openvino_files_cgavit_cannot_feed_are_refused_in_one_line(tmp_path):
 def test_trust_checkpoint_applies_to_the_reference_of_an_exported_file(digits_exports, trained_digits, tmp_path, capsys):
     """--trust-checkpoint for a pickled reference was refused because the evaluated file is exported ("drop
     --trust-checkpoint"), and a reference that does not record its network was told to give --model, which a
-    reference never takes."""
+    reference never takes; with an exported reference too, the flag was ignored without a word."""
     import fractions
 
     from cgavit import load_model
@@ -906,6 +906,8 @@ def test_trust_checkpoint_applies_to_the_reference_of_an_exported_file(digits_ex
     assert "--reference bare.pt does not record its network" in capsys.readouterr().err
     assert main([*run, "--trust-checkpoint"]) == 2  # without a reference the flag has nothing to apply to
     assert "drop --trust-checkpoint" in capsys.readouterr().err
+    assert main([*run, "--reference", str(digits_exports[".xml"]), "--trust-checkpoint"]) == 2  # it was ignored
+    assert "are both exported files" in capsys.readouterr().err
 
 
 def _tiny(classes: int = 3, **kw):

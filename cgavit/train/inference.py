@@ -90,6 +90,7 @@ def evaluate_checkpoint(
     check_eval_options(img_size, crop_pct, batch_size, workers, interpolation)
     root = check_folder(data)
     exported = is_exported(checkpoint)
+    _refuse_needless_trust(checkpoint, reference, trust)
     with joined(inference_device(device, checkpoint, reference)) as env:  # under torchrun: warnings once, by rank 0
         model, info, num_classes = open_for_inference(  # with a reference, --trust-checkpoint may be for it alone
             checkpoint, model_name, dials, img_size=img_size, use_ema=use_ema, pretrained=pretrained,
@@ -106,6 +107,14 @@ def evaluate_checkpoint(
         res.update(img_size=size, crop_pct=pct, interpolation=interp, checkpoint=str(checkpoint), data=str(split_dir),
                    world_size=env.world, num_classes=num_classes, **({} if reference is None else {"reference": str(reference)}))
         return res
+
+
+def _refuse_needless_trust(checkpoint: str | Path | None, reference: str | Path | None, trust: bool) -> None:
+    """Refuse ``--trust-checkpoint`` where the evaluated file and its reference are both exported files: it was
+    ignored without a word (with one of them a checkpoint, it applies to that one)."""
+    if trust and is_exported(checkpoint) and is_exported(reference):
+        raise ValueError(f"{Path(checkpoint).name} and --reference {Path(reference).name} are both exported files, "
+                         "which carry their network and hold no pickled objects: drop --trust-checkpoint")
 
 
 def is_exported(path: str | Path | None) -> bool:
