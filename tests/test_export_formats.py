@@ -1260,3 +1260,16 @@ def test_an_xml_whose_bin_is_a_pipe_is_refused_not_waited_on(digits_exports, tmp
         with pytest.raises(UnreadableFileError, match=r"OpenVINO weights \(.bin beside the .xml\) .*m.bin is not a "
                                                       r"regular file \(a pipe"):
             read()
+
+
+def test_an_xml_whose_bin_is_named_in_other_letter_case_says_to_rename_it(digits_exports, trained_digits, tmp_path,
+                                                                          capsys):
+    """M.XML beside M.BIN (a zip from a case-blind disk) was refused as 'M.bin does not exist', beside the M.BIN the
+    user could see; the error now names the file there and what to rename it to."""
+    (tmp_path / "M.XML").write_bytes(digits_exports[".xml"].read_bytes())
+    (tmp_path / "M.BIN").write_bytes(digits_exports[".xml"].with_suffix(".bin").read_bytes())
+    image = next(trained_digits.data.glob("val/*/*.png"))
+    assert main(["predict", str(image), "--checkpoint", str(tmp_path / "M.XML")]) == 2
+    assert "the folder holds M.BIN; rename M.BIN to M.bin" in capsys.readouterr().err
+    (tmp_path / "M.BIN").rename(tmp_path / "M.bin")
+    assert main(["predict", str(image), "--checkpoint", str(tmp_path / "M.XML"), "--topk", "1"]) == 0

@@ -719,6 +719,7 @@ def read_openvino(path: str | os.PathLike):
             pipe named ``m.bin`` and waited on it for ever).
     """
     if Path(path).suffix.lower() == ".xml":  # IR; OpenVINO reads other formats (ONNX) without a .bin
+        _refuse_other_case_weights(Path(path))
         check_readable_file(Path(path).with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
     core = _core()
     try:
@@ -732,6 +733,19 @@ def read_openvino(path: str | os.PathLike):
         raise ValueError(f"{path}: it has no input or no output, so it is not a network of images; export it again")
     check_weights(model, Path(path))
     return model
+
+
+def _refuse_other_case_weights(xml: Path) -> None:
+    """Where the ``.bin`` OpenVINO reads beside ``xml`` (its name, suffix ``.bin``) is missing but one of that name in
+    other letter case is there (``M.XML`` with ``M.BIN``, as a zip from a case-blind disk leaves them), say to rename
+    it: the error said only that ``M.bin`` does not exist, beside the ``M.BIN`` the user could see."""
+    weights = xml.with_suffix(".bin")
+    if os.path.lexists(weights) or not xml.parent.is_dir():
+        return
+    found = sorted(p.name for p in xml.parent.iterdir() if p.name.lower() == weights.name.lower())
+    if found:
+        raise ValueError(f"OpenVINO reads the weights of {xml.name} from {weights.name} beside it, and the folder holds "
+                         f"{' and '.join(found)}; rename {found[0]} to {weights.name}")
 
 
 def _declared_shape(port) -> tuple[int | None, ...] | None:
