@@ -291,6 +291,14 @@ def test_a_checkpoint_of_other_input_channels_is_refused_at_start(tmp_path):
         build_model(path)
 
 
+def test_the_random_model_names_the_dials_it_was_built_with():
+    """`cgavit explore --cascade off` said "a randomly initialised efficientvit_m0": the page showed maps of a model
+    without the cascade under the name of one with it."""
+    about = build_model(None, "m0", 64, cascade=False, num_heads=(2, 2, 2)).about
+    assert about.startswith("a randomly initialised efficientvit_m0 with dials of its own (num_heads 2,2,2, cascade False) ")
+    assert build_model(None, "m1", 64).about.startswith("a randomly initialised efficientvit_m1 (")
+
+
 def test_the_random_model_is_the_same_at_every_start():
     """Only its BatchNorm statistics and bias tables were seeded: each start drew other weights, other maps."""
     before = torch.get_rng_state()

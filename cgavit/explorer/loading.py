@@ -40,7 +40,7 @@ def build_model(
     and resized as the checkpoint records (its ``ModelInfo``). Without a checkpoint the model is a
     randomly initialised ``model_name`` (default ``efficientvit_m0``), its weights drawn, BatchNorm
     statistics and bias tables randomised with seed 0 (the same model at every start), fed as ImageNet
-    models are. ``img_size`` (default: the size a
+    models are; the sentence names the variant and any dials that differ from it. ``img_size`` (default: the size a
     checkpoint records, else 224) is the side images are resized to; a checkpoint built for another
     size gets its bias tables resized.
 
@@ -55,7 +55,7 @@ def build_model(
             model = create_model(model_name, img_size=img_size or 224, **dials)
         randomize_(model, 0)
         about = (
-            f"a randomly initialised {model_name} (no --checkpoint given; weights, BatchNorm statistics and "
+            f"a randomly initialised {_architecture(model)} (no --checkpoint given; weights, BatchNorm statistics and "
             "bias tables drawn with seed 0). Its maps show how the mechanism mixes tokens, "
             "not what a trained network looks at."
         )
