@@ -244,3 +244,28 @@ def test_image_attention_in_page(browser, server, shots, tmp_path):
     page.screenshot(path=str(shots / "explorer_image_mean.png"), full_page=True)
     assert problems == [] and foreign == []
     page.close()
+
+
+def shapes_png(path, size=(320, 240)):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, (70, 120, 190))
+    ImageDraw.Draw(img).ellipse((30, 50, 150, 200), fill=(240, 200, 40))
+    img.save(path)
+    return path
+
+
+def test_the_same_file_can_be_chosen_again(browser, server, tmp_path):
+    """The page tells the user to upload an image again once the server has forgotten it ("unknown image id"),
+    but a file input fires no change event for the file it already holds: choosing the same file again did
+    nothing. The input is emptied as soon as its file is taken."""
+    path = shapes_png(tmp_path / "again.png")
+    page, problems, _ = open_page(browser, server)
+    page.wait_for_selector("#block option", state="attached")
+    page.set_input_files("#upload", str(path))
+    page.wait_for_selector('#real[data-state^="image="][data-busy="0"]', state="attached")
+    assert page.locator("#upload").input_value() == ""
+    assert page.locator("#head-grid figure").count() == 4
+    assert problems == []
+    page.close()
+

@@ -524,7 +524,11 @@ function init() {
     state.seed = Math.floor(Math.random() * 100000);
     refreshToy();
   });
-  $("upload").addEventListener("change", (e) => { if (e.target.files.length) upload(e.target.files[0]); });
+  $("upload").addEventListener("change", (e) => {
+    const file = e.target.files[0];
+    e.target.value = ""; // so choosing the same file again (after an error, or a restarted server) uploads it again
+    if (file) upload(file);
+  });
   $("block").addEventListener("change", (e) => { real.block = parseInt(e.target.value, 10); real.query = null; refreshReal(); });
   for (const b of $("mode").children) b.addEventListener("click", () => setMode(b.dataset.mode));
   let timer = null;
