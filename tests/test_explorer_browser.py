@@ -18,6 +18,7 @@ import pytest
 
 from cgavit.explorer import ImageAttention, build_model
 from cgavit.explorer.server import ExplorerServer
+from cgavit.testing import randomize_
 from conftest import skip_unless_required
 
 pytestmark = pytest.mark.browser
@@ -269,3 +270,30 @@ def test_the_same_file_can_be_chosen_again(browser, server, tmp_path):
     assert problems == []
     page.close()
 
+
+def test_a_non_square_model_is_drawn_in_its_proportions(browser, shots, tmp_path):
+    """A checkpoint built for 160x256 px (recorded as its input_size) had its 256x160 view and 10x16 token map
+    squeezed onto square canvases; each head's canvas now has the model's proportions, and a click still picks
+    the token under it."""
+    from cgavit import create_model
+
+    model = randomize_(create_model("m0", img_size=(64, 128)), 0)
+    srv = ExplorerServer(("127.0.0.1", 0), ImageAttention(model, "a 64x128 model"))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        page, problems, _ = open_page(browser, srv)
+        page.wait_for_selector("#block option", state="attached")
+        page.set_input_files("#upload", str(shapes_png(tmp_path / "wide.png", (400, 150))))
+        page.wait_for_selector('#real[data-state$="block=0&query=20"][data-busy="0"]', state="attached")  # 4x8: (2, 4)
+        canvas = page.locator("#head-grid canvas").first
+        assert canvas.evaluate("c => [c.width, c.height]") == [224, 112]
+        box = canvas.bounding_box()
+        assert box["height"] / box["width"] == pytest.approx(0.5, abs=0.02)
+        canvas.click(position={"x": box["width"] * 0.95, "y": box["height"] * 0.9})
+        page.wait_for_selector('#real[data-state$="block=0&query=31"][data-busy="0"]', state="attached")  # (3, 7)
+        page.locator("#real").screenshot(path=str(shots / "explorer_non_square.png"))
+        assert problems == []
+        page.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -419,10 +419,11 @@ function renderReal() {
   const grid = $("head-grid");
   if (grid.children.length !== d.heads || !grid.querySelector("canvas")) {
     clear(grid);
+    const [imgH, imgW] = real.info.img_size; // the model's view, which the preview is: not always square
     for (let j = 0; j < d.heads; j++) {
       const fig = document.createElement("figure");
       const cv = document.createElement("canvas");
-      cv.width = 224; cv.height = 224;
+      cv.width = 224; cv.height = Math.max(1, Math.round((224 * imgH) / imgW));
       cv.addEventListener("click", (ev) => pickToken(ev, cv));
       const cap = document.createElement("figcaption");
       fig.appendChild(cv); fig.appendChild(cap);
@@ -434,9 +435,9 @@ function renderReal() {
   [...grid.children].forEach((fig, j) => {
     const cv = fig.querySelector("canvas");
     const ctx = cv.getContext("2d");
-    const S = cv.width, ch = S / H, cw = S / W;
-    ctx.clearRect(0, 0, S, S);
-    ctx.drawImage(real.preview, 0, 0, S, S);
+    const ch = cv.height / H, cw = cv.width / W;
+    ctx.clearRect(0, 0, cv.width, cv.height);
+    ctx.drawImage(real.preview, 0, 0, cv.width, cv.height);
     let hmax = 0, hsum = 0;
     for (let y = 0; y < H; y++) {
       for (let x = 0; x < W; x++) {
