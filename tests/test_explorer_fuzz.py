@@ -720,6 +720,8 @@ def test_bad_checkpoints_fail_at_startup_in_one_line(tmp_path, monkeypatch, caps
         (["--allow-host", "a b"], "malformed host"),
         (["--host", "192.0.2.1"], "give --host an address of this machine"),  # a documentation address
         (["--host", "999.1.1.1"], "give --host an address of this machine"),  # it said: choose another --port
+        (["--host", "localhost:8080"], "--host takes an address without a port"),  # it said: give an address of this machine
+        (["--host", "[::1]:8080"], "--host takes an address without a port"),
         # one 48x48 window of 16 heads: 1.3 GiB of maps, over the 1 GiB bound (it started, and each request held them)
         (["--img-size", "768", "--window-size", "48", "--num-heads", "16"], "one window's attention maps take 1,296.0 MiB"),
     ],
@@ -832,3 +834,14 @@ def test_a_port_in_use_says_to_choose_another(capsys):
         taken.listen()
         assert cli.main(["explore", "--port", str(taken.getsockname()[1])]) == 2
     assert "choose another --port" in capsys.readouterr().err
+
+
+def test_host_may_be_an_ipv6_address_in_brackets(monkeypatch):
+    """`--host [::1]`, as the page's own address is written, was refused: "cannot listen on [::1]:0 (Name or
+    service not known); give --host an address of this machine"."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    served = []
+    monkeypatch.setattr(ExplorerServer, "serve_forever", lambda self, poll_interval=0.5: served.append(self.url))
+    assert cli.main(["explore", "--port", "0", "--img-size", "64", "--host", "[::1]"]) == 0
+    assert served and served[0].startswith("http://[::1]:")

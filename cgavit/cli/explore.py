@@ -17,21 +17,22 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.img_size is not None:
         image_size(args.img_size, "--img-size")
+    host = listen_address(args.host)
     for name in args.allow_host:
         if split_host(name)[1] is not None:
             raise ValueError(f"--allow-host takes a host name without a port, got {name!r}")
     loaded = build_model(args.checkpoint, args.model, args.img_size, trust=args.trust_checkpoint, **dials_from_args(args))
     try:
-        server = make_server(args.host, args.port, ImageAttention(*loaded), allow_hosts=tuple(args.allow_host))
+        server = make_server(host, args.port, ImageAttention(*loaded), allow_hosts=tuple(args.allow_host))
     except OSError as err:
         port_taken = err.errno in (errno.EADDRINUSE, errno.EACCES)
         fix = ("choose another --port (0 = any free)" if port_taken else
                "give --host an address of this machine (default 127.0.0.1; 0.0.0.0: every interface)")
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({err.strerror or err}); {fix}") from None
+        raise ValueError(f"cannot listen on {args.host} port {args.port} ({err.strerror or err}); {fix}") from None
     print(f"CGA Explorer: {server.url}", flush=True)
     print(f"image panel model: {loaded.about}", flush=True)
-    if not is_loopback(args.host):
-        print(f"warning: listening on {args.host or 'every interface'}, reachable from other machines", flush=True)
+    if not is_loopback(host):
+        print(f"warning: listening on {host or 'every interface'}, reachable from other machines", flush=True)
     print("press Ctrl-C to stop", flush=True)
     try:
         server.serve_forever()
@@ -41,6 +42,20 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def listen_address(host: str) -> str:
+    """``--host`` as the address to bind: an IPv6 address as written in a URL (``[::1]``) without its brackets.
+
+    Raises:
+        ValueError: a port in it (``localhost:8080``: the port is ``--port``), or a malformed bracketed address.
+    """
+    if not (host.startswith("[") or host.count(":") == 1):  # a name, an IPv4 address, a bare IPv6 one or ""
+        return host
+    name, port = split_host(host)
+    if port is not None:
+        raise ValueError(f"--host takes an address without a port, got {host!r}; give the port with --port")
+    return name
 
 
 def register(sub: argparse._SubParsersAction) -> None:
