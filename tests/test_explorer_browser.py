@@ -297,3 +297,31 @@ def test_a_non_square_model_is_drawn_in_its_proportions(browser, shots, tmp_path
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_model_description_that_did_not_load_is_fetched_again(browser, server, tmp_path):
+    """A busy server (503, "retry in a moment") as the page loaded left it without the model's blocks for good:
+    every upload then failed with "error: Cannot read properties of null (reading 'blocks')". An upload now asks
+    for them again, and says so in words when they still do not come."""
+    path = shapes_png(tmp_path / "late.png")
+    answered = []
+
+    def busy_twice(route):
+        answered.append(route.request.url)
+        if len(answered) <= 2:
+            route.fulfill(status=503, content_type="application/json", body='{"error": "the explorer is busy"}')
+        else:
+            route.continue_()
+
+    page, problems, _ = open_page(browser, server)  # the page's first request for /api/model may go before the route
+    page.route("**/api/model", busy_twice)
+    page.reload()
+    page.wait_for_selector("#about:has-text('unavailable (the explorer is busy)')", state="attached")
+    page.set_input_files("#upload", str(path))
+    page.wait_for_selector("#real-status:has-text('did not load (the explorer is busy)')", state="attached")
+    page.set_input_files("#upload", str(path))
+    page.wait_for_selector('#real[data-state^="image="][data-busy="0"]', state="attached")
+    assert "randomly initialised" in page.locator("#about").text_content()
+    assert page.locator("#block option").count() == 6 and page.locator("#head-grid figure").count() == 4
+    assert not [p for p in problems if "503" not in p]  # the browser logs each 503 it was given
+    page.close()

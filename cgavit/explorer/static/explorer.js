@@ -306,12 +306,13 @@ function renderSimBars(svg, box, sim, selected, mean) {
 const real = { info: null, imageId: null, preview: null, block: 0, mode: "query", query: null, data: null };
 let realSeq = 0;
 
+/* the model and its blocks; returns null, or why they did not load */
 async function loadModelInfo() {
   try {
     real.info = await getJSON("/api/model");
   } catch (err) {
     $("about").textContent = `unavailable (${err.message})`;
-    return;
+    return err.message;
   }
   $("about").textContent = real.info.about;
   const sel = $("block");
@@ -328,6 +329,7 @@ async function loadModelInfo() {
   sim.setAttribute("viewBox", `0 0 ${W} 236`);
   clear(sim);
   el("text", { x: W / 2, y: 118, "text-anchor": "middle", class: "axis" }, sim, "the block's head similarity appears here");
+  return null;
 }
 
 function showPlaceholder(text, isError) {
@@ -340,7 +342,13 @@ function showPlaceholder(text, isError) {
 }
 
 async function upload(file) {
-  const max = real.info ? real.info.max_upload_bytes : 5 * 1024 * 1024;
+  const failed = real.info ? null : await loadModelInfo(); // it did not load with the page (a busy server): again now
+  if (failed) {
+    $("real-status").textContent = `error: the model's blocks did not load (${failed}); choose the image again in a moment`;
+    $("real-status").classList.add("error");
+    return;
+  }
+  const max = real.info.max_upload_bytes;
   if (file.size > max) {
     $("real-status").textContent = `error: ${(file.size / 1048576).toFixed(1)} MB is over the ${(max / 1048576).toFixed(0)} MB limit; choose a smaller image`;
     $("real-status").classList.add("error");
