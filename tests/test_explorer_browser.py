@@ -325,3 +325,21 @@ def test_a_model_description_that_did_not_load_is_fetched_again(browser, server,
     assert page.locator("#block option").count() == 6 and page.locator("#head-grid figure").count() == 4
     assert not [p for p in problems if "503" not in p]  # the browser logs each 503 it was given
     page.close()
+
+
+def test_a_stopped_server_is_said_in_words(browser):
+    """With the server stopped (Ctrl-C), every control answered "error: Failed to fetch", the browser's words for
+    a request that got no HTTP answer."""
+    srv = ExplorerServer(("127.0.0.1", 0), ImageAttention(*build_model(None, None, 64)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    page, _, _ = open_page(browser, srv)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    srv.shutdown()
+    srv.server_close()
+    page.click("#heads button[data-value='2']")
+    wait_toy(page, "error:heads=2&cascade=1&groups=1&seed=0")
+    assert page.locator("#status").text_content() == (
+        "error: no answer from the explorer: is cgavit explore still running? (it also cuts off a request that takes "
+        "too long)"
+    )
+    page.close()

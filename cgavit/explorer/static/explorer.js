@@ -36,7 +36,12 @@ function $(id) { return document.getElementById(id); }
 function niceMax(v) { return Math.max(0.05, Math.ceil(v * 20 - 1e-9) / 20); }
 
 async function getJSON(url, init) {
-  const res = await fetch(url, init);
+  let res;
+  try {
+    res = await fetch(url, init);
+  } catch (err) { // no HTTP answer at all: the browser says only "Failed to fetch"
+    throw new Error("no answer from the explorer: is cgavit explore still running? (it also cuts off a request that takes too long)");
+  }
   let body = null;
   try { body = await res.json(); } catch (e) { body = null; }
   if (!res.ok) throw new Error((body && body.error) || `HTTP ${res.status}`);
