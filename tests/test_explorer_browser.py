@@ -343,3 +343,18 @@ def test_a_stopped_server_is_said_in_words(browser):
         "too long)"
     )
     page.close()
+
+
+def test_a_refused_setting_leaves_the_controls_on_what_is_shown(browser, server):
+    """A setting the server did not answer (here a 503 while busy) left its control pressed over the panels of
+    the previous one: "6 heads" selected above four heads' maps and bars."""
+    page, _, _ = open_page(browser, server)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    page.route("**/api/cga?heads=6*", lambda route: route.fulfill(
+        status=503, content_type="application/json", body='{"error": "the explorer is busy; retry in a moment"}'))
+    page.click("#heads button[data-value='6']")
+    wait_toy(page, "error:heads=6&cascade=1&groups=1&seed=0")
+    assert page.locator("#status").text_content() == "error: the explorer is busy; retry in a moment"
+    assert page.locator("#heads button[aria-pressed='true']").text_content() == "4"
+    check_matches_api(page, server, "heads=4&cascade=1&groups=1&seed=0", 0)
+    page.close()

@@ -74,6 +74,10 @@ async function refreshToy() {
     main.dataset.state = q;
   } catch (err) {
     if (seq !== toySeq) return;
+    if (toyData) { // the panels still show the last setting that was answered: so do the controls
+      Object.assign(state, { heads: toyData.heads, cascade: toyData.cascade, groups: toyData.groups, seed: toyData.seed });
+      renderControls();
+    }
     $("status").textContent = `error: ${err.message}`;
     $("status").classList.add("error");
     main.dataset.state = `error:${q}`;
