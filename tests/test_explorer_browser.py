@@ -358,3 +358,24 @@ def test_a_refused_setting_leaves_the_controls_on_what_is_shown(browser, server)
     assert page.locator("#heads button[aria-pressed='true']").text_content() == "4"
     check_matches_api(page, server, "heads=4&cascade=1&groups=1&seed=0", 0)
     page.close()
+
+
+def test_a_refused_block_leaves_the_controls_on_what_is_shown(browser, server, tmp_path):
+    """The image panel's twin of the test above: a block the server did not answer stayed selected over the
+    maps of the previous block, and "mean over queries" stayed pressed over one query's maps."""
+    page, _, _ = open_page(browser, server)
+    page.wait_for_selector("#block option", state="attached")
+    page.set_input_files("#upload", str(shapes_png(tmp_path / "refused.png")))
+    page.wait_for_selector('#real[data-state$="block=0&query=105"][data-busy="0"]', state="attached")
+    page.route("**/api/attention?*block=2*", lambda route: route.fulfill(
+        status=503, content_type="application/json", body='{"error": "the explorer is busy; retry in a moment"}'))
+    page.route("**/api/attention?*query=mean", lambda route: route.fulfill(
+        status=503, content_type="application/json", body='{"error": "the explorer is busy; retry in a moment"}'))
+    page.select_option("#block", "2")
+    page.wait_for_selector('#real[data-state^="error:"][data-state$="block=2&query=24"][data-busy="0"]', state="attached")
+    assert page.locator("#block").input_value() == "0"
+    page.click("#mode button[data-mode='mean']")
+    page.wait_for_selector('#real[data-state^="error:"][data-state$="block=0&query=mean"][data-busy="0"]', state="attached")
+    assert page.locator("#mode button[aria-pressed='true']").get_attribute("data-mode") == "query"
+    assert page.locator("#real-status").text_content() == "error: the explorer is busy; retry in a moment"
+    page.close()

@@ -417,6 +417,13 @@ async function refreshReal() {
     section.dataset.state = q;
   } catch (err) {
     if (seq !== realSeq) return;
+    if (real.data) { // the maps still show the last answered block and query: so do the controls
+      real.block = real.data.block;
+      real.mode = real.data.query === null ? "mean" : "query";
+      if (real.data.query !== null) real.query = real.data.query;
+      $("block").value = String(real.block);
+      markMode();
+    }
     $("real-status").textContent = `error: ${err.message}`;
     $("real-status").classList.add("error");
     section.dataset.state = `error:${q}`;
@@ -516,8 +523,12 @@ function pickToken(ev, cv) {
 
 function setMode(mode) {
   real.mode = mode;
-  for (const b of $("mode").children) b.setAttribute("aria-pressed", b.dataset.mode === mode ? "true" : "false");
+  markMode();
   refreshReal();
+}
+
+function markMode() {
+  for (const b of $("mode").children) b.setAttribute("aria-pressed", b.dataset.mode === real.mode ? "true" : "false");
 }
 
 /* ---------------------------------------------------------------- wiring */
