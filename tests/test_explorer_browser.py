@@ -379,3 +379,15 @@ def test_a_refused_block_leaves_the_controls_on_what_is_shown(browser, server, t
     assert page.locator("#mode button[aria-pressed='true']").get_attribute("data-mode") == "query"
     assert page.locator("#real-status").text_content() == "error: the explorer is busy; retry in a moment"
     page.close()
+
+
+@pytest.mark.parametrize("typed,seed", [("1e3", 1000), ("7.9", 7), ("99999999999", 2147483647)])
+def test_the_seed_is_the_number_typed(browser, server, typed, seed):
+    """The seed field is a number field, whose value "1e3" means 1000: the page read it with parseInt, as 1."""
+    page, _, _ = open_page(browser, server)
+    wait_toy(page, "heads=4&cascade=1&groups=1&seed=0")
+    page.fill("#seed", typed)
+    page.press("#seed", "Enter")
+    wait_toy(page, f"heads=4&cascade=1&groups=1&seed={seed}")
+    assert page.locator("#seed").input_value() == str(seed)
+    page.close()

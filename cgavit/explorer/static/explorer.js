@@ -545,8 +545,8 @@ function init() {
     refreshToy();
   });
   $("seed").addEventListener("change", (e) => {
-    const v = parseInt(e.target.value, 10);
-    state.seed = Number.isFinite(v) && v >= 0 ? Math.min(v, 2147483647) : 0;
+    const v = Number(e.target.value); // what the number field holds: "1e3" is 1000 (parseInt read 1)
+    state.seed = Number.isFinite(v) && v >= 0 ? Math.min(Math.floor(v), 2147483647) : 0;
     refreshToy();
   });
   $("reseed").addEventListener("click", () => {
