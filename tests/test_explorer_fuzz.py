@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import http.server
 import io
 import ipaddress
 import json
@@ -845,3 +846,16 @@ def test_host_may_be_an_ipv6_address_in_brackets(monkeypatch):
     monkeypatch.setattr(ExplorerServer, "serve_forever", lambda self, poll_interval=0.5: served.append(self.url))
     assert cli.main(["explore", "--port", "0", "--img-size", "64", "--host", "[::1]"]) == 0
     assert served and served[0].startswith("http://[::1]:")
+
+
+def test_a_second_server_on_the_same_port_is_refused(images, monkeypatch):
+    """Where the standard library's HTTPServer sets SO_REUSEPORT (Python 3.14.0a2, cpython#127319), a second explorer
+    on a port in use bound as well, and the kernel dealt requests out between the two servers, each with its own
+    model and uploads."""
+    monkeypatch.setattr(http.server.HTTPServer, "allow_reuse_port", True, raising=False)
+    first = ExplorerServer(("127.0.0.1", 0), images)
+    try:
+        with pytest.raises(OSError):
+            ExplorerServer(("127.0.0.1", first.server_address[1]), images).server_close()
+    finally:
+        first.server_close()

@@ -168,6 +168,9 @@ class ExplorerServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    # never SO_REUSEPORT (Python 3.14's alphas set it for every HTTPServer): a second explorer started on a port in use
+    # would bind too, and the kernel would deal the page's requests out between two servers with different models
+    allow_reuse_port = False
 
     def __init__(
         self,
