@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -391,3 +392,42 @@ def test_the_seed_is_the_number_typed(browser, server, typed, seed):
     wait_toy(page, f"heads=4&cascade=1&groups=1&seed={seed}")
     assert page.locator("#seed").input_value() == str(seed)
     page.close()
+
+
+class SlowAttention(ImageAttention):
+    """Attention that takes a while, as a large model's does (seconds at --img-size 4096), noting what was asked."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = []
+
+    def attention(self, image_id, block, query):
+        self.asked.append((block, query))
+        time.sleep(1.5)
+        return super().attention(image_id, block, query)
+
+
+def test_quick_clicks_ask_the_server_once_for_the_last(browser, tmp_path):
+    """Each click sent its own attention request, and the server computes one at a time: at --img-size 4096 (7 s a
+    request here) five quick clicks queued 35 s of work, and the last, the one the page waits for, was cut off at
+    the 30 s request limit. Clicks made while a request is in flight are now asked for together when it ends."""
+    images = SlowAttention(*build_model(None, None, 64))
+    srv = ExplorerServer(("127.0.0.1", 0), images)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        page, problems, _ = open_page(browser, srv)
+        page.wait_for_selector("#block option", state="attached")
+        page.set_input_files("#upload", str(shapes_png(tmp_path / "quick.png")))
+        page.wait_for_selector('#real[data-state$="block=0&query=10"][data-busy="0"]', state="attached")  # 4x4 tokens
+        canvas = page.locator("#head-grid canvas").first
+        box = canvas.bounding_box()
+        images.asked.clear()
+        for x, y in [(0.1, 0.1), (0.9, 0.1), (0.1, 0.9), (0.9, 0.9), (0.3, 0.3)]:  # tokens 0, 3, 12, 15, then 5
+            canvas.click(position={"x": box["width"] * x, "y": box["height"] * y})
+        page.wait_for_selector('#real[data-state$="block=0&query=5"][data-busy="0"]', state="attached")
+        assert images.asked[0] == (0, 0) and images.asked[-1] == (0, 5) and len(images.asked) <= 3  # not all five
+        assert problems == []
+        page.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -313,7 +313,8 @@ function renderSimBars(svg, box, sim, selected, mean) {
 
 /* ---------------------------------------------------------------- a real block over an image */
 const real = { info: null, imageId: null, preview: null, block: 0, mode: "query", query: null, data: null };
-let realSeq = 0;
+let realAsking = false; // an attention request is in flight
+let realAgain = false; // the block, mode or query changed while it was: its answer is stale, ask again
 
 /* the model and its blocks; returns null, or why they did not load */
 async function loadModelInfo() {
@@ -377,7 +378,7 @@ async function upload(file) {
     $("real-status").classList.add("error");
     section.dataset.state = "error";
   } finally {
-    section.dataset.busy = "0";
+    if (!realAsking) section.dataset.busy = "0";
   }
 }
 
@@ -392,20 +393,38 @@ function loadImage(src) {
 
 function blockInfo() { return real.info.blocks[real.block]; }
 
+/* One attention request at a time: a large model takes seconds a request and the server computes one at a time, so
+ * clicks that each sent their own request queued up there until the last was cut off at the request time limit.
+ * Changes made while one is in flight are asked for together, once it ends. */
 async function refreshReal() {
   if (!real.imageId) return;
+  if (realAsking) { realAgain = true; return; }
+  realAsking = true;
+  try {
+    do {
+      realAgain = false;
+      await askReal();
+    } while (realAgain);
+  } finally {
+    realAsking = false;
+    $("real").dataset.busy = "0";
+    $("real").classList.remove("busy");
+  }
+}
+
+/* the maps of the current block, mode and query; drawn unless they changed meanwhile */
+async function askReal() {
   const b = blockInfo();
   if (real.query === null || real.query >= b.grid[0] * b.grid[1]) {
     real.query = Math.floor(b.grid[0] / 2) * b.grid[1] + Math.floor(b.grid[1] / 2); // centre token
   }
   const q = `image=${real.imageId}&block=${real.block}&query=${real.mode === "mean" ? "mean" : real.query}`;
-  const seq = ++realSeq;
   const section = $("real");
   section.dataset.busy = "1";
   section.classList.add("busy");
   try {
     const data = await getJSON(`/api/attention?${q}`);
-    if (seq !== realSeq) return;
+    if (realAgain) return;
     real.data = data;
     renderReal();
     const s = $("real-status");
@@ -416,7 +435,7 @@ async function refreshReal() {
     s.textContent = `stage ${data.stage} · block ${data.block_in_stage}: ${what}; mean head similarity ${data.mean_similarity === null ? "–" : data.mean_similarity.toFixed(3)}${padText}`;
     section.dataset.state = q;
   } catch (err) {
-    if (seq !== realSeq) return;
+    if (realAgain) return;
     if (real.data) { // the maps still show the last answered block and query: so do the controls
       real.block = real.data.block;
       real.mode = real.data.query === null ? "mean" : "query";
@@ -427,8 +446,6 @@ async function refreshReal() {
     $("real-status").textContent = `error: ${err.message}`;
     $("real-status").classList.add("error");
     section.dataset.state = `error:${q}`;
-  } finally {
-    if (seq === realSeq) { section.dataset.busy = "0"; section.classList.remove("busy"); }
   }
 }
 
