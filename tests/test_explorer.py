@@ -189,6 +189,20 @@ def test_non_image_upload_400(server, body):
     assert status == 400 and d["error"]
 
 
+@pytest.mark.parametrize("content_type", ["multipart/form-data; boundary=XyZ", "Multipart/Mixed; boundary=XyZ",
+                                          "application/x-www-form-urlencoded"])
+def test_a_form_upload_says_to_send_the_file_itself(server, content_type):
+    """`curl -F file=@photo.png .../api/image`, the usual way to post a file, was told "cannot identify an image
+    format in it" of a PNG: the body was the form wrapping it."""
+    form = b"--XyZ\r\nContent-Disposition: form-data; name=file; filename=a.png\r\n\r\n" + png_bytes() + b"\r\n--XyZ--\r\n"
+    status, headers, data = request(server, "POST", "/api/image", form, {"Content-Type": content_type})
+    assert status == 415 and headers["Content-Type"] == "application/json"
+    assert json.loads(data)["error"] == ("send the image file itself as the request body (curl --data-binary @FILE), "
+                                         "not a form (curl -F)")
+    status, _, data = request(server, "POST", "/api/image", png_bytes(), {"Content-Type": "image/png"})
+    assert status == 200 and json.loads(data)["size"] == [224, 224]
+
+
 def test_upload_needs_length(server):
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
     conn.putrequest("POST", "/api/image")

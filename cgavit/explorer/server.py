@@ -8,13 +8,13 @@ Routes:
 * ``GET /api/cga?heads=H&cascade=0|1&groups=0|1&seed=S``: six tokens through a cascaded group
   attention (:class:`~cgavit.explorer.toy.ToyCGA`).
 * ``GET /api/model``: the real model behind the image panel and its blocks.
-* ``POST /api/image`` (body: the image file, at most 5 MB and 16 megapixels): validate, keep,
-  return an id.
+* ``POST /api/image`` (body: the image file itself, at most 5 MB and 16 megapixels; a form is refused, 415):
+  validate, keep, return an id.
 * ``GET /api/attention?image=ID&block=K&query=Q|mean``: that image's attention maps in block K.
 
 Every error is JSON ``{"error": "..."}``, also those the standard library sends itself: 400 (bad
 parameter, file or request), 403 (foreign Host or Origin, see :mod:`.guard`), 404, 405, 408, 411,
-413, 414, 431, 500, 501 and 503 (at a limit of :class:`~cgavit.explorer.limits.Limits`; retry).
+413, 414, 415, 431, 500, 501 and 503 (at a limit of :class:`~cgavit.explorer.limits.Limits`; retry).
 
 The server stays within its :class:`~cgavit.explorer.limits.Limits`: at most ``max_connections``
 connection threads (a burst waits briefly in a listen queue of ``listen_queue``, beyond that 503),
@@ -69,6 +69,7 @@ DRAIN_LIMIT = 4 * MAX_UPLOAD_BYTES  # read (and drop) a refused body up to this,
 STATIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # the page's files: flat, short names
 INTEGER = re.compile(r"(-?)[0-9]{1,18}")  # ASCII digits only: no "４", "4_0", "+4" or " 4"
 IMAGE_ID = re.compile(r"[0-9a-f]{16}")
+FORM_TYPES = ("application/x-www-form-urlencoded",)  # besides multipart/*: bodies that wrap an upload, never are one
 #: A client that hung up or stalled: routine, never a traceback in the log.
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
@@ -510,6 +511,12 @@ class ExplorerHandler(BaseHTTPRequestHandler):
     def _api_image(self, path: str, query: str) -> None:
         parse_query(query, {})
         size = self._content_length()
+        if self.headers.get_content_type() in FORM_TYPES or self.headers.get_content_maintype() == "multipart":
+            self._drain(size)  # its bytes are a form's, wrapping the file: its image would be "no image format" (400)
+            raise ApiError(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                "send the image file itself as the request body (curl --data-binary @FILE), not a form (curl -F)",
+            )
         if size > MAX_UPLOAD_BYTES:
             self._drain(size)
             raise ApiError(
