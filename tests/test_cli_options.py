@@ -295,6 +295,17 @@ def test_a_dial_that_is_no_list_of_numbers_says_how_to_write_one(flag, value, ca
     assert "_ints" not in err and "_floats" not in err, err
 
 
+def test_group_split_off_without_cascade_off_names_the_flags(tmp_path, capsys):
+    """--group-split off alone was refused with the model's 'set cascade=False too', a keyword no command takes."""
+    from cgavit.cli import main
+
+    out = tmp_path / "m.onnx"
+    assert main(["export", "--model", "efficientvit_m0", "--group-split", "off", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--group-split off (standard multi-head attention) needs --cascade off too" in err and "=False" not in err
+    assert not out.exists()
+
+
 def test_an_option_that_takes_a_list_may_be_given_none(capsys):
     """``info --model`` with no names (every variant) shares its name with the one-value --model of other commands."""
     from cgavit.cli import main

@@ -67,12 +67,20 @@ def add_dial_args(parser: argparse.ArgumentParser) -> None:
 
 
 def dials_from_args(args: argparse.Namespace) -> dict:
-    """The dials given on the command line, as keyword arguments for ``create_model``."""
+    """The dials given on the command line, as keyword arguments for ``create_model``.
+
+    Raises:
+        ValueError: ``--group-split off`` without ``--cascade off`` (the model's own refusal names its keyword
+            ``cascade=False``, not the flag).
+    """
     out = {}
     for _, dest, _, _ in _DIALS:
         value = getattr(args, dest, None)
         if value is not None:
             out[dest] = value if dest != "kernels" or isinstance(value, tuple) else (value,)
+    if out.get("group_split") is False and out.get("cascade", True):
+        raise ValueError("--group-split off (standard multi-head attention) needs --cascade off too: the cascade adds "
+                         "each head's output to the next head's channel group, which only --group-split on has")
     return out
 
 
