@@ -848,6 +848,17 @@ def test_host_may_be_an_ipv6_address_in_brackets(monkeypatch):
     assert served and served[0].startswith("http://[::1]:")
 
 
+def test_every_interface_prints_the_page_at_the_loopback_address(monkeypatch, capsys):
+    """Behind --host 0.0.0.0 the page's address was printed as http://0.0.0.0:PORT/, which names no host (browsers
+    refuse or stall on it); it is the loopback address, beside the warning that other machines can reach it."""
+    served = []
+    monkeypatch.setattr(ExplorerServer, "serve_forever", lambda self, poll_interval=0.5: served.append(self.url))
+    assert cli.main(["explore", "--port", "0", "--img-size", "64", "--host", "0.0.0.0"]) == 0
+    out = capsys.readouterr().out
+    assert served[0].startswith("http://127.0.0.1:") and f"CGA Explorer: {served[0]}" in out, out
+    assert "reachable from other machines" in out
+
+
 def test_a_second_server_on_the_same_port_is_refused(images, monkeypatch):
     """Where the standard library's HTTPServer sets SO_REUSEPORT (Python 3.14.0a2, cpython#127319), a second explorer
     on a port in use bound as well, and the kernel dealt requests out between the two servers, each with its own

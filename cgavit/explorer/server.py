@@ -201,7 +201,10 @@ class ExplorerServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        """The page's address on this machine: behind a wildcard bind, the loopback one (browsers refuse or stall on
+        ``http://0.0.0.0:PORT/``, which names no host; other machines use this one's own address)."""
         host, port = self.server_address[:2]
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}/"
 
