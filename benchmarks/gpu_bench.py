@@ -33,7 +33,7 @@ from cgavit.bench import timm_port
 from cgavit.deploy import fuse
 from cgavit.factory import create_model
 from cgavit.testing import randomize_, rel_err
-from cgavit.timing import round_robin
+from cgavit.timing import Timings, round_robin
 
 log = logging.getLogger("gpu_bench")
 ANCHOR = "timm port, compile"
@@ -79,22 +79,30 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
         return x.contiguous(memory_format=torch.channels_last)
 
     calls, reference = paths(name, args.size, batch(max(args.latency_batches)))
-    rows = {label: {"model": name, "path": label} for label in calls}
+    rows = {label: {"model": name, "path": label, "ms": {}} for label in calls}
     check = batch(8)
     with torch.no_grad():
         expected = reference(check.float())
         for label, fn in calls.items():
             rows[label]["rel_err_fp32"] = rel_err(fn(check).float(), expected)
-        for n in (args.batch, *args.latency_batches):
+        for n in dict.fromkeys((args.batch, *args.latency_batches)):  # a batch that is both is timed once
             x = batch(n)
             bound = {label: (lambda fn=fn: fn(x)) for label, fn in calls.items()}
-            timings = round_robin(bound, args.warmup, args.repeats, device="cuda")
-            for label, t in timings.items():
-                rows[label][n] = t.median_rate(n) if n == args.batch else 1e3 * statistics.median(t.seconds)
-    anchor = rows[ANCHOR][args.batch]
+            record(rows, n, round_robin(bound, args.warmup, args.repeats, device="cuda"), args)
+    anchor = rows[ANCHOR]["img_s"]
     for row in rows.values():
-        row["ratio"] = row[args.batch] / anchor
+        row["ratio"] = row["img_s"] / anchor
     return list(rows.values())
+
+
+def record(rows: dict[str, dict], n: int, timings: dict[str, Timings], args: argparse.Namespace) -> None:
+    """Batch ``n``'s timings into each path's row: images/s (``img_s``) at the throughput batch, ms per batch
+    (``ms[n]``) at a latency batch, both where ``n`` is both (``--batch 64`` with 64 among the latency batches)."""
+    for label, t in timings.items():
+        if n == args.batch:
+            rows[label]["img_s"] = t.median_rate(n)
+        if n in args.latency_batches:
+            rows[label]["ms"][n] = 1e3 * statistics.median(t.seconds)
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
@@ -103,9 +111,9 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         f"ms @{n}" for n in args.latency_batches) + " | rel err vs fp32 |"
     lines = [head, "|" + "---|" * (5 + len(args.latency_batches))]
     for r in rows:
-        lat = " | ".join(f"{r[n]:.2f}" for n in args.latency_batches)
+        lat = " | ".join(f"{r['ms'][n]:.2f}" for n in args.latency_batches)
         lines.append(
-            f"| {r['model']} | {r['path']} | {r[args.batch]:,.0f} | {r['ratio']:.2f} | {lat} "
+            f"| {r['model']} | {r['path']} | {r['img_s']:,.0f} | {r['ratio']:.2f} | {lat} "
             f"| {r['rel_err_fp32']:.1e} |"
         )
     return "\n".join(lines)

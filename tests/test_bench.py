@@ -1,7 +1,10 @@
 """`cgavit bench` smoke runs (tiny sizes, few repeats; no timing assertions)."""
 
+import argparse
 import contextlib
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,3 +429,23 @@ def test_the_throughput_axis_is_ticked_in_plain_numbers(tmp_path, monkeypatch):
              if t.get_text() and lo <= t.get_position()[0] <= hi]
     assert "1000" in ticks and "2000" in ticks and all(t.isdigit() for t in ticks), ticks
     plt.close(fig)
+
+
+def test_gpu_bench_keeps_throughput_and_latency_apart_when_one_batch_is_both():
+    """benchmarks/gpu_bench.py stored both figures of a batch under the batch's number: with --batch 64 and 64
+    among --latency-batches the ms per batch replaced the images/s, and the table's img/s and ratio were ms."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    args = argparse.Namespace(batch=64, latency_batches=[1, 64])
+    rows = {label: {"model": "efficientvit_m0", "path": label, "ms": {}, "rel_err_fp32": 0.0}
+            for label in (gpu_bench.ANCHOR, "cgavit fuse, compile")}
+    gpu_bench.record(rows, 1, {gpu_bench.ANCHOR: Timings([0.001]), "cgavit fuse, compile": Timings([0.0005])}, args)
+    gpu_bench.record(rows, 64, {gpu_bench.ANCHOR: Timings([0.032]), "cgavit fuse, compile": Timings([0.016])}, args)
+    anchor, ours = rows[gpu_bench.ANCHOR], rows["cgavit fuse, compile"]
+    assert anchor["img_s"] == pytest.approx(2000) and ours["img_s"] == pytest.approx(4000)  # 64 images per call
+    assert anchor["ms"] == pytest.approx({1: 1.0, 64: 32.0}) and ours["ms"] == pytest.approx({1: 0.5, 64: 16.0})
+    for row in rows.values():
+        row["ratio"] = row["img_s"] / anchor["img_s"]
+    assert "| efficientvit_m0 | cgavit fuse, compile | 4,000 | 2.00 | 0.50 | 16.00 |" in gpu_bench.table(list(rows.values()), args)
