@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import cgavit
-from cgavit.bench import BenchConfig, Result, format_table, run_bench, timm_port
+from cgavit.bench import BenchConfig, BenchProtocol, BenchReport, Result, format_table, run_bench, timm_port
 from cgavit.bench.candidates import PEERS_TOP1
+from cgavit.bench.report import environment
 from cgavit.bench.run import resolve_protocol
 from cgavit.cli import main
 from cgavit.info import count_macs
@@ -449,3 +450,15 @@ def test_gpu_bench_keeps_throughput_and_latency_apart_when_one_batch_is_both():
     for row in rows.values():
         row["ratio"] = row["img_s"] / anchor["img_s"]
     assert "| efficientvit_m0 | cgavit fuse, compile | 4,000 | 2.00 | 0.50 | 16.00 |" in gpu_bench.table(list(rows.values()), args)
+
+
+def test_a_gpu_run_records_and_titles_the_gpu_it_ran_on(monkeypatch):
+    """A --device cuda run's bench.json named only the host CPU, and its plot was titled with it: nothing said which
+    GPU the figures came from."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    env = environment(torch.device("cuda"))
+    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["cpu"] == environment()["cpu"]
+    assert "gpu" not in environment(torch.device("cpu"))
+    protocol = BenchProtocol(torch.device("cuda"), 1, 2048, "amp", (224, 224), 0, 1, ("efficientvit_m0",), ())
+    title = BenchReport(protocol, environment=env).plot_title()
+    assert title.startswith("NVIDIA H100 80GB HBM3 | cuda 1 thread(s), batch 2048, amp, 224px")

@@ -110,8 +110,8 @@ def format_training(rows: list[TrainingRow]) -> str:
     )
 
 
-def environment() -> dict[str, str]:
-    """CPU model, library versions and date, for the record."""
+def environment(device: torch.device | None = None) -> dict[str, str]:
+    """CPU model, on a CUDA ``device`` the GPU's name and CUDA version, library versions and date, for the record."""
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -120,7 +120,9 @@ def environment() -> dict[str, str]:
                 break
     except OSError:
         pass
-    return dict(cpu=cpu, torch=torch.__version__, timm=timm_version(), python=platform.python_version(),
+    on_gpu = device is not None and device.type == "cuda"
+    gpu = dict(gpu=torch.cuda.get_device_name(device), cuda=str(torch.version.cuda)) if on_gpu else {}
+    return dict(cpu=cpu, **gpu, torch=torch.__version__, timm=timm_version(), python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 

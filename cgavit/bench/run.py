@@ -160,10 +160,12 @@ class BenchReport:
         return rec
 
     def plot_title(self) -> str:
+        """The machine (the GPU on a GPU run, else the CPU), the protocol and the date."""
         p, env = self.protocol, self.environment
         h, w = p.img_size
         size = f"{h}px" if h == w else f"{h}x{w}px"
-        return (f"{env['cpu']} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision}, {size} | "
+        machine = env.get("gpu", env["cpu"])
+        return (f"{machine} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision}, {size} | "
                 f"{env['date']}")
 
 
@@ -306,7 +308,7 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
     if protocol.device.type == "cpu":  # what auto tries without calibration images (nothing built)
         report.auto_order = auto_candidates(cpu_features(), False, backend_available)
     done("table", report)
-    report.environment = environment()
+    report.environment = environment(protocol.device)
     if cfg.precision_check:
         run_precision_check(cfg, protocol, report)
         done("precision", report)
