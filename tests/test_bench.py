@@ -462,3 +462,11 @@ def test_a_gpu_run_records_and_titles_the_gpu_it_ran_on(monkeypatch):
     protocol = BenchProtocol(torch.device("cuda"), 1, 2048, "amp", (224, 224), 0, 1, ("efficientvit_m0",), ())
     title = BenchReport(protocol, environment=env).plot_title()
     assert title.startswith("NVIDIA H100 80GB HBM3 | cuda 1 thread(s), batch 2048, amp, 224px")
+
+
+def test_runtimes_on_a_gpu_are_refused(monkeypatch):
+    """--device cuda --runtimes openvino was accepted and the table held no OpenVINO row (the GPU table is torch's)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--runtimes openvino are CPU runtimes"):
+        resolve_protocol(BenchConfig(device="cuda", runtimes=("openvino",), peers=()))
+    assert resolve_protocol(BenchConfig(device="cuda", peers=())).batch == 2048  # onnx's default on: nothing asked

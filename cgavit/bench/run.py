@@ -229,11 +229,15 @@ def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
     """``cfg.runtimes`` (with ONNX Runtime first unless ``cfg.onnx`` is off), each checked to be installed.
 
     Raises:
-        ValueError: an unknown runtime, or one whose extra is not installed (says what to install).
+        ValueError: an unknown runtime, runtimes asked for on a GPU, or one whose extra is not installed (says what
+            to install).
     """
     unknown = [r for r in cfg.runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {', '.join(RUNTIMES)}")
+    if cfg.runtimes and cfg.device != "cpu":  # the GPU table is torch's alone: they would be left out without a word
+        raise ValueError(f"--runtimes {' '.join(cfg.runtimes)} are CPU runtimes, timed on --device cpu alone; on "
+                         f"--device {cfg.device} leave --runtimes out")
     if not cfg.onnx and "onnxruntime" in cfg.runtimes:
         raise ValueError("--no-onnx leaves ONNX Runtime out, and --runtimes asks for it; give one of them")
     names = (("onnxruntime",) if cfg.onnx else ()) + tuple(r for r in cfg.runtimes if cfg.onnx or r != "onnxruntime")

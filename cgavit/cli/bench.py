@@ -111,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip optimize()'s ONNX Runtime backend (its default on CPU for fp32)")
     p.add_argument("--train", action="store_true", help="also time training steps (forward+backward) vs timm's port, on the CPU")
     p.add_argument("--runtimes", nargs="+", default=[], choices=RUNTIMES, metavar="NAME",
-                   help=f"more runtimes to time beside torch: {', '.join(RUNTIMES)} (main table: fp32 rows; "
+                   help=f"more runtimes to time beside torch, on the CPU: {', '.join(RUNTIMES)} (main table: fp32 rows; "
                    "--precision-check: fp32, int8 and OpenVINO bf16); onnxruntime is on unless --no-onnx; "
                    "executorch and tflite take minutes to export")
     p.add_argument("--precision-check", action="store_true",
