@@ -470,3 +470,10 @@ def test_runtimes_on_a_gpu_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="--runtimes openvino are CPU runtimes"):
         resolve_protocol(BenchConfig(device="cuda", runtimes=("openvino",), peers=()))
     assert resolve_protocol(BenchConfig(device="cuda", peers=())).batch == 2048  # onnx's default on: nothing asked
+
+
+def test_peers_none_beside_a_peer_says_none_stands_alone(capsys):
+    """--peers none levit_128s said "unknown peer(s) ['none']; choose from ... or 'none'", refusing what it offered."""
+    assert main(["bench", "--models", "m0", "--peers", "none", "levit_128s", "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--peers none means no peers, and levit_128s was given beside it" in err and "unknown" not in err

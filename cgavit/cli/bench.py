@@ -31,7 +31,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         img_size=image_size(args.img_size),
         precision=args.precision,
         models=tuple(args.models),
-        peers=() if args.peers == ["none"] else tuple(args.peers),
+        peers=peers_from_args(args.peers),
         warmup=args.warmup,
         repeats=args.repeats,
         compile=not args.no_compile,
@@ -50,6 +50,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         train_batch=args.train_batch,
         out=args.out or None,
     )
+
+
+def peers_from_args(peers: list[str]) -> tuple[str, ...]:
+    """``--peers``: the names, or ``none`` alone for no peers."""
+    if "none" not in peers:
+        return tuple(peers)
+    if len(set(peers)) > 1:
+        raise ValueError(f"--peers none means no peers, and {' '.join(p for p in peers if p != 'none')} was given "
+                         "beside it; give none alone, or the peers to time")
+    return ()
 
 
 def print_section(section: str, report: BenchReport) -> None:
