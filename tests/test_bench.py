@@ -147,7 +147,7 @@ def test_a_size_taller_than_wide_builds_timms_port_with_our_windows(tmp_path):
 
 def test_options_the_run_would_ignore_are_refused():
     """Precision-check options without --precision-check, --no-onnx beside --runtimes onnxruntime, --train-batch
-    without --train: accepted and ignored (exit 0)."""
+    without --train, --batch with --skip-table --train alone: accepted and ignored (exit 0)."""
     for given, flag in ((dict(eval_images=5), "--eval-images"), (dict(calibration_images=3), "--calibration-images"),
                         (dict(train_split="nope"), "--train-split"), (dict(trust_checkpoint=True), "--trust-checkpoint")):
         with pytest.raises(ValueError, match=f"{flag} is read by --precision-check alone"):
@@ -157,6 +157,8 @@ def test_options_the_run_would_ignore_are_refused():
     with pytest.raises(ValueError, match="--train-batch is read by --train alone"):  # it timed the table, exit 0
         resolve_protocol(BenchConfig(train_batch=8))
     assert resolve_protocol(BenchConfig(train_batch=8, train=True)).batch == 16
+    with pytest.raises(ValueError, match="--train's batch is --train-batch"):  # it timed training at 64, exit 0
+        resolve_protocol(BenchConfig(batch=8, train=True, skip_table=True))
 
 
 def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):

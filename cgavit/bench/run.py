@@ -208,6 +208,9 @@ def resolve_protocol(cfg: BenchConfig) -> BenchProtocol:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     if cfg.train_batch != BenchConfig.train_batch and not cfg.train:
         raise ValueError("--train-batch is read by --train alone; add it, or leave --train-batch out")
+    if cfg.batch is not None and cfg.skip_table and not cfg.precision_check:  # it took 64 and said nothing
+        raise ValueError("--batch is the table's and the precision check's, and neither runs; --train's batch is "
+                         "--train-batch")
     if cfg.threads is not None:
         check_threads(cfg.threads)
     check_precision_inputs(cfg)
