@@ -122,7 +122,21 @@ def test_roofline_json_is_the_whole_output(capsys):
     assert main(["roofline", "--model", "m0", "--compare", "", "--batch", "1", "--img-size", "64", "--repeats", "1",
                  "--top", "3", "--peak-seconds", "0.05", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["setup"] == dict(batch=1, img_size=64, threads=1, repeats=1)
+    assert report["setup"] == dict(batch=1, img_size=64, threads=1, repeats=1, peak_gflops=None, bandwidth_gbs=None)
     assert report["peaks"]["flops"] > 0 and 0 < report["summaries"]["m0"]["memory_share"] < 1
     rows = report["operators"]["m0"]
     assert len(rows) == 3 and all(r["calls"] > 0 and r["bound"] in ("compute", "memory", "view") for r in rows)
+
+
+def test_roofline_json_says_which_peaks_were_given(capsys):
+    """With --peak-gflops or --bandwidth-gbs the JSON's peaks were the given figures, and nothing in it said they were
+    not this machine's measured ones (the line that says so is not printed with --json)."""
+    import json
+
+    from cgavit.cli import main
+
+    assert main(["roofline", "--model", "m0", "--compare", "", "--batch", "1", "--img-size", "32", "--repeats", "1",
+                 "--top", "1", "--peak-seconds", "0.05", "--peak-gflops", "94", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"]["peak_gflops"] == 94 and report["setup"]["bandwidth_gbs"] is None
+    assert report["peaks"]["flops"] == 94e9 and report["peaks"]["ridge"] == 94e9 / report["peaks"]["bandwidth"]

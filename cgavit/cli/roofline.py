@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         "operators that move no data (pure per-call overhead). Bytes assume every tensor is read and written "
         "once (caches ignored); times include each call's dispatch and profiler overhead.")
     if args.json:
-        setup = dict(batch=args.batch, img_size=args.img_size, threads=args.threads, repeats=args.repeats)
+        setup = dict(batch=args.batch, img_size=args.img_size, threads=args.threads, repeats=args.repeats,
+                     peak_gflops=args.peak_gflops, bandwidth_gbs=args.bandwidth_gbs)  # given in place of measured
         print(json.dumps(dict(setup=setup, peaks=peaks, summaries=summaries, operators=operators), indent=1))
     return 0
 
@@ -85,7 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="profiled forward passes (default 3)")
     p.add_argument("--top", type=int, default=20,
                    help="rows to print per model, slowest first: one per operator and input shapes (default 20)")
-    p.add_argument("--json", action="store_true", help="print only one JSON object: the peaks, each model's summary and its --top operator rows")
+    p.add_argument("--json", action="store_true", help="print only one JSON object: the setup (with the peaks given, "
+                   "null where measured), the peaks used, each model's summary and its --top operator rows")
     p.add_argument("--peak-seconds", type=float, default=1.0, help="seconds per peak micro-benchmark (default 1; best rate kept)")
     p.add_argument("--peak-gflops", type=float, help="use this fp32 peak (GFLOP/s) instead of the measured one")
     p.add_argument("--bandwidth-gbs", type=float, help="use this bandwidth (GB/s, read+write) instead of the measured one")
