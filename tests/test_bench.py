@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -479,3 +480,17 @@ def test_peers_none_beside_a_peer_says_none_stands_alone(capsys):
     assert main(["bench", "--models", "m0", "--peers", "none", "levit_128s", "--out", ""]) == 2
     err = capsys.readouterr().err
     assert "--peers none means no peers, and levit_128s was given beside it" in err and "unknown" not in err
+
+
+def test_a_missing_matplotlib_is_named_before_anything_is_measured(tmp_path, monkeypatch):
+    """Without matplotlib (timm installed by hand) the bench measured for minutes and then failed at the plot with a
+    ModuleNotFoundError traceback, writing neither bench.csv nor bench.json."""
+    from cgavit.bench import run
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it fails, as where it is not installed
+    monkeypatch.setattr(run, "measure_table", lambda *args, **kwargs: pytest.fail("measured before the plot was checked"))
+    cfg = BenchConfig(models=("m0",), peers=(), img_size=(32, 32), batch=1, warmup=0, repeats=1, compile=False,
+                      onnx=False, out=tmp_path / "out")
+    with pytest.raises(ValueError, match=r"the bench's plot needs matplotlib.*pip install 'cgavit\[bench\]'"):
+        run_bench(cfg)
+    assert not (tmp_path / "out").exists()

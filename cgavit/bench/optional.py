@@ -43,3 +43,13 @@ def matplotlib_agg() -> ModuleType:
     import matplotlib.ticker  # noqa: F401
 
     return matplotlib
+
+
+def check_plotting() -> None:
+    """Raise ``ValueError``, saying what to install, where matplotlib (the bench's plot) cannot be imported: before the
+    measuring, not after it, with nothing written."""
+    try:
+        matplotlib_agg()
+    except ImportError as err:
+        raise ValueError(f"the bench's plot needs matplotlib, which cannot be imported here ({err}); install it with "
+                         "pip install 'cgavit[bench]', or give --output '' to write no files") from None

@@ -19,6 +19,7 @@ from ..train.data import check_folder
 from ..weights import checked_path
 from .candidates import PEER_SIDE_MULTIPLE, PEERS_TOP1, Result, build_candidates, time_candidates
 from .ceiling import CeilingRow, fp32_ceilings
+from .optional import check_plotting
 from .precision import RUNTIMES, PrecisionRow, checkpoint_precision
 from .report import environment, write_report
 from .train_speed import TrainingRow, train_throughput
@@ -301,6 +302,8 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
     """
     protocol = resolve_protocol(cfg)
     if cfg.out is not None and (not cfg.skip_table or cfg.precision_check or cfg.train):
+        if not cfg.skip_table:  # the table's plot
+            check_plotting()
         make_folder(cfg.out, "bench output folder")  # checked before minutes of measuring
     torch.set_num_threads(protocol.threads)
     torch.manual_seed(0)
