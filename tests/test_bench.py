@@ -494,3 +494,19 @@ def test_a_missing_matplotlib_is_named_before_anything_is_measured(tmp_path, mon
     with pytest.raises(ValueError, match=r"the bench's plot needs matplotlib.*pip install 'cgavit\[bench\]'"):
         run_bench(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_onnxruntime_says_the_default_row_can_be_left_out(monkeypatch):
+    """Without ONNX Runtime a plain `cgavit bench` said only what to install, not that --no-onnx times without it."""
+    from cgavit.bench import run
+
+    def missing(name, precision="fp32"):
+        raise ValueError(f"{name} files need a runtime that is not installed: pip install 'cgavit[deploy]'")
+
+    monkeypatch.setattr(run, "require_format", missing)
+    with pytest.raises(ValueError, match=r"cgavit\[deploy\]'; or give --no-onnx to time without ONNX Runtime"):
+        resolve_protocol(BenchConfig(peers=()))
+    with pytest.raises(ValueError) as asked:  # asked for by name: leaving it out is no answer
+        resolve_protocol(BenchConfig(peers=(), runtimes=("onnxruntime",)))
+    assert "--no-onnx" not in str(asked.value)
+    assert resolve_protocol(BenchConfig(peers=(), onnx=False)).runtimes == ()

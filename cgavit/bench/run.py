@@ -247,7 +247,11 @@ def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
     names = (("onnxruntime",) if cfg.onnx else ()) + tuple(r for r in cfg.runtimes if cfg.onnx or r != "onnxruntime")
     names = tuple(dict.fromkeys(names))
     for name in names if cfg.device == "cpu" else ():
-        require_format(runtime_format(name).name)
+        try:
+            require_format(runtime_format(name).name)
+        except ValueError as err:  # the default ONNX Runtime row, not asked for: it can be left out
+            asked = name in cfg.runtimes
+            raise ValueError(f"{err}{'' if asked else '; or give --no-onnx to time without ONNX Runtime'}") from None
     return names
 
 
