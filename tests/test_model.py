@@ -243,6 +243,10 @@ def test_info_cli(capsys):
     out = capsys.readouterr().out
     assert "efficientvit_m0" in out and "2.35" in out and "efficientvit_m1" not in out
     assert main(["info", "--model", "nope"]) == 2
+    capsys.readouterr()
+    assert main(["info", "--model", "m0", "--img-size", "96"]) == 0  # the top-1 is 224 px's, not a figure at 96 px
+    out = capsys.readouterr().out
+    assert "counted on the models at 96x96" in out and "top-1 is the published ImageNet-1k figure at 224x224" in out
 
 
 def test_no_batchnorm_in_attention_core_is_shared():

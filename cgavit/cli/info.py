@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
             f"{r['model']:<17}{r['params_m']:>10.2f}{r['macs_m']:>9.0f}{r['top1']:>7.1f}  "
             f"{','.join(map(str, r['widths'])):<14}{','.join(map(str, r['depths'])):<9}{','.join(map(str, r['heads']))}"
         )
-    print("params and MACs are counted on the models (torch.utils.flop_counter); top-1 is the published ImageNet-1k figure.")
+    print(f"params and MACs are counted on the models at {size[0]}x{size[1]} (torch.utils.flop_counter); top-1 is the "
+          "published ImageNet-1k figure at 224x224, whatever size the table is counted at.")
     return 0
 
 
