@@ -519,3 +519,16 @@ def test_runtimes_no_row_would_time_are_refused():
         with pytest.raises(ValueError, match="--runtimes openvino are timed in the main table's fp32 rows"):
             resolve_protocol(BenchConfig(runtimes=("openvino",), peers=(), **given))
     assert resolve_protocol(BenchConfig(precision="bf16", peers=())).precision == "bf16"  # onnx's default: nothing asked
+
+
+def test_a_cpu_bf16_run_says_the_baselines_ran_fp32():
+    """On the CPU --precision bf16 is our optimize() rows' alone, the port and the peers running fp32; the protocol
+    line and the plot's title said plain "bf16" over every point."""
+    cpu = BenchProtocol(torch.device("cpu"), 1, 16, "bf16", (224, 224), 0, 1, ("efficientvit_m0",), ())
+    env = dict(cpu="AMD EPYC", date="2026-12-07 17:00 UTC")
+    assert "batch 16, bf16 (ours; timm's fp32), 224x224" in cpu.describe()
+    assert "batch 16, bf16 (ours; timm's fp32), 224px" in BenchReport(cpu, environment=env).plot_title()
+    gpu = BenchProtocol(torch.device("cuda"), 1, 2048, "bf16", (224, 224), 0, 1, ("efficientvit_m0",), ())
+    assert "batch 2048, bf16, 224x224" in gpu.describe()  # on a GPU every row runs under bf16 autocast
+    fp32 = BenchProtocol(torch.device("cpu"), 1, 16, "fp32", (224, 224), 0, 1, ("efficientvit_m0",), ())
+    assert "batch 16, fp32, 224x224" in fp32.describe()

@@ -111,12 +111,18 @@ class BenchProtocol:
         return dict(device=self.device.type, threads=self.threads, batch=self.batch, precision=self.precision,
                     img_size=list(self.img_size), warmup=self.warmup, repeats=self.repeats)
 
+    def precision_text(self) -> str:
+        """The table's precision: on the CPU a reduced one is our ``optimize()`` rows' alone, timm's running fp32."""
+        if self.device.type == "cuda" or self.precision == "fp32":  # on a GPU every row runs under its autocast
+            return self.precision
+        return f"{self.precision} (ours; timm's fp32)"
+
     def describe(self, sized: bool = True) -> str:
         """One line: device, threads, batch, precision, size (``sized=False``: the checkpoint's, for a precision
         check alone), rounds."""
         h, w = self.img_size
         size = f"{h}x{w}" if sized else "the checkpoint's image size"
-        return (f"protocol: {self.device.type}, {self.threads} thread(s), batch {self.batch}, {self.precision}, "
+        return (f"protocol: {self.device.type}, {self.threads} thread(s), batch {self.batch}, {self.precision_text()}, "
                 f"{size}, {self.warmup} warm-up + {self.repeats} timed rounds (round-robin), BatchNorm fused, grad off")
 
 
@@ -166,7 +172,7 @@ class BenchReport:
         h, w = p.img_size
         size = f"{h}px" if h == w else f"{h}x{w}px"
         machine = env.get("gpu", env["cpu"])
-        return (f"{machine} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision}, {size} | "
+        return (f"{machine} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision_text()}, {size} | "
                 f"{env['date']}")
 
 
