@@ -515,8 +515,9 @@ def test_a_missing_onnxruntime_says_the_default_row_can_be_left_out(monkeypatch)
 def test_runtimes_no_row_would_time_are_refused():
     """--precision bf16 --runtimes openvino (the runtime rows are fp32) or --skip-table --train --runtimes openvino:
     accepted, and the run held no OpenVINO row."""
-    for given in (dict(precision="bf16"), dict(skip_table=True, train=True)):
-        with pytest.raises(ValueError, match="--runtimes openvino are timed in the main table's fp32 rows"):
+    for given, fix in ((dict(precision="bf16"), "the table runs bf16\\); give --precision fp32"),
+                       (dict(skip_table=True, train=True), "the table is skipped\\); give --precision-check")):
+        with pytest.raises(ValueError, match=f"--runtimes openvino are timed in the main table's fp32 rows.*{fix}"):
             resolve_protocol(BenchConfig(runtimes=("openvino",), peers=(), **given))
     assert resolve_protocol(BenchConfig(precision="bf16", peers=())).precision == "bf16"  # onnx's default: nothing asked
 

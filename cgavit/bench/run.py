@@ -250,8 +250,10 @@ def resolve_runtimes(cfg: BenchConfig) -> tuple[str, ...]:
                          f"--device {cfg.device} leave --runtimes out")
     fp32_table = not cfg.skip_table and cfg.precision in (None, "fp32")
     if cfg.runtimes and not (fp32_table or cfg.precision_check):  # no row would time them
+        why = "the table is skipped" if cfg.skip_table else f"the table runs {cfg.precision}"
+        fix = "--precision-check" if cfg.skip_table else "--precision fp32"
         raise ValueError(f"--runtimes {' '.join(cfg.runtimes)} are timed in the main table's fp32 rows and by "
-                         f"--precision-check, and this run has neither; give --precision fp32, or leave --runtimes out")
+                         f"--precision-check, and this run has neither ({why}); give {fix}, or leave --runtimes out")
     if not cfg.onnx and "onnxruntime" in cfg.runtimes:
         raise ValueError("--no-onnx leaves ONNX Runtime out, and --runtimes asks for it; give one of them")
     names = (("onnxruntime",) if cfg.onnx else ()) + tuple(r for r in cfg.runtimes if cfg.onnx or r != "onnxruntime")
