@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import cgavit
-from cgavit.layers import BNLinear, ConvBN
+from cgavit.layers import BNLinear, ConvBN, Residual
 from cgavit.testing import randomize_, rel_err
 
 
@@ -130,3 +130,18 @@ def test_statistics_drawn_from_images_make_the_logits_depend_on_the_image():
         assert rel_err(model(other), model(x)) > 0.1
         assert rel_err(model(x.flip(3)), model(x)) > 0.1
         assert rel_err(cgavit.fuse(model)(x), model(x)) <= 1e-4
+
+
+def test_a_fused_model_set_to_train_gives_its_eval_mode_logits():
+    """A fused model kept the residuals' stochastic depth (the head's dropout was folded away): set to train, as a
+    teacher inside a module being trained is, it dropped branches at random, and a distilled one gave a pair."""
+    torch.manual_seed(0)
+    model = randomize_(cgavit.create_model("m0", num_classes=4, img_size=64, distillation=True, drop_path_rate=0.3,
+                                           **SMALL), 1).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = model(x)
+        fused = cgavit.fuse(model).train()
+        for _ in range(3):
+            assert rel_err(fused(x), expected) <= 1e-5
+    assert model.distilled_training and any(m.drop > 0 for m in model.modules() if isinstance(m, Residual))  # untouched

@@ -11,7 +11,8 @@ from torch import nn
 
 from ..attention import CascadedGroupAttention, LocalWindowAttention
 from ..fast import swap_fast_modules
-from ..layers import BNLinear, ConvBN
+from ..layers import BNLinear, ConvBN, Residual
+from ..model import EfficientViT
 
 FUSABLE = (ConvBN, BNLinear, CascadedGroupAttention)
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -33,7 +34,8 @@ def fuse(model: nn.Module) -> nn.Module:
     Conv-BN pairs become one ``nn.Conv2d``, BN+Linear heads one ``nn.Linear``, and each attention's
     relative-position bias is gathered once into a buffer. ``model`` itself is not modified;
     fusing an already fused model changes nothing. The copy is an inference form: its parameters are
-    frozen (``requires_grad`` False), since training would need the BatchNorms it no longer has.
+    frozen (``requires_grad`` False), since training would need the BatchNorms it no longer has, and in training
+    mode too it computes what it computes in eval mode (stochastic depth off, a distilled network's two heads averaged).
 
     Raises:
         ValueError: if a BatchNorm remains that is not part of a Conv-BN or BN-Linear pair.
@@ -53,7 +55,20 @@ def fuse(model: nn.Module) -> nn.Module:
         raise ValueError(f"these BatchNorm layers have no conv/linear to fold into: {left}")
     for p in fused.parameters():
         p.requires_grad_(False)
-    return fused.to(dtype)
+    return _inference_only(fused).to(dtype)
+
+
+def _inference_only(model: nn.Module) -> nn.Module:
+    """Turn off, in place, what ``model`` does only in training mode: every residual's stochastic depth, and a
+    distilled network's pair of logits (it gives their mean); returns ``model``. The head's dropout is already gone
+    once folded, so a fused model set to train (a teacher inside a module being trained) kept dropping residual
+    branches at random, and a distilled one gave two heads' logits."""
+    for m in model.modules():
+        if isinstance(m, Residual):
+            m.drop = 0.0
+        elif isinstance(m, EfficientViT):
+            m.set_distilled_training(False)
+    return model
 
 
 def fused_fp32(model: nn.Module) -> nn.Module:
