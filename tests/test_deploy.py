@@ -452,6 +452,19 @@ def test_optimize_refuses_what_is_not_a_model_in_one_line():
                 optimize(model, x, precision, compile=False)
 
 
+
+def test_a_features_only_model_is_refused_by_optimize_and_export_before_anything_is_written(tmp_path):
+    """A features_only model returns a list of maps: optimize failed with an AttributeError from its check, and an
+    ONNX export wrote a file whose runtime returned the first map alone, as if it were the model's output."""
+    features = randomize_(cgavit.create_model("efficientvit_m0", img_size=64, features_only=True, **TINY)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    for backend in ("torch", "onnxruntime"):
+        with pytest.raises(ValueError, match="optimize takes a model that returns one tensor.*features_only"):
+            optimize(features, x, backend=backend, compile=False)
+    with pytest.raises(ValueError, match="an export takes a model that returns one tensor.*num_classes=0, global_pool=''"):
+        cgavit.deploy.export_model(features, tmp_path / "features", "onnx", img_size=64)
+    assert not list(tmp_path.iterdir())
+
 def test_fast_modules_stay_frozen_like_the_fused_model():
     """fuse freezes every parameter, and swap_fast_modules' new convs required gradients again: a call outside
     no_grad built an autograd graph and gave logits that require grad (``.numpy()`` refused them)."""

@@ -23,7 +23,7 @@ from .agreement import Agreement, batched_logits, compare_logits
 from .artifact import QuantizedArtifact, quantized_artifact
 from .auto import auto_candidates, precision_warning, untried_paths
 from .cpu import CpuFeatures, cpu_features
-from .fusion import fused_fp32
+from .fusion import check_one_output, fused_fp32
 from .int8 import fastest_float_part
 from .metadata import model_classes
 from .formats import runtime_format
@@ -225,9 +225,10 @@ def _check_switches(switches: dict[str, object], features: object) -> None:
 
 
 def _check_model(model: object) -> None:
-    """Refuse what is not a model instance (a variant's name, a class) in one line, not an AttributeError from deep
-    inside the first step that reads its weights."""
+    """Refuse what is not a model instance (a variant's name, a class), or a model of several outputs, in one line,
+    not an AttributeError from deep inside the first step that reads its weights or its logits."""
     if isinstance(model, nn.Module):
+        check_one_output(model, "optimize")
         return
     if isinstance(model, str):
         hint = f": a name; build the model first, e.g. cgavit.create_model({model!r}, pretrained=True)"

@@ -27,7 +27,7 @@ from .agreement import Agreement, batched_logits, compare_logits
 from .executorch import ExecutorchModule, executorch_path, executorch_problem, export_executorch
 from .onnx import OnnxModule, export_onnx, onnxruntime_path, onnxruntime_problem, quantize_onnx
 from .openvino import OpenVinoModule, export_openvino, openvino_path, openvino_problem
-from .fusion import example_batch, fuse, fused_fp32, named_output
+from .fusion import check_one_output, example_batch, fuse, fused_fp32, named_output
 from .cpu import architecture, cpu_features
 from .int8 import Int8Options, architecture_warning, float_part_warning, weight_range_warning
 from .metadata import ExportInfo, check_info_outputs, export_info
@@ -172,7 +172,8 @@ def export_model(
             or ``batch`` where they would be ignored (fp32; ExecuTorch; a batch in ONNX or OpenVINO), a ``batch`` that
             is not a whole number of at least 1; a missing
             output folder; a name ending in another format's suffix; ``info`` naming other than one class per model
-            output, or holding a value cgavit would refuse when reading the file (:func:`export_metadata`).
+            output, or holding a value cgavit would refuse when reading the file (:func:`export_metadata`); a
+            ``features_only`` model (:func:`~cgavit.deploy.fusion.check_one_output`).
     """
     fmt = require_format(format, precision)
     img_size = image_size_pair(img_size)
@@ -181,6 +182,7 @@ def export_model(
     if info is not None and not isinstance(info, (ExportInfo, ModelInfo)):
         raise ValueError(f"info must be an ExportInfo, or the ModelInfo load_model returns; got {type(info).__name__}")
     path = named_output(path, fmt.suffix, f"a file for {fmt.runtime}")
+    check_one_output(model, "an export")
     check_info_outputs(info, model)  # checked before anything is written
     info = export_metadata(info, format, img_size, getattr(model, "in_chans", 3))
     model = fused_fp32(model)  # as optimize exports: a bf16 or fp16 model's graph in float32, the images' dtype

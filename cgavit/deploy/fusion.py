@@ -12,7 +12,7 @@ from torch import nn
 from ..attention import CascadedGroupAttention, LocalWindowAttention
 from ..fast import swap_fast_modules
 from ..layers import BNLinear, ConvBN, Residual
-from ..model import EfficientViT
+from ..model import EfficientViT, FeatureMaps
 
 FUSABLE = (ConvBN, BNLinear, CascadedGroupAttention)
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -91,6 +91,20 @@ def export_form(model: nn.Module, img_size: tuple[int, int], fold_residuals: boo
     if any(isinstance(m, LocalWindowAttention) for m in fused.modules()):
         swap_fast_modules(fused, img_size=img_size, fold_residuals=fold_residuals)
     return fused
+
+
+def check_one_output(model: nn.Module, what: str) -> None:
+    """Refuse, for ``what`` (``"optimize"``, ``"an export"``), a ``features_only`` model: it returns a list of maps,
+    one per stage, where every fast path and file gives one tensor (an ONNX file's runtime returned the first map
+    alone, and optimize's check failed with an AttributeError).
+
+    Raises:
+        ValueError: ``model`` is a :class:`~cgavit.model.FeatureMaps`.
+    """
+    if isinstance(model, FeatureMaps):
+        raise ValueError(f"{what} takes a model that returns one tensor, and a features_only model returns one map "
+                         "per stage: build it with num_classes=0, global_pool='' for the last stage's map, or run "
+                         "cgavit.fuse(model) for every map in PyTorch")
 
 
 def example_batch(model: nn.Module, img_size: tuple[int, int], batch: int = 2) -> torch.Tensor:
