@@ -51,6 +51,7 @@ def fit_state_dict(
     sd = convert_state_dict(check_state_dict(sd, source))
     report: dict[str, list[str]] = {"skipped": [], "resized": [], "missing": []}
     _drop_foreign_heads(sd, target, report, num_classes)
+    _refuse_fused(sd, target, source)
     for key, value in list(sd.items()):
         if key not in target:
             raise CheckpointError(
@@ -67,7 +68,20 @@ def fit_state_dict(
     return sd, report
 
 
+def _refuse_fused(sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], source: str) -> None:
+    """Refuse a fused model's state dict for a model that is not fused, naming it as such (its first key was
+    refused as another architecture's)."""
+    fused = next((key for key in sd if key.endswith(FUSED_BIAS) and key not in target), None)
+    if fused is not None:
+        raise CheckpointError(f"{source} holds a fused model's tensors ({shown(fused)}: cgavit.fuse folded its "
+                              "BatchNorms into the convs), which no model loads; save the model before fusing it "
+                              "(torch.save(model.state_dict(), ...) or cgavit.save_weights), and fuse after loading")
+
+
 FIRST_CONV = "patch_embed.conv1.conv.weight"
+#: The key of a fused attention's expanded bias (:class:`~cgavit.attention.FusedCascadedGroupAttention`): only a
+#: fused model's state dict has it.
+FUSED_BIAS = ".attn.bias_full"
 
 
 def adapt_first_conv(sd: Mapping[str, torch.Tensor], in_chans: int) -> dict[str, torch.Tensor]:

@@ -321,6 +321,15 @@ def test_what_cannot_be_loaded_back_is_not_saved(tmp_path):
         cgavit.create_model("m0", img_size=4100)
 
 
+
+def test_a_fused_models_state_dict_is_named_as_such_when_loaded(tmp_path):
+    """torch.save(cgavit.fuse(model).state_dict()) loaded back was refused as "another architecture?", naming its
+    first conv, which sent the user looking for a wrong variant or dial."""
+    path = tmp_path / "fused.pth"
+    torch.save(cgavit.fuse(cgavit.create_model("m0", img_size=64)).state_dict(), path)
+    with pytest.raises(CheckpointError, match=r"holds a fused model's tensors .*save the model before fusing it"):
+        cgavit.create_model("m0", img_size=64, checkpoint_path=path)
+
 def test_load_checkpoint_takes_what_torch_load_returns():
     """A file's {"model": ...} or DDP-prefixed dict loaded from disk, but the same dict in memory was refused."""
     src = randomize_(cgavit.create_model("m0"), 3).eval()
