@@ -150,8 +150,7 @@ def export_model(
     ``path`` (atomically); returns the path written.
 
     Args:
-        model: the model (fused by the exporter, in float32 whatever its own dtype: a bf16 or fp16 model's file takes
-            float32 images, as every export does).
+        model: the model, fused by the exporter in float32 whatever its own dtype (every file takes float32 images).
         path: the output file, ``NAME`` or ``NAME`` with the format's suffix (:attr:`ExportFormat.suffix`, added
             where it is missing; OpenVINO writes ``NAME.bin`` beside ``NAME.xml``).
         format: a key of :data:`FORMATS`.
@@ -170,10 +169,9 @@ def export_model(
     Raises:
         ValueError: see :func:`require_format`; a bad size; int8 without calibration, or fp32 with it; ``options``
             or ``batch`` where they would be ignored (fp32; ExecuTorch; a batch in ONNX or OpenVINO), a ``batch`` that
-            is not a whole number of at least 1; a missing
-            output folder; a name ending in another format's suffix; ``info`` naming other than one class per model
-            output, or holding a value cgavit would refuse when reading the file (:func:`export_metadata`); a
-            ``features_only`` model (:func:`~cgavit.deploy.fusion.check_one_output`).
+            is not a whole number of at least 1; a missing output folder; a name ending in another format's suffix;
+            ``info`` naming other than one class per model output, or holding a value cgavit would refuse when reading
+            the file (:func:`export_metadata`); a ``features_only`` model (a list of maps).
     """
     fmt = require_format(format, precision)
     img_size = image_size_pair(img_size)
