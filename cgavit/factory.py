@@ -34,7 +34,7 @@ from .schema import (
     parse_weights_meta,
     training_meta,
 )
-from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, resolve_name
+from .variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, channel_normalisation, resolve_name
 from .weights import EMA_KEYS, WeightsFile, read_state_dict, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,8 @@ def _build(meta: WeightsMeta, img_size: int | tuple[int, int]) -> EfficientViT:
     (where timm's ``resolve_data_config({}, model=m)`` reads it, as :class:`ModelInfo` gives it)."""
     model = EfficientViT(meta.config, num_classes=meta.num_classes, img_size=img_size, in_chans=meta.in_chans,
                          distillation=meta.distillation, name=meta.model or "", global_pool=meta.global_pool)
-    model.pretrained_cfg = dict(model.pretrained_cfg, mean=tuple(meta.mean), std=tuple(meta.std), crop_pct=meta.crop_pct,
+    mean, std = channel_normalisation(meta.mean, meta.std, meta.in_chans)  # three would not fit its images
+    model.pretrained_cfg = dict(model.pretrained_cfg, mean=mean, std=std, crop_pct=meta.crop_pct,
                                 interpolation=meta.interpolation)
     return model
 

@@ -17,6 +17,16 @@ from .reallocation import allocation_dials, allocation_of, value_width
 IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
 
+
+def channel_normalisation(mean: Sequence[float], std: Sequence[float],
+                          in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(mean, std)`` for a network of ``in_chans`` input channels: three values (RGB's, ImageNet's) become their
+    averages, one value for every channel, where the network takes other than 3; any other values are kept."""
+    if in_chans != 3 and len(mean) == 3 and len(std) == 3:
+        return (sum(mean) / 3,), (sum(std) / 3,)
+    return tuple(mean), tuple(std)
+
+
 #: Inclusive ``(low, high)`` bounds of each entry of the integer architecture fields. The highs are
 #: far above any published or studied model; they stop a typo or a hostile file from asking for
 #: gigabytes before anything is built.
@@ -219,9 +229,11 @@ def pretrained_cfg(name: str, num_classes: int = 1000, img_size: tuple[int, int]
 
     The keys are timm's, so ``timm.data.resolve_data_config({}, model=m)`` and ``create_transform``
     give this package's preprocessing: bicubic resize to ``img_size / crop_pct``, centre crop,
-    ImageNet mean/std (the official evaluation uses crop_pct 0.875).
+    ImageNet mean/std (the official evaluation uses crop_pct 0.875), averaged to one value for every channel for
+    ``in_chans`` other than 3 (:func:`channel_normalisation`: three values would not fit its images).
     """
     info = VARIANTS.get(name)
+    mean, std = channel_normalisation(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, in_chans)
     return dict(
         url=info.url if info else "",
         architecture=name,
@@ -231,8 +243,8 @@ def pretrained_cfg(name: str, num_classes: int = 1000, img_size: tuple[int, int]
         interpolation="bicubic",
         crop_pct=0.875,
         crop_mode="center",
-        mean=IMAGENET_DEFAULT_MEAN,
-        std=IMAGENET_DEFAULT_STD,
+        mean=mean,
+        std=std,
         num_classes=num_classes,
         first_conv="patch_embed.conv1.conv",
         classifier="head.linear",

@@ -59,6 +59,25 @@ def test_a_loaded_model_gives_timm_the_preprocessing_its_file_records(tmp_path):
     assert cfg["mean"] == (0.5, 0.4, 0.3) and cfg["crop_pct"] == 1.0 and cfg["input_size"] == (3, 64, 64)
 
 
+@pytest.mark.parametrize("made", ["create_model", "load_model"])
+def test_timms_transform_from_pretrained_cfg_feeds_a_grey_model(made, tmp_path):
+    """A model built for 1 input channel kept the three RGB means and stds in its pretrained_cfg, so timm's
+    transform, made from it, raised on the grey images it was for (a (1, H, W) tensor against three means)."""
+    from PIL import Image
+
+    model = cgavit.create_model("m0", in_chans=1, img_size=64, **SMALL).eval()
+    if made == "load_model":
+        cgavit.save_weights(model, tmp_path / "grey.safetensors")
+        model, _ = cgavit.load_model(tmp_path / "grey.safetensors")
+    cfg = timm.data.resolve_data_config({}, model=model)
+    assert cfg["mean"] == (pytest.approx(sum(IMAGENET_DEFAULT_MEAN) / 3),)
+    assert cfg["std"] == (pytest.approx(sum(IMAGENET_DEFAULT_STD) / 3),)
+    grey = Image.fromarray(np.random.default_rng(0).integers(0, 256, (80, 90), dtype=np.uint8), "L")
+    x = timm.data.create_transform(**cfg)(grey)
+    assert tuple(x.shape) == (1, 64, 64)
+    assert model(x[None]).shape == (1, 1000)
+
+
 def test_core_constants_equal_timms():
     assert IMAGENET_DEFAULT_MEAN == timm.data.IMAGENET_DEFAULT_MEAN
     assert IMAGENET_DEFAULT_STD == timm.data.IMAGENET_DEFAULT_STD

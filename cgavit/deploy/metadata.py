@@ -20,7 +20,7 @@ from importlib import metadata
 
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..schema import MEAN_RANGE, STD_RANGE, bounded_floats, bounded_json, check_class_names, check_name, shown
-from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, channel_normalisation
 from .int8 import FLOAT_PARTS, Int8Options, weight_range_label
 from .runtime import runtime_reason
 
@@ -154,15 +154,6 @@ def export_info(info: object | None, size: tuple[int, int], in_chans: int = 3) -
         raise ValueError(f"{len(made.mean)} mean and {len(made.std)} std values for a {in_chans}-channel network: give "
                          f"one value, or one per channel, of each")
     return made
-
-
-def channel_normalisation(mean: Sequence[float], std: Sequence[float],
-                          in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """``(mean, std)`` for a network of ``in_chans`` input channels: three values (RGB's, ImageNet's) become their
-    averages, one value for every channel, where the network takes other than 3; any other values are kept."""
-    if in_chans != 3 and len(mean) == 3 and len(std) == 3:
-        return (sum(mean) / 3,), (sum(std) / 3,)
-    return tuple(mean), tuple(std)
 
 
 def model_classes(model: object) -> int | None:

@@ -22,11 +22,11 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..classes import check_classes, model_indices, same_classes
 from ..deploy import FORMATS, ExportInfo, open_exported
 from ..deploy.formats import SUFFIX_FORMATS, ExportFormat, format_of_head
-from ..deploy.metadata import channel_normalisation
 from ..factory import ModelInfo, UnrecordedArchitecture, load_model
 from ..imagenet import class_names, imagenet_classes
 from ..images import SkippedImages
 from ..io import CheckpointError, DataError, sniff_format
+from ..variants import channel_normalisation
 from ..weights import save_weights
 from . import checkpoint as ckpt_io
 from .config import BOUNDS, TrainConfig
@@ -190,7 +190,7 @@ def eval_transform(info: ModelInfo, channels: int, size: int, crop_pct: float, i
     """The evaluation transform (PIL image -> ``(channels, size, size)``) of a model taking ``channels``-channel
     images: each image read as greyscale (Pillow's ``'L'``) for 1 channel, as RGB for 3, then resized, cropped and
     normalised by ``info``'s mean and std (three for one channel averaged, as its export records them:
-    :func:`~cgavit.deploy.metadata.channel_normalisation`).
+    :func:`~cgavit.variants.channel_normalisation`).
 
     Raises:
         ValueError: another channel count: the commands read images as greyscale or RGB.
