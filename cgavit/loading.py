@@ -25,7 +25,7 @@ from .model import convert_state_dict
 from .schema import (check_finite, check_state_dict, check_tensor, check_training_checkpoint, is_training_checkpoint,
                      is_weights_meta, parse_weights_meta, shown, training_meta)
 from .variants import EfficientViTConfig
-from .weights import WeightsFile, is_fused, read_weights_file, unwrap_state_dict
+from .weights import WeightsFile, is_fused, is_pruned, network_of, read_weights_file, unwrap_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def load_checkpoint(
     (:func:`fit_state_dict`); weights holding NaN or inf are refused.
 
     Args:
-        model: the network to load into.
+        model: the network to load into (a ``features_only`` model's: its network).
         path: a checkpoint file, or what one holds (a state dict, or one wrapped as ``{"model": ...}``,
             ``{"state_dict": ...}``, with DDP's ``module.`` prefix or not), as ``torch.load`` returns it.
         trust: allow pickled objects in the file (runs code from it; only for files you trust).
@@ -187,13 +187,19 @@ def load_checkpoint(
     Raises:
         CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
             and both shapes).
-        ValueError: a fused model.
+        ValueError: a fused model, or a pruned one (``features_only`` without the last stage).
     """
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
+    model = network_of(model)  # a features_only model loads into its network
     if is_fused(model):
         raise ValueError("the model is fused (BatchNorm folded), and checkpoints hold the unfused network's tensors; "
                          "load into the model before fusing it, and fuse after loading")
+    if is_pruned(model):
+        raise ValueError(f"the model was pruned to {len(model.stages)} of its {len(model.cfg.depth)} stages "
+                         "(features_only with out_indices short of the last stage, or prune_intermediate_layers), and "
+                         "checkpoints hold the whole network; load first: cgavit.create_model(name, features_only=True, "
+                         "out_indices=..., checkpoint_path=path)")
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
     wf = WeightsFile(Path(source), "torch", path) if isinstance(path, Mapping) else read_weights_file(path, trust)
     raw = unwrap_state_dict(wf.content, source, prefer_ema)  # a mapping as a file holding it

@@ -24,6 +24,7 @@ from torch import nn
 
 from .io import CheckpointError, UnreadableFileError, UnsafeCheckpointError, atomic_write, check_readable_file, require_flag, sniff_format
 from .layers import ConvBN
+from .model import FeatureMaps
 from .schema import WeightsMeta, check_meta_against_shapes, check_state_dict, is_weights_meta, parse_weights_meta
 
 log = logging.getLogger(__name__)
@@ -259,19 +260,34 @@ def is_fused(model: nn.Module) -> bool:
     return hasattr(model, "cfg") and not any(isinstance(m, ConvBN) for m in model.modules())
 
 
+def is_pruned(model: nn.Module) -> bool:
+    """Whether ``model`` is a cgavit network with stages removed (:meth:`~cgavit.model.EfficientViT.prune_intermediate_layers`,
+    as ``features_only`` with ``out_indices`` short of the last stage does). Its tensors are not a whole network's:
+    nothing loads into it or from it."""
+    return hasattr(model, "cfg") and hasattr(model, "stages") and len(model.stages) < len(model.cfg.depth)
+
+
+def network_of(model: nn.Module) -> nn.Module:
+    """The network inside a ``features_only`` model (a :class:`~cgavit.model.FeatureMaps`), else ``model``."""
+    return model.model if isinstance(model, FeatureMaps) else model
+
+
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMeta | Mapping[str, str] | None = None) -> Path:
     """Save ``model``'s tensors in this package's format (safetensors), atomically.
 
     The model's architecture always goes into the metadata (config, class count, input channels, image size,
     non-square too, distillation head, and pooling where it is not the average), so :func:`cgavit.load_model` rebuilds the same network; a
     :class:`~cgavit.schema.WeightsMeta` adds the preprocessing and class names that it gives back. A plain
-    mapping of strings is stored as given, for notes of your own.
+    mapping of strings is stored as given, for notes of your own. A ``features_only`` model is saved as its network,
+    which has no classifier: ``create_model(name, features_only=True, out_indices=..., checkpoint_path=path)`` gives it
+    back as it was (``load_model``, as the network, whose ``forward`` gives the last stage's map).
 
     Returns:
         The path written.
 
     Raises:
-        ValueError: a fused model (:func:`cgavit.deploy.fuse`) or a pruned one (``prune_intermediate_layers``), whose
+        ValueError: a fused model (:func:`cgavit.deploy.fuse`) or a pruned one (``prune_intermediate_layers``, or a
+            ``features_only`` model without the last stage), whose
             tensors no model built here takes: save the model before fusing or pruning it; a record whose class names
             are not one per class, or any record load_model would refuse (nothing is written).
         TypeError: ``model`` that is not a module (a state dict).
@@ -279,13 +295,14 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_weights takes the model (an nn.Module), got {type(model).__name__}; for a state dict, "
                         "load it into its model first (cgavit.create_model(name, checkpoint_path=sd))")
+    model = network_of(model)  # the tensors of a features_only model are its network's, under the network's names
     if is_fused(model):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")
-    if hasattr(model, "cfg") and hasattr(model, "stages") and len(model.stages) < len(model.cfg.depth):
+    if is_pruned(model):
         raise ValueError(f"this model was pruned to {len(model.stages)} of its {len(model.cfg.depth)} stages "
-                         "(prune_intermediate_layers), which cannot be loaded back; save the whole model, and prune "
-                         "after loading")
+                         "(prune_intermediate_layers, or features_only with out_indices short of the last stage), "
+                         "which cannot be loaded back; save the whole model, and prune after loading")
     meta = {"format": "cgavit"}
     name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
     if name:  # the variant it was built as (a record's own name, below, wins)

@@ -815,3 +815,30 @@ def test_a_file_recording_a_classifier_it_does_not_hold_is_refused(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="cgavit.loading"):
         cgavit.create_model("m0", num_classes=10, img_size=64, checkpoint_path=stripped)
     assert "holds no classifier (a file saved with num_classes=0?): the model's is left as initialised" in caplog.text
+
+
+def test_a_features_only_model_is_saved_and_loaded_as_its_network(tmp_path):
+    """save_weights wrote a features_only model's tensors under its wrapper's names (``model.stages...``), a file
+    load_model and create_model then refused as 'another architecture'; load_checkpoint into one refused a file of
+    its own network the same way, and into one without the last stage it blamed the file."""
+    from safetensors.torch import load_file
+
+    x = torch.randn(2, 3, 64, 96)
+    features = cgavit.create_model("m0", features_only=True, img_size=64)
+    randomize_(features.model, seed=3)
+    features.eval()
+    path = save_weights(features, tmp_path / "backbone.safetensors")
+    assert set(load_file(path)) == set(features.model.state_dict())  # the network's names
+    again = cgavit.create_model("m0", features_only=True, out_indices=(1, 2), img_size=64, checkpoint_path=path).eval()
+    assert all(torch.equal(a, b) for a, b in zip(again(x), features(x)[1:]))
+    network, _ = cgavit.load_model(path)
+    assert torch.equal(network(x), features(x)[-1])
+    into = cgavit.create_model("m0", features_only=True, img_size=64)
+    load_checkpoint(into, path)
+    assert all(torch.equal(a, b) for a, b in zip(into.eval()(x), features(x)))
+    short = cgavit.create_model("m0", features_only=True, out_indices=(0, 1), img_size=64)
+    with pytest.raises(ValueError, match=r"pruned to 2 of its 3 stages .* load first: cgavit.create_model"):
+        load_checkpoint(short, path)
+    with pytest.raises(ValueError, match="pruned to 2 of its 3 stages"):
+        save_weights(short, tmp_path / "short.safetensors")
+    assert not (tmp_path / "short.safetensors").exists()
