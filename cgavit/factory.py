@@ -87,7 +87,8 @@ def create_model(
         device, dtype: where and in what floating-point type the model ends up; weights are loaded first, at
             the file's precision, then the model is moved (``device="meta"`` gives a model without data).
         features_only, out_indices: timm's: a :class:`~cgavit.model.FeatureMaps` of the weighted model, giving the
-            maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices`` (default all).
+            maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices`` (default all);
+            it has no classifier, so a checkpoint's is not loaded (nor ``num_classes`` used).
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``, ``group_split``,
             ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``, ``allocation``) and its other fields
             (``num_heads``, ``embed_dim``, ``depth``, ``window_size``, ``kernels``).
@@ -101,7 +102,7 @@ def create_model(
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     _check_weights_args(pretrained, checkpoint_path)
     stages = _feature_stages(features_only, out_indices, len(cfg.depth))  # refused before any download
-    model = EfficientViT(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size,
+    model = EfficientViT(cfg, num_classes=0 if features_only else num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool,
                          drop_rate=drop_rate)
     floating_dtype(dtype)  # refused before any download

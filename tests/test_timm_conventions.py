@@ -414,3 +414,23 @@ def test_features_only_as_timms_create_model_takes_it(tmp_path):
         cgavit.create_model("m0", out_indices=(0, 1))
     with pytest.raises(ValueError, match="stage indices must be in -3..2"):
         cgavit.create_model("m0", features_only=True, out_indices=(3,))
+
+
+def test_features_only_from_a_checkpoint_warns_of_no_classifier(tmp_path, caplog):
+    """A features_only model was built with a classifier, loaded, then had it removed: a checkpoint without a
+    classifier (a saved backbone) was warned about as 'its outputs mean nothing until it is trained', and one with a
+    distillation head as 'the model's outputs are its class head's alone', of a model that gives neither."""
+    import logging
+
+    from cgavit.testing import randomize_
+
+    backbone = randomize_(cgavit.create_model("m0", num_classes=0, img_size=64), 4)
+    distilled = randomize_(cgavit.create_model("m0", distillation=True, img_size=64), 5)
+    for source, net in ((backbone.state_dict(), backbone), (distilled.state_dict(), distilled)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cgavit"):
+            feats = cgavit.create_model("m0", features_only=True, img_size=64, checkpoint_path=source).eval()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        x = torch.randn(2, 3, 64, 80)
+        with torch.no_grad():
+            assert torch.equal(feats(x)[-1], net.eval().forward_features(x))
