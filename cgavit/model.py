@@ -630,7 +630,15 @@ class FeatureMaps(nn.Module):
         self.in_chans = model.in_chans
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return self.model.forward_intermediates(x, indices=self.out_indices, intermediates_only=True)
+        if not torch.jit.is_scripting():  # TorchScript compiles no Python check: the stages below, as they are
+            return self.model.forward_intermediates(x, indices=self.out_indices, intermediates_only=True)
+        x = self.model.patch_embed(x)
+        maps: list[torch.Tensor] = []
+        for i, stage in enumerate(self.model.stages):
+            x = stage(x)
+            if i in self.out_indices:
+                maps.append(x)
+        return maps
 
 
 # ---------------------------------------------------------------------------- checkpoint key names

@@ -434,3 +434,25 @@ def test_features_only_from_a_checkpoint_warns_of_no_classifier(tmp_path, caplog
         x = torch.randn(2, 3, 64, 80)
         with torch.no_grad():
             assert torch.equal(feats(x)[-1], net.eval().forward_features(x))
+
+
+@pytest.mark.parametrize("out_indices", [None, (0, 1)])
+def test_a_features_only_model_scripts_as_timms_does(out_indices):
+    """torch.jit.script on a features_only model (timm's scripts) failed on the Python checks of
+    forward_intermediates; the scripted model gives the eager one's maps, at any size, saved and loaded too."""
+    import io
+
+    from cgavit.testing import randomize_
+
+    net = randomize_(cgavit.create_model("m0", img_size=64), 6)
+    feats = cgavit.model.FeatureMaps(net, (0, 1, 2) if out_indices is None else out_indices).eval()
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(feats), buffer)
+    scripted = torch.jit.load(io.BytesIO(buffer.getvalue()))
+    with torch.no_grad():
+        for size in ((64, 96), (129, 67)):
+            x = torch.randn(2, 3, *size)
+            got, want = scripted(x), feats(x)
+            assert len(got) == len(want) == len(feats.out_indices)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
