@@ -171,7 +171,7 @@ def load_checkpoint(
     (:func:`fit_state_dict`); weights holding NaN or inf are refused.
 
     Args:
-        model: the network to load into (a ``features_only`` model's: its network).
+        model: the network to load into (a ``features_only``, ``torch.compile``d or DDP model: the network inside).
         path: a checkpoint file, or what one holds (a state dict, or one wrapped as ``{"model": ...}``,
             ``{"state_dict": ...}``, with DDP's ``module.`` prefix or not), as ``torch.load`` returns it.
         trust: allow pickled objects in the file (runs code from it; only for files you trust).
@@ -191,7 +191,7 @@ def load_checkpoint(
     """
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
-    model = network_of(model)  # a features_only model loads into its network
+    model = network_of(model)  # a features_only, compiled or DDP model loads into its network
     if is_fused(model):
         raise ValueError("the model is fused (BatchNorm folded), and checkpoints hold the unfused network's tensors; "
                          "load into the model before fusing it, and fuse after loading")

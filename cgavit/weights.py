@@ -268,8 +268,18 @@ def is_pruned(model: nn.Module) -> bool:
 
 
 def network_of(model: nn.Module) -> nn.Module:
-    """The network inside a ``features_only`` model (a :class:`~cgavit.model.FeatureMaps`), else ``model``."""
-    return model.model if isinstance(model, FeatureMaps) else model
+    """The network inside ``model``'s wrappers, one inside another in any order: a ``features_only`` model's (a
+    :class:`~cgavit.model.FeatureMaps`), ``torch.compile``'s (the module it compiles, which shares its parameters),
+    ``DistributedDataParallel``'s or ``DataParallel``'s; ``model`` itself when it is none of them."""
+    while True:
+        if isinstance(model, FeatureMaps):
+            model = model.model
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMeta | Mapping[str, str] | None = None) -> Path:
@@ -295,7 +305,7 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: WeightsMet
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_weights takes the model (an nn.Module), got {type(model).__name__}; for a state dict, "
                         "load it into its model first (cgavit.create_model(name, checkpoint_path=sd))")
-    model = network_of(model)  # the tensors of a features_only model are its network's, under the network's names
+    model = network_of(model)  # a features_only, compiled or DDP model's tensors are its network's, by its names
     if is_fused(model):
         raise ValueError("this is a fused model (BatchNorm folded), which cannot be loaded back; save the model "
                          "before fusing it, and fuse after loading")

@@ -842,3 +842,20 @@ def test_a_features_only_model_is_saved_and_loaded_as_its_network(tmp_path):
     with pytest.raises(ValueError, match="pruned to 2 of its 3 stages"):
         save_weights(short, tmp_path / "short.safetensors")
     assert not (tmp_path / "short.safetensors").exists()
+
+
+@pytest.mark.parametrize("wrap", ["compile", "data_parallel", "compiled_features"])
+def test_a_wrapped_model_loads_into_its_network(wrap):
+    """load_checkpoint into a torch.compile'd (or DataParallel) model compared the file with the wrapper's names
+    (``_orig_mod.stages...``) and refused every file as 'another architecture?'; it now loads into the network
+    inside, whose parameters the wrapper computes with."""
+    source = randomize_(cgavit.create_model("m0", img_size=64), seed=7).state_dict()
+    if wrap == "compiled_features":
+        net = cgavit.create_model("m0", features_only=True, img_size=64)
+        model, inner = torch.compile(net), net.model
+    else:
+        inner = cgavit.create_model("m0", img_size=64)
+        model = torch.compile(inner) if wrap == "compile" else torch.nn.DataParallel(inner)
+    load_checkpoint(model, source)
+    loaded = inner.state_dict()
+    assert all(torch.equal(loaded[k], source[k]) for k in loaded)
