@@ -187,19 +187,12 @@ def load_checkpoint(
     Raises:
         CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
             and both shapes).
-        ValueError: a fused model, or a pruned one (``features_only`` without the last stage).
+        ValueError: a fused model, a pruned one (``features_only`` without the last stage), or one on the meta device.
     """
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
     model = network_of(model)  # a features_only, compiled or DDP model loads into its network
-    if is_fused(model):
-        raise ValueError("the model is fused (BatchNorm folded), and checkpoints hold the unfused network's tensors; "
-                         "load into the model before fusing it, and fuse after loading")
-    if is_pruned(model):
-        raise ValueError(f"the model was pruned to {len(model.stages)} of its {len(model.cfg.depth)} stages "
-                         "(features_only with out_indices short of the last stage, or prune_intermediate_layers), and "
-                         "checkpoints hold the whole network; load first: cgavit.create_model(name, features_only=True, "
-                         "out_indices=..., checkpoint_path=path)")
+    _check_loadable(model)
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
     wf = WeightsFile(Path(source), "torch", path) if isinstance(path, Mapping) else read_weights_file(path, trust)
     raw = unwrap_state_dict(wf.content, source, prefer_ema)  # a mapping as a file holding it
@@ -215,6 +208,21 @@ def load_checkpoint(
     model.load_state_dict(sd, strict=False)
     _log_report(report, source, expect_dropped_heads)
     return report
+
+
+def _check_loadable(model: nn.Module) -> None:
+    """Raise ``ValueError`` for a model no checkpoint can be loaded into: fused, pruned, or without data (meta)."""
+    if is_fused(model):
+        raise ValueError("the model is fused (BatchNorm folded), and checkpoints hold the unfused network's tensors; "
+                         "load into the model before fusing it, and fuse after loading")
+    if is_pruned(model):
+        raise ValueError(f"the model was pruned to {len(model.stages)} of its {len(model.cfg.depth)} stages "
+                         "(features_only with out_indices short of the last stage, or prune_intermediate_layers), and "
+                         "checkpoints hold the whole network; load first: cgavit.create_model(name, features_only=True, "
+                         "out_indices=..., checkpoint_path=path)")
+    if any(t.is_meta for t in model.state_dict().values()):  # load_state_dict copies nothing into them, and says so
+        raise ValueError("the model is on the meta device, with no data to copy the weights into; give it storage "
+                         "first (model.to_empty(device='cpu')), then load")
 
 
 def _log_report(report: dict[str, list[str]], source: str, expect_dropped_heads: bool) -> None:

@@ -859,3 +859,15 @@ def test_a_wrapped_model_loads_into_its_network(wrap):
     load_checkpoint(model, source)
     loaded = inner.state_dict()
     assert all(torch.equal(loaded[k], source[k]) for k in loaded)
+
+
+def test_loading_into_a_model_on_the_meta_device_is_refused():
+    """load_checkpoint into a model built on the meta device returned its report as if it had loaded, after torch
+    warned once per tensor that the copy was a no-op: the model kept no weights. It is refused saying what to do,
+    and the way it names works."""
+    source = randomize_(cgavit.create_model("m0", img_size=64), seed=2).state_dict()
+    model = cgavit.create_model("m0", img_size=64, device="meta")
+    with pytest.raises(ValueError, match=r"meta device.*model.to_empty\(device='cpu'\)"):
+        load_checkpoint(model, source)
+    load_checkpoint(model.to_empty(device="cpu"), source)
+    assert all(torch.equal(v, source[k]) for k, v in model.state_dict().items())
