@@ -77,7 +77,8 @@ def create_model(
             (:func:`load_pretrained`; ``in_chans`` must be 3).
         checkpoint_path: load weights from this file (official, timm or cgavit format).
         num_classes: classifier outputs, 0 for none (pooled features, as in timm); a loaded checkpoint
-            with another count keeps its body and drops its classifier (logged), as fine-tuning needs.
+            with another count keeps its body and drops its classifier, as fine-tuning needs (warned, for a
+            ``checkpoint_path`` file: it may be the count that was forgotten; logged, for ``pretrained``).
         in_chans: input channels.
         img_size: size the model is built for (sets the attention windows); any size >= 32 runs.
         distillation: add the distillation head.
@@ -163,7 +164,7 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
     if model.in_chans != 3:
         sd = adapt_first_conv(convert_state_dict(sd), model.in_chans)
     try:
-        return load_checkpoint(model, sd, source=str(cached))
+        return load_checkpoint(model, sd, source=str(cached), expect_dropped_heads=True)  # another count: a new task
     except CheckpointError as err:
         if changed:  # the caller's dials, not the file
             raise CheckpointError(f"{published} are for the paper's design; {', '.join(changed)} cannot load them: "

@@ -178,8 +178,8 @@ def load_checkpoint(
         prefer_ema: take the EMA weights when the file holds both.
         source: what messages call ``path`` (default: the path, or ``"state dict"`` for a mapping).
         expect_dropped_heads: the caller's model is not meant to reproduce the file's outputs (fine-tuning, where the
-            heads are trained again; a teacher, whose class head is what distils): a distillation head it lacks is
-            noted at INFO, not warned about.
+            heads are trained again; a teacher, whose class head is what distils): a distillation head it lacks, or a
+            classifier for another class count, is noted at INFO, not warned about.
 
     Returns:
         ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
@@ -227,7 +227,8 @@ def _check_loadable(model: nn.Module) -> None:
 
 def _log_report(report: dict[str, list[str]], source: str, expect_dropped_heads: bool) -> None:
     """Say what loading resized and left as initialised; warn, unless the caller expects heads to differ, of the
-    outputs that are not the file's network's (a classifier the file lacks, a distillation head the model lacks)."""
+    outputs that are not the file's network's (a classifier the file lacks or has for another class count, a
+    distillation head the model lacks)."""
     level = logging.INFO if expect_dropped_heads else logging.WARNING
     if report["resized"]:
         log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
@@ -236,6 +237,10 @@ def _log_report(report: dict[str, list[str]], source: str, expect_dropped_heads:
     if "head.bn.weight" in report["missing"]:  # no classifier in the file at all
         log.log(level, "%s holds no classifier (a file saved with num_classes=0?): the model's is left as initialised, "
                 "so its outputs mean nothing until it is trained", source)
+    if not expect_dropped_heads and "head.linear.weight" in report["skipped"] and "head.bn.weight" not in report["skipped"]:
+        log.warning("%s has a classifier for another class count than the model's (num_classes; logged above): the "
+                    "model's is left as initialised, so its outputs mean nothing until it is trained; build it with the "
+                    "file's count to use its classifier (cgavit.load_model reads it from the file)", source)
     if any(k.startswith("head_dist.") for k in report["skipped"]) and "head.linear.weight" not in report["skipped"]:
         log.log(level,  # (a new classifier is not the file's network anyway)
                 "%s has a distillation head and the model none: the model's outputs are its class head's alone, where "

@@ -345,3 +345,18 @@ def test_a_download_with_pickled_code_is_refused_saying_so(tmp_path, monkeypatch
     assert "holds pickled Python objects" in text and "download it by hand and load it with trust=True" in text
     assert "cut short" not in text
     assert os.listdir(_cache()) == []
+
+
+def test_fine_tuning_from_the_published_weights_is_not_warned_about(tmp_path, monkeypatch, release_bytes, caplog):
+    """pretrained=True with another num_classes is a new task by definition: its new classifier is noted at INFO,
+    where a checkpoint_path file of another class count is warned about."""
+    import logging
+
+    (tmp_path / "mirror").mkdir()
+    (tmp_path / "mirror" / NAME).write_bytes(release_bytes)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    monkeypatch.setenv("CGAVIT_WEIGHTS_MIRROR", str(tmp_path / "mirror"))
+    with caplog.at_level(logging.INFO, logger="cgavit"):
+        cgavit.create_model("efficientvit_m0", pretrained=True, num_classes=10)
+    assert "classifier left as initialised" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
