@@ -74,7 +74,7 @@ def create_model(
     Args:
         name: ``efficientvit_m0`` ... ``efficientvit_m5`` (``m4`` and timm tags accepted).
         pretrained: fetch the official ImageNet-1k release file into the torch hub cache and load it
-            (:func:`load_pretrained`; ``in_chans`` must be 3).
+            (:func:`load_pretrained`; for ``in_chans`` other than 3 the RGB first convolution is adapted, as timm does).
         checkpoint_path: load weights from this file (official, timm or cgavit format).
         num_classes: classifier outputs, 0 for none (pooled features, as in timm); a loaded checkpoint
             with another count keeps its body and drops its classifier, as fine-tuning needs (warned, for a
