@@ -75,10 +75,9 @@ def create_model(
         name: ``efficientvit_m0`` ... ``efficientvit_m5`` (``m4`` and timm tags accepted).
         pretrained: fetch the official ImageNet-1k release file into the torch hub cache and load it
             (:func:`load_pretrained`; for ``in_chans`` other than 3 the RGB first convolution is adapted, as timm does).
-        checkpoint_path: load weights from this file (official, timm or cgavit format).
-        num_classes: classifier outputs, 0 for none (pooled features, as in timm); a loaded checkpoint
-            with another count keeps its body and drops its classifier, as fine-tuning needs (warned, for a
-            ``checkpoint_path`` file: it may be the count that was forgotten; logged, for ``pretrained``).
+        checkpoint_path: load weights from this file (official, timm or cgavit format), or a state dict.
+        num_classes: classifier outputs, 0 for none (pooled features, as in timm); a checkpoint of another count
+            loads its body, its classifier dropped (warned of for ``checkpoint_path``, logged for ``pretrained``).
         in_chans: input channels.
         img_size: size the model is built for (sets the attention windows); any size >= 32 runs.
         distillation: add the distillation head.
@@ -87,9 +86,8 @@ def create_model(
         drop_rate: dropout before the classifier while training (timm's ``drop_rate``).
         device, dtype: where and in what floating-point type the model ends up; weights are loaded first, at
             the file's precision, then the model is moved (``device="meta"`` gives a model without data).
-        features_only, out_indices: timm's: a :class:`~cgavit.model.FeatureMaps` of the weighted model, giving the
-            maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices`` (default all);
-            it has no classifier, so a checkpoint's is not loaded (nor ``num_classes`` used).
+        features_only, out_indices: timm's: a :class:`~cgavit.model.FeatureMaps` of the weighted model (no classifier),
+            giving the maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices``.
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``, ``group_split``,
             ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``, ``allocation``) and its other fields
             (``num_heads``, ``embed_dim``, ``depth``, ``window_size``, ``kernels``).
