@@ -845,10 +845,11 @@ def test_a_features_only_model_is_saved_and_loaded_as_its_network(tmp_path):
 
 
 @pytest.mark.parametrize("wrap", ["compile", "data_parallel", "compiled_features"])
-def test_a_wrapped_model_loads_into_its_network(wrap):
+def test_a_wrapped_model_loads_into_its_network(wrap, tmp_path):
     """load_checkpoint into a torch.compile'd (or DataParallel) model compared the file with the wrapper's names
     (``_orig_mod.stages...``) and refused every file as 'another architecture?'; it now loads into the network
-    inside, whose parameters the wrapper computes with."""
+    inside, whose parameters the wrapper computes with. save_weights of a DataParallel model wrote ``module.`` names
+    and no architecture, a file load_model could not rebuild."""
     source = randomize_(cgavit.create_model("m0", img_size=64), seed=7).state_dict()
     if wrap == "compiled_features":
         net = cgavit.create_model("m0", features_only=True, img_size=64)
@@ -859,6 +860,10 @@ def test_a_wrapped_model_loads_into_its_network(wrap):
     load_checkpoint(model, source)
     loaded = inner.state_dict()
     assert all(torch.equal(loaded[k], source[k]) for k in loaded)
+    if wrap == "data_parallel":  # saved by the network's names, with its architecture: load_model rebuilds it
+        path = save_weights(model, tmp_path / "dp.safetensors")
+        rebuilt, _ = cgavit.load_model(path)
+        assert all(torch.equal(v, source[k]) for k, v in rebuilt.state_dict().items())
 
 
 def test_loading_into_a_model_on_the_meta_device_is_refused():
