@@ -313,6 +313,17 @@ def test_coco_metrics_of_the_ground_truth_is_perfect(shapes):
     assert none["AP"] == 0 and "no detections" in text
 
 
+def test_retinanets_background_detections_are_of_no_category_in_the_coco_results():
+    # a dataset whose category ids are 0 and 5 (as many exported ones are): label 1 is category 0, label 0 RetinaNet's
+    # background, whose detections were scored as category 0's before
+    label_to_cat = [0, 0, 5]
+    output = dict(boxes=torch.tensor([[0.0, 0, 4, 4], [1, 1, 6, 6], [2, 2, 9, 9]]), labels=torch.tensor([0, 1, 2]),
+                  scores=torch.tensor([0.9, 0.8, 0.7]), masks=torch.ones(3, 1, 10, 10))
+    bbox, segm = to_coco_results(3, output, label_to_cat)
+    assert [r["category_id"] for r in bbox] == [0, 5] and [r["category_id"] for r in segm] == [0, 5]
+    assert [r["score"] for r in bbox] == pytest.approx([0.8, 0.7]) and bbox[0]["bbox"] == [1.0, 1.0, 5.0, 5.0]
+
+
 def test_rle_helpers_round_trip():
     masks = torch.zeros(2, 12, 10, dtype=torch.uint8)
     masks[0, 2:5, 3:8] = 1

@@ -50,7 +50,7 @@ from .annotations import CocoCheck, check_coco
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
 from .data import CocoDetection, Guarded, batches, collate, train_transform
-from .models import KINDS, Resize, build_detector, check_settings, coarsest_map_size, detector_resize
+from .models import KINDS, Resize, build_detector, check_settings, coarsest_map_size, detector_resize, foreground
 from .schema import is_int, is_number
 
 log = logging.getLogger(__name__)
@@ -174,10 +174,12 @@ def to_coco_results(
     Args:
         image_id: COCO image id.
         output: torchvision detector output for the image (boxes xyxy in original pixels, labels,
-            scores, optional masks ``(N, 1, H, W)`` probabilities).
+            scores, optional masks ``(N, 1, H, W)`` probabilities); detections of label 0, the background
+            (RetinaNet's), are left out (:func:`~.models.foreground`).
         label_to_cat: ``label_to_cat[label]`` is the COCO category id (index 0 unused).
         mask_threshold: probability above which a pixel belongs to the mask.
     """
+    output = foreground(output)
     boxes = output["boxes"].detach().cpu().double()
     xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], 1).tolist()
     scores = output["scores"].detach().cpu().tolist()

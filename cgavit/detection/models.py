@@ -131,6 +131,14 @@ def boxes_keep_area(xyxy: np.ndarray, widths: ArrayLike, heights: ArrayLike, res
     return np.logical_and.reduce([(b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1]) for b in boxes])
 
 
+def foreground(output: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One image's detector output without its detections of label 0, the background. Mask R-CNN returns none;
+    RetinaNet scores label 0 as one more class (an output that training only pushes down), whose detections are of
+    no category: COCO's category ids are mapped to labels 1..K, and a dataset's category 0 is label 1."""
+    keep = output["labels"] > 0
+    return {k: v[keep] for k, v in output.items()}
+
+
 def coarsest_map_size(width: int, height: int, resize: Resize) -> tuple[int, int]:
     """``(width, height)`` of the backbone's stride-64 map of an image alone in its batch: resized,
     padded (:meth:`Resize.padded`), each stride-2 step rounding up. BatchNorm that is trained cannot

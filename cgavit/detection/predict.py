@@ -21,7 +21,7 @@ from ..train.distributed import setup as setup_distributed
 from ..train.distributed import teardown as teardown_distributed
 from .checkpoint import load_detector
 from .draw import draw_detections
-from .models import detector_resize, resize_problem
+from .models import detector_resize, foreground, resize_problem
 
 
 @dataclass
@@ -176,9 +176,8 @@ def _predictions(
                 continue
             with torch.no_grad():
                 output = model([TF.to_dtype(raw, torch.float32, scale=True).to(env.device)])[0]
-            # RetinaNet scores the background's label 0 as a class, which training only ever pushes down: not shown
-            keep = (output["scores"] >= threshold) & (output["labels"] > 0)
-            shown = {k: v[keep] for k, v in output.items()}
+            shown = foreground(output)  # RetinaNet's label 0, the background, is not shown
+            shown = {k: v[shown["scores"] >= threshold] for k, v in shown.items()}
             picture = TF.to_pil_image(draw_detections(raw, shown, names, threshold))
             atomic_write(dst, lambda tmp: picture.save(tmp, format=_image_format(dst)))
             full = len(output["scores"]) == limit and bool((output["scores"] >= threshold).all())
