@@ -921,3 +921,12 @@ def test_shapes_never_writes_over_a_users_files(tmp_path, capsys):
     (fresh / "train.json").unlink()
     (fresh / "train" / ".train_00001.png.x1.tmp").write_bytes(b"")
     assert main(["detect", "shapes", "--out", str(fresh), "--num-train", "2", "--num-val", "1", "--size", "32"]) == 0
+
+
+def test_shapes_refuses_a_bad_count_before_writing_either_split(tmp_path, capsys):
+    """``--num-val -1`` was refused only after the training split was written, which was said as done."""
+    out = tmp_path / "shapes"
+    assert main(["detect", "shapes", "--out", str(out), "--num-train", "1", "--num-val", "-1", "--size", "32"]) == 2
+    captured = capsys.readouterr()
+    assert "must be in 0..100000, got -1" in captured.err and "train:" not in captured.out
+    assert not out.exists()

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..detection import DetectionTrainConfig, evaluate_checkpoint, predict_images, train, write_shapes_dataset
 from ..detection.coco import STAT_NAMES
-from ..detection.shapes import check_shapes_destination
+from ..detection.shapes import check_shapes_destination, check_shapes_request
 from ..io import DataError, printable, printable_line
 from .common import add_dial_args, dials_from_args
 from .options import add_options, option_values
@@ -133,7 +133,8 @@ def run_predict(args: argparse.Namespace) -> int:
 
 
 def run_shapes(args: argparse.Namespace) -> int:
-    for split in ("train", "val"):  # both checked before either is written
+    for split, n in (("train", args.num_train), ("val", args.num_val)):  # both checked before either is written
+        check_shapes_request(n, args.size, args.max_shapes)
         check_shapes_destination(args.out, split)
     for split, n, seed in (("train", args.num_train, args.seed), ("val", args.num_val, args.seed + 1)):
         d, j = write_shapes_dataset(args.out, n, args.size, seed=seed, max_shapes=args.max_shapes, split=split)

@@ -98,6 +98,22 @@ def check_shapes_destination(root: str | Path, split: str) -> None:
             raise ValueError(f"{image_dir} holds files of its own; give --output a new or empty folder (nothing was written)")
 
 
+def check_shapes_request(num_images: int, size: int | tuple[int, int], max_shapes: int) -> tuple[int, int]:
+    """The ``(H, W)`` of the images :func:`write_shapes_dataset` is asked for, its arguments checked.
+
+    Raises:
+        ValueError: ``num_images`` outside 0..100000, ``max_shapes`` outside 1..100, a side outside 32..4096.
+    """
+    hw = (size, size) if isinstance(size, int) else tuple(size)
+    if not 0 <= num_images <= 100_000:
+        raise ValueError(f"the number of images (--num-train, --num-val) must be in 0..100000, got {num_images}")
+    if not 1 <= max_shapes <= 100:
+        raise ValueError(f"--max-shapes must be in 1..100, got {max_shapes}")
+    if len(hw) != 2 or not all(32 <= s <= 4096 for s in hw):
+        raise ValueError(f"--size must be in 32..4096 pixels, got {size}")
+    return hw
+
+
 def write_shapes_dataset(
     root: str | Path,
     num_images: int = 8,
@@ -107,7 +123,8 @@ def write_shapes_dataset(
     split: str = "train",
 ) -> tuple[Path, Path]:
     """Write ``root/<split>/*.png`` and ``root/<split>.json`` (COCO instances); return both paths. An earlier shapes
-    dataset there is replaced; anything else is refused (:func:`check_shapes_destination`).
+    dataset there is replaced; anything else is refused (:func:`check_shapes_destination`), as are arguments out of
+    bounds (:func:`check_shapes_request`).
 
     Args:
         root: output folder (created).
@@ -118,13 +135,7 @@ def write_shapes_dataset(
         split: name of the image folder and JSON file.
     """
     root = Path(root)
-    hw = (size, size) if isinstance(size, int) else tuple(size)
-    if not 0 <= num_images <= 100_000:
-        raise ValueError(f"the number of images (--num-train, --num-val) must be in 0..100000, got {num_images}")
-    if not 1 <= max_shapes <= 100:
-        raise ValueError(f"--max-shapes must be in 1..100, got {max_shapes}")
-    if len(hw) != 2 or not all(32 <= s <= 4096 for s in hw):
-        raise ValueError(f"--size must be in 32..4096 pixels, got {size}")
+    hw = check_shapes_request(num_images, size, max_shapes)
     check_shapes_destination(root, split)
     image_dir = root / split
     image_dir.mkdir(parents=True, exist_ok=True)
