@@ -117,7 +117,7 @@ def run_predict(args: argparse.Namespace) -> int:
     threshold, done = args.score_threshold, 0
     try:
         for pred in predict_images(args.checkpoint, args.images, args.out, threshold, args.device):
-            limit = " (the detector's limit per image, detections_per_img: more may score as much)" if pred.limit else ""
+            limit = f" (the detector's limit per image, {pred.limit_setting}: more may score as much)" if pred.limit else ""
             image, drawn = printable_line(str(pred.image)), printable_line(str(pred.drawn))  # newlines too: one line each
             print(f"{image}: {len(pred.scores)} detections >= {threshold}{limit} -> {drawn}")
             for name, score, box in zip(pred.names, pred.scores, pred.boxes):

@@ -32,8 +32,10 @@ class Prediction:
         image: the input file. drawn: the drawing written (PNG, or the format ``out``'s suffix names).
         names: category name of each detection. scores: its score.
         boxes: ``[x0, y0, x1, y1]`` in the image's pixels.
-        limit: the detector's most detections per image (its ``detections_per_img``) when it returned that many, all
-            scoring at least the threshold (others may score as much), else None.
+        limit: the detector's most detections per image when it returned that many, all scoring at least the
+            threshold (others may score as much), else None.
+        limit_setting: the torchvision setting that holds the limit (a ``--model-arg`` of training): RetinaNet's
+            ``detections_per_img``, Mask R-CNN's ``box_detections_per_img``.
 
     RetinaNet's detections of label 0, the background (an output of its classifier that training only pushes
     down), are left out.
@@ -45,6 +47,7 @@ class Prediction:
     scores: list[float]
     boxes: list[list[float]]
     limit: int | None = None
+    limit_setting: str = "detections_per_img"
 
 
 def predict_images(
@@ -108,6 +111,13 @@ def detection_limit(model: nn.Module) -> int:
     """How many detections per image a torchvision detector returns at most (RetinaNet's ``detections_per_img``,
     Mask R-CNN's ``roi_heads.detections_per_img``)."""
     return int(getattr(model, "roi_heads", model).detections_per_img)
+
+
+def limit_setting(model: nn.Module) -> str:
+    """The name of the setting that sets :func:`detection_limit` as the detector's builder takes it (``--model-arg``):
+    Mask R-CNN's is ``box_detections_per_img`` (its ``detections_per_img`` is no setting), RetinaNet's
+    ``detections_per_img``."""
+    return "box_detections_per_img" if hasattr(model, "roi_heads") else "detections_per_img"
 
 
 def drawing_paths(images: list[Path], out: Path | None) -> list[Path]:
@@ -184,6 +194,7 @@ def _predictions(
             yield Prediction(
                 image=p, drawn=dst, names=[names[label] for label in shown["labels"].tolist()],
                 scores=shown["scores"].tolist(), boxes=shown["boxes"].tolist(), limit=limit if full else None,
+                limit_setting=limit_setting(model),
             )
     finally:
         teardown_distributed(env)
