@@ -51,6 +51,7 @@ from cgavit.detection import (  # noqa: E402
     write_shapes_dataset,
 )
 from cgavit.detection.coco import decode_masks, encode_masks, rle_box_area, segmentation_rle  # noqa: E402
+from cgavit.detection import shapes as shapes_module  # noqa: E402
 from cgavit.detection.checkpoint import CHECKPOINT_FORMAT  # noqa: E402
 from cgavit.detection.models import build_detector  # noqa: E402
 from cgavit.detection.engine import coco_metrics, lr_factor, param_groups, read_checkpoint, to_coco_results  # noqa: E402
@@ -930,3 +931,25 @@ def test_shapes_refuses_a_bad_count_before_writing_either_split(tmp_path, capsys
     captured = capsys.readouterr()
     assert "must be in 0..100000, got -1" in captured.err and "train:" not in captured.out
     assert not out.exists()
+
+
+def test_shapes_stopped_while_replacing_a_dataset_leaves_no_annotations_of_other_images(tmp_path, monkeypatch):
+    """A second ``detect shapes`` (another seed) stopped midway left the first run's train.json describing the
+    shapes of images it had already drawn again: boxes and masks of other pictures, silently."""
+    write_shapes_dataset(tmp_path, num_images=3, size=48, seed=0)
+    drawn = []
+
+    def draw_then_stop(*args):
+        if len(drawn) == 2:
+            raise KeyboardInterrupt
+        drawn.append(1)
+        return draw(*args)
+
+    draw = shapes_module.draw_shapes_image
+    monkeypatch.setattr(shapes_module, "draw_shapes_image", draw_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        write_shapes_dataset(tmp_path, num_images=3, size=48, seed=1)
+    assert not (tmp_path / "train.json").exists()
+    monkeypatch.undo()
+    write_shapes_dataset(tmp_path, num_images=3, size=48, seed=1)  # the next run writes it whole
+    assert len(json.loads((tmp_path / "train.json").read_text())["images"]) == 3

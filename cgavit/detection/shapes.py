@@ -139,6 +139,9 @@ def write_shapes_dataset(
     check_shapes_destination(root, split)
     image_dir = root / split
     image_dir.mkdir(parents=True, exist_ok=True)
+    # an earlier dataset's annotations go before its images are drawn again: a run stopped midway then leaves
+    # images without annotations (written again by the next run), not new images under the old annotations
+    (root / f"{split}.json").unlink(missing_ok=True)
     rng = random.Random(seed)
     images, annotations = [], []
     for i in range(num_images):
