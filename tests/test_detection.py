@@ -788,6 +788,21 @@ def test_maskrcnn_roi_scales_do_not_depend_on_the_first_image():
     assert torch.equal(alone["masks"], after_strip["masks"])
 
 
+def test_the_builders_refuse_a_class_count_or_size_the_detector_cannot_use():
+    """retinanet(num_classes=0) and min_size=0 were built, and failed at the first image inside a convolution or the
+    resize (RuntimeError: 'expected weight to be at least 1 at dimension 0'); num_classes=1, the background alone,
+    trained a detector of nothing."""
+    for build in (retinanet, maskrcnn):
+        for classes in (0, 1, 2.0):
+            with pytest.raises(ValueError, match=f"'num_classes' must be an integer in 2.*background.*got {classes}"):
+                build("efficientvit_m0", classes)
+        with pytest.raises(ValueError, match="'min_size' must be an integer in 32..4096 .*got 0"):
+            build("efficientvit_m0", 3, min_size=0)
+        with pytest.raises(ValueError, match="'max_size' must be an integer in 32..4096"):
+            build("efficientvit_m0", 3, max_size=-1)
+    assert retinanet("efficientvit_m0", 2, min_size=(64, 96), max_size=96).transform.min_size == (64, 96)  # torchvision's
+
+
 def test_a_detector_setting_torchvision_does_not_take_is_refused(shapes, tmp_path, caplog, capsys):
     """torchvision hands names it does not know to its transform, which drops them: a misspelt --model-arg (or a Mask
     R-CNN name given to RetinaNet, as --help's examples were) trained without it, and was stored as if it had taken effect."""

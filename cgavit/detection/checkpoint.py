@@ -18,14 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bounds import IMG_SIZE_RANGE
 from ..factory import resolve_name
 from ..io import CheckpointError, UnsafeCheckpointError, sniff_format
 from ..schema import check_finite, check_name, check_state_dict, check_tensor, shown
 from ..variants import VARIANTS, DialError, EfficientViTConfig
 from ..weights import checked_path, read_weights_file
-from .models import KINDS, build_detector
-from .schema import MAX_CATEGORIES, is_int, is_number
+from .models import KINDS, build_detector, check_detector_args
+from .schema import is_int, is_number
 
 CHECKPOINT_FORMAT = "cgavit-detection/1"
 MAX_SETTING = 10**6  # largest number a torchvision detector setting (model_kwargs) may hold
@@ -84,8 +83,7 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"'backbone' must be a variant name, got {shown(backbone)}")
     backbone_config(backbone, config.get("dials") or {})
     num_classes = config.get("num_classes")
-    if not (is_int(num_classes) and 2 <= num_classes <= MAX_CATEGORIES + 1):
-        raise ValueError(f"'num_classes' must be an integer in 2..{MAX_CATEGORIES + 1}, got {shown(num_classes)}")
+    check_detector_args(num_classes, config.get("min_size", 800), config.get("max_size", 1333), several_min_sizes=False)
     cats = config.get("categories")
     if not (isinstance(cats, list) and len(cats) == num_classes - 1 and all(
         isinstance(c, (list, tuple)) and len(c) == 2 and is_int(c[0]) and isinstance(c[1], str) for c in cats
@@ -93,10 +91,6 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"'categories' must list {num_classes - 1} [category id, name] pairs, got {shown(cats)}")
     for i, (_, name) in enumerate(cats):
         check_name(name, f"category name {i}")
-    for key in ("min_size", "max_size"):
-        value = config.get(key, 800 if key == "min_size" else 1333)
-        if not (is_int(value) and IMG_SIZE_RANGE[0] <= value <= IMG_SIZE_RANGE[1]):
-            raise ValueError(f"'{key}' must be an integer in {IMG_SIZE_RANGE[0]}..{IMG_SIZE_RANGE[1]}, got {shown(value)}")
     if not isinstance(config.get("freeze_bn", True), bool):
         raise ValueError(f"'freeze_bn' must be true or false, got {shown(config['freeze_bn'])}")
     check_model_kwargs(config.get("model_kwargs") or {})

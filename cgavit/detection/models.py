@@ -27,9 +27,10 @@ from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.poolers import initLevelMapper
 
-from ..bounds import MIN_INPUT_SIZE
+from ..bounds import IMG_SIZE_RANGE, MIN_INPUT_SIZE
 from ..schema import shown
 from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
+from .schema import MAX_CATEGORIES, is_int
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +270,23 @@ def check_settings(kind: str, settings: Mapping[str, Any]) -> None:
             raise ValueError(f"detector setting (--model-arg) {name}={shown(value)}: {name} {problem}")
 
 
+def check_detector_args(num_classes: Any, min_size: Any, max_size: Any, *, several_min_sizes: bool = True) -> None:
+    """Raise ``ValueError`` unless ``num_classes`` is an integer in 2..:data:`~.schema.MAX_CATEGORIES` + 1 (it counts
+    the background class 0: K categories need K + 1) and ``min_size`` and ``max_size`` integers in
+    :data:`~cgavit.bounds.IMG_SIZE_RANGE` pixels (with ``several_min_sizes``, ``min_size`` may be a list of them, one
+    drawn per training image as torchvision does). Checked as the detector is built: num_classes 0 failed only at
+    its first image, in a convolution, and min_size 0 in the resize."""
+    if not (is_int(num_classes) and 2 <= num_classes <= MAX_CATEGORIES + 1):
+        raise ValueError(f"'num_classes' must be an integer in 2..{MAX_CATEGORIES + 1} (it counts the background class 0: "
+                         f"a dataset of K categories needs K + 1), got {shown(num_classes)}")
+    low, high = IMG_SIZE_RANGE
+    for key, value in (("min_size", min_size), ("max_size", max_size)):
+        several = several_min_sizes and key == "min_size" and isinstance(value, (list, tuple)) and value
+        values = value if several else [value]
+        if not all(is_int(v) and low <= v <= high for v in values):
+            raise ValueError(f"'{key}' must be an integer in {low}..{high} (pixels), got {shown(value)}")
+
+
 class PyramidRoIAlign(MultiScaleRoIAlign):
     """torchvision's ``MultiScaleRoIAlign`` with each level's stride given instead of inferred.
 
@@ -325,6 +343,7 @@ def retinanet(
         **kwargs: passed on to :class:`torchvision.models.detection.RetinaNet` (score_thresh,
             detections_per_img, ...).
     """
+    check_detector_args(num_classes, min_size, max_size)
     check_settings("retinanet", kwargs)
     body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=1, num_down=1)
@@ -365,6 +384,7 @@ def maskrcnn(
         max_size: longest side cap. Default 1333.
         **kwargs: passed on to :class:`torchvision.models.detection.MaskRCNN` (rpn_* / box_* settings).
     """
+    check_detector_args(num_classes, min_size, max_size)
     check_settings("maskrcnn", kwargs)
     body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=2, num_down=0)
