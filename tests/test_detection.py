@@ -41,6 +41,7 @@ from cgavit.detection import (  # noqa: E402
     DetectionTrainConfig,
     check_coco,
     detection_body,
+    draw_detections,
     evaluate,
     evaluate_checkpoint,
     load_detector,
@@ -323,6 +324,16 @@ def test_retinanets_background_detections_are_of_no_category_in_the_coco_results
     bbox, segm = to_coco_results(3, output, label_to_cat)
     assert [r["category_id"] for r in bbox] == [0, 5] and [r["category_id"] for r in segm] == [0, 5]
     assert [r["score"] for r in bbox] == pytest.approx([0.8, 0.7]) and bbox[0]["bbox"] == [1.0, 1.0, 5.0, 5.0]
+
+
+def test_draw_detections_leaves_out_retinanets_background():
+    """draw_detections of a RetinaNet's output drew its label-0 detections, boxes named "background"."""
+    image = torch.zeros(3, 40, 40, dtype=torch.uint8)
+    output = dict(boxes=torch.tensor([[2.0, 2, 20, 20], [10, 10, 30, 30]]), labels=torch.tensor([0, 1]),
+                  scores=torch.tensor([0.9, 0.8]))
+    assert torch.equal(draw_detections(image, {k: v[:1] for k, v in output.items()}, ["background", "square"]), image)
+    drawn = draw_detections(image, output, ["background", "square"])
+    assert drawn[:, 2, 2].eq(0).all() and drawn[:, 10, 10].ne(0).any()  # only the square's box, from (10, 10)
 
 
 def test_rle_helpers_round_trip():

@@ -8,6 +8,7 @@ import torch
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from ..analysis.plots import label_font
+from .models import foreground
 
 PALETTE = (  # matplotlib's tab10
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
@@ -21,7 +22,8 @@ def draw_detections(
     score_threshold: float = 0.5,
     mask_threshold: float = 0.5,
 ) -> torch.Tensor:
-    """Draw boxes labelled ``"name score"`` and, when present, translucent masks.
+    """Draw boxes labelled ``"name score"`` and, when present, translucent masks. Detections of label 0, the
+    background (RetinaNet's, :func:`~.models.foreground`), are not drawn.
 
     Args:
         image: ``(3, H, W)`` uint8 image.
@@ -34,6 +36,7 @@ def draw_detections(
     Returns:
         The drawn ``(3, H, W)`` uint8 image.
     """
+    output = foreground(output)
     keep = output["scores"].detach().cpu() >= score_threshold
     labels = output["labels"].detach().cpu()[keep].tolist()
     if not labels:
