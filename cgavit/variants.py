@@ -197,7 +197,8 @@ class EfficientViTConfig:
         names = set(self.__dataclass_fields__)
         unknown = set(dials) - names - {"allocation"}
         if unknown:
-            raise DialError(sorted(unknown)[0], f"unknown option(s) {sorted(unknown)}; valid: {sorted(names | {'allocation'})}")
+            raise DialError(sorted(unknown)[0], f"unknown option(s) {sorted(unknown)}: no design dial; the dials are "
+                                                f"{sorted(names | {'allocation'})}")
         if "allocation" in dials:
             scheme = dials.pop("allocation")
             probe = replace(self, **{k: v for k, v in dials.items() if k in ("embed_dim", "num_heads")})

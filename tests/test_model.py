@@ -99,6 +99,14 @@ def test_invalid_dials_raise_value_error(dials, match):
         _tiny(**dials)
 
 
+def test_an_unknown_keyword_is_named_as_no_dial_not_against_a_list_of_every_valid_one():
+    """create_model(..., feature_cls="fx") (timm's keyword) said "valid: [the dials]", as if num_classes and
+    features_only were not valid either; the list is of the design dials, and the message says so."""
+    with pytest.raises(ValueError, match=r"\['feature_cls'\]: no design dial; the dials are \[") as err:
+        cgavit.create_model("efficientvit_m0", features_only=True, feature_cls="fx")
+    assert "valid" not in str(err.value)
+
+
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="Did you mean 'efficientvit_m4'"):
         cgavit.create_model("efficientvit_m44")
