@@ -87,6 +87,11 @@ class SkippedImages:
         self.seen.update(new)
 
 
+def skipped_text(count: int) -> str:
+    """``count`` skipped images as result lines say it: ``"1 unreadable image skipped"``, ``"3 unreadable images ..."``."""
+    return f"{count} unreadable image{'' if count == 1 else 's'} skipped"
+
+
 def open_image(
     source: Source,
     *,

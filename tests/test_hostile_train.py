@@ -838,9 +838,10 @@ def test_a_newline_in_a_file_name_cannot_forge_a_log_line(world, tmp_path, capsy
     monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process: the command sets up its own log output
     monkeypatch.setattr(logging.root, "level", logging.root.level)
     assert main(["eval", "--data", str(data), "--checkpoint", str(world["best_pt"]), "-j", "0"]) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     skipped = [line for line in err.splitlines() if "skipped an image" in line]
     assert len(skipped) == 1 and "x.png\\nINFO" in skipped[0] and forged not in err.splitlines(), err
+    assert "(1 unreadable image skipped)" in out, out  # it said '1 unreadable images'
 
 
 def test_a_folder_of_many_unreadable_images_names_the_first_and_counts_the_rest(world, tmp_path, capsys, monkeypatch):

@@ -17,6 +17,7 @@ from dataclasses import fields
 
 from ..bounds import INTERPOLATIONS
 from ..deploy.agreement import Agreement
+from ..images import skipped_text
 from ..io import printable, printable_line
 from ..train import TrainConfig, evaluate_checkpoint, predict, train
 from ..train.demo import DEMO_EPOCHS, run_demo, summary_lines
@@ -103,7 +104,7 @@ def _eval(args: argparse.Namespace) -> int:
             f"top-1 {res['top1']:.2f}%  "
             + top5_text(res["top5"], res["num_classes"])
             + f"  loss {res['loss']:.4f}"
-            + (f"  ({res['skipped']} unreadable images skipped)" if res["skipped"] else "")
+            + (f"  ({skipped_text(res['skipped'])})" if res["skipped"] else "")
         )
         if args.reference:
             print(f"top-1 agreement with {printable_line(res['reference'])}: {res['agreement']:.2f}% "

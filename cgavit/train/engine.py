@@ -36,7 +36,7 @@ from timm.utils import ModelEmaV3, dispatch_clip_grad, distribute_bn
 from torch import nn
 
 from ..classes import same_classes
-from ..images import SkippedImages
+from ..images import SkippedImages, skipped_text
 from ..io import CheckpointError, DataError, make_folder, open_append, remove_stale_temporaries
 from ..loading import load_checkpoint
 from ..schema import check_finite
@@ -472,7 +472,7 @@ def _record(run: Run, epoch: int, total_epochs: int, stats: EpochStats, val: dic
     log.info(
         "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.2f%%, %s (best %.2f%% at %d), %.0f img/s%s",
         epoch + 1, total_epochs, stats.loss, val["loss"], val["top1"], top5_text(val["top5"], len(run.classes)), state.best_top1,
-        state.best_epoch + 1, stats.img_per_s, f", {skipped} unreadable images skipped" if skipped else "",
+        state.best_epoch + 1, stats.img_per_s, f", {skipped_text(skipped)}" if skipped else "",
     )
     on_main(run.env, lambda: records.append_metrics(run.output / "metrics.jsonl", row))
     return row, is_best
