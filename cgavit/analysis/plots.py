@@ -1,8 +1,9 @@
 """Matplotlib figures of the analyses and the detection runs (Agg backend, written atomically as PNG).
 
-This is the one place that imports matplotlib (:func:`matplotlib_api`), and only when a figure is
-drawn or a label font looked up, so the analyses, the explorer and detection import without it;
-matplotlib comes with the ``train`` and ``detect`` extras.
+This is the package's one place that imports matplotlib (:func:`matplotlib_api`; the bench's plot and
+``cgavit quantize``'s curve take it from here too), and only when a figure is drawn or a label font looked up,
+so the analyses, the explorer, detection and every command's parser import without it; matplotlib comes with the
+``train``, ``detect`` and ``bench`` extras.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..io import atomic_write
 
 
 def matplotlib_api() -> ModuleType:
-    """``matplotlib`` on the Agg backend (no display needed), with ``pyplot``, ``patches`` and
+    """``matplotlib`` on the Agg backend (no display needed), with ``pyplot``, ``patches``, ``ticker`` and
     ``font_manager`` loaded: the package's one matplotlib import."""
     import matplotlib
 
@@ -25,6 +26,7 @@ def matplotlib_api() -> ModuleType:
     import matplotlib.font_manager
     import matplotlib.patches
     import matplotlib.pyplot
+    import matplotlib.ticker
 
     return matplotlib
 

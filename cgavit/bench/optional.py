@@ -1,18 +1,20 @@
-"""The bench's heavy optional dependencies, each imported here and only here, on first use.
+"""The bench's heavy optional dependencies, on first use.
 
-timm (its port of EfficientViT and the peer models) and matplotlib (the plots: the bench's, and
-``cgavit quantize``'s curve) come with ``cgavit[bench]``.
-They are imported lazily because ``cgavit`` builds every command's parser at start-up, which
-imports this package: importing them at the top would add seconds to every command, ``cgavit
+timm (its port of EfficientViT and the peer models) comes with ``cgavit[bench]`` and is imported here and only
+here. So does matplotlib, for the plots (the bench's, and ``cgavit quantize``'s curve); it is imported where the
+package's other figures import it (:func:`cgavit.analysis.plots.matplotlib_api`), and :func:`check_plotting` asks
+for it before a bench measures. Both are imported lazily because ``cgavit`` builds every command's parser at
+start-up, which imports this package: importing them at the top would add seconds to every command, ``cgavit
 --help`` included. ONNX Runtime, OpenVINO, ExecuTorch and LiteRT have theirs in :mod:`cgavit.deploy`.
 """
 
 from __future__ import annotations
 
 from importlib import metadata
-from types import ModuleType
 
 from torch import nn
+
+from ..analysis.plots import matplotlib_api
 
 
 def create_timm_model(name: str, **kwargs) -> nn.Module:
@@ -34,22 +36,11 @@ def timm_version() -> str:
     return metadata.version("timm")
 
 
-def matplotlib_agg() -> ModuleType:
-    """matplotlib on the file-only Agg backend, with ``pyplot`` and ``ticker`` loaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401  (sets matplotlib.pyplot)
-    import matplotlib.ticker  # noqa: F401
-
-    return matplotlib
-
-
 def check_plotting() -> None:
     """Raise ``ValueError``, saying what to install, where matplotlib (the bench's plot) cannot be imported: before the
     measuring, not after it, with nothing written."""
     try:
-        matplotlib_agg()
+        matplotlib_api()
     except ImportError as err:
         raise ValueError(f"the bench's plot needs matplotlib, which cannot be imported here ({err}); install it with "
                          "pip install 'cgavit[bench]', or give --output '' to write no files") from None

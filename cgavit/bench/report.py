@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.plots import plain_log_labels
+from ..analysis.plots import matplotlib_api, plain_log_labels
 from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, NoiseFloor, PathChoice
 from ..io import atomic_write, make_folder, replace_together, staging, write_json
 from .candidates import Result
-from .optional import matplotlib_agg, timm_version
+from .optional import timm_version
 from .precision import PrecisionRow
 from .train_speed import TrainingRow
 
@@ -144,7 +144,7 @@ def write_csv(results: list[Result], path: str | Path) -> Path:
 
 def plot(results: list[Result], path: str | Path, title: str) -> Path:
     """Published top-1 against measured images/s (log scale), one point per candidate; a PNG."""
-    mpl = matplotlib_agg()
+    mpl = matplotlib_api()
     fig, ax = mpl.pyplot.subplots(figsize=(8, 5.5))
     colors = {"ours": "tab:red", "timm-port": "tab:gray", "peer": "tab:blue"}
     kinds = (("ours", "cgavit (this package)"), ("timm-port", "timm efficientvit_msra port"), ("peer", "timm peers"))

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..bench.optional import matplotlib_agg
+from ..analysis.plots import matplotlib_api
 from ..bounds import check_threads
 from ..bench.precision import CALIBRATION_IMAGES, LabelledImages, calibration_and_evaluation, load_labelled
 from ..train.data import list_split
@@ -433,7 +433,7 @@ def plot_curves(result: QuantizeResult, path: Path) -> Path | None:
     layers, and a star at the answer (or the best found), its held-out figure in the legend; None (and a note) without
     matplotlib."""
     try:
-        mpl = matplotlib_agg()
+        mpl = matplotlib_api()
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return None
