@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..bounds import IMG_SIZE_RANGE
 from ..io import atomic_write, write_json
 from .coco import encode_masks, rle_box_area, segmentation_rle
 
@@ -109,8 +110,9 @@ def check_shapes_request(num_images: int, size: int | tuple[int, int], max_shape
         raise ValueError(f"the number of images (--num-train, --num-val) must be in 0..100000, got {num_images}")
     if not 1 <= max_shapes <= 100:
         raise ValueError(f"--max-shapes must be in 1..100, got {max_shapes}")
-    if len(hw) != 2 or not all(32 <= s <= 4096 for s in hw):
-        raise ValueError(f"--size must be in 32..4096 pixels, got {size}")
+    low, high = IMG_SIZE_RANGE
+    if len(hw) != 2 or not all(low <= s <= high for s in hw):
+        raise ValueError(f"--size must be in {low}..{high} pixels, got {size}")
     return hw
 
 
