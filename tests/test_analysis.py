@@ -311,6 +311,18 @@ def test_analyze_bad_input(tmp_path, capsys):
     assert "no images" in capsys.readouterr().err
 
 
+def test_the_images_are_found_before_the_weights_are_read(tmp_path, monkeypatch, capsys):
+    def read_weights(*args, **kwargs):  # --pretrained would download them, and offline say only that it could not
+        raise AssertionError("the weights were read before the images were looked for")
+
+    monkeypatch.setattr(reports, "load_model", read_weights)
+    (tmp_path / "empty").mkdir()
+    for data, said in ((None, "give --data DIR"), (tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no images")):
+        data = [] if data is None else ["--data", str(data)]
+        assert main(["analyze", "heads", "--pretrained", *data, "--output", str(tmp_path / "h")]) == 2
+        assert said in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- review fixes
 def _digits_folder(root, trained_digits, names: dict[str, str], per_class=3):
     """A class folder per entry of ``names`` (folder name -> digit), holding that digit's held-out images."""

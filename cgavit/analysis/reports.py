@@ -174,17 +174,20 @@ def _sources(cfg: AnalysisConfig) -> list[str]:
 
 
 def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
-    """Seed, build the model, read up to ``num_images`` images and split them into batches.
+    """List the images, seed, build the model, read up to ``num_images`` images and split them into batches.
 
     Raises:
-        ValueError: an option out of bounds (:meth:`AnalysisConfig.validate`), or a sample that
+        ValueError: an option out of bounds (:meth:`AnalysisConfig.validate`), no images (found before the model is
+            built or its weights read), or a sample that
             would not fit :data:`MAX_SAMPLE_PIXELS` at the model's image size.
     """
     cfg.validate()
+    # the images first: no --data, a folder that is missing or holds no images is said before the weights are read
+    # (--pretrained downloads them), not after, nor hidden behind a failed download
+    available = len(list_images(_sources(cfg))[0])
     torch.manual_seed(cfg.seed)
     model, info = load_analysis_model(cfg)
     img_size = info.img_size
-    available = len(list_images(_sources(cfg))[0])
     count = min(cfg.num_images, available) if cfg.num_images else available
     if count * img_size**2 > MAX_SAMPLE_PIXELS:
         raise ValueError(f"{count} images at {img_size} px are too many to analyse at once; give --num-images "
