@@ -1,6 +1,7 @@
 """Head similarity and Taylor importance: exact cases, every dial combination, and the commands."""
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from cgavit import create_model, fuse
+from cgavit import create_model, fuse, load_model, save_weights
 from cgavit.analysis import cosine_similarity_matrix, head_similarity, map_similarity, mean_off_diagonal, taylor_importance
 from cgavit.analysis import heads as heads_module
 from cgavit.analysis import reports
@@ -21,6 +22,7 @@ from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fra
 from cgavit.attention import CascadedGroupAttention, LocalWindowAttention
 from cgavit.cli import main
 from cgavit.testing import randomize_
+from cgavit.weights import network_of
 
 TINY = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
 
@@ -673,6 +675,19 @@ def test_taylor_of_one_class_says_its_loss_is_zero(tmp_path, capsys):
                  "--output", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "two classes or more" in err and "BatchNorm" not in err and not (tmp_path / "t").exists()
+
+
+def test_taylor_of_a_model_without_classifier_says_so(tmp_path, capsys, trained_digits):
+    """A features_only save (no classifier) was told to analyse 'a model trained on two classes or more', though it
+    may have been trained on many: what it lacks is the classifier."""
+    model, _ = load_model(trained_digits.checkpoint)
+    features = create_model("m0", features_only=True, img_size=48, **dataclasses.asdict(model.cfg))
+    network_of(features).load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("head")})
+    saved = save_weights(features, tmp_path / "features.safetensors")
+    data = _image_folder(tmp_path / "data", size=48)
+    assert main(["analyze", "taylor", "--checkpoint", str(saved), "--data", str(data), "--output", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "has 0: no classifier (a features_only" in err and "trained on two" not in err and not (tmp_path / "t").exists()
 
 
 def test_all_zero_importance_blames_a_zero_loss_only_when_it_is_zero():

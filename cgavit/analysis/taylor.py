@@ -157,9 +157,10 @@ def taylor_importance(
     _check_trainable(model)
     classes = getattr(model, "num_classes", 2)
     if classes < 2:  # before any image is run: no gradient could ever come of it
-        raise ValueError(f"the Taylor importance needs a model of two classes or more, but this one has {classes}: its loss, "
-                         "cross-entropy over the classes, is zero for one class (and has no scores without a classifier) "
-                         "whatever the weights; analyse a model trained on two classes or more")
+        why = ("no classifier (a features_only or headless save), so no class scores to take the loss of; analyse the "
+               "weights saved with their classifier" if classes == 0 else "its loss, cross-entropy over the classes, is "
+               "zero for one class whatever the weights; analyse a model trained on two classes or more")
+        raise ValueError(f"the Taylor importance needs a model of two classes or more, but this one has {classes}: {why}")
     batches = list(batches)
     n_all = sum(x.shape[0] for x, _ in batches)
     if not n_all:
