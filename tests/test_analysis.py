@@ -16,6 +16,7 @@ from cgavit import create_model, fuse, load_model, save_weights
 from cgavit.analysis import cosine_similarity_matrix, head_similarity, map_similarity, mean_off_diagonal, taylor_importance
 from cgavit.analysis import heads as heads_module
 from cgavit.analysis import reports
+from cgavit.analysis.data import list_images
 from cgavit.analysis.heads import BlockSimilarity, mean_similarity
 from cgavit.analysis.reports import AnalysisConfig, load_sample, run_heads, run_taylor
 from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fraction, plot_importance, pruning_order
@@ -323,6 +324,20 @@ def test_the_images_are_found_before_the_weights_are_read(tmp_path, monkeypatch,
         data = [] if data is None else ["--data", str(data)]
         assert main(["analyze", "heads", "--pretrained", *data, "--output", str(tmp_path / "h")]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_a_dataset_root_is_refused_with_the_split_to_give(tmp_path, capsys):
+    """DIR/train/<class>/ and DIR/val/<class>/ given as --data (as train and eval take it) were read as two classes,
+    'train' and 'val': both splits' images drawn, and labelled by split for the Taylor loss."""
+    for split in ("train", "val"):
+        _image_folder(tmp_path / "data" / split, per_class=1, size=8)
+    with pytest.raises(ValueError, match=r"holds the splits train, val .*--data \S*data/val"):
+        list_images([tmp_path / "data"])
+    assert main(["analyze", "heads", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "h")]) == 2
+    assert "give one split's folder" in capsys.readouterr().err and not (tmp_path / "h").exists()
+    (tmp_path / "data" / "test").mkdir()  # a class folder beside them (images, no folders): classes after all
+    (tmp_path / "data" / "test" / "0.png").write_bytes((tmp_path / "data" / "val" / "class0" / "0.png").read_bytes())
+    assert list_images([tmp_path / "data"])[2] == ["test", "train", "val"]
 
 
 # ----------------------------------------------------------------------------- review fixes

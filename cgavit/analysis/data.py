@@ -22,6 +22,23 @@ def _images_in(folder: Path) -> list[Path]:
     return [p for p in files_under(folder) if p.suffix.lower() in IMAGE_EXTENSIONS]
 
 
+#: Folder names a dataset gives its splits: a ``--data`` whose folders are these, each of folders, is a dataset's root.
+SPLIT_NAMES = frozenset({"train", "val", "valid", "validation", "test"})
+
+
+def _check_not_dataset_root(root: Path) -> None:
+    """Refuse a dataset's root (``DIR/train/<class>/``, ``DIR/val/<class>/``) given for one split: its splits would
+    be read as classes, the images of every split drawn alike and labelled by the split they are in."""
+    folders = [d for d in root.iterdir() if not d.name.startswith(".") and d.is_dir()]
+    if not folders or any(d.name.lower() not in SPLIT_NAMES for d in folders):
+        return
+    if all(any(not e.name.startswith(".") and e.is_dir() for e in d.iterdir()) for d in folders):
+        names = sorted(d.name for d in folders)
+        pick = next((n for n in names if n.lower() != "train"), names[0])
+        raise ValueError(f"{root} holds the splits {', '.join(names)} (folders of class folders), not classes: give one "
+                         f"split's folder, e.g. --data {root / pick}")
+
+
 def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | None, list[str] | None]:
     """Image files and, for a folder of class sub-folders, their labels.
 
@@ -36,7 +53,8 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
 
     Raises:
         FileNotFoundError: a source does not exist.
-        ValueError: no images found, or a folder mixed with files.
+        ValueError: no images found, a folder mixed with files, or a dataset's root (``DIR/train/<class>/``,
+            ``DIR/val/<class>/``) whose splits would be read as classes.
         DataError: a labelled folder that training would refuse too, e.g. a class folder without images (left out,
             it would shift the index of every class after it).
     """
@@ -48,6 +66,7 @@ def list_images(sources: Sequence[str | Path]) -> tuple[list[Path], list[int] | 
             raise FileNotFoundError(f"{p} does not exist")
     if len(paths) == 1 and paths[0].is_dir():
         root = paths[0]
+        _check_not_dataset_root(root)
         if any(not d.name.startswith(".") and d.is_dir() and _images_in(d) for d in root.iterdir()):
             # DIR/<class>/<image>, read as training and evaluation read a split: the same classes in the same order
             # (hidden folders are none, a class folder without images is refused), the same images
