@@ -1,7 +1,6 @@
 """Head similarity and Taylor importance: exact cases, every dial combination, and the commands."""
 
 import copy
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from cgavit import create_model, fuse, load_model, save_weights
+from cgavit import create_model, fuse, save_weights
 from cgavit.analysis import cosine_similarity_matrix, head_similarity, map_similarity, mean_off_diagonal, taylor_importance
 from cgavit.analysis import heads as heads_module
 from cgavit.analysis import reports
@@ -23,7 +22,6 @@ from cgavit.analysis.taylor import BlockImportance, channel_importance, kept_fra
 from cgavit.attention import CascadedGroupAttention, LocalWindowAttention
 from cgavit.cli import main
 from cgavit.testing import randomize_
-from cgavit.weights import network_of
 
 TINY = dict(embed_dim=(16, 24, 32), depth=(1, 1, 1), num_heads=(2, 2, 2))
 
@@ -338,6 +336,17 @@ def test_a_dataset_root_is_refused_with_the_split_to_give(tmp_path, capsys):
     (tmp_path / "data" / "test").mkdir()  # a class folder beside them (images, no folders): classes after all
     (tmp_path / "data" / "test" / "0.png").write_bytes((tmp_path / "data" / "val" / "class0" / "0.png").read_bytes())
     assert list_images([tmp_path / "data"])[2] == ["test", "train", "val"]
+
+
+def test_a_one_channel_model_is_fed_greyscale_images_as_eval_feeds_it(tmp_path):
+    """A model of in_chans=1 was fed RGB images and refused them ('convert the images ... or build with in_chans=3'),
+    though cgavit eval reads the same folder for it as greyscale."""
+    model = randomize_(create_model("m0", in_chans=1, num_classes=2, img_size=32, **TINY))
+    path = save_weights(model, tmp_path / "grey.safetensors")
+    data = _image_folder(tmp_path / "data", per_class=2, size=32)
+    cfg = AnalysisConfig(output=str(tmp_path / "h"), checkpoint=str(path), data=str(data))
+    assert [x.shape[1] for x, _ in load_sample(cfg).batches] == [1]
+    assert run_taylor(cfg).report["num_images"] == 4
 
 
 # ----------------------------------------------------------------------------- review fixes
@@ -692,12 +701,10 @@ def test_taylor_of_one_class_says_its_loss_is_zero(tmp_path, capsys):
     assert "two classes or more" in err and "BatchNorm" not in err and not (tmp_path / "t").exists()
 
 
-def test_taylor_of_a_model_without_classifier_says_so(tmp_path, capsys, trained_digits):
+def test_taylor_of_a_model_without_classifier_says_so(tmp_path, capsys):
     """A features_only save (no classifier) was told to analyse 'a model trained on two classes or more', though it
     may have been trained on many: what it lacks is the classifier."""
-    model, _ = load_model(trained_digits.checkpoint)
-    features = create_model("m0", features_only=True, img_size=48, **dataclasses.asdict(model.cfg))
-    network_of(features).load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("head")})
+    features = randomize_(create_model("m0", features_only=True, img_size=48, **TINY))
     saved = save_weights(features, tmp_path / "features.safetensors")
     data = _image_folder(tmp_path / "data", size=48)
     assert main(["analyze", "taylor", "--checkpoint", str(saved), "--data", str(data), "--output", str(tmp_path / "t")]) == 2

@@ -13,7 +13,9 @@ from torch.utils.data import Dataset
 
 from ..io import DataError
 from ..images import BadImageError, SkippedImages
-from ..train.data import build_transform, list_split, load_transformed
+from ..factory import ModelInfo
+from ..train.data import list_split, load_transformed
+from ..train.inference import eval_transform
 from ..train.data.layout import IMAGE_EXTENSIONS, files_under
 
 log = logging.getLogger(__name__)
@@ -132,22 +134,24 @@ class ImageList(Dataset):
 
 def load_images(
     sources: Sequence[str | Path], img_size: int, num_images: int = 64, crop_pct: float = 0.875, seed: int = 0, mean=None,
-    std=None, interpolation: str = "bicubic",
+    std=None, interpolation: str = "bicubic", channels: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[str] | None]:
     """Read up to ``num_images`` images (balanced over classes) into one batch, fed as evaluation feeds them
-    (:func:`~cgavit.train.data.build_transform`: resized with ``interpolation``, centre-cropped ``crop_pct``,
-    normalised with ``mean``/``std``, ImageNet's unless given); an image that cannot be read is skipped with a warning.
+    (:func:`~cgavit.train.inference.eval_transform`: read as RGB, or greyscale for ``channels`` 1, resized with
+    ``interpolation``, centre-cropped ``crop_pct``, normalised with ``mean``/``std``, ImageNet's unless given); an
+    image that cannot be read is skipped with a warning.
 
     Returns:
-        ``(images (B, 3, S, S), labels (B,) or None, class names or None)``.
+        ``(images (B, channels, S, S), labels (B,) or None, class names or None)``.
 
     Raises:
+        ValueError: ``channels`` other than 1 or 3.
         DataError: none of the chosen images can be read.
     """
+    feed = ModelInfo([], img_size, crop_pct, interpolation, mean or IMAGENET_DEFAULT_MEAN, std or IMAGENET_DEFAULT_STD)
+    transform = eval_transform(feed, channels, img_size, crop_pct, interpolation)
     paths, labels, classes = list_images(sources)
     keep = balanced_subset(labels, len(paths), num_images, seed)
-    transform = build_transform(img_size, False, interpolation=interpolation, crop_pct=crop_pct,
-                                mean=mean or IMAGENET_DEFAULT_MEAN, std=std or IMAGENET_DEFAULT_STD)
     ds = ImageList([paths[i] for i in keep], [labels[i] for i in keep] if labels else None, transform)
     items, bad = [], {}
     for i in range(len(ds)):

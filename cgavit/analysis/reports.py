@@ -22,6 +22,7 @@ from ..fields import option
 from ..imagenet import class_names
 from ..io import file_in_the_way, json_ready, replace_together, staging, write_error, write_json, write_text
 from ..classes import check_classes, class_difference, model_indices
+from ..train.inference import input_channels
 from .data import list_images, load_images
 from .heads import BlockSimilarity, head_similarity, mean_similarity, plot_similarity
 from .taylor import BlockImportance, kept_fraction, plot_importance, taylor_importance
@@ -196,7 +197,7 @@ def load_sample(cfg: AnalysisConfig) -> AnalysisSample:
         raise ValueError(f"--batch-size {cfg.batch_size} at {img_size} px is too large a forward pass; give "
                          f"--batch-size {MAX_BATCH_PIXELS // img_size**2} or fewer")
     x, y, classes = load_images(_sources(cfg), img_size, cfg.num_images, info.crop_pct, cfg.seed, info.mean, info.std,
-                                info.interpolation)
+                                info.interpolation, input_channels(model))  # greyscale for a 1-channel model, as eval
     n = max(1, -(-x.shape[0] // max(cfg.batch_size, 1)))  # near-equal batches (no trailing batch of one)
     batches = list(zip(x.tensor_split(n), y.tensor_split(n) if y is not None else [None] * n))
     return AnalysisSample(model, img_size, batches, y, classes, info)
