@@ -224,14 +224,17 @@ def staging(dest: str | os.PathLike) -> Iterator[Path]:
     it is raised again for the file of that name beside it, the one the user asked for (not the temporary one).
 
     Raises:
-        WriteError: the folder cannot be made (``dest`` named in the message), or a file in it could not be written.
+        WriteError: the folder cannot be made (``dest``'s folder named in the message), or a file in it could not be
+            written.
     """
     dest = Path(dest)
     folder = dest.parent
     try:
         scratch = tempfile.TemporaryDirectory(dir=folder, prefix=f".{dest.name}.")
-    except OSError as err:
-        raise write_error(dest, err) from None
+    except OSError as err:  # the folder, not dest: a caller's dest may be a stem its files are named from
+        code, reason, advice = write_reason(err, folder)
+        raise WriteError(code, f"cannot write into {folder}: {reason} (nothing was written); {advice}",
+                         str(folder)) from None
     with scratch as tmp:
         try:
             yield Path(tmp)
