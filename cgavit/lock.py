@@ -49,42 +49,56 @@ class FileLock:
 
     def acquire(self) -> Exception | None:
         """Take the lock (making the folder first); the error to raise when it cannot be taken (on every rank, for
-        :class:`~cgavit.train.distributed.RunLock`), else None."""
+        :class:`~cgavit.train.distributed.RunLock`), else None. A Ctrl-C or SIGTERM while it is taken comes once the
+        lock is either held or not (its file made but held by no one, it was left behind), and then lets it go."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             return self._unusable(err)
-        for _ in range(_LOCK_ATTEMPTS):
-            try:
-                fd = os.open(self.path, _LOCK_FLAGS, 0o644)
-            except OSError as err:
-                return self._unusable(err)
-            error = self._lock(fd)
-            if error is not None or not _names(self.path, fd):  # not ours, or removed by its holder since we opened it
-                os.close(fd)
-                if error is not None:
-                    return error
-                continue
-            gone = _read_pid(fd)
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
-            except OSError as err:  # a full disk: the lock holds all the same, only the pid is missing
-                log.warning("could not write this process's pid into %s (%s)", self.path, err.strerror or err)
-            if gone is not None:
-                log.info("took over %s from pid %d, which is gone", self.path, gone)
-            self.fd = fd
-            return None
+        try:
+            for _ in range(_LOCK_ATTEMPTS):
+                with stop_signals_deferred():
+                    outcome = self._attempt()
+                if outcome is _TAKEN:
+                    return ValueError(self._taken_message())
+                if outcome is not _AGAIN:
+                    return outcome
+        except BaseException:  # the stop signal came while it was taken: not kept, nor its file left
+            self.__exit__(None, None, None)
+            raise
         return ValueError(f"could not take {self.path}: other processes keep removing it; is another run starting there?")
 
-    def _lock(self, fd: int) -> Exception | None:
-        """``flock`` the open lock file ``fd`` without waiting; the error when it cannot be, else None."""
+    def _attempt(self) -> Exception | object | None:
+        """One try at the lock: None (held: :attr:`fd` set), the error, :data:`_TAKEN` (another process holds it) or
+        :data:`_AGAIN` (removed by its holder since it was opened)."""
+        try:
+            fd = os.open(self.path, _LOCK_FLAGS, 0o644)
+        except OSError as err:
+            return self._unusable(err)
+        outcome = self._lock(fd)
+        if outcome is not None or not _names(self.path, fd):  # not ours, or removed by its holder since we opened it
+            os.close(fd)
+            return _AGAIN if outcome is None else outcome
+        gone = _read_pid(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as err:  # a full disk: the lock holds all the same, only the pid is missing
+            log.warning("could not write this process's pid into %s (%s)", self.path, err.strerror or err)
+        if gone is not None:
+            log.info("took over %s from pid %d, which is gone", self.path, gone)
+        self.fd = fd
+        return None
+
+    def _lock(self, fd: int) -> Exception | object | None:
+        """``flock`` the open lock file ``fd`` without waiting; the error when it cannot be, :data:`_TAKEN` when
+        another process holds it, else None."""
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return ValueError(f"{self.path} is not a regular file (a pipe, socket or device); remove it and run again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return ValueError(self._taken_message())
+            return _TAKEN
         except OSError as err:
             return self._unusable(err)
         return None
@@ -134,6 +148,9 @@ class FileLock:
 
 
 
+#: What :meth:`FileLock._attempt` says when another process holds the lock, and when its file was removed since it
+#: was opened (try again).
+_TAKEN, _AGAIN = object(), object()
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _LOCK_ATTEMPTS = 100
 _PID_WAIT_S = 2.0  # how long a second run waits for the holder to write its pid (microseconds, normally)

@@ -1435,6 +1435,30 @@ def test_a_stop_signal_as_the_run_ends_still_removes_its_lock(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_stop_signal_as_the_lock_is_taken_leaves_no_lock_file(tmp_path, monkeypatch):
+    """A Ctrl-C or SIGTERM while the lock was being taken (its file made and locked, the pid not yet written) left
+    NAME.quantize.lock behind, held by no one but a descriptor left open: it now takes effect once the lock is held,
+    and the lock goes."""
+    import cgavit.lock as lock_mod
+
+    for step in ("_names", "_read_pid"):  # after the flock: the file made, the lock not yet the run's
+        real = getattr(lock_mod, step)
+
+        def signalled(*args, real=real):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real(*args)
+
+        lock = lock_mod.FileLock(tmp_path / "q.quantize.lock", "holds it")
+        with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+            m.setattr(lock_mod, step, signalled)
+            with lock:
+                raise AssertionError("the interrupt did not stop the run")
+        assert not lock.held and not list(tmp_path.iterdir()), step
+    with lock_mod.FileLock(tmp_path / "q.quantize.lock", "holds it"):  # no descriptor left holding it
+        pass
+
+
 def test_a_folder_gone_read_only_during_the_run_is_one_line_and_keeps_the_earlier_answer(
         digits_int8, trained_digits, mount_tmpfs, tmp_path, capsys, monkeypatch):
     """A folder made read-only while the search ran (a remount, a chmod) gave a traceback: the lock could not be
