@@ -174,8 +174,9 @@ def stop_signals_deferred() -> Iterator[None]:
 def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]]) -> None:
     """Move each finished temporary file onto its destination (a destination with None for its temporary file is
     removed: a file the new set no longer has), as one step for anyone reading them: a Ctrl-C or SIGTERM waits
-    until all are in place (:func:`stop_signals_deferred`), and when a move fails, the new files already moved are
-    removed and the old ones put back.
+    until all are in place (:func:`stop_signals_deferred`), and its ``KeyboardInterrupt`` then carries a note of
+    what was written and removed (:func:`stop_notes`: the command's "interrupted" line says it); when a move fails,
+    the new files already moved are removed and the old ones put back.
 
     Raises:
         WriteError: a move failed (every destination is as it was).
@@ -183,38 +184,63 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
     for _, dest in moves:  # a folder is never moved aside (nor removed): refused before anything moves
         if Path(dest).is_dir() and not Path(dest).is_symlink():
             raise write_error(Path(dest), IsADirectoryError(errno.EISDIR, "Is a directory"))
-    aside: list[tuple[Path, Path]] = []  # (destination, its old file, moved aside until the end)
-    placed: list[Path] = []
     try:
         for tmp, _ in moves:
             if tmp is not None:
                 _sync(tmp)
     except OSError as err:
         raise write_error(Path(moves[0][1]), err) from None
-    with stop_signals_deferred():
-        try:
-            for tmp, dest in moves:
-                dest = Path(dest)
-                if dest.exists() or dest.is_symlink():
-                    kept = dest.with_name(f".{dest.name}.{os.getpid()}.old{TMP_SUFFIX}")
-                    os.replace(dest, kept)
-                    aside.append((dest, kept))
-                if tmp is not None:
-                    os.replace(tmp, dest)
-                    placed.append(dest)
-        except OSError as err:
-            for dest in placed:
-                _remove(str(dest))
-            for dest, kept in aside:
-                os.replace(kept, dest)
-            raise write_error(Path(moves[0][1]), err) from None
-        for _, kept in aside:
-            _remove(str(kept))
+    done = False
     try:
-        for folder in {Path(dest).parent for _, dest in moves}:
-            _sync(folder)
+        with stop_signals_deferred():
+            _move_all(moves)
+            done = True
+            for folder in {Path(dest).parent for _, dest in moves}:
+                _sync(folder)
     except OSError as err:
         raise write_error(Path(moves[0][1]), err) from None
+    except KeyboardInterrupt as stop:  # it came during the moves, and waited for them: what is on disk is this set
+        if done:
+            wrote, removed = ([str(dest) for tmp, dest in moves if (tmp is None) == gone] for gone in (False, True))
+            _add_note(stop, f"the files being moved into place were all moved first: wrote {', '.join(wrote)}"
+                      + (f"; removed {', '.join(removed)}" if removed else ""))
+        raise
+
+
+def _move_all(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]]) -> None:
+    """:func:`replace_together`'s moves: each destination's old file moved aside, the new one moved there; on a failed
+    move the new files are removed and the old ones put back (``OSError``), else the old ones removed."""
+    aside: list[tuple[Path, Path]] = []  # (destination, its old file, moved aside until the end)
+    placed: list[Path] = []
+    try:
+        for tmp, dest in moves:
+            dest = Path(dest)
+            if dest.exists() or dest.is_symlink():
+                kept = dest.with_name(f".{dest.name}.{os.getpid()}.old{TMP_SUFFIX}")
+                os.replace(dest, kept)
+                aside.append((dest, kept))
+            if tmp is not None:
+                os.replace(tmp, dest)
+                placed.append(dest)
+    except OSError:
+        for dest in placed:
+            _remove(str(dest))
+        for dest, kept in aside:
+            os.replace(kept, dest)
+        raise
+    for _, kept in aside:
+        _remove(str(kept))
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    """``err.add_note(note)``, on Python 3.10 too (which has no ``add_note``, and shows no notes)."""
+    err.__notes__ = [*getattr(err, "__notes__", []), note]
+
+
+def stop_notes(err: BaseException) -> list[str]:
+    """The notes a stop signal's ``KeyboardInterrupt`` carries (:func:`replace_together`: the files it was let finish
+    moving), for the command's "interrupted" line."""
+    return [note for note in getattr(err, "__notes__", []) if isinstance(note, str)]
 
 
 @contextmanager

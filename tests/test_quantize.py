@@ -1251,6 +1251,31 @@ def test_an_interrupted_write_leaves_the_earlier_file_and_its_report_together(di
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing else, nothing changed
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_stop_signal_as_the_files_move_into_place_says_they_all_did(digits_int8, trained_digits, tmp_path, capsys,
+                                                                      monkeypatch):
+    """A Ctrl-C while the int8 file and its report were moved into place waited for the last move (nothing
+    half-written), and then the run said only "interrupted", with the whole new set on disk: it now says so."""
+    from cgavit import io as cio
+
+    real = os.replace
+
+    def signalled(src, dst):  # the signal arrives after the first move into the folder
+        real(src, dst)
+        if Path(dst) == tmp_path / "q.onnx":  # not the one in the temporary folder, which comes first
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(quantize_cli, "quantize", lambda *args, **kwargs: digits_int8)
+    monkeypatch.setattr(cio.os, "replace", signalled)
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                 "--runtime", "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "16"])
+    written = [tmp_path / f"q{suffix}" for suffix in (".onnx", ".quantize.json", ".quantize.md", ".quantize.png")]
+    assert code == 130 and capsys.readouterr().err == "cgavit quantize: interrupted; the files being moved into place " \
+        f"were all moved first: wrote {', '.join(map(str, written))}\n"
+    assert sorted(tmp_path.iterdir()) == sorted(written)  # no temporary, no lock
+    assert json.loads(written[1].read_text())["meets_target"] is True
+
+
 def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, monkeypatch):
     """replace_together: a SIGINT during the moves takes effect once every file is in place; a move that fails puts
     the old files back and removes the new ones."""

@@ -24,7 +24,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-from ..io import CheckpointError, WriteError, printable, printable_line, write_reason
+from ..io import CheckpointError, WriteError, printable, printable_line, stop_notes, write_reason
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         terminated = isinstance(err, Terminated)
-        print(f"cgavit {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        print(f"cgavit {args.command}: {'terminated' if terminated else 'interrupted'}"
+              + "".join(f"; {printable_line(note)}" for note in stop_notes(err)), file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     finally:
         sys.stdout = stdout
