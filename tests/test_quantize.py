@@ -7,6 +7,7 @@ carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. N
 
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -1552,19 +1553,60 @@ def test_openvinos_options_are_refused_where_only_onnx_runtime_is_searched(train
     def loaded(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded")
 
-    monkeypatch.setattr(quantize_cli, "quant_runtimes", lambda runtime: [runtime] if runtime else ["onnxruntime"])
+    monkeypatch.setattr(quantize_cli, "openvino_int8_problem", lambda: "openvino is not installed")
     monkeypatch.setattr(quantize_cli, "load_model", loaded)
     base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
             "--output", str(tmp_path / "q")]
     for option in (["--bias-correction", "fast"], ["--float-part", "fp32"]):
         assert main(base + option) == 2, option
         err = capsys.readouterr().err
-        assert f"{option[0]} is " in err and "OpenVINO is not installed or fails to import, so this run searches ONNX " \
-            f"Runtime alone; drop {option[0]}, or install it (pip install 'cgavit[openvino]')" in err and \
+        assert f"{option[0]} is " in err and "OpenVINO cannot be used here (openvino is not installed), so this run " \
+            f"searches ONNX Runtime alone; drop {option[0]}, or install it (pip install 'cgavit[openvino]')" in err and \
             err.count("\n") == 1, err
     assert main(base[:-1] + [str(tmp_path / "q.onnx"), "--bias-correction", "none"]) == 2  # the suffix names the runtime
     assert "--bias-correction is OpenVINO's (NNCF's); drop it, or use --runtime openvino" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_an_openvino_option_with_openvino_broken_is_one_line_with_its_reason(trained_digits, tmp_path, capsys, caplog,
+                                                                            monkeypatch):
+    """With OpenVINO installed but failing to import, --float-part (or --bias-correction) printed two lines: the
+    warning that the search is ONNX Runtime's alone, then the refusal, which said OpenVINO "is not installed or fails
+    to import" without saying which. Now the refusal alone, with the reason."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    broken = tmp_path / "broken"
+    for name in ("openvino", "nncf"):
+        (broken / name).mkdir(parents=True)
+        (broken / name / "__init__.py").write_text("raise ImportError('libopenvino.so.2500: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(broken))
+    for name in ("openvino", "nncf"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(quantize_cli, "load_model", loaded)
+    with caplog.at_level(logging.WARNING):
+        assert main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                     "--output", str(tmp_path / "q"), "--float-part", "fp32"]) == 2
+    assert capsys.readouterr().err == (
+        "cgavit quantize: error: --float-part is how OpenVINO runs what int8 leaves float, and OpenVINO cannot be used "
+        "here (openvino is installed but cannot be imported (ImportError: libopenvino.so.2500: cannot open shared object "
+        "file); reinstall it), so this run searches ONNX Runtime alone; drop --float-part, or install it (pip install "
+        "'cgavit[openvino]')\n")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # without the option the run goes on with ONNX Runtime alone, and says so once (it said it again as the search began)
+    def search(model, calibration, evaluation, target, runtime, **kwargs):
+        quant_runtimes(runtime)  # the library's first step
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(quantize_cli, "load_model", cgavit.load_model)
+    monkeypatch.setattr(quantize_cli, "quantize", search)
+    with caplog.at_level(logging.WARNING):
+        assert main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                     "--output", str(tmp_path / "q"), "--calibration-images", "16"]) == 2
+    assert capsys.readouterr().err.endswith("error: stopped here\n")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "OpenVINO is installed but cannot be used (openvino is installed but cannot be " \
+        "imported (ImportError: libopenvino.so.2500" in warned[0], warned
 
 
 def test_what_quantize_needs_is_said_before_any_work(trained_digits, tmp_path, capsys, monkeypatch):

@@ -29,7 +29,7 @@ from ..deploy.fusion import WRITTEN_SUFFIXES, file_name
 from ..deploy.cpu import cpu_features
 from ..deploy.int8 import BIAS_CORRECTIONS, CALIBRATION_METHODS, FLOAT_PARTS, WEIGHT_TYPES, float_parts_for_cpu
 from ..deploy.qat import require_qat
-from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, quant_runtimes
+from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, openvino_int8_problem, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
 from ..io import atomic_write, replace_together, staging, write_json, write_text
@@ -137,15 +137,14 @@ def taken(path: Path) -> bool:
 REPORT_SUFFIXES = (".json", ".md", ".png")
 
 
-def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None, list[str]]:
-    """The files ``--output`` names, checked before any work, the runtime: ``--runtime``, or the one the
-    suffix names, and the runtimes this run searches (:func:`~cgavit.deploy.quantize.quant_runtimes`).
+def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
+    """The files ``--output`` names, checked before any work, and the runtime: ``--runtime``, or the one the
+    suffix names.
 
     Raises:
         ValueError: not a file name (empty, ``.``, ``..``, a trailing ``/``, an existing folder), a missing or
-            unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, one of the
-            files to write is a folder, pipe, socket or device, or a runtime asked for (ONNX Runtime always) missing
-            or broken.
+            unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, or one of the
+            files to write is a folder, pipe, socket or device.
     """
     out = file_name(args.output, "q/digits_int8 (.onnx or .xml is added)")
     implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
@@ -155,7 +154,6 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None, list
     if not implied and out.suffix.lower() in WRITTEN_SUFFIXES:
         raise ValueError(f"--output {out.name} names another kind of file; give NAME, NAME.onnx or NAME.xml")
     runtime = args.runtime or implied
-    searched = quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read
     outputs = Outputs(out.with_suffix("") if implied else out)
     folders = [p for p in outputs.all() if p.is_dir()]
     if folders:
@@ -170,7 +168,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None, list
     except OSError as err:
         raise ValueError(f"cannot write into {out.parent} ({err.strerror or err}); give an --output in a folder you "
                          "can write") from None
-    return outputs, runtime, searched
+    return outputs, runtime
 
 
 def checked_numbers(args: argparse.Namespace) -> None:
@@ -197,25 +195,30 @@ def checked_numbers(args: argparse.Namespace) -> None:
                          f"--qat-lr above 0; got {args.epochs}, {args.qat_batch}, {args.qat_images} and {args.qat_lr:g}")
 
 
-def check_runtime_options(args: argparse.Namespace, searched: list[str]) -> None:
-    """Refuse a runtime's own option when this run searches no build of that runtime (``searched``): ``--runtime``
-    names the other one, or OpenVINO is not installed (or fails to import) and the search is ONNX Runtime's alone,
-    where ``--float-part`` and ``--bias-correction`` were accepted and did nothing.
+def check_runtime_options(args: argparse.Namespace, runtime: str | None) -> None:
+    """Refuse a runtime's own option when this run searches no build of that runtime: ``runtime`` (``--runtime``, or
+    the one the suffix names) is the other one, or none is named and OpenVINO is not installed or fails to import
+    (:func:`~cgavit.deploy.quantize.openvino_int8_problem`), so that the search is ONNX Runtime's alone, where
+    ``--float-part`` and ``--bias-correction`` were accepted and did nothing. Checked before
+    :func:`~cgavit.deploy.quantize.quant_runtimes` warns of a broken OpenVINO: the refusal is the one line, with
+    the reason.
 
     Raises:
         ValueError: the option, and what to do.
     """
-    for flag, runtime, given, what in (("--float-part", "openvino", args.float_part != "auto",
-                                        "is how OpenVINO runs what int8 leaves float"),
-                                       ("--weights", "onnxruntime", args.weights != "int8", "is ONNX Runtime's weight type"),
-                                       ("--bias-correction", "openvino", args.bias_correction != "full",
-                                        "is OpenVINO's (NNCF's)")):
-        if not given or runtime in searched:
+    for flag, its, given, what in (("--float-part", "openvino", args.float_part != "auto",
+                                    "is how OpenVINO runs what int8 leaves float"),
+                                   ("--weights", "onnxruntime", args.weights != "int8", "is ONNX Runtime's weight type"),
+                                   ("--bias-correction", "openvino", args.bias_correction != "full",
+                                    "is OpenVINO's (NNCF's)")):
+        if not given or its == runtime:
             continue
-        if args.runtime or SUFFIX_RUNTIMES.get(Path(args.output).suffix.lower()):
-            raise ValueError(f"{flag} {what}; drop it, or use --runtime {runtime}")
-        raise ValueError(f"{flag} {what}, and OpenVINO is not installed or fails to import, so this run searches ONNX "
-                         f"Runtime alone; drop {flag}, or install it ({FORMATS['openvino'].install()})")
+        if runtime:
+            raise ValueError(f"{flag} {what}; drop it, or use --runtime {its}")
+        problem = openvino_int8_problem() if its == "openvino" else None  # ONNX Runtime is always searched
+        if problem:
+            raise ValueError(f"{flag} {what}, and OpenVINO cannot be used here ({problem}), so this run searches ONNX "
+                             f"Runtime alone; drop {flag}, or install it ({FORMATS['openvino'].install()})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,10 +236,12 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.max_float_layers} allows; give at most {args.max_float_layers}, or leave it out")
     if args.qat:  # torchao missing: said before the post-training search, not after it
         require_qat()
-    outputs, runtime, searched = checked_outputs(args)
+    outputs, runtime = checked_outputs(args)
+    float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused now
+    check_runtime_options(args, runtime)
+    searched = quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read, and once:
+    runtime = searched[0] if len(searched) == 1 else None  # the search is given the one it can search
     with FileLock(outputs.lock(), f"is writing {outputs.stem}.* (cgavit quantize)"):  # a second run on NAME stops here
-        float_parts_for_cpu(cpu_features(), args.float_part)  # a bf16 float part without native bf16: refused now
-        check_runtime_options(args, searched)
         model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
                                  trust=args.trust_checkpoint)
         info = replace(info, img_size=args.img_size or info.img_size)

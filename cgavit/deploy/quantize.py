@@ -510,13 +510,19 @@ def quant_runtimes(runtime: str | None) -> list[str]:
     if runtime == "onnxruntime":
         return [runtime]
     openvino = FORMATS["openvino"]
-    problem = openvino.problem("int8") or import_problem("nncf")  # imported here: the search would, later
+    problem = openvino_int8_problem()
     if runtime == "openvino" and problem:
         raise ValueError(f"runtime openvino cannot be used: {problem}; {openvino.install()}")
     installed = all(importlib.util.find_spec(name) is not None for name in ("openvino", "nncf"))
     if problem and installed:  # installed but broken: said, not a traceback after the ONNX Runtime search
         log.warning("quantize: OpenVINO is installed but cannot be used (%s): searching ONNX Runtime alone", problem)
     return [runtime] if runtime else ["onnxruntime"] + ([] if problem else ["openvino"])
+
+
+def openvino_int8_problem() -> str | None:
+    """Why OpenVINO's int8 builds cannot be made here (openvino or nncf not installed, or installed and failing to
+    import: said with its reason), or None."""
+    return FORMATS["openvino"].problem("int8") or import_problem("nncf")  # imported here: the search would, later
 
 
 def _checked_images(
