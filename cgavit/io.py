@@ -371,6 +371,33 @@ def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+#: The most bytes a temporary name adds to its file's: :func:`atomic_write`'s ``.NAME.XXXXXXXX.tmp`` and
+#: :func:`replace_together`'s ``.NAME.PID.old.tmp`` (a pid of up to 7 digits).
+TEMPORARY_NAME_EXTRA = len(".." + "1234567" + ".old" + TMP_SUFFIX)
+
+
+def check_names_fit(paths: Iterable[str | os.PathLike], what: str) -> None:
+    """Refuse, before any work, file names longer than their folder's file system allows (``NAME_MAX``: 255 bytes on
+    most, where the folder does not say), with their temporaries' :data:`TEMPORARY_NAME_EXTRA`: a name too long
+    failed as a traceback in the first look at it, or as a write error after the work.
+
+    Raises:
+        ValueError: ``what`` (the option or output) is too long, by how much, for which name.
+    """
+    for path in sorted(map(Path, paths), key=lambda p: -len(os.fsencode(p.name))):  # the longest said
+        try:
+            limit = os.pathconf(path.parent, "PC_NAME_MAX")
+        except (OSError, ValueError):  # a folder that is missing (said by the caller's own check) or will not say
+            limit = 255
+        size = len(os.fsencode(path.name))
+        if size + TEMPORARY_NAME_EXTRA > limit:
+            name = path.name if len(path.name) <= 48 else f"{path.name[:16]}...{path.name[-28:]}"
+            raise ValueError(f"{what} is too long: it writes {printable_line(name)} ({size} bytes), and a file name "
+                             f"there may have {limit - TEMPORARY_NAME_EXTRA} (the file system's {limit}, less "
+                             f"{TEMPORARY_NAME_EXTRA} for its temporary name); give a name "
+                             f"{size + TEMPORARY_NAME_EXTRA - limit} byte(s) shorter")
+
+
 def file_in_the_way(folder: str | os.PathLike) -> Path | None:
     """The file that stops ``folder`` from being (or being made) a folder: ``folder`` itself, or the nearest of its
     parents that exists, when that is not a folder; None when nothing is in the way. Commands refuse such an

@@ -1415,6 +1415,32 @@ def test_a_pipe_where_the_report_goes_is_refused_before_any_work(trained_digits,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.quantize.json", "r.onnx"]
 
 
+def test_an_output_name_too_long_for_the_files_it_names_is_refused_before_any_work(trained_digits, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """--output with a name of 240 bytes gave a traceback (File name too long) at the first look at
+    NAME.quantize-missed.json, and one over 255 at the look at the name itself (export's too); now one line with
+    how much shorter to make it, counting the temporary names the run writes beside its files."""
+    from cgavit.deploy.fusion import file_name
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    monkeypatch.setattr(quantize_cli, "load_model", loaded)
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--runtime", "onnxruntime", "--output"]
+    for size, shorter in ((240, 23), (300, 83)):
+        assert main([*base, str(tmp_path / ("a" * size))]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"cgavit quantize: error: --output is too long: it writes {'a' * 16}...{'a' * 7}"
+                              f".quantize-missed.json ({size + 21} bytes)") and \
+            err.endswith(f"give a name {shorter} byte(s) shorter\n") and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match="the output name is too long"):
+        file_name(tmp_path / ("a" * 300), "m0")
+    with pytest.raises(AssertionError, match="the checkpoint was loaded"):  # as long as it may be
+        main([*base, str(tmp_path / ("a" * 217))])
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_second_run_on_the_same_name_stops_before_any_work(trained_digits, tmp_path, capsys, monkeypatch):
     """Two runs on one --output at once could leave one run's int8 file beside the other's report: the second now
     stops at once, naming the first, and a name whose run has ended (however it ended) is free again."""

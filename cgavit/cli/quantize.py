@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from ..deploy.qat import require_qat
 from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, openvino_int8_problem, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import atomic_write, replace_together, staging, write_json, write_text
+from ..io import atomic_write, check_names_fit, replace_together, staging, write_json, write_text
 from ..lock import FileLock
 from .common import add_dial_args, dials_from_args, image_size
 
@@ -72,6 +73,16 @@ class Outputs:
     met no target would otherwise replace the report of an earlier run's answer, ``NAME.quantize-missed.*``."""
 
     stem: Path
+
+    @staticmethod
+    def named(output: str | os.PathLike) -> "Outputs":
+        """The files of ``--output``: ``NAME``, or ``NAME.onnx``/``NAME.xml`` (whose suffix names the runtime)."""
+        path = Path(output)
+        return Outputs(path.with_suffix("") if path.suffix.lower() in SUFFIX_RUNTIMES else path)
+
+    def names(self) -> list[Path]:
+        """Every file a run may make under the name: :meth:`all`, and the lock."""
+        return [*self.all(), self.lock()]
 
     def artifact(self, runtime: str) -> list[Path]:
         suffixes = (".xml", ".bin") if runtime == "openvino" else (".onnx",)
@@ -143,9 +154,11 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
 
     Raises:
         ValueError: not a file name (empty, ``.``, ``..``, a trailing ``/``, an existing folder), a missing or
-            unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, or one of the
-            files to write is a folder, pipe, socket or device.
+            unwritable folder, a suffix of another kind of file or one that contradicts ``--runtime``, a name too long
+            for the names the run writes, or one of the files to write is a folder, pipe, socket or device.
     """
+    if Path(args.output).name not in ("", ".", ".."):  # file_name's first look at a name too long is a traceback,
+        check_names_fit(Outputs.named(args.output).names(), "--output")  # and NAME.quantize-missed.json the longest
     out = file_name(args.output, "q/digits_int8 (.onnx or .xml is added)")
     implied = SUFFIX_RUNTIMES.get(out.suffix.lower())
     if implied and args.runtime and implied != args.runtime:
@@ -154,7 +167,7 @@ def checked_outputs(args: argparse.Namespace) -> tuple[Outputs, str | None]:
     if not implied and out.suffix.lower() in WRITTEN_SUFFIXES:
         raise ValueError(f"--output {out.name} names another kind of file; give NAME, NAME.onnx or NAME.xml")
     runtime = args.runtime or implied
-    outputs = Outputs(out.with_suffix("") if implied else out)
+    outputs = Outputs.named(out)
     folders = [p for p in outputs.all() if p.is_dir()]
     if folders:
         raise ValueError(f"{folders[0]} is a folder, and this run may write a file there; give another --output")

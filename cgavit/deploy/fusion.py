@@ -11,6 +11,7 @@ from torch import nn
 
 from ..attention import CascadedGroupAttention, LocalWindowAttention
 from ..fast import swap_fast_modules
+from ..io import check_names_fit
 from ..layers import BNLinear, ConvBN, Residual
 from ..model import EfficientViT, FeatureMaps
 
@@ -129,12 +130,14 @@ def file_name(path: str | os.PathLike, example: str) -> Path:
     """``path`` as a Path when it names a file that can be written in a folder that exists (:func:`output_path`).
 
     Raises:
-        ValueError: an empty name, one ending in a separator or in ``.``/``..``, or the name of a folder (a file
-            written beside it under another name would surprise); ``example`` shows a good name.
+        ValueError: an empty name, one ending in a separator or in ``.``/``..``, one too long for its file system,
+            or the name of a folder (a file written beside it under another name would surprise); ``example`` shows
+            a good name.
     """
     raw = os.fspath(path)
     if not raw.strip() or raw.endswith(("/", os.sep)) or Path(raw).name in ("", ".", ".."):
         raise ValueError(f"the output is a file name, e.g. {example}; got {raw!r}")
+    check_names_fit([raw], "the output name")  # one too long failed in is_dir, as a traceback
     if Path(raw).is_dir():
         raise ValueError(f"the output {raw} is a folder; give a file name inside it, e.g. {Path(raw) / 'm0'}")
     return output_path(raw)
