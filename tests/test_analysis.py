@@ -423,7 +423,9 @@ def test_taylor_no_gradient_kinds_are_marked_and_not_pruned(tmp_path, capsys, tr
     rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
     assert rep["kept_fraction"]["2"]["q"] is None and rep["no_gradient"] == {"stages.2.blocks.0": ["q", "k"]}
     assert rep["blocks"][2]["no_gradient"] == ["q", "k"]
-    assert "stage 3: Q no gradient  K no gradient  V " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stage 3 (stages.2): Q no gradient  K no gradient  V " in out
+    assert "no gradient in s3.b1 (stages.2.blocks.0) Q K:" in out
 
 
 def test_kept_fraction_lists_kinds_in_a_fixed_order():
@@ -765,3 +767,25 @@ def test_an_output_that_is_a_file_is_refused_before_the_analysis_runs(tmp_path, 
         assert err == f"cgavit analyze: error: --output {output} cannot be a folder: {tmp_path / 'file'} is a file; give a " \
                       "folder for the report and figures, e.g. --output out/analysis\n"
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_stages_and_blocks_are_named_alike_in_the_figures_the_printout_and_the_json(tmp_path, capsys, trained_digits, drawn):
+    """The figures named stages and blocks from 1 (s2.b1, stage 2), the printed tables and the JSON from 0 (the module
+    path stages.1.blocks.0, stage 1): a reader comparing heads_mean.png with heads.json read the wrong block."""
+    small = ["--img-size", "64", "--num-images", "2", "--embed-dim", "16,24,32", "--depth", "1,2,1", "--num-heads", "2,2,2"]
+    data = str(_image_folder(tmp_path / "data"))
+    assert main(["analyze", "heads", "--data", data, "--output", str(tmp_path / "h"), *small]) == 0
+    blocks = json.loads((tmp_path / "h" / "heads.json").read_text())["blocks"]
+    ticks = [t.get_text() for t in drawn["heads_mean.png"].axes[0].get_xticklabels()]
+    assert ticks == [b["label"] for b in blocks] == ["s1.b1", "s2.b1", "s2.b2", "s3.b1"]
+    assert blocks[2]["name"].startswith("stages.1.blocks.1.") and (blocks[2]["stage"], blocks[2]["block"]) == (1, 1)
+    rows = capsys.readouterr().out.splitlines()[1:5]
+    assert [r.split()[:2] for r in rows] == [[b["label"], b["name"]] for b in blocks]
+    val = str(trained_digits.data / "val")
+    assert main(["analyze", "taylor", "--checkpoint", str(trained_digits.checkpoint), "--data", val, "--num-images", "10",
+                 "--output", str(tmp_path / "t")]) == 0
+    rep = json.loads((tmp_path / "t" / "taylor.json").read_text())
+    assert [b["label"] for b in rep["blocks"]] == ["s1.b1", "s2.b1", "s3.b1"] and list(rep["kept_fraction"]) == ["0", "1", "2"]
+    assert [ax.get_title() for ax in drawn["taylor_spread.png"].axes] == ["stage 1", "stage 2", "stage 3"]
+    out = capsys.readouterr().out
+    assert "  stage 1 (stages.0): Q " in out and "\ns1.b1   stages.0.blocks.0 " in out

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..attention import CascadedHeads
-from .plots import bar_chart, heatmap_grid
+from .plots import bar_chart, block_label, heatmap_grid
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,22 @@ class BlockSimilarity:
         return self.matrix.shape[0]
 
     @property
+    def label(self) -> str:
+        """The block's name in the figures and printouts: ``s2.b1`` for ``stages.1.blocks.0`` (stage and block
+        counted from 1, as the paper counts stages), the module path outside ``stages``."""
+        return block_label(self.stage, self.block) if self.stage >= 0 else self.name
+
+    @property
     def mean_off_diagonal(self) -> float | None:
         """Mean similarity over head pairs; None with one head (see :func:`mean_off_diagonal`)."""
         return mean_off_diagonal(self.matrix)
 
     def to_dict(self) -> dict:
-        """JSON-ready values (``mean_off_diagonal`` is null for one head)."""
+        """JSON-ready values (``mean_off_diagonal`` is null for one head; ``stage`` and ``block`` from 0, as the
+        module path, ``label`` the figures' name of the block)."""
         return dict(
             name=self.name,
+            label=self.label,
             stage=self.stage,
             block=self.block,
             num_heads=self.num_heads,
@@ -229,7 +237,7 @@ def plot_similarity(blocks: list[BlockSimilarity], out_dir: str | os.PathLike, t
         Paths written.
     """
     out_dir = Path(out_dir)
-    labels = [f"s{b.stage + 1}.b{b.block + 1}" if b.stage >= 0 else b.name for b in blocks]
+    labels = [b.label for b in blocks]
     means = [_or_nan(b.mean_off_diagonal) for b in blocks]
     paths = [
         heatmap_grid(

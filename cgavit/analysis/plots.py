@@ -17,6 +17,18 @@ from types import ModuleType
 from ..io import atomic_write
 
 
+def stage_label(stage: int) -> str:
+    """How figures and printouts name a stage: from 1, as the paper counts stages 1-3 (``stage 1`` is the module
+    ``stages.0``, the reports' ``stage`` 0)."""
+    return f"stage {stage + 1}"
+
+
+def block_label(stage: int, block: int) -> str:
+    """How figures and printouts name a block: ``s1.b1`` for ``stages.0.blocks.0`` (stage and block from 1, as
+    :func:`stage_label`)."""
+    return f"s{stage + 1}.b{block + 1}"
+
+
 def matplotlib_api() -> ModuleType:
     """``matplotlib`` on the Agg backend (no display needed), with ``pyplot``, ``patches``, ``ticker`` and
     ``font_manager`` loaded: the package's one matplotlib import."""

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..attention import CascadedGroupAttention, CascadedHeads
 from ..layers import FFN
-from .plots import bar_chart, box_panels
+from .plots import bar_chart, block_label, box_panels, stage_label
 
 KINDS = ("q", "k", "v", "proj", "ffn")
 #: The kinds a pruning budget removes, in the order every report lists them.
@@ -95,17 +95,25 @@ class BlockImportance:
         )
 
     @property
+    def label(self) -> str:
+        """The block's name in the figures and printouts: ``s1.b1`` for ``stages.0.blocks.0`` (from 1, as the paper
+        counts stages; ``stage`` and ``block`` count from 0, as the module path)."""
+        return block_label(self.stage, self.block)
+
+    @property
     def no_gradient(self) -> tuple[str, ...]:
         """The kinds (in :data:`KINDS` order) that have channels here, every one of importance exactly 0:
         no gradient reached them (e.g. Q and K in a window of one token)."""
         return tuple(k for k, t in self.channels().items() if t.numel() and not t.any())
 
     def to_dict(self) -> dict:
-        """JSON-ready values: per-kind means, ``no_gradient`` (see the property), every channel's importance."""
+        """JSON-ready values: ``label`` (the figures' name of the block), per-kind means, ``no_gradient`` (see the
+        property), every channel's importance."""
         r = lambda t: [float(f"{float(v):.6g}") for v in t]  # noqa: E731
         means = {k: float(t.mean()) if t.numel() else None for k, t in self.channels().items()}
         return dict(
             name=self.name,
+            label=self.label,
             stage=self.stage,
             block=self.block,
             mean=means,
@@ -346,7 +354,7 @@ def plot_importance(blocks: list[BlockImportance], ratio: float, out_dir: str | 
     """
     out_dir = Path(out_dir)
     stages = sorted({b.stage for b in blocks})
-    names = [f"stage {s + 1}" for s in stages]
+    names = [stage_label(s) for s in stages]
     spread = box_panels(
         [_normalised(blocks, s) for s in stages],
         names,

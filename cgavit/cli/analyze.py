@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..analysis.plots import stage_label
 from ..analysis.reports import TARGETS, AnalysisConfig, run_heads, run_taylor
 from .common import add_dial_args, dials_from_args
 from .options import add_options, option_values
@@ -28,9 +29,9 @@ def _similarity(value: float | None) -> str:
 
 def run_heads_command(args: argparse.Namespace) -> int:
     run = run_heads(analysis_config(args))
-    print(f"{'block':<30}{'heads':>6}{'tokens':>7}{'windows':>8}  mean off-diagonal similarity")
-    for b in run.blocks:
-        print(f"{b.name:<30}{b.num_heads:>6}{b.tokens:>7}{b.windows:>8}  {_similarity(b.mean_off_diagonal)}")
+    print(f"{'block':<8}{'module':<30}{'heads':>6}{'tokens':>7}{'windows':>8}  mean off-diagonal similarity")
+    for b in run.blocks:  # the figures' label (from 1) beside the module path (from 0, as the JSON's indices)
+        print(f"{b.label:<8}{b.name:<30}{b.num_heads:>6}{b.tokens:>7}{b.windows:>8}  {_similarity(b.mean_off_diagonal)}")
     print(f"mean over blocks (more than one token): {_similarity(run.report['mean_similarity'])}")
     print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))
     return 0
@@ -44,15 +45,16 @@ def run_taylor_command(args: argparse.Namespace) -> int:
     run = run_taylor(analysis_config(args), args.targets, args.prune_ratio, args.list_pruned)
     against = "folder labels" if run.targets == "labels" else "model's own predictions"
     print(f"loss: cross-entropy against the {against} ({run.report['loss_targets_reason']})")
-    print(f"{'block':<22}{'Q':>10}{'K':>10}{'V':>10}{'FFN':>10}{'proj':>10}   mean |w*dL/dw| per channel")
+    print(f"{'block':<8}{'module':<22}{'Q':>10}{'K':>10}{'V':>10}{'FFN':>10}{'proj':>10}   mean |w*dL/dw| per channel")
     for b in run.blocks:
         m = b.to_dict()["mean"]
-        print(f"{b.name:<22}" + "".join(f"{m[k]:>10.3g}" if m[k] is not None else f"{'-':>10}" for k in ("q", "k", "v", "ffn", "proj")))
-    for name, kinds in run.report["no_gradient"].items():
-        print(f"no gradient in {name} {' '.join(k.upper() for k in kinds)}: importance exactly 0, left out of the pruning budget")
+        print(f"{b.label:<8}{b.name:<22}" + "".join(f"{m[k]:>10.3g}" if m[k] is not None else f"{'-':>10}" for k in ("q", "k", "v", "ffn", "proj")))
+    for b in (b for b in run.blocks if b.no_gradient):
+        print(f"no gradient in {b.label} ({b.name}) {' '.join(k.upper() for k in b.no_gradient)}: importance exactly 0, "
+              "left out of the pruning budget")
     print(f"fraction kept after pruning the least important {100 * args.prune_ratio:g} % of Q/K/V/FFN channels:")
     for s, fr in run.kept["kept"].items():
-        print(f"  stage {s + 1}: " + "  ".join(f"{k.upper()} {_kept(v)}" for k, v in fr.items()))
+        print(f"  {stage_label(s)} (stages.{s}): " + "  ".join(f"{k.upper()} {_kept(v)}" for k, v in fr.items()))
     print(f"wrote {run.json_path}, " + ", ".join(str(p) for p in run.plots))
     return 0
 

@@ -7,7 +7,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ..plots import bar_chart, scatter
+from ..plots import bar_chart, scatter, stage_label
 from .ladder import RUNG_TITLES, RUNGS
 
 
@@ -113,7 +113,7 @@ def plot_study(rows: list[dict], out: Path) -> list[Path]:
         ),
         bar_chart(
             {lab: [r["head_similarity_stages"].get(str(i), float("nan")) for i in stages] for lab, r in zip(labels, rows)},
-            [f"stage {i + 1} ({tokens[str(i)]} tokens)" for i in stages],
+            [f"{stage_label(i)} ({tokens[str(i)]} tokens)" for i in stages],
             out / "ablation_heads.png", ylabel="mean cosine similarity between heads",
             title="head similarity per stage (mean over its blocks and seeds)", ylim=(0, 1.05),
             message=_no_similarity_note(rows),
