@@ -411,6 +411,32 @@ def test_a_study_of_one_head_per_block_says_why_its_head_chart_is_empty(tmp_path
     assert not figures["ablation_heads.png"].axes[0].texts
 
 
+def test_fewer_head_similarity_images_than_asked_are_said_and_recorded(tmp_path, monkeypatch, caplog):
+    """--heads-images above the validation split's images was cut to those without a word, and no result file said
+    how many images the head similarity was measured on."""
+    data = _dataset(tmp_path / "data", per_class=2, held=3)
+    used = []
+
+    def measured(variant, seed, cfg, data_dir, out, heads_batch):  # a finished run's result.json, without the training
+        used.append(heads_batch.shape[0])
+        blocks = [dict(stage=0, block=0, num_heads=2, tokens=4, mean_off_diagonal=0.5)]
+        return dict(rung=variant.rung, seed=seed, dials={"depth": list(variant.dials["depth"])}, params=1, macs=1,
+                    top1=50.0, head_similarity=0.5, head_similarity_blocks=blocks, train_epoch_s=1.0)
+
+    monkeypatch.setattr(study, "run_variant", measured)
+    cfg = AblationConfig(data=str(data), output=str(tmp_path / "study"), epochs=1, img_size=32, embed_dim=(16, 24, 32),
+                         num_heads=(2, 2, 2), rungs=("standard",), heads_images=50, no_throughput=True)
+    with caplog.at_level("WARNING", logger=study.log.name):
+        run_ablation(cfg)
+    assert used == [6]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--heads-images 50: the validation split {tmp_path / 'study' / 'data' / 'val'} gives 6 readable images; head similarity is measured on those 6"]
+    assert json.loads((tmp_path / "study" / "ablation.json").read_text())["head_similarity_images"] == 6
+    caplog.clear()
+    run_ablation(replace(cfg, heads_images=6, output=str(tmp_path / "study6")))
+    assert not caplog.records  # as many as asked: no word
+
+
 def test_the_head_similarity_images_are_bounded_as_one_forward_pass():
     """--heads-images had no upper bound: 10**9 passed validate(), and the images were stacked and run as one batch."""
     cfg = AblationConfig(data="d", output="o", epochs=1, img_size=224, heads_images=10**9)
@@ -472,7 +498,7 @@ def test_ablate_end_to_end_and_resume(tmp_path, monkeypatch, sigterm_after):
         assert 0 <= r["top1_mean"] <= 100 and r["throughput"]["img_s"] > 0 and r["params"] > 0 and r["macs"] > 0
         assert 0 < r["head_similarity_mean"] <= 1 + 1e-6
     res = json.loads((out / "runs/realloc/seed0/result.json").read_text())
-    assert res["val_images"] == 10 and res["dials"]["cascade"] is True
+    assert res["val_images"] == 10 and res["dials"]["cascade"] is True and res["head_similarity_images"] == 4
     assert len((out / "ablation_table.md").read_text().strip().splitlines()) == 2 + len(RUNGS)
     for name in ("ablation_top1.png", "ablation_heads.png", "ablation_speed_accuracy.png"):
         assert (out / name).stat().st_size > 0

@@ -152,6 +152,7 @@ def run_variant(variant: Variant, seed: int, cfg: AblationConfig, data_dir: Path
         val_images=ev["n"],
         best_top1=summary.best_top1 if summary is not None else None,
         head_similarity=mean_similarity(blocks),
+        head_similarity_images=heads_batch.shape[0],  # --heads-images, or the fewer the validation split gave
         head_similarity_blocks=[b.to_dict() for b in blocks],
         train_epoch_s=round(sum(r.get("epoch_s", 0.0) for r in read_metrics(run_dir / "metrics.jsonl")), 1),
         train_argv=TrainConfig(**options).to_argv(),

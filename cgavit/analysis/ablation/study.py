@@ -125,6 +125,9 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
     fed = TrainConfig(**cfg.train_args)  # the head-similarity images are fed as the runs are evaluated
     heads_batch, _, _ = load_images([study.data_dir / "val"], cfg.img_size, cfg.heads_images, crop_pct=fed.crop_pct,
                                     seed=0, mean=fed.mean, std=fed.std, interpolation=fed.interpolation)
+    if heads_batch.shape[0] < cfg.heads_images:  # a small split (or --val-subset), or images that could not be read
+        log.warning("--heads-images %d: the validation split %s gives %d readable images; head similarity is measured "
+                    "on those %d", cfg.heads_images, study.data_dir / "val", heads_batch.shape[0], heads_batch.shape[0])
     before = set(finished_runs(out))
     seeds = list(dict.fromkeys([*cfg.seeds, *sorted(seed for _, seed in before)]))
     results = [run_variant(v, seed, cfg, study.data_dir, out, heads_batch) for seed in seeds for v in study.variants
@@ -143,6 +146,7 @@ def run_ablation(cfg: AblationConfig) -> StudySummary:
                 f"{cfg.speed_rounds} interleaved rounds of ~{cfg.speed_seconds:g} s per variant, median")
     record = dict(
         spec=study.spec, matching=study.matching, seeds=sorted({r["seed"] for r in results}), rows=rows, throughput_protocol=protocol,
+        head_similarity_images=heads_batch.shape[0],  # the spec's heads_images is the count asked for
         this_invocation_s=round(time.perf_counter() - t0, 1),
         train_epoch_s_total=round(sum(x["train_epoch_s"] for x in results), 1),
     )
