@@ -407,6 +407,12 @@ def file_in_the_way(folder: str | os.PathLike) -> Path | None:
     return None if nearest.is_dir() else nearest
 
 
+def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it, links resolved: commands refuse an ``--output`` inside the
+    folder they read images from, whose next reading would take the files written there for images."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
 def make_folder(path: str | os.PathLike, what: str = "folder") -> Path:
     """Create folder ``path`` and its parents (nothing happens when it exists); returns it.
 

@@ -754,6 +754,28 @@ def test_an_output_inside_the_data_folder_is_refused(tmp_path, capsys):
     AnalysisConfig(output=str(tmp_path / "data-heads"), data=str(data)).validate()  # beside it, with a shared prefix
 
 
+def test_an_output_inside_the_folder_of_the_image_files_is_refused_as_inside_data(tmp_path, capsys):
+    """Image files given with --output in their own folder (or under it) were analysed and the figures written beside
+    them, where --data of that folder was refused: the next run on those files (photos/*.png) or that folder read the
+    figures as images."""
+    photos = tmp_path / "photos"
+    _image_folder(photos, classes=1)
+    files = [str(p) for p in sorted((photos / "class0").iterdir())]
+    before = sorted(photos.rglob("*"))
+    small = ["--img-size", "64", "--num-images", "2", "--embed-dim", "16,24,32", "--depth", "1,1,1", "--num-heads", "2,2,2"]
+    for output in (photos / "class0", photos / "class0" / "heads", photos / "class0" / "class0"):
+        with pytest.raises(ValueError, match=f"is inside {photos / 'class0'}, the folder of {files[-1]}"):
+            AnalysisConfig(output=str(output), images=tuple(files)).validate()
+        assert main(["analyze", "heads", *files, "--output", str(output), *small]) == 2
+        err = capsys.readouterr().err
+        assert f"cgavit analyze: error: --output {output} is inside {photos / 'class0'}, the folder of" in err
+        assert "give an --output outside it" in err and len(err.strip().splitlines()) == 1
+    assert sorted(photos.rglob("*")) == before
+    AnalysisConfig(output=str(photos / "heads"), images=tuple(files)).validate()  # beside the files' folder
+    with pytest.raises(ValueError, match=f"is inside the image folder {photos}:"):  # a folder given as the one source
+        AnalysisConfig(output=str(photos / "heads"), images=(str(photos),)).validate()
+
+
 def test_an_output_that_is_a_file_is_refused_before_the_analysis_runs(tmp_path, monkeypatch, capsys):
     """--output naming a file (or a path under one) was refused only when the report was written, after the model had
     run on every image: minutes of a large Taylor analysis, lost to a typo."""

@@ -20,7 +20,7 @@ from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, MAX_CLASSES
 from ..factory import ModelInfo, create_model, load_model
 from ..fields import option
 from ..imagenet import class_names
-from ..io import file_in_the_way, json_ready, replace_together, staging, write_error, write_json, write_text
+from ..io import file_in_the_way, is_inside, json_ready, replace_together, staging, write_error, write_json, write_text
 from ..classes import check_classes, class_difference, model_indices
 from ..train.inference import input_channels
 from .data import list_images, load_images
@@ -65,6 +65,14 @@ class AnalysisConfig:
     seed: int = option(0, "seed for the image sample and random weights")
     dials: dict[str, Any] = field(default_factory=dict)
 
+    def image_folders(self) -> list[tuple[Path, str]]:
+        """The folders the images are read from, each with how to name it: ``--data``, or the folder of each image file
+        (a folder given as the one image source is read as ``--data``)."""
+        if self.data:
+            return [(Path(self.data), f"--data {self.data}")]
+        said = {Path(f).parent: f"{Path(f).parent}, the folder of {f}" for f in self.images if not Path(f).is_dir()}
+        return [*((Path(f), f"the image folder {f}") for f in self.images if Path(f).is_dir()), *said.items()]
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (its command-line flag) that is out of bounds."""
         if not str(self.output).strip():  # Path("") is the current folder: the files would land where the command ran
@@ -73,10 +81,10 @@ class AnalysisConfig:
         if blocker:  # known now, not after the model has run on every image
             raise ValueError(f"--output {self.output} cannot be a folder: {blocker} is a file; give a folder for the report "
                              "and figures, e.g. --output out/analysis")
-        if self.data and Path(self.output).resolve().is_relative_to(Path(self.data).resolve()):
-            # the figures are PNG files: the next run on --data would read them as images (or a class of them)
-            raise ValueError(f"--output {self.output} is inside --data {self.data}: the figures written there would be read "
-                             "as images by the next analysis of that folder; give an --output outside it")
+        inside = next((said for folder, said in self.image_folders() if is_inside(self.output, folder)), None)
+        if inside:  # the figures are PNG files: the next run on that folder would read them as images (or a class of them)
+            raise ValueError(f"--output {self.output} is inside {inside}: the figures written there would be read as images "
+                             "by the next analysis of that folder; give an --output outside it")
         lo, hi = IMG_SIZE_RANGE
         if self.img_size is not None and not lo <= self.img_size <= hi:
             raise ValueError(f"--img-size must be between {lo} and {hi} pixels, got {self.img_size}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ...bounds import check_threads
 from ...fields import option
-from ...io import file_in_the_way
+from ...io import file_in_the_way, is_inside
 from ...train import TrainConfig
 from ...train.config import normalize_dials, train_defaults
 from ..reports import MAX_BATCH_PIXELS
@@ -64,7 +64,7 @@ class AblationConfig:
         blocker = file_in_the_way(self.output)
         if blocker:  # known now, not once the data subset is being linked or a run has trained
             raise ValueError(f"--output {self.output} cannot be a folder: {blocker} is a file; give a folder for the study")
-        split = next((s for s in ("train", "val", "test") if _inside(self.output, Path(self.data) / s)), None)
+        split = next((s for s in ("train", "val", "test") if is_inside(self.output, Path(self.data) / s)), None)
         if split:  # the runs would read the study's folder as a class (of its figures, or of none), and refuse it
             raise ValueError(f"--output {self.output} is inside the {split} split of --data {self.data}: the study's folders "
                              f"and figures would be read there as a class of images; give an --output outside {Path(self.data) / split}")
@@ -105,7 +105,3 @@ class AblationConfig:
             raise ValueError(f"--heads-images {self.heads_images} at {self.img_size} px are too many for the head-similarity "
                              f"measurement's one forward pass; give --heads-images {most} or fewer")
 
-
-def _inside(path: str, folder: Path) -> bool:
-    """Whether ``path`` is ``folder`` or lies under it, links resolved."""
-    return Path(path).resolve().is_relative_to(folder.resolve())
