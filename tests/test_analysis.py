@@ -811,3 +811,25 @@ def test_stages_and_blocks_are_named_alike_in_the_figures_the_printout_and_the_j
     assert [ax.get_title() for ax in drawn["taylor_spread.png"].axes] == ["stage 1", "stage 2", "stage 3"]
     out = capsys.readouterr().out
     assert "  stage 1 (stages.0): Q " in out and "\ns1.b1   stages.0.blocks.0 " in out
+
+
+def test_labels_of_a_partial_folder_by_index_are_warned_about(tmp_path, capsys, caplog):
+    """--targets labels with weights that record no class names took a folder of some of the model's classes as its
+    first ones, by position, with no warning: folders 3 and 7 of a digits model were trained against classes 0 and 1."""
+    model = randomize_(create_model("m0", num_classes=4, img_size=48, **TINY))
+    save_weights(model, tmp_path / "w.safetensors")  # the architecture, no class names
+    args = ["analyze", "taylor", "--checkpoint", str(tmp_path / "w.safetensors"), "--img-size", "48", "--targets", "labels"]
+    for classes, output in ((2, "t2"), (4, "t4")):
+        data = _image_folder(tmp_path / f"data{classes}", classes=classes, per_class=1, size=48)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=reports.log.name):
+            assert main([*args, "--data", str(data), "--output", str(tmp_path / output)]) == 0
+        warned = [r.getMessage() for r in caplog.records if r.name == reports.log.name]
+        out = capsys.readouterr().out
+        if classes == 4:  # as many classes as the model: by index, as auto takes them, without a word
+            assert warned == [] and "(by index: the weights record no class names)" in out
+            continue
+        assert warned == ["the weights record no class names: the folder's 2 classes (class0, class1) are taken as the "
+                          "model's classes 0-1 of 4 in sorted order; a folder of other classes is mislabelled: use "
+                          "--targets predictions unless these are the model's first 2"]
+        assert "(by index, as the model's first 2 of 4 classes: the weights record no class names)" in out

@@ -296,7 +296,8 @@ def loss_targets(cfg: AnalysisConfig, sample: AnalysisSample, targets: str) -> t
     Folder labels are used (``labels``, or ``auto`` when they fit) in the model's order: by name where
     the weights record class names (every class folder must be one of them: :func:`check_classes` with
     ``subset``; each is mapped to the checkpoint's index of that name), else by index (``auto``: the folder
-    must have as many classes as the model). ``auto`` falls back to the predictions, and says why.
+    must have as many classes as the model; ``labels`` takes fewer as the model's first ones, with a warning: a
+    folder of others would be mislabelled). ``auto`` falls back to the predictions, and says why.
 
     Raises:
         ValueError: ``labels`` for unlabelled images or a folder whose classes the model does not have.
@@ -321,6 +322,12 @@ def loss_targets(cfg: AnalysisConfig, sample: AnalysisSample, targets: str) -> t
         raise ValueError(f"the data has {len(classes)} classes but the model {n}; use --targets predictions or --num-classes")
     if targets == "auto" and len(classes) != n:
         return None, f"the folder has {len(classes)} classes, the model {n}"
+    if len(classes) < n:  # --targets labels: the folder's classes can only be taken as the model's first ones
+        k, shown = len(classes), ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        log.warning("the weights record no class names: the folder's %d classes (%s) are taken as the model's classes "
+                    "0-%d of %d in sorted order; a folder of other classes is mislabelled: use --targets predictions "
+                    "unless these are the model's first %d", k, shown, k - 1, n, k)
+        return y, f"by index, as the model's first {len(classes)} of {n} classes: the weights record no class names"
     return y, "by index: the weights record no class names"
 
 
