@@ -1,6 +1,7 @@
 """Head similarity and Taylor importance: exact cases, every dial combination, and the commands."""
 
 import copy
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -833,3 +834,23 @@ def test_labels_of_a_partial_folder_by_index_are_warned_about(tmp_path, capsys, 
                           "model's classes 0-1 of 4 in sorted order; a folder of other classes is mislabelled: use "
                           "--targets predictions unless these are the model's first 2"]
         assert "(by index, as the model's first 2 of 4 classes: the weights record no class names)" in out
+
+
+def test_the_speed_accuracy_labels_cover_no_other_label_point_or_frame(tmp_path, drawn):
+    """ablation_speed_accuracy.png chose each label's corner by the rung's number (1 and 5 alike), not by where the
+    points lie: rungs 1 and 5 at about the same speed and top-1 had their labels drawn over each other."""
+    from cgavit.analysis.plots import scatter
+
+    points = [(100, 40, "1 standard"), (300, 42, "2 sandwich"), (200, 45, "3 groups"), (250, 38, "4 cascade"),
+              (102, 40.1, "5 realloc")]
+    scatter(points, tmp_path / "s.png", "CPU images/s", "top-1 %")
+    fig = drawn["s.png"]
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    boxes = [t.get_window_extent() for t in ax.texts]
+    assert [t.get_text() for t in ax.texts] == [lab for *_, lab in points]
+    assert not [(i, j) for i, j in itertools.combinations(range(len(boxes)), 2) if boxes[i].overlaps(boxes[j])]
+    marks = [ax.transData.transform((x, y)) for x, y, _ in points]
+    assert not [b for b in boxes for m in marks if b.contains(*m)]
+    frame = ax.get_window_extent()
+    assert all(frame.contains(b.x0, b.y0) and frame.contains(b.x1, b.y1) for b in boxes)

@@ -211,16 +211,44 @@ def scatter(
     ys = [p[1] for p in points]
     ax.plot(xs, ys, "-", color="0.7", zorder=1)
     ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o", capsize=3, zorder=2)
-    corners = ((6, 6, "left"), (6, -13, "left"), (-6, 6, "right"), (-6, -13, "right"))
-    for i, (x, y, lab) in enumerate(points):  # rotate label corners so neighbours do not overlap
-        dx, dy, ha = corners[i % 4]
-        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
+    _label_points(ax, points)
     return _save(fig, path)
+
+
+#: Where :func:`_label_points` tries a point's label, in order: above right, below right, above left, below left.
+_CORNERS = ((5, 4, "left", "bottom"), (5, -4, "left", "top"), (-5, 4, "right", "bottom"), (-5, -4, "right", "top"))
+
+
+def _label_points(ax, points: Sequence[tuple[float, float, str]]) -> None:
+    """Label each point at the first corner (:data:`_CORNERS`) where its text, as drawn, stays inside the axes and
+    covers no label placed before it and no point's marker; where every corner fails some, at the one failing fewest."""
+    fig = ax.figure
+    fig.canvas.draw()  # the axes' final limits and the renderer that measures the texts
+    renderer = fig.canvas.get_renderer()
+    marks = [ax.transData.transform((x, y)) for x, y, _ in points]
+    frame = ax.get_window_extent(renderer)
+    placed = []
+    for x, y, lab in points:
+        best = None
+        for dx, dy, ha, va in _CORNERS:
+            text = ax.annotate(lab, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, fontsize=8)
+            box = text.get_window_extent(renderer).expanded(1.05, 1.1)
+            covered = sum(box.overlaps(b) for b in placed) + sum(box.contains(*m) for m in marks)
+            covered += not (frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1))
+            if best is not None and covered >= best[0]:
+                text.remove()
+                continue
+            if best is not None:
+                best[1].remove()
+            best = (covered, text, box)
+            if not covered:
+                break
+        placed.append(best[2])
 
 
 def plain_log_labels():
