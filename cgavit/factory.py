@@ -186,7 +186,8 @@ class ModelInfo:
 
     Args:
         class_names: one name per output.
-        img_size: the image size it was trained / evaluated at (pixels).
+        img_size: the image size to feed it at (pixels): the one the file records (trained / evaluated at), or the
+            size :func:`load_model` was asked to build it for.
         crop_pct: evaluation centre-crop fraction.
         interpolation: resize interpolation.
         mean, std: input normalisation.
@@ -236,7 +237,8 @@ def load_model(
         model_name: variant name for files that do not record it; for files that do, the file wins
             (a different name is logged).
         dials: design dials for files that do not record them.
-        img_size: build for this image size instead of the recorded one (bias tables are resized).
+        img_size: build for this image size instead of the recorded one (bias tables are resized); the
+            :class:`ModelInfo` then gives it as the size to feed, and exports record it.
         pretrained: load the published ImageNet-1k weights of ``model_name`` (downloads once).
         use_ema: take the EMA weights of a training checkpoint.
         trust: allow pickled objects in third-party files (runs code from the file).
@@ -251,7 +253,7 @@ def load_model(
     _check_load_switches(path, model_name, pretrained, use_ema, trust)
     if path is None:
         model = create_model(model_name, pretrained=True, **({"img_size": img_size} if img_size is not None else {}), **(dials or {}))
-        return model.eval().to(device), ModelInfo(class_names(model.num_classes), img_size=model.img_size[0],
+        return model.eval().to(device), ModelInfo(class_names(model.num_classes), img_size=max(model.img_size),
                                                    source=f"{model_name} (published)")
     wf = read_weights_file(path, trust)
     if use_ema and not (isinstance(wf.content, dict) and any(wf.content.get(k) is not None for k in EMA_KEYS)):
@@ -272,7 +274,8 @@ def load_model(
     model.load_state_dict(fitted, strict=False)
     if report["resized"]:
         log.info("resized %d attention-bias tables to the model's windows", len(report["resized"]))
-    info = ModelInfo(class_names(meta.num_classes, meta.class_names), img_size=meta.img_size, crop_pct=meta.crop_pct,
+    fed = meta.img_size if img_size is None else max(model.img_size)  # the size asked for, as the model is built
+    info = ModelInfo(class_names(meta.num_classes, meta.class_names), img_size=fed, crop_pct=meta.crop_pct,
                      interpolation=meta.interpolation, mean=meta.mean, std=meta.std, source=str(wf.path),
                      extra=dict(meta.extra), names_recorded=meta.class_names is not None)
     return model.eval().to(device), info

@@ -652,7 +652,24 @@ def test_inference_builds_the_network_for_the_size_asked(trained_digits):
     built, _ = cgavit.load_model(trained_digits.checkpoint, img_size=128)
     windows = [[s.blocks[0].mixer.m.window for s in m.stages] for m in (model, built)]
     assert windows[0] == windows[1] != [s.blocks[0].mixer.m.window for s in trained_digits.model.stages]
-    assert info.img_size == 48  # the recorded size stays the file's
+    assert info.img_size == 128  # the size it is built for, as load_model(img_size=) gives it
+
+
+def test_load_model_at_another_size_gives_that_size_to_feed_and_to_export(tmp_path):
+    """load_model(path, img_size=N) built the network for N but its ModelInfo kept the file's size: images read
+    by it, and an export at info.img_size, were of the training size, not the one the model was built for."""
+    from cgavit.deploy import export_model, open_exported
+    from cgavit.weights import WeightsMeta
+
+    saved = cgavit.create_model("efficientvit_m0", num_classes=3, img_size=64)
+    record = WeightsMeta(model="efficientvit_m0", config=saved.cfg, num_classes=3, img_size=64, crop_pct=1.0)
+    cgavit.save_weights(saved, tmp_path / "w.safetensors", record)
+    assert cgavit.load_model(tmp_path / "w.safetensors")[1].img_size == 64  # the recorded size, none asked for
+    model, info = cgavit.load_model(tmp_path / "w.safetensors", img_size=96)
+    assert model.img_size == (96, 96) and info.img_size == 96 and info.crop_pct == 1.0
+    pytest.importorskip("onnxruntime")
+    export_model(model, tmp_path / "w.onnx", "onnx", img_size=info.img_size, info=info)
+    assert open_exported(tmp_path / "w.onnx")[1].img_size == (96, 96)
 
 
 def test_a_record_load_model_would_refuse_is_not_saved(tmp_path):

@@ -166,7 +166,7 @@ def load_analysis_model(cfg: AnalysisConfig) -> tuple[nn.Module, ModelInfo]:
         # built for --img-size as eval, predict and load_model build it (windows and bias tables for that size)
         model, info = load_model(cfg.checkpoint, cfg.model, cfg.dials or None, pretrained=cfg.pretrained,
                                  trust=cfg.trust_checkpoint, img_size=cfg.img_size)
-        return model, replace(info, img_size=cfg.img_size or info.img_size, crop_pct=cfg.crop_pct or info.crop_pct)
+        return model, replace(info, crop_pct=cfg.crop_pct or info.crop_pct)  # info.img_size: the size built for
     log.warning("no --checkpoint: analysing randomly initialised weights")
     size = cfg.img_size or 224
     model = create_model(cfg.model or "efficientvit_m0", num_classes=cfg.num_classes or 1000, img_size=size, **cfg.dials)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -31,8 +30,8 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
         square = size[0] if size and size[0] == size[1] else None  # built for it; else at the recorded size
         model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=square,
                                  trust=args.trust_checkpoint)
-        # --data's images are read at the size the file takes, not the one the checkpoint was trained at
-        return model, replace(info, img_size=square or info.img_size), size or (info.img_size, info.img_size)
+        # info.img_size is the size built for (--img-size's, else the recorded one): --data's images are read at it
+        return model, info, size or (info.img_size, info.img_size)
     if not args.model:
         raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
     size = image_size(args.img_size or [224])

@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.plots import matplotlib_api
@@ -257,7 +257,6 @@ def run(args: argparse.Namespace) -> int:
     with FileLock(outputs.lock(), f"is writing {outputs.stem}.* (cgavit quantize)"):  # a second run on NAME stops here
         model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
                                  trust=args.trust_checkpoint)
-        info = replace(info, img_size=args.img_size or info.img_size)
         calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info,
                                                       model.num_classes, args.calibration_images, args.eval_images,
                                                       all_calibration_images=True, channels=model.in_chans)
