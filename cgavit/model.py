@@ -442,6 +442,19 @@ class EfficientViT(nn.Module):
                              "feature over the batch; train on batches of 2 or more (a DataLoader's drop_last=True "
                              "drops a last batch of one), or call model.eval() to run it")
 
+    def _pooled_already(self, x: torch.Tensor) -> bool:
+        """Whether ``x``, given to :meth:`forward_head`, is pooled features ``(B, C3)`` rather than the map
+        ``(B, C3, h, w)`` (a symbolic trace's ``torch.fx.Proxy``: the map); ``ValueError`` for anything else (torch
+        raised an IndexError, or a BatchNorm's 'running_mean should contain ... elements')."""
+        if isinstance(x, torch.fx.Proxy):
+            return False
+        c = self.num_features
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 4) or x.shape[1] != c:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"forward_head takes the last stage's map (B, {c}, h, w), as forward_features gives it, "
+                             f"or its pooled features (B, {c}); got {got}")
+        return x.dim() == 2
+
     def _stage_indices(self, indices: int | list[int] | tuple[int, ...] | None) -> list[int]:
         """The stage numbers ``indices`` asks for (:meth:`forward_intermediates`), sorted and non-negative."""
         return stage_indices(indices, len(self.stages))
@@ -473,16 +486,25 @@ class EfficientViT(nn.Module):
     def forward_head(
         self, x: torch.Tensor, pre_logits: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Pool a stage-3 map ``(B, C3, h, w)`` and classify.
+        """Pool a stage-3 map ``(B, C3, h, w)`` and classify; features pooled already, ``(B, C3)`` (what
+        ``pre_logits`` gives), are classified as they are.
 
-        Returns the logits ``(B, classes)``; ``(B, C3)`` pooled features with ``pre_logits``; the map itself
+        Returns the logits ``(B, classes)``; ``(B, C3)`` pooled features with ``pre_logits``; the input itself
         with ``global_pool=""``; and,
         for a model with a distillation head in training mode, the pair ``(class logits,
         distillation logits)`` (averaged into one tensor in eval mode, or after ``set_distilled_training(False)``).
+
+        Raises:
+            ValueError: a tensor of another shape.
         """
+        if not torch.jit.is_scripting():  # TorchScript compiles no Python check
+            pooled = self._pooled_already(x)
+        else:
+            pooled = x.dim() == 2
         if not self.global_pool:  # no pooling, no classifier: the map
             return x
-        x = x.mean((2, 3))  # (B, C3)
+        if not pooled:
+            x = x.mean((2, 3))  # (B, C3)
         if pre_logits:
             return x
         if not torch.jit.is_scripting():  # TorchScript compiles no Python check

@@ -1,5 +1,7 @@
 """Generic tests over every variant and several dial combinations, input sizes and bad inputs."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -200,6 +202,24 @@ def test_head_and_classifier_reset():
         assert model(x).shape == (2, 192)
     assert model.no_weight_decay() == {n for n, _ in model.named_parameters() if "attention_biases" in n}
     assert len(model.no_weight_decay()) == sum(model.cfg.depth)
+
+
+@pytest.mark.parametrize("distillation", [False, True])
+def test_forward_head_takes_pooled_features_and_names_the_shapes_it_takes(distillation):
+    """forward_head on features pooled already (B, C3), as timm users pass what pre_logits gave, raised a bare
+    IndexError; a map of other channels raised BatchNorm's 'running_mean should contain ... elements'."""
+    model = randomize_(cgavit.create_model("efficientvit_m0", num_classes=5, img_size=64, distillation=distillation), 3)
+    model.eval()
+    with torch.no_grad():
+        feats = model.forward_features(torch.randn(2, 3, 64, 64))
+        pooled = model.forward_head(feats, pre_logits=True)
+        assert torch.equal(model.forward_head(pooled), model.forward_head(feats))
+        assert torch.equal(model.forward_head(pooled, pre_logits=True), pooled)
+        assert torch.equal(torch.jit.script(model).forward_head(pooled), model.forward_head(pooled))
+        for bad in (torch.randn(2, 192, 3), torch.randn(2, 100, 2, 2), torch.randn(2, 100), torch.randn(192)):
+            with pytest.raises(ValueError, match=r"takes the last stage's map \(B, 192, h, w\).*or its pooled "
+                                                 rf"features \(B, 192\); got shape {re.escape(str(tuple(bad.shape)))}"):
+                model.forward_head(bad)
 
 
 def test_distillation_head():
