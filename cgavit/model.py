@@ -641,6 +641,8 @@ class FeatureMaps(nn.Module):
         out_indices: those stage numbers, non-negative and sorted.
     """
 
+    __jit_unused_properties__ = ["pretrained_cfg", "default_cfg"]
+
     def __init__(self, model: EfficientViT, out_indices: int | list[int] | tuple[int, ...] = (0, 1, 2)) -> None:
         super().__init__()
         if not isinstance(model, EfficientViT):
@@ -648,8 +650,26 @@ class FeatureMaps(nn.Module):
         self.out_indices = model.prune_intermediate_layers(out_indices)
         self.model = model
         self.feature_info = FeatureInfo(model.feature_info[i] for i in self.out_indices)
-        self.pretrained_cfg = model.pretrained_cfg  # so timm.data.resolve_data_config({}, model=...) works
         self.in_chans = model.in_chans
+
+    @property
+    def pretrained_cfg(self) -> dict:
+        """The network's own :attr:`EfficientViT.pretrained_cfg` (read by timm's ``resolve_data_config({}, model=m)``),
+        current after ``model.set_input_size`` or any other change to it, not a copy taken at creation."""
+        return self.model.pretrained_cfg
+
+    @pretrained_cfg.setter
+    def pretrained_cfg(self, value: dict) -> None:
+        self.model.pretrained_cfg = value
+
+    @property
+    def default_cfg(self) -> dict:
+        """timm's older name for :attr:`pretrained_cfg`, which timm's feature wrappers carry too."""
+        return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, value: dict) -> None:
+        self.pretrained_cfg = value
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not torch.jit.is_scripting():  # TorchScript compiles no Python check: the stages below, as they are

@@ -416,6 +416,18 @@ def test_features_only_as_timms_create_model_takes_it(tmp_path):
         cgavit.create_model("m0", features_only=True, out_indices=(3,))
 
 
+def test_a_features_only_models_pretrained_cfg_is_its_networks_as_it_is_now():
+    """A features_only model's pretrained_cfg was the network's dict as it was at creation: after
+    feats.model.set_input_size(256) (the network is its public attribute), timm's resolve_data_config still gave the
+    old input size, and images were resized for the size the network was no longer built for."""
+    feats = cgavit.create_model("m0", features_only=True, img_size=128, **SMALL)
+    feats.model.set_input_size(256)
+    assert timm.data.resolve_data_config({}, model=feats)["input_size"] == (3, 256, 256)
+    assert feats.pretrained_cfg is feats.default_cfg is feats.model.pretrained_cfg
+    feats.pretrained_cfg = dict(feats.pretrained_cfg, crop_pct=1.0)  # set through it, as timm's builder sets it
+    assert feats.model.pretrained_cfg["crop_pct"] == 1.0 and "pretrained_cfg" not in feats.__dict__
+
+
 def test_features_only_from_a_checkpoint_warns_of_no_classifier(tmp_path, caplog):
     """A features_only model was built with a classifier, loaded, then had it removed: a checkpoint without a
     classifier (a saved backbone) was warned about as 'its outputs mean nothing until it is trained', and one with a
