@@ -161,9 +161,9 @@ def _distillation_head_from_class_head(sd: dict, report: dict, source: str) -> N
 def load_checkpoint(
     model: nn.Module,
     path: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
     trust: bool = False,
     prefer_ema: bool = False,
-    *,
     source: str | None = None,
     expect_dropped_heads: bool = False,
 ) -> dict[str, list[str]]:
@@ -174,8 +174,10 @@ def load_checkpoint(
         model: the network to load into (a ``features_only``, ``torch.compile``d or DDP model: the network inside).
         path: a checkpoint file, or what one holds (a state dict, or one wrapped as ``{"model": ...}``,
             ``{"state_dict": ...}``, with DDP's ``module.`` prefix or not), as ``torch.load`` returns it.
-        trust: allow pickled objects in the file (runs code from it; only for files you trust).
-        prefer_ema: take the EMA weights when the file holds both.
+        trust: allow pickled objects in the file (runs code from it; only for files you trust). By keyword only,
+            as ``prefer_ema``: timm's ``load_checkpoint(model, path, True)`` means its ``use_ema``, and read here as
+            ``trust`` it would run the file's code.
+        prefer_ema: take the EMA weights when the file holds both (timm's ``use_ema``).
         source: what messages call ``path`` (default: the path, or ``"state dict"`` for a mapping).
         expect_dropped_heads: the caller's model is not meant to reproduce the file's outputs (fine-tuning, where the
             heads are trained again; a teacher, whose class head is what distils): a distillation head it lacks, or a

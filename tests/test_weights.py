@@ -154,6 +154,16 @@ def test_unsafe_pickle_is_refused_and_opt_in_works(tmp_path):
     load_checkpoint(cgavit.create_model("efficientvit_m0"), path, trust=True)
 
 
+def test_trust_is_never_taken_by_position_as_timms_use_ema_is(tmp_path):
+    """timm's load_checkpoint(model, path, True) means use_ema=True; here the same call was trust=True, and
+    unpickled the file's objects (running any code in it) for a caller who asked for EMA weights."""
+    path = tmp_path / "unsafe.pth"
+    torch.save({"model": cgavit.create_model("efficientvit_m0").state_dict(), "extra": _Payload()}, path)
+    for positional in ((True,), (False, True)):
+        with pytest.raises(TypeError, match="positional argument"):
+            load_checkpoint(cgavit.create_model("efficientvit_m0"), path, *positional)
+
+
 @pytest.mark.parametrize("protocol", [4, 5])
 def test_a_file_of_a_newer_pickle_protocol_is_not_said_to_hold_code(tmp_path, protocol):
     """torch's safe loader reads pickle protocol 2 and 3 only: a plain state dict saved with protocol 4 or 5 was
