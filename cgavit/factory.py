@@ -237,8 +237,7 @@ def load_model(
         model_name: variant name for files that do not record it; for files that do, the file wins
             (a different name is logged).
         dials: design dials for files that do not record them.
-        img_size: build for this image size instead of the recorded one (bias tables are resized); the
-            :class:`ModelInfo` then gives it as the size to feed, and exports record it.
+        img_size: build for this image size, not the recorded one (bias tables resized); ``ModelInfo.img_size`` says it.
         pretrained: load the published ImageNet-1k weights of ``model_name`` (downloads once).
         use_ema: take the EMA weights of a training checkpoint.
         trust: allow pickled objects in third-party files (runs code from the file).
