@@ -132,25 +132,36 @@ def test_a_file_that_is_not_square_is_not_offered_to_predict(trained_digits, tmp
 
 
 @need("executorch")
-def test_executorch_runs_on_the_threads_asked_for(trained_digits, tmp_path):
+def test_executorch_runs_on_the_threads_asked_for(fixed_batch_exports):
     """ExecuTorch's threadpool starts with a thread per core: the module sets it to ``threads`` (the
     paper's CPU protocol is one thread)."""
     from executorch.extension.pybindings import portable_lib
 
-    path = export_model(trained_digits.model, tmp_path / "m.pte", "executorch", (48, 48))
     for threads in (2, 1):
-        module = load_exported(path, "executorch", threads=threads)
+        module = load_exported(fixed_batch_exports["executorch"], "executorch", threads=threads)
         assert portable_lib._threadpool_get_thread_count() == threads
-        assert module(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+        assert module(torch.randn(2, 3, 48, 40)).shape == (2, 10)
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=need(name)) for name in ("executorch", "tflite")])
-def test_a_fixed_batch_file_refuses_images_of_another_size_or_channels_in_one_line(name, trained_digits, tmp_path):
+FIXED_BATCH = [pytest.param(name, marks=need(name)) for name, fmt in FORMATS.items() if fmt.fixed_batch]
+
+
+@pytest.fixture(scope="module")
+def fixed_batch_exports(trained_digits, tmp_path_factory):
+    """The trained digits model exported once per fixed-batch format (ExecuTorch, LiteRT) where installed, for
+    (48, 40) images in batches of 4, the files these formats' tests run or give to eval and predict: ``{name: path}``
+    (each export takes 10-20 s, which the tests used to spend apiece)."""
+    folder = tmp_path_factory.mktemp("fixed_batch_exports")
+    return {name: export_model(trained_digits.model, folder / f"digits{fmt.suffix}", name, (48, 40), batch=4)
+            for name, fmt in FORMATS.items() if fmt.fixed_batch and fmt.available()}
+
+
+@pytest.mark.parametrize("name", FIXED_BATCH)
+def test_a_fixed_batch_file_refuses_images_of_another_size_or_channels_in_one_line(name, fixed_batch_exports):
     """An ExecuTorch or LiteRT file declared no input shape, so images of another size or channel count reached the
     runtime, which printed its C++ log and raised "method->set_inputs() ... failed with error 0x10" (ExecuTorch) or
     its own ValueError about a tensor's dimensions (LiteRT); any batch still runs."""
-    path = export_model(trained_digits.model, tmp_path / f"m{FORMATS[name].suffix}", name, (48, 40), batch=4)
-    module = load_exported(path, name)
+    module = load_exported(fixed_batch_exports[name], name)
     assert module(torch.randn(9, 3, 48, 40)).shape == (9, 10)
     for shape, why in (((4, 3, 32, 32), "build it again for that size"), ((4, 1, 48, 40), "takes 3-channel images")):
         with pytest.raises(ValueError, match=rf"takes images \(B, 3, 48, 40\), got {re.escape(str(shape))}: .*{why}"):
@@ -1204,11 +1215,12 @@ def test_predict_on_a_file_exported_without_class_names_says_how_it_was_made(tmp
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=need(n)) for n, fmt in FORMATS.items() if not fmt.metadata])
-def test_eval_and_predict_on_a_file_without_metadata_say_what_they_run(name, trained_digits, tmp_path, capsys):
+def test_eval_and_predict_on_a_file_without_metadata_say_what_they_run(name, fixed_batch_exports, trained_digits,
+                                                                       capsys):
     """cgavit eval / predict on the .pte or .tflite a user is about to ship said 'an exported model, not weights: give
     the checkpoint it was exported from': nothing of the files they do run, nor of how to run this one. The refusal
     (one line, exit 2; --reference too) names the .onnx and .xml files they run and load_exported for this one."""
-    path = export_model(_tiny(10), tmp_path / "digits", name, 32)
+    path = fixed_batch_exports[name]
     capsys.readouterr()  # the exporter's own chatter
     image = str(sorted((trained_digits.data / "val").glob("*/*"))[0])
     runs = (["predict", "--checkpoint", str(path), image],
