@@ -162,6 +162,15 @@ def test_options_the_run_would_ignore_are_refused():
         resolve_protocol(BenchConfig(batch=8, train=True, skip_table=True))
 
 
+def test_an_image_size_no_part_of_the_run_reads_is_refused():
+    """--skip-table --precision-check --img-size 64: the check read the images at the checkpoint's recorded size, and
+    --img-size, read by the table and --train alone, was accepted and ignored (exit 0)."""
+    check = dict(precision_check=True, skip_table=True, checkpoint="absent.safetensors", data="absent")
+    with pytest.raises(ValueError, match=r"--img-size 64x64 is the table's and --train's size, and neither runs"):
+        resolve_protocol(BenchConfig(img_size=(64, 64), **check))
+    assert resolve_protocol(BenchConfig(img_size=(64, 64), train=True, skip_table=True)).img_size == (64, 64)
+
+
 def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):
     """--train --device cuda built its models and batch on the CPU, so its line was a CPU figure labelled GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

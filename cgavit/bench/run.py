@@ -290,6 +290,9 @@ def check_precision_inputs(cfg: BenchConfig) -> None:
     if cfg.precision_check and not (cfg.checkpoint and cfg.data):
         raise ValueError("--precision-check needs a trained model: give --checkpoint FILE and --data DIR (DIR/val "
                          "evaluated, DIR/train for the int8 calibration); agreement on random weights measures noise")
+    if cfg.skip_table and not cfg.train and cfg.img_size != defaults.img_size:  # it ran at the checkpoint's, exit 0
+        raise ValueError(f"--img-size {'x'.join(map(str, cfg.img_size))} is the table's and --train's size, and neither "
+                         "runs: the precision check reads images at the size the checkpoint records; leave --img-size out")
     if cfg.precision_check:  # before the output folder is made
         checked_path(cfg.checkpoint)
         check_folder(cfg.data)

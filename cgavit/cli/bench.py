@@ -106,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
     p.add_argument("--threads", type=int, help="intra-op threads (default: 1 on CPU, as the paper)")
     p.add_argument("--batch", type=int, help="batch size (default: 16 on CPU, 2048 on GPU)")
-    p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N", help="N or H W (default 224)")
+    p.add_argument("--img-size", type=int, nargs="+", default=[224], metavar="N",
+                   help="N or H W of the table and --train (default 224; --precision-check: the checkpoint's)")
     p.add_argument("--precision", choices=["fp32", "bf16", "amp"],
                    help="our optimize() precision on CPU, where the baselines run fp32 (default fp32); on GPU the "
                    "autocast of every row: amp fp16, bf16, fp32 none (default amp)")
