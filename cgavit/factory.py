@@ -187,7 +187,7 @@ class ModelInfo:
     Args:
         class_names: one name per output.
         img_size: the image size to feed it at (pixels): the one the file records (trained / evaluated at), or the
-            size :func:`load_model` was asked to build it for.
+            size :func:`load_model` was asked to build it for (of an ``(H, W)``, the longer side: images are read square).
         crop_pct: evaluation centre-crop fraction.
         interpolation: resize interpolation.
         mean, std: input normalisation.
@@ -223,7 +223,7 @@ def load_model(
     model_name: str | None = None,
     dials: dict | None = None,
     *,
-    img_size: int | None = None,
+    img_size: int | tuple[int, int] | None = None,
     pretrained: bool = False,
     use_ema: bool = False,
     trust: bool = False,
@@ -237,7 +237,7 @@ def load_model(
         model_name: variant name for files that do not record it; for files that do, the file wins
             (a different name is logged).
         dials: design dials for files that do not record them.
-        img_size: build for this image size, not the recorded one (bias tables resized); ``ModelInfo.img_size`` says it.
+        img_size: build for this image size, not the recorded one (bias tables resized); ``ModelInfo.img_size`` says it (of ``(H, W)``, the longer side: export at ``model.img_size``).
         pretrained: load the published ImageNet-1k weights of ``model_name`` (downloads once).
         use_ema: take the EMA weights of a training checkpoint.
         trust: allow pickled objects in third-party files (runs code from the file).
