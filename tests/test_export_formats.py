@@ -581,6 +581,36 @@ def test_a_damaged_exported_file_is_refused_in_one_line(suffix, digits_exports, 
                      quantized=tmp_path / "truncated.onnx")
 
 
+@need("onnx")
+def test_an_onnx_file_with_external_weights_reads_them_from_beside_it(digits_exports, trained_digits, tmp_path,
+                                                                       monkeypatch):
+    """An .onnx saved with its weights in an external data file (onnx.save(..., save_as_external_data=True), as a
+    user saves a file whose metadata they edited with the onnx package) was handed to ONNX Runtime as bytes, which
+    looked for the data file in the current folder: from elsewhere it was 'truncated or corrupt?', and from a folder
+    holding another file's data of that name, that file's weights ran without a word. They are read from beside the
+    .onnx; a data file that is not there is one line naming it."""
+    import onnx
+
+    from cgavit.deploy import open_exported
+
+    proto = onnx.load(str(digits_exports[".onnx"]))
+    (tmp_path / "model").mkdir()
+    onnx.save(proto, str(tmp_path / "model" / "m.onnx"), save_as_external_data=True, location="m.onnx.data",
+              size_threshold=0)
+    decoy = tmp_path / "elsewhere" / "m.onnx.data"  # another export's weights, under the same name
+    decoy.parent.mkdir()
+    decoy.write_bytes(bytes(reversed((tmp_path / "model" / "m.onnx.data").read_bytes())))
+    monkeypatch.chdir(decoy.parent)
+    images = trained_digits.images[:8]
+    module, _ = open_exported(tmp_path / "model" / "m.onnx")
+    torch.testing.assert_close(module(images), open_exported(digits_exports[".onnx"])[0](images))
+    (tmp_path / "model" / "m.onnx.data").unlink()
+    with pytest.raises(ValueError) as caught:
+        open_exported(tmp_path / "model" / "m.onnx")
+    said = str(caught.value)
+    assert "external data files" in said and "m.onnx.data" in said and "\n" not in said, said
+
+
 # Two OpenVINO models dropped in the order they were made, then a signal with a Python handler (SIGCHLD from a
 # DataLoader's workers is the one that struck the suite): each OpenVINO Core's CPU plugin maps an alternate signal
 # stack for this thread, and before cgavit kept the thread's own, the second left it with the first's, unmapped.

@@ -132,11 +132,36 @@ def export_onnx(
     return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
+def onnx_file_bytes(path: Path) -> bytes:
+    """The ONNX file at ``path`` as one block of bytes for ONNX Runtime, with the weights it keeps in external data
+    files (``onnx.save(..., save_as_external_data=True)``, as a model edited with the ``onnx`` package may be saved)
+    read in from beside it. Given the file's own bytes, ONNX Runtime looked for those files in the current folder: from
+    another folder it refused the file as 'truncated or corrupt?', and from a folder holding another export's data file
+    of that name it ran that export's weights without a word.
+
+    Raises:
+        ValueError: an external data file that is missing, cut short or outside the file's folder, named.
+    """
+    data = path.read_bytes()
+    onnx = _onnx()
+    try:
+        proto = onnx.load_from_string(data)
+    except Exception:  # not a protobuf (a DecodeError, or others): ONNX Runtime's own load says what is wrong
+        return data
+    try:
+        onnx.external_data_helper.load_external_data_for_model(proto, str(path.parent))
+    except (OSError, ValueError, onnx.checker.ValidationError) as err:
+        raise ValueError(f"cannot read {path}: its weights are kept in external data files beside it, and "
+                         f"{runtime_reason(err)}; keep the .onnx with the data files it was saved with") from None
+    return data if proto.ByteSize() == len(data) else proto.SerializeToString()  # same size: nothing was read in
+
+
 class OnnxModule(RuntimeModule):
     """An ONNX file run by ONNX Runtime on the CPU, called like a module on torch tensors.
 
     Args:
-        path: the ``.onnx`` file or its bytes (read into memory, so the file may be deleted afterwards).
+        path: the ``.onnx`` file or its bytes (read into memory with any external data files beside it
+            (:func:`onnx_file_bytes`), so the files may be deleted afterwards).
         threads: intra-op threads (default: ``torch.get_num_threads()``, so ``--threads`` applies).
         precision: what the file computes in, for display (``"fp32"`` or ``"int8"``).
 
@@ -147,8 +172,8 @@ class OnnxModule(RuntimeModule):
         inputs, input_float32: how many inputs the graph has; whether its first takes float32.
 
     Raises:
-        ValueError: a file ONNX Runtime cannot load (truncated, corrupt, not ONNX), or a graph without an input
-            or an output.
+        ValueError: a file ONNX Runtime cannot load (truncated, corrupt, not ONNX, its external data files missing),
+            or a graph without an input or an output.
     """
 
     copyable = False
@@ -160,7 +185,7 @@ class OnnxModule(RuntimeModule):
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        data = path if isinstance(path, bytes) else Path(path).read_bytes()
+        data = path if isinstance(path, bytes) else onnx_file_bytes(Path(path))
         errors = ort.capi.onnxruntime_pybind11_state
         try:
             self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
