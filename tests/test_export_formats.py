@@ -1315,3 +1315,21 @@ def test_an_xml_whose_bin_is_named_in_other_letter_case_says_to_rename_it(digits
     assert "the folder holds M.BIN; rename M.BIN to M.bin" in capsys.readouterr().err
     (tmp_path / "M.BIN").rename(tmp_path / "M.bin")
     assert main(["predict", str(image), "--checkpoint", str(tmp_path / "M.XML"), "--topk", "1"]) == 0
+
+
+@need("openvino")
+def test_a_linked_xml_without_its_bin_beside_the_link_says_to_link_the_bin(digits_exports, trained_digits, tmp_path,
+                                                                          capsys):
+    """current.xml linked to a release's .xml was refused as 'current.bin does not exist; check the path', with the
+    release's .bin beside the file it links to: OpenVINO reads the .bin beside the link (as any program the pair is
+    shipped to does), so the error now says so, and which .bin to link where."""
+    xml = digits_exports[".xml"]
+    link = tmp_path / "current.xml"
+    link.symlink_to(xml)
+    image = next(trained_digits.data.glob("val/*/*.png"))
+    assert main(["predict", str(image), "--checkpoint", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert f"link {xml.resolve().with_suffix('.bin')} as {tmp_path / 'current.bin'} too" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    (tmp_path / "current.bin").symlink_to(xml.with_suffix(".bin"))
+    assert main(["predict", str(image), "--checkpoint", str(link), "--topk", "1"]) == 0

@@ -719,7 +719,7 @@ def read_openvino(path: str | os.PathLike):
             pipe named ``m.bin`` and waited on it for ever).
     """
     if Path(path).suffix.lower() == ".xml":  # IR; OpenVINO reads other formats (ONNX) without a .bin
-        _refuse_other_case_weights(Path(path))
+        _refuse_misplaced_weights(Path(path))
         check_readable_file(Path(path).with_suffix(".bin"), "OpenVINO weights (.bin beside the .xml)")
     core = _core()
     try:
@@ -735,10 +735,12 @@ def read_openvino(path: str | os.PathLike):
     return model
 
 
-def _refuse_other_case_weights(xml: Path) -> None:
-    """Where the ``.bin`` OpenVINO reads beside ``xml`` (its name, suffix ``.bin``) is missing but one of that name in
-    other letter case is there (``M.XML`` with ``M.BIN``, as a zip from a case-blind disk leaves them), say to rename
-    it: the error said only that ``M.bin`` does not exist, beside the ``M.BIN`` the user could see."""
+def _refuse_misplaced_weights(xml: Path) -> None:
+    """Where the ``.bin`` OpenVINO reads beside ``xml`` (its name, suffix ``.bin``) is missing but the user's one is
+    elsewhere, say where and what to do: one of that name in other letter case (``M.XML`` with ``M.BIN``, as a zip
+    from a case-blind disk leaves them), to be renamed; or, for an ``xml`` that is a symbolic link, the ``.bin`` beside
+    the file it links to, which OpenVINO (here and in any program the file is shipped to) does not look for. The
+    error said only that ``M.bin`` does not exist."""
     weights = xml.with_suffix(".bin")
     if os.path.lexists(weights) or not xml.parent.is_dir():
         return
@@ -746,6 +748,11 @@ def _refuse_other_case_weights(xml: Path) -> None:
     if found:
         raise ValueError(f"OpenVINO reads the weights of {xml.name} from {weights.name} beside it, and the folder holds "
                          f"{' and '.join(found)}; rename {found[0]} to {weights.name}")
+    target = xml.resolve()
+    if xml.is_symlink() and target.with_suffix(".bin").is_file():
+        raise ValueError(f"{xml} is a link to {target}, and OpenVINO reads the weights from beside the link, {weights}, "
+                         f"not from beside the file it links to: link {target.with_suffix('.bin')} as {weights} too, or "
+                         f"give {target}")
 
 
 def _declared_shape(port) -> tuple[int | None, ...] | None:
