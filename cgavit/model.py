@@ -269,7 +269,21 @@ def stage_indices(indices: int | list[int] | tuple[int, ...] | None, n: int) -> 
     return sorted({i % n for i in given})
 
 
-class EfficientViT(nn.Module):
+class DefaultCfgName:
+    """``default_cfg``, timm's older name for a model's ``pretrained_cfg`` (the same dict; code written for timm < 0.9
+    reads it, and timm's feature wrappers carry it too): one home for :class:`EfficientViT` and :class:`FeatureMaps`,
+    each of which lists it in ``__jit_unused_properties__``."""
+
+    @property
+    def default_cfg(self) -> dict:
+        return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, value: dict) -> None:
+        self.pretrained_cfg = value
+
+
+class EfficientViT(DefaultCfgName, nn.Module):
     """EfficientViT (Liu et al., CVPR 2023): a three-stage cascaded-group-attention network.
 
     Args:
@@ -538,15 +552,6 @@ class EfficientViT(nn.Module):
             blocks=[(r"^stages\.(\d+)\.downsample", (0,)), (r"^stages\.(\d+)\.blocks\.(\d+)", None)],
         )
 
-    @property
-    def default_cfg(self) -> dict:
-        """timm's older name for :attr:`pretrained_cfg` (the same dict; code written for timm < 0.9 reads it)."""
-        return self.pretrained_cfg
-
-    @default_cfg.setter
-    def default_cfg(self, value: dict) -> None:
-        self.pretrained_cfg = value
-
     @torch.jit.ignore
     def set_distilled_training(self, enable: bool = True) -> None:
         """timm's switch for distilled models: ``False`` makes a model with a distillation head give the mean of its
@@ -629,7 +634,7 @@ class FeatureInfo(list):
         return [info[key] for info in self] if idx is None else self[idx][key]
 
 
-class FeatureMaps(nn.Module):
+class FeatureMaps(DefaultCfgName, nn.Module):
     """timm's ``features_only`` form of a model (``create_model(..., features_only=True)``): ``forward`` gives the
     list of the maps of the stages ``out_indices`` asks for (as :meth:`EfficientViT.forward_intermediates` reads
     it), finest first, as timm's ``FeatureGetterNet`` does; the stages after the last of them and the classifier are
@@ -661,15 +666,6 @@ class FeatureMaps(nn.Module):
     @pretrained_cfg.setter
     def pretrained_cfg(self, value: dict) -> None:
         self.model.pretrained_cfg = value
-
-    @property
-    def default_cfg(self) -> dict:
-        """timm's older name for :attr:`pretrained_cfg`, which timm's feature wrappers carry too."""
-        return self.pretrained_cfg
-
-    @default_cfg.setter
-    def default_cfg(self, value: dict) -> None:
-        self.pretrained_cfg = value
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not torch.jit.is_scripting():  # TorchScript compiles no Python check: the stages below, as they are
