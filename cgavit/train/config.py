@@ -20,7 +20,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..factory import resolve_name
-from ..variants import VARIANTS, DialError, EfficientViTConfig
+from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, VARIANTS, DialError, EfficientViTConfig
 from ..bounds import CROP_PCT_RANGE, IMG_SIZE_RANGE, INTERPOLATIONS
 from ..fields import option
 from ..io import CheckpointError
@@ -178,6 +178,11 @@ class TrainConfig:
     def mixes(self) -> bool:
         """Whether the run mixes images (mixup or cutmix on, with a chance above 0)."""
         return (self.mixup > 0 or self.cutmix > 0) and self.mixup_prob > 0
+
+    @property
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The student's ``(mean, std)``, three values each: ``mean`` and ``std``, ImageNet's where not given."""
+        return tuple(map(float, self.mean or IMAGENET_DEFAULT_MEAN)), tuple(map(float, self.std or IMAGENET_DEFAULT_STD))
 
     # ------------------------------------------------------------------------------ checks
     def validate(self) -> None:

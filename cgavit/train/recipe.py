@@ -11,7 +11,7 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
+from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
@@ -232,8 +232,7 @@ def build_loaders(cfg: TrainConfig, env: DistEnv, layout: dict) -> Loaders:
         ValueError: the training split holds less than one batch for every process (under repeated augmentation,
             each process's share of an epoch does).
     """
-    mean = cfg.mean or IMAGENET_DEFAULT_MEAN
-    std = cfg.std or IMAGENET_DEFAULT_STD
+    mean, std = cfg.normalisation
     t_train = build_transform(
         cfg.img_size, True, auto_augment=auto_augment_policy(cfg.aa), interpolation=cfg.interpolation,
         re_prob=cfg.reprob, hflip=cfg.hflip, scale=cfg.scale, color_jitter=cfg.color_jitter, mean=mean, std=std,

@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 from ..analysis.plots import pyplot
 from ..io import DataError, append_jsonl, atomic_write, read_jsonl, write_jsonl
 from ..schema import WeightsMeta
-from ..variants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -71,8 +70,8 @@ def weights_meta(cfg: TrainConfig, model: nn.Module, classes: list[str], extra: 
         img_size=cfg.img_size,
         crop_pct=cfg.crop_pct,
         interpolation=cfg.interpolation,
-        mean=cfg.mean or IMAGENET_DEFAULT_MEAN,
-        std=cfg.std or IMAGENET_DEFAULT_STD,
+        mean=cfg.normalisation[0],
+        std=cfg.normalisation[1],
         class_names=tuple(classes),
         distillation=cfg.distillation_type != "none",
         extra=extra,
