@@ -456,6 +456,89 @@ def test_corrupt_checkpoint_refused_and_left_alone(data, tmp_path):
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
 
 
+CLASSES = ["class_0", "class_1", "class_2"]
+STUDENT = dict(mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6))  # a student normalised its own way
+
+
+def _teacher_file(path: Path, in_chans: int = 3, **feeding) -> Path:
+    """A random m0 teacher of :data:`CLASSES` at 32 px (its logits depending on its input: :func:`randomize_`),
+    saved with ``feeding`` (mean, std) recorded."""
+    from cgavit import create_model
+    from cgavit.schema import WeightsMeta
+    from cgavit.testing import randomize_
+    from cgavit.weights import save_weights
+
+    torch.manual_seed(0)
+    model = create_model("m0", num_classes=3, img_size=32, in_chans=in_chans).eval()
+    with torch.no_grad():
+        randomize_(model, images=torch.randn(4, in_chans, 32, 32))
+    meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=3, img_size=32, class_names=tuple(CLASSES),
+                       in_chans=in_chans, **feeding)
+    return save_weights(model, path, meta)
+
+
+def _logits_in_the_loss(cfg: TrainConfig, images: torch.Tensor) -> torch.Tensor:
+    """The teacher's logits inside a soft :class:`DistillationLoss` built for ``cfg``, on the student's ``images``."""
+    from cgavit.train.recipe import DistillationLoss, build_teacher
+
+    loss = DistillationLoss(torch.nn.CrossEntropyLoss(), build_teacher(cfg, CLASSES, torch.device("cpu")), "soft")
+    seen = []
+    loss.teacher.register_forward_hook(lambda module, args, out: seen.append(out))
+    out = torch.zeros(len(images), 3)
+    loss(images, (out, out), torch.zeros(len(images), dtype=torch.long))
+    return seen[0]
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["checkpoint", "named-with-weights"])
+def test_the_teacher_sees_images_normalised_its_own_way(tmp_path, caplog, named):
+    """The teacher was fed the student's batch, normalised with the student's mean and std, whatever its own were:
+    a teacher recording others distilled from wrongly normalised images without a word."""
+    from cgavit import load_model
+    from cgavit.testing import rel_err
+
+    own = dict(mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25))
+    path = _teacher_file(tmp_path / "teacher.safetensors", **own)
+    teacher, _ = load_model(path)
+    source = dict(teacher="efficientvit_m0", teacher_weights=str(path)) if named else dict(teacher=str(path))
+    pixels = torch.rand(2, 3, 32, 32)
+    as_student = (pixels - torch.tensor(STUDENT["mean"]).view(3, 1, 1)) / torch.tensor(STUDENT["std"]).view(3, 1, 1)
+    as_teacher = (pixels - torch.tensor(own["mean"]).view(3, 1, 1)) / torch.tensor(own["std"]).view(3, 1, 1)
+    cfg = tiny(data=str(tmp_path), distillation_type="soft", **source, **STUDENT)
+    with caplog.at_level(logging.INFO, logger="cgavit"), torch.no_grad():
+        seen = _logits_in_the_loss(cfg, as_student)
+        assert rel_err(seen, teacher(as_teacher)) < 1e-5
+        assert rel_err(seen, teacher(as_student)) > 0.05  # the images it used to see
+    assert "the teacher gets the images renormalised as it was trained to see them: RGB, mean (0.5, 0.4, 0.3)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cgavit"), torch.no_grad():  # the same normalisation: fed as it is
+        assert torch.equal(_logits_in_the_loss(tiny(data=str(tmp_path), distillation_type="soft", **source, **own),
+                                               as_teacher), teacher(as_teacher))
+    assert "the teacher takes the student's normalisation (mean (0.5, 0.4, 0.3)" in caplog.text
+
+
+def test_a_greyscale_teacher_sees_grey_images_and_other_channels_are_refused(tmp_path):
+    """A one-channel teacher was fed the student's RGB batch and failed at the first update; one of 4 channels
+    too, after the run had started: the first now gets the pixels made grey (Pillow's 'L' weights, as cgavit reads
+    images for such a network) and normalised its way, the second is refused before training."""
+    from cgavit import load_model
+    from cgavit.testing import rel_err
+
+    path = _teacher_file(tmp_path / "grey.safetensors", in_chans=1)  # ImageNet's mean and std, averaged for grey
+    teacher, _ = load_model(path)
+    pixels = torch.rand(2, 3, 32, 32)
+    as_student = (pixels - torch.tensor(STUDENT["mean"]).view(3, 1, 1)) / torch.tensor(STUDENT["std"]).view(3, 1, 1)
+    grey = (pixels * torch.tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)).sum(1, keepdim=True)  # Pillow's 'L', (B, 1, H, W)
+    with torch.no_grad():
+        seen = _logits_in_the_loss(tiny(data=str(tmp_path), distillation_type="hard", teacher=str(path), **STUDENT),
+                                   as_student)
+        assert rel_err(seen, teacher((grey - 0.449) / 0.226)) < 1e-4
+        assert rel_err(seen, teacher((pixels.mean(1, keepdim=True) - 0.449) / 0.226)) > 0.05  # not any grey
+    four = _teacher_file(tmp_path / "four.safetensors", in_chans=4)
+    with pytest.raises(ValueError, match=r"four.safetensors takes 4-channel images, and training feeds it the "
+                                         r"student's RGB ones .*; give an RGB or greyscale teacher$"):
+        _logits_in_the_loss(tiny(data=str(tmp_path), distillation_type="hard", teacher=str(four)), pixels)
+
+
 def test_distillation_with_timm_teacher_and_finetune(data, tmp_path):
     import timm
 

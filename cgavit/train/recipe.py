@@ -11,22 +11,25 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
-from timm.data import Mixup
+from timm.data import Mixup, resolve_model_data_config
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 from torch import nn
 from torch.utils.data import DataLoader
+from torchvision.transforms.functional import rgb_to_grayscale
 
 from ..classes import class_difference, same_classes
 from ..factory import create_model, load_model, resolve_name
 from ..loading import load_checkpoint
 from ..schema import check_finite
+from ..variants import channel_normalisation
 from ..weights import read_state_dict, read_weights_meta
 from .config import TrainConfig
 from .data import ImageFolderDataset, build_transform, eval_sampler, make_loader, train_sampler
 from .data.transforms import auto_augment_policy
 from .distributed import DistEnv
+from .inference import input_channels
 
 log = logging.getLogger(__name__)
 
@@ -159,16 +162,19 @@ class DistillationLoss(nn.Module):
 
 def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) -> nn.Module:
     """The frozen teacher: a cgavit checkpoint trained here, or a cgavit/timm model name with
-    ``teacher_weights`` (read safely; nothing is downloaded).
+    ``teacher_weights`` (read safely; nothing is downloaded), fed the images as it was trained to see them: in a
+    :class:`TeacherInput` where its normalisation (its file's record, or its ``pretrained_cfg``) or its channels
+    differ from the student's.
 
     Raises:
-        ValueError: the teacher predicts another number of classes than ``classes`` (the dataset's), or records
-            class names that are not ``classes`` in the same order (distillation pairs them index by index).
+        ValueError: the teacher predicts another number of classes than ``classes`` (the dataset's), records
+            class names that are not ``classes`` in the same order (distillation pairs them index by index), or
+            takes other than 1 or 3 channels.
     """
     num_classes = len(classes)
     if Path(cfg.teacher).is_file():
         teacher, info = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
-        source, recorded = cfg.teacher, info.class_names if info.names_recorded else None
+        source, recorded, own = cfg.teacher, info.class_names if info.names_recorded else None, (info.mean, info.std)
     elif not cfg.teacher_weights:
         raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
     else:
@@ -176,6 +182,7 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
         check_finite(teacher.state_dict(), cfg.teacher_weights)
         meta = read_weights_meta(cfg.teacher_weights)  # None but for a cgavit safetensors file
         source, recorded = cfg.teacher_weights, meta.class_names if meta is not None else None
+        own = (meta.mean, meta.std) if meta is not None else None  # else its pretrained_cfg's (timm's, ImageNet's)
     if recorded is not None and not same_classes(recorded, classes):
         diff = class_difference(list(recorded), list(classes))
         raise ValueError(
@@ -186,7 +193,57 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
     if out_classes != num_classes:
         raise ValueError(f"the teacher predicts {out_classes} classes, the dataset has {num_classes}")
     teacher.eval().requires_grad_(False)
-    return teacher.to(device)
+    return _fed_as_trained(teacher, cfg, source, own).to(device)
+
+
+class TeacherInput(nn.Module):
+    """A frozen teacher fed the student's batch as it was trained to see images: the student's normalisation undone
+    (``x * std_s + mean_s``, pixels in ``[0, 1]``), the RGB pixels made grey for a teacher of one channel (Pillow's
+    ``'L'`` weights, as cgavit's commands read images for such a network), then the teacher's own normalisation.
+
+    Args:
+        teacher: the frozen network.
+        student: the student's ``(mean, std)``, three values each (training reads images as RGB).
+        own: the teacher's ``(mean, std)``, one value per channel it takes (1 or 3).
+    """
+
+    def __init__(self, teacher: nn.Module, student: tuple[tuple[float, ...], tuple[float, ...]],
+                 own: tuple[tuple[float, ...], tuple[float, ...]]):
+        super().__init__()
+        self.teacher, self.grey = teacher, len(own[0]) == 1
+        for name, values in zip(("mean_s", "std_s", "mean_t", "std_t"), (*student, *own)):
+            self.register_buffer(name, torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.std_s + self.mean_s  # (B, 3, H, W), pixels in [0, 1]
+        if self.grey:
+            x = rgb_to_grayscale(x)  # (B, 1, H, W)
+        return self.teacher((x - self.mean_t) / self.std_t)
+
+
+def _fed_as_trained(teacher: nn.Module, cfg: TrainConfig, source: str, own: tuple | None) -> nn.Module:
+    """``teacher`` as it is where it takes the student's images and normalisation, else in a :class:`TeacherInput`.
+    ``own``: the ``(mean, std)`` its file records (three values each), None to read its ``pretrained_cfg``.
+
+    Raises:
+        ValueError: a teacher of other than 1 or 3 input channels (training feeds RGB images).
+    """
+    channels = input_channels(teacher)
+    if channels not in (1, 3):
+        raise ValueError(f"the teacher {source} takes {channels}-channel images, and training feeds it the student's "
+                         "RGB ones (a greyscale teacher gets them made grey); give an RGB or greyscale teacher")
+    if own is None:
+        data = resolve_model_data_config(teacher)
+        own = data["mean"], data["std"]
+    mean, std = channel_normalisation(own[0], own[1], channels)
+    own = tuple(map(float, mean)), tuple(map(float, std))
+    student = cfg.normalisation
+    if own == student:
+        log.info("the teacher takes the student's normalisation (mean %s, std %s)", *own)
+        return teacher
+    log.info("the teacher gets the images renormalised as it was trained to see them: %s, mean %s, std %s (the "
+             "student's: mean %s, std %s)", "made grey" if channels == 1 else "RGB", *own, *student)
+    return TeacherInput(teacher, student, own)
 
 
 def _named_teacher(name: str, weights: str, num_classes: int, img_size: int, trust: bool = False) -> nn.Module:
