@@ -241,6 +241,10 @@ def test_saved_file_carries_metadata_and_auto_takes_it(digits_int8, trained_digi
     grey = cgavit.create_model("efficientvit_m0", num_classes=10, img_size=48, in_chans=1)  # was told to convert images
     with pytest.raises(ValueError, match="takes 3-channel images and the model 1-channel ones: it is another model's"):
         optimize(grey, x[:, :1], "auto", quantized=path, compile=False, features=features(EPYC_AVX2))
+    small = torch.nn.functional.interpolate(x, size=(32, 32))  # the file's size and what to do were not said
+    with pytest.raises(ValueError, match=r"takes 48x48 images, the example input is 32x32: give an example of 48x48 "
+                                         r"images, or quantize the model again at this size \(cgavit quantize --img-size\)"):
+        optimize(trained_digits.model, small, "auto", quantized=path, compile=False, features=features(EPYC_AVX2))
 
 
 def test_each_optimize_of_a_quantize_result_is_its_own_module(digits_int8, trained_digits, monkeypatch):

@@ -455,8 +455,10 @@ def _check_artifact_fits(model: nn.Module, example_input: torch.Tensor, artifact
     if artifact is None:
         return
     if tuple(example_input.shape[2:]) != tuple(artifact.img_size):
-        raise ValueError(f"the quantized artifact takes {artifact.img_size[0]}x{artifact.img_size[1]} images, the "
-                         f"example input is {example_input.shape[2]}x{example_input.shape[3]}")
+        h, w = artifact.img_size
+        raise ValueError(f"the quantized artifact takes {h}x{w} images, the example input is {example_input.shape[2]}x"
+                         f"{example_input.shape[3]}: give an example of {h}x{w} images, or quantize the model again at "
+                         f"this size (cgavit quantize --img-size)")
     inputs, channels = getattr(artifact.module, "input_shape", None), getattr(model, "in_chans", None)
     if inputs and len(inputs) == 4 and None not in (inputs[1], channels) and inputs[1] != channels:
         raise ValueError(f"the quantized artifact takes {inputs[1]}-channel images and the model {channels}-channel "
