@@ -1177,6 +1177,26 @@ def test_a_files_cgavit_version_is_checked_like_its_other_text(version, words):
     assert ExportInfo.from_props(props).version == ""
 
 
+def test_metadata_without_its_preprocessing_warns_of_what_is_assumed():
+    """A file whose cgavit metadata had lost its mean and std (edited with the onnx package, say) opened with
+    ImageNet's without a word, so eval and predict fed its images another way than the model was trained on; the
+    file still opens, and a warning names what is missing and what was assumed. A whole record opens silently."""
+    import warnings
+
+    from cgavit.deploy.metadata import ExportInfo
+
+    props = ExportInfo(img_size=(32, 32), mean=(0.5,), std=(0.25,), crop_pct=1.0).to_props()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ExportInfo.from_props(props).mean == (0.5,)
+    for key in ("cgavit.mean", "cgavit.std", "cgavit.crop_pct"):
+        del props[key]
+    with pytest.warns(RuntimeWarning, match=r"m.onnx records no mean, std, crop_pct in its cgavit metadata, so "
+                                            r"ImageNet's mean \(0.485, 0.456, 0.406\), std .*, crop 0.875 are assumed"):
+        info = ExportInfo.from_props(props, "m.onnx")
+    assert info.mean == (0.485, 0.456, 0.406) and info.crop_pct == 0.875
+
+
 @pytest.mark.parametrize("batch", [2.5, True, "2", 0])
 def test_a_batch_that_is_no_whole_number_is_refused_in_one_line(batch, tmp_path):
     """export_model(..., "executorch", batch=2.5) raised torch.randn's TypeError (a page of its signatures), batch="2"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import metadata
@@ -28,6 +29,8 @@ from .runtime import runtime_reason
 PREFIX = "cgavit"
 #: The keys, in the order they are written.
 KEYS = ("version", "class_names", "img_size", "mean", "std", "interpolation", "crop_pct", "precision", "int8")
+#: The keys that say how images are fed (:meth:`ExportInfo.from_props` warns of each one missing: it assumes ImageNet's).
+PREPROCESSING_KEYS = ("mean", "std", "interpolation", "crop_pct")
 
 
 def cgavit_version() -> str:
@@ -99,9 +102,17 @@ class ExportInfo:
             raise ValueError(f"{source} carries no cgavit metadata (written by cgavit export or cgavit quantize "
                              "0.1.0 or later); export it again, or give the preprocessing yourself")
         try:
-            return _parsed(props)
+            info = _parsed(props)
         except ValueError as err:
             raise ValueError(f"{source}: bad cgavit metadata: {err}; export the file again") from None
+        missing = [key for key in PREPROCESSING_KEYS if f"{PREFIX}.{key}" not in props]
+        if missing:  # cgavit writes them all: a file edited since, whose images would be fed ImageNet's way unsaid
+            assumed = dict(mean=f"mean {info.mean}", std=f"std {info.std}", interpolation=info.interpolation,
+                           crop_pct=f"crop {info.crop_pct:g}")
+            warnings.warn(f"{source} records no {', '.join(missing)} in its cgavit metadata, so ImageNet's "
+                          f"{', '.join(assumed[key] for key in missing)} are assumed, which fit only a model trained "
+                          "with them; export the checkpoint again to record its own", RuntimeWarning, stacklevel=2)
+        return info
 
     def check_network(self, inputs: Sequence[int | None] | None, outputs: Sequence[int | None] | None,
                       source: str = "the file") -> None:
