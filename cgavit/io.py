@@ -371,8 +371,8 @@ def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-#: The most bytes a temporary name adds to its file's: :func:`atomic_write`'s ``.NAME.XXXXXXXX.tmp`` and
-#: :func:`replace_together`'s ``.NAME.PID.old.tmp`` (a pid of up to 7 digits).
+#: The most bytes a temporary name adds to its file's name. :func:`atomic_write` writes ``.NAME.XXXXXXXX.tmp``;
+#: :func:`replace_together` moves the old file aside as ``.NAME.PID.old.tmp`` (a pid of up to 7 digits), the longer.
 TEMPORARY_NAME_EXTRA = len(".." + "1234567" + ".old" + TMP_SUFFIX)
 
 

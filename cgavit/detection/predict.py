@@ -172,7 +172,7 @@ def _predictions(
     model: nn.Module, config: dict, paths: list[Path], drawn: list[Path], threshold: float, env: DistEnv
 ) -> Iterator[Prediction]:
     names = ["background"] + [n for _, n in config["categories"]]
-    limit, skipped = detection_limit(model), []
+    limit, setting, skipped = detection_limit(model), limit_setting(model), []
     try:
         for p, dst in zip(paths, drawn):
             try:
@@ -194,7 +194,7 @@ def _predictions(
             yield Prediction(
                 image=p, drawn=dst, names=[names[label] for label in shown["labels"].tolist()],
                 scores=shown["scores"].tolist(), boxes=shown["boxes"].tolist(), limit=limit if full else None,
-                limit_setting=limit_setting(model),
+                limit_setting=setting,
             )
     finally:
         teardown_distributed(env)
