@@ -472,6 +472,14 @@ def _teacher_file(path: Path, in_chans: int = 3, **feeding) -> Path:
     model = create_model("m0", num_classes=3, img_size=32, in_chans=in_chans).eval()
     with torch.no_grad():
         randomize_(model, images=torch.randn(4, in_chans, 32, 32))
+    if path.suffix == ".pt":  # a training checkpoint: its options record the normalisation
+        from cgavit.train import checkpoint as train_checkpoint
+
+        record = TrainConfig(data=str(path.parent), model="efficientvit_m0", img_size=32, **feeding).to_record()
+        return train_checkpoint.save(path, {
+            "model": model.state_dict(), "model_ema": None, "optimizer": {}, "scheduler": {}, "scaler": None,
+            "next_epoch": 1, "next_step": 0, "global_step": 1, "rng": [], "progress": {}, "world_size": 1,
+            "args": record, "classes": CLASSES, "saved": "x"})
     meta = WeightsMeta(model="efficientvit_m0", config=model.cfg, num_classes=3, img_size=32, class_names=tuple(CLASSES),
                        in_chans=in_chans, **feeding)
     return save_weights(model, path, meta)
@@ -489,15 +497,17 @@ def _logits_in_the_loss(cfg: TrainConfig, images: torch.Tensor) -> torch.Tensor:
     return seen[0]
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["checkpoint", "named-with-weights"])
-def test_the_teacher_sees_images_normalised_its_own_way(tmp_path, caplog, named):
+@pytest.mark.parametrize("named, suffix", [(False, ".safetensors"), (True, ".safetensors"), (True, ".pt")],
+                         ids=["checkpoint", "named-with-weights", "named-with-a-training-checkpoint"])
+def test_the_teacher_sees_images_normalised_its_own_way(tmp_path, caplog, named, suffix):
     """The teacher was fed the student's batch, normalised with the student's mean and std, whatever its own were:
-    a teacher recording others distilled from wrongly normalised images without a word."""
+    a teacher recording others distilled from wrongly normalised images without a word. A training checkpoint given
+    by ``--teacher-weights`` with its variant's name was still taken as normalised as ImageNet."""
     from cgavit import load_model
     from cgavit.testing import rel_err
 
     own = dict(mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25))
-    path = _teacher_file(tmp_path / "teacher.safetensors", **own)
+    path = _teacher_file(tmp_path / f"teacher{suffix}", **own)
     teacher, _ = load_model(path)
     source = dict(teacher="efficientvit_m0", teacher_weights=str(path)) if named else dict(teacher=str(path))
     pixels = torch.rand(2, 3, 32, 32)
@@ -528,15 +538,34 @@ def test_a_greyscale_teacher_sees_grey_images_and_other_channels_are_refused(tmp
     pixels = torch.rand(2, 3, 32, 32)
     as_student = (pixels - torch.tensor(STUDENT["mean"]).view(3, 1, 1)) / torch.tensor(STUDENT["std"]).view(3, 1, 1)
     grey = (pixels * torch.tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)).sum(1, keepdim=True)  # Pillow's 'L', (B, 1, H, W)
-    with torch.no_grad():
-        seen = _logits_in_the_loss(tiny(data=str(tmp_path), distillation_type="hard", teacher=str(path), **STUDENT),
-                                   as_student)
-        assert rel_err(seen, teacher((grey - 0.449) / 0.226)) < 1e-4
-        assert rel_err(seen, teacher((pixels.mean(1, keepdim=True) - 0.449) / 0.226)) > 0.05  # not any grey
+    for source in (dict(teacher=str(path)), dict(teacher="m0", teacher_weights=str(path))):  # by name: refused before
+        with torch.no_grad():
+            seen = _logits_in_the_loss(tiny(data=str(tmp_path), distillation_type="hard", **source, **STUDENT), as_student)
+            assert rel_err(seen, teacher((grey - 0.449) / 0.226)) < 1e-4
+            assert rel_err(seen, teacher((pixels.mean(1, keepdim=True) - 0.449) / 0.226)) > 0.05  # not any grey
     four = _teacher_file(tmp_path / "four.safetensors", in_chans=4)
     with pytest.raises(ValueError, match=r"four.safetensors takes 4-channel images, and training feeds it the "
                                          r"student's RGB ones .*; give an RGB or greyscale teacher$"):
         _logits_in_the_loss(tiny(data=str(tmp_path), distillation_type="hard", teacher=str(four)), pixels)
+
+
+def test_a_teacher_named_otherwise_than_its_file_records_is_the_files(tmp_path, caplog):
+    """``--teacher M1 --teacher-weights`` an M0 file: the file's network, with a warning saying so; an official or timm
+    file given as ``--teacher FILE`` is told to name its variant."""
+    from cgavit import create_model
+    from cgavit.train.recipe import build_teacher
+
+    path = _teacher_file(tmp_path / "m0.safetensors")
+    with caplog.at_level(logging.WARNING, logger="cgavit"):
+        teacher = build_teacher(tiny(data=str(tmp_path), distillation_type="hard", teacher="efficientvit_m1",
+                                     teacher_weights=str(path)), CLASSES, torch.device("cpu"))
+    assert teacher.cfg == create_model("m0").cfg
+    assert f"--teacher efficientvit_m1 differs from the efficientvit_m0 that {path} records; using the file's" in caplog.text
+    bare = tmp_path / "bare.pth"
+    torch.save(create_model("m0", num_classes=3, img_size=32).state_dict(), bare)
+    with pytest.raises(ValueError, match=rf"^--teacher {bare} does not record its architecture .*: give its variant "
+                                         rf"name with the file, --teacher NAME --teacher-weights {bare}$"):
+        build_teacher(tiny(data=str(tmp_path), distillation_type="hard", teacher=str(bare)), CLASSES, torch.device("cpu"))
 
 
 def test_distillation_with_timm_teacher_and_finetune(data, tmp_path):

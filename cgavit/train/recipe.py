@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader
 from torchvision.transforms.functional import rgb_to_grayscale
 
 from ..classes import class_difference, same_classes
-from ..factory import create_model, load_model, resolve_name
+from ..factory import UnrecordedArchitecture, create_model, load_model, resolve_name
 from ..loading import load_checkpoint
 from ..schema import check_finite
 from ..variants import channel_normalisation
-from ..weights import read_state_dict, read_weights_meta
+from ..weights import read_state_dict
 from .config import TrainConfig
 from .data import ImageFolderDataset, build_transform, eval_sampler, make_loader, train_sampler
 from .data.transforms import auto_augment_policy
@@ -172,17 +172,7 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
             takes other than 1 or 3 channels.
     """
     num_classes = len(classes)
-    if Path(cfg.teacher).is_file():
-        teacher, info = load_model(cfg.teacher, trust=cfg.trust_checkpoint)
-        source, recorded, own = cfg.teacher, info.class_names if info.names_recorded else None, (info.mean, info.std)
-    elif not cfg.teacher_weights:
-        raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
-    else:
-        teacher = _named_teacher(cfg.teacher, cfg.teacher_weights, num_classes, cfg.img_size, cfg.trust_checkpoint)
-        check_finite(teacher.state_dict(), cfg.teacher_weights)
-        meta = read_weights_meta(cfg.teacher_weights)  # None but for a cgavit safetensors file
-        source, recorded = cfg.teacher_weights, meta.class_names if meta is not None else None
-        own = (meta.mean, meta.std) if meta is not None else None  # else its pretrained_cfg's (timm's, ImageNet's)
+    teacher, source, recorded, own = _teacher_and_record(cfg, num_classes)
     if recorded is not None and not same_classes(recorded, classes):
         diff = class_difference(list(recorded), list(classes))
         raise ValueError(
@@ -194,6 +184,42 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
         raise ValueError(f"the teacher predicts {out_classes} classes, the dataset has {num_classes}")
     teacher.eval().requires_grad_(False)
     return _fed_as_trained(teacher, cfg, source, own).to(device)
+
+
+def _teacher_and_record(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, str, tuple | None, tuple | None]:
+    """The teacher, the file it was read from, the class names that file records (None: none) and its own
+    ``(mean, std)`` (None: read its ``pretrained_cfg``). A cgavit variant named with ``teacher_weights`` that
+    record their network (a cgavit ``.safetensors`` or training checkpoint) is that file's network, as ``--teacher
+    FILE`` gives it: its channels, dials, classes and normalisation; other weights fill the named network."""
+    if Path(cfg.teacher).is_file():
+        path = cfg.teacher
+    elif not cfg.teacher_weights:
+        raise ValueError(f"--teacher {cfg.teacher} needs --teacher-weights FILE (weights are never downloaded)")
+    else:
+        path = cfg.teacher_weights if _variant(cfg.teacher) else None
+    if path is not None:
+        try:
+            teacher, info = load_model(path, trust=cfg.trust_checkpoint)
+        except UnrecordedArchitecture:
+            if path == cfg.teacher:
+                raise ValueError(f"--teacher {path} does not record its architecture (an official or timm file?): give "
+                                 f"its variant name with the file, --teacher NAME --teacher-weights {path}") from None
+        else:
+            named = teacher.pretrained_cfg.get("architecture")
+            if path != cfg.teacher and named and named != _variant(cfg.teacher):
+                log.warning("--teacher %s differs from the %s that %s records; using the file's", cfg.teacher, named, path)
+            return teacher, path, info.class_names if info.names_recorded else None, (info.mean, info.std)
+    teacher = _named_teacher(cfg.teacher, cfg.teacher_weights, num_classes, cfg.img_size, cfg.trust_checkpoint)
+    check_finite(teacher.state_dict(), cfg.teacher_weights)
+    return teacher, cfg.teacher_weights, None, None  # its pretrained_cfg's normalisation (timm's, ImageNet's)
+
+
+def _variant(name: str) -> str | None:
+    """The cgavit variant ``name`` names, None for any other (a timm model's)."""
+    try:
+        return resolve_name(name)
+    except ValueError:
+        return None
 
 
 class TeacherInput(nn.Module):
@@ -249,10 +275,7 @@ def _fed_as_trained(teacher: nn.Module, cfg: TrainConfig, source: str, own: tupl
 def _named_teacher(name: str, weights: str, num_classes: int, img_size: int, trust: bool = False) -> nn.Module:
     """A cgavit variant or a timm model by name, with the weights in the local file ``weights`` (pickled objects
     in it only with ``trust``)."""
-    try:
-        ours = resolve_name(name)
-    except ValueError:
-        ours = None
+    ours = _variant(name)
     if ours is not None:
         teacher = create_model(ours, num_classes=num_classes, img_size=img_size)
         missing = load_checkpoint(teacher, weights, trust=trust, expect_dropped_heads=True)["missing"]
