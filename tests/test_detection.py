@@ -177,6 +177,56 @@ def test_timm_freeze_batch_norm_keeps_the_function_and_drops_the_parameters():
     assert sum(p.numel() for p in frozen.parameters()) == n_params - n_bn
 
 
+@pytest.mark.parametrize("freeze_bn", [True, False])
+@pytest.mark.parametrize("trainable", [0, 2, 4])
+def test_trainable_backbone_layers_freezes_the_leading_parts_and_their_batchnorm(freeze_bn, trainable):
+    """torchvision's ``trainable_backbone_layers`` on cgavit's four parts (patch embedding, stages 1-3): the parts
+    before the last ``trainable`` keep every parameter and BatchNorm statistic through a training step, with or
+    without --train-bn; the others, the FPN and the head learn."""
+    torch.manual_seed(0)
+    model = retinanet("efficientvit_m0", num_classes=3, freeze_bn=freeze_bn, trainable_backbone_layers=trainable,
+                      min_size=96, max_size=96)
+    body = model.backbone.body
+    parts = [body.patch_embed, *body.stages]
+    frozen, trained = parts[:4 - trainable], parts[4 - trainable:]
+    assert all(not p.requires_grad for part in frozen for p in part.parameters())
+    assert all(p.requires_grad for part in trained for p in part.parameters())
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for part in frozen for m in part.modules())
+    assert any(isinstance(m, nn.BatchNorm2d) for part in trained for m in part.modules()) == (not freeze_bn and trainable > 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(param_groups(model, 0.05), lr=1e-2)
+    targets = [dict(boxes=torch.tensor([[10.0, 12.0, 60.0, 70.0]]), labels=torch.tensor([1]))] * 2
+    sum(model.train()([torch.rand(3, 96, 96), torch.rand(3, 96, 96)], targets).values()).backward()
+    optimizer.step()
+    after = model.state_dict()
+    for i, part in enumerate(parts):
+        prefix = "backbone.body." + ("patch_embed." if i == 0 else f"stages.{i - 1}.")
+        changed = [k for k in after if k.startswith(prefix) and not torch.equal(before[k], after[k])]
+        assert (not changed) == (part in frozen), (i, changed[:3])
+    assert not torch.equal(before["backbone.fpn.layer_blocks.0.0.weight"], after["backbone.fpn.layer_blocks.0.0.weight"])
+
+
+def test_trainable_backbone_layers_is_checked_stored_and_rebuilt(shapes, tmp_path, capsys):
+    """The option's bounds (0..4) are checked by the builders and ``detect train``; a run stores it, its
+    ``model.pth`` is rebuilt with it, and a resume with another value is refused."""
+    for bad in (-1, 5, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=r"'trainable_backbone_layers' must be a whole number in 0\.\.4"):
+            maskrcnn("efficientvit_m0", num_classes=3, trainable_backbone_layers=bad)
+    argv = ["detect", "train", "--train-json", shapes["train_json"], "--train-images", shapes["train_images"],
+            "--backbone", "efficientvit_m0", "--train-bn", "--min-size", "96", "--max-size", "96", "--epochs", "1",
+            "--warmup-iters", "0", "--device", "cpu", "--workers", "0", "--output", str(tmp_path / "run")]
+    assert main([*argv, "--trainable-backbone-layers", "5"]) == 2
+    assert "--trainable-backbone-layers must be a whole number in 0..4, got 5" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert main([*argv, "--trainable-backbone-layers", "1"]) == 0
+    model, config = load_detector(tmp_path / "run" / "model.pth")
+    assert config["trainable_backbone_layers"] == 1
+    assert [any(p.requires_grad for p in part.parameters()) for part in [model.backbone.body.patch_embed,
+            *model.backbone.body.stages]] == [False, False, False, True]
+    with pytest.raises(ValueError, match="'trainable_backbone_layers': 1.*'trainable_backbone_layers': 4.*must match to resume"):
+        train(_config(shapes, tmp_path / "run", epochs=2, resume="auto", min_size=96, max_size=96))
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "pth"])
 def test_imagenet_checkpoint_loads_into_the_detection_backbone(tmp_path, fmt):
     cls = cgavit.create_model("efficientvit_m0", num_classes=1000)  # built at 224: last-stage window 4

@@ -170,7 +170,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--data", metavar="COCO_ROOT", help="a COCO 2017 folder (train2017/, val2017/, annotations/instances_*2017.json)")
     add_options(g, DetectionTrainConfig, ("train_json", "train_images", "val_json", "val_images"))
     m = t.add_argument_group("model")
-    add_options(m, DetectionTrainConfig, ("model", "backbone", "pretrained_backbone", "freeze_bn", "trust_checkpoint"))
+    add_options(m, DetectionTrainConfig, ("model", "backbone", "pretrained_backbone", "freeze_bn", "trainable_backbone_layers",
+                                            "trust_checkpoint"))
     m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="a torchvision detector setting (repeatable), e.g. detections_per_img=300 (RetinaNet), "
                         "box_detections_per_img=300 or rpn_batch_size_per_image=128 (Mask R-CNN); a name it does not take is refused")

@@ -25,12 +25,41 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock
 from ..factory import create_model, load_pretrained, resolve_name
 from ..loading import load_checkpoint
 from ..model import EfficientViT
+from ..schema import shown
 from ..variants import VARIANTS
+from .schema import is_int
 
 log = logging.getLogger(__name__)
 
 DETECTION_WINDOW = 7  # the official detection code attends in 7x7 windows in every stage
 BACKBONE_STRIDES = (16, 32, 64)
+#: The backbone's parts ``trainable_backbone_layers`` counts, from the input: the patch embedding and the three
+#: stages (torchvision's ResNet counts conv1 and layer1..layer4, five).
+BACKBONE_LAYERS = 4
+
+
+def check_trainable_layers(value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a whole number in 0..:data:`BACKBONE_LAYERS` (torchvision's
+    ``_validate_trainable_layers`` bounds, for cgavit's four parts)."""
+    if not (is_int(value) and 0 <= value <= BACKBONE_LAYERS):
+        raise ValueError(f"'trainable_backbone_layers' must be a whole number in 0..{BACKBONE_LAYERS} (how many of the "
+                         f"backbone's parts train, from the last: stage 3, stage 2, stage 1, the patch embedding), got {shown(value)}")
+
+
+def freeze_backbone_layers(body: EfficientViT, trainable_layers: int) -> EfficientViT:
+    """Freeze all but the last ``trainable_layers`` of ``body``'s parts (the patch embedding, stage 1, 2, 3):
+    their parameters get ``requires_grad=False`` and their BatchNorm becomes a FrozenBatchNorm2d holding the same
+    statistics, so neither a step nor a forward pass in training mode changes them (torchvision's
+    ``resnet_fpn_backbone`` freezes the leading layers the same way, under frozen BatchNorm). ``trainable_layers``
+    0 freezes the whole backbone (the FPN and the heads still train); :data:`BACKBONE_LAYERS` freezes nothing.
+    Returns ``body``, changed in place."""
+    check_trainable_layers(trainable_layers)
+    frozen = BACKBONE_LAYERS - trainable_layers
+    if frozen > 0:
+        body.patch_embed = freeze_batch_norm_2d(body.patch_embed).requires_grad_(False)
+    for i in range(frozen - 1):
+        body.stages[i] = freeze_batch_norm_2d(body.stages[i]).requires_grad_(False)
+    return body
 
 
 def detection_body(
@@ -38,6 +67,8 @@ def detection_body(
     pretrained: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
     trust: bool = False,
     freeze_bn: bool = True,
+    *,
+    trainable_layers: int = BACKBONE_LAYERS,
     **dials,
 ) -> EfficientViT:
     """The EfficientViT trunk for detection: no classifier, 7x7 windows everywhere, frozen BN.
@@ -60,11 +91,17 @@ def detection_body(
             paper's setting, meant for ImageNet weights). False keeps ordinary, trained BatchNorm: needed
             to train a random backbone, whose zero-initialised BatchNorm scales (last BN of every
             residual FFN and attention branch) would otherwise keep those branches at zero.
+        trainable_layers: how many of the backbone's four parts train, counted from the last (stage 3, stage 2,
+            stage 1, the patch embedding): 0..4, default 4 (all, the paper's ``frozen_stages=-1``). The others are
+            frozen by :func:`freeze_backbone_layers`, BatchNorm included, whatever ``freeze_bn``. Unlike
+            torchvision's builders, a value under 4 is kept without ImageNet weights (the detectors are also built
+            so before a checkpoint's weights are loaded into them).
         **dials: design dials (see :func:`cgavit.create_model`).
 
     Returns:
         An :class:`~cgavit.model.EfficientViT` with ``num_classes=0``.
     """
+    check_trainable_layers(trainable_layers)  # before any weights are read
     cfg = VARIANTS[resolve_name(name)].cfg
     cfg = cfg.with_dials(**dials) if dials else cfg
     build_size = max(512, 64 * max(cfg.window_size))  # stage 3 is at stride 64: res >= window
@@ -79,7 +116,8 @@ def detection_body(
             "backbone weights from %s (classifier dropped; %d attention-bias tables resized to %dx%d windows)",
             source, len(report["resized"]), DETECTION_WINDOW, DETECTION_WINDOW,
         )
-    return freeze_batch_norm_2d(body) if freeze_bn else body
+    body = freeze_batch_norm_2d(body) if freeze_bn else body
+    return freeze_backbone_layers(body, trainable_layers)
 
 
 def _init_conv(m: nn.Module) -> None:

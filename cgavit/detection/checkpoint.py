@@ -23,6 +23,7 @@ from ..io import CheckpointError, UnsafeCheckpointError, sniff_format
 from ..schema import check_finite, check_name, check_state_dict, check_tensor, shown
 from ..variants import VARIANTS, DialError, EfficientViTConfig
 from ..weights import checked_path, read_weights_file
+from .backbone import BACKBONE_LAYERS, check_trainable_layers
 from .models import KINDS, build_detector, check_detector_args
 from .schema import is_int, is_number
 
@@ -93,6 +94,7 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
         check_name(name, f"category name {i}")
     if not isinstance(config.get("freeze_bn", True), bool):
         raise ValueError(f"'freeze_bn' must be true or false, got {shown(config['freeze_bn'])}")
+    check_trainable_layers(config.get("trainable_backbone_layers", BACKBONE_LAYERS))  # files before it: all trained
     check_model_kwargs(config.get("model_kwargs") or {})
     return {**config, "backbone": backbone, "categories": [list(c) for c in cats]}
 

@@ -47,6 +47,7 @@ from ..train.distributed import (
 )
 from ..train.engine import Stopper
 from .annotations import CocoCheck, check_coco
+from .backbone import BACKBONE_LAYERS
 from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kwargs, load_detector, read_checkpoint
 from .coco import STAT_NAMES, coco_metrics, encode_masks
 from .data import CocoDetection, Guarded, batches, collate, train_transform
@@ -89,6 +90,11 @@ class DetectionTrainConfig:
         True, "train the backbone's BatchNorm instead of freezing it (paper: frozen, with ImageNet weights); needed "
         "without --pretrained-backbone, since frozen zero-initialised BN scales keep a random backbone's attention "
         "and FFN branches at zero", flags=("--train-bn",), action="store_false",
+    )
+    trainable_backbone_layers: int = option(
+        BACKBONE_LAYERS, f"how many of the backbone's {BACKBONE_LAYERS} parts train, from the last (stage 3, stage 2, stage 1, "
+        "the patch embedding; torchvision's option of that name, which counts ResNet's 5); the others are frozen, their "
+        "BatchNorm too (default: all, as the paper; 0 trains only the FPN and the heads)",
     )
     model_kwargs: dict = field(default_factory=dict)  # torchvision detector settings, e.g. {"box_detections_per_img": 300}
     min_size: int = option(800, "resize so the shorter side is this")
@@ -143,7 +149,7 @@ class DetectionTrainConfig:
 _INT_BOUNDS = (
     ("epochs", 1, 10_000), ("batch_size", 1, 1024), ("workers", 0, 256), ("min_size", *IMG_SIZE_RANGE),
     ("max_size", *IMG_SIZE_RANGE), ("warmup_iters", 0, 10**7), ("eval_every", 0, 10_000), ("log_every", 0, 10**7),
-    ("seed", 0, 2**32 - 1),
+    ("seed", 0, 2**32 - 1), ("trainable_backbone_layers", 0, BACKBONE_LAYERS),
 )
 #: (DetectionTrainConfig field, lowest, highest) of its real-valued options (the learning rate must also be > 0).
 _FLOAT_BOUNDS = (("lr", 0.0, 10.0), ("weight_decay", 0.0, 10.0), ("warmup_ratio", 0.0, 1.0), ("hflip", 0.0, 1.0))
@@ -296,6 +302,7 @@ def model_config(cfg: DetectionTrainConfig, categories: Sequence[tuple[int, str]
         num_classes=len(categories) + 1,
         categories=[[int(c), str(n)] for c, n in categories],
         freeze_bn=cfg.freeze_bn,
+        trainable_backbone_layers=cfg.trainable_backbone_layers,
         dials=dict(cfg.dials),
         min_size=cfg.min_size,
         max_size=cfg.max_size,
@@ -394,6 +401,9 @@ def _train(cfg: DetectionTrainConfig, env: DistEnv, stopper: Stopper) -> tuple[d
             "training a random backbone with frozen BatchNorm: its zero-initialised BatchNorm scales keep every "
             "residual FFN and attention branch at zero. Give --pretrained-backbone (ImageNet weights) or --train-bn"
         )
+    if cfg.trainable_backbone_layers < BACKBONE_LAYERS and not cfg.pretrained_backbone and ckpt is None and env.is_main:
+        log.warning("--trainable-backbone-layers %d without --pretrained-backbone: the frozen parts of the backbone keep "
+                    "their random weights (torchvision trains all %d then)", cfg.trainable_backbone_layers, BACKBONE_LAYERS)
     run = _setup(cfg, env, config, ckpt, train_set, stopper)
     start_epoch = int(ckpt["epoch"]) if ckpt is not None else 0
     if ckpt is not None:
@@ -539,13 +549,19 @@ def _drop_last(cfg: DetectionTrainConfig, num_images: int, world: int) -> bool:
     process has a whole batch (``DistributedSampler`` gives each ``ceil(num_images / world)``). Every
     batch then holds ``--batch-size`` images, never a last one too small for BatchNorm
     (:func:`_check_one_image_batches`)."""
-    return not cfg.freeze_bn and math.ceil(num_images / world) >= cfg.batch_size
+    return _trains_batchnorm(cfg) and math.ceil(num_images / world) >= cfg.batch_size
+
+
+def _trains_batchnorm(cfg: DetectionTrainConfig) -> bool:
+    """Whether the run trains BatchNorm of the backbone's last stage, whose stride-64 map a lone small image makes 1x1:
+    ``--train-bn``, with that stage among the trainable parts."""
+    return not cfg.freeze_bn and cfg.trainable_backbone_layers > 0
 
 
 def _check_one_image_batches(cfg: DetectionTrainConfig, train_set: CocoDetection, world: int) -> None:
     """Refuse, before anything is built, a run whose trained BatchNorm (``--train-bn``) would meet a batch
     of one image whose stride-64 map is 1x1: one value per channel, which BatchNorm cannot train on."""
-    if cfg.freeze_bn or min(cfg.batch_size, math.ceil(len(train_set) / world)) > 1:
+    if not _trains_batchnorm(cfg) or min(cfg.batch_size, math.ceil(len(train_set) / world)) > 1:
         return  # with --train-bn every batch holds this many images (_drop_last)
     resize = _resize(cfg)
     for image_id in train_set.ids:
@@ -573,6 +589,7 @@ def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> 
         return None, None
     ckpt = read_checkpoint(resume)
     old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
+    old["trainable_backbone_layers"] = ckpt["config"].get("trainable_backbone_layers", BACKBONE_LAYERS)  # files before it: all
     new = {k: config[k] for k in old}
     if old != new:
         raise ValueError(f"{resume} was trained with {old}, this run asks for {new}; they must match to resume")

@@ -29,7 +29,7 @@ from torchvision.ops.poolers import initLevelMapper
 
 from ..bounds import IMG_SIZE_RANGE, MIN_INPUT_SIZE
 from ..schema import shown
-from .backbone import BACKBONE_STRIDES, EfficientViTFPN, detection_body
+from .backbone import BACKBONE_LAYERS, BACKBONE_STRIDES, EfficientViTFPN, detection_body
 from .schema import MAX_CATEGORIES, is_int
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,10 @@ KINDS = ("retinanet", "maskrcnn")
 #: Settings torchvision's transform takes from its ``**kwargs`` (no parameter of its own to read them from).
 TRANSFORM_KWARGS = ("_skip_resize",)
 #: Detector arguments the builders below give torchvision themselves: options of their own, or the pyramid's parts.
-BUILT_HERE = frozenset({"backbone", "num_classes", "min_size", "max_size", "anchor_generator", "rpn_anchor_generator",
-                        "box_roi_pool", "mask_roi_pool"})
+BUILT_HERE = frozenset({"backbone", "num_classes", "min_size", "max_size", "trainable_backbone_layers", "anchor_generator",
+                        "rpn_anchor_generator", "box_roi_pool", "mask_roi_pool"})
+#: The :data:`BUILT_HERE` settings ``detect train`` has an option of its own for.
+OWN_OPTIONS = ("min_size", "max_size", "trainable_backbone_layers")
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
 #: torchvision pads the images of a batch to a multiple of this (GeneralizedRCNNTransform's size_divisible).
 SIZE_DIVISIBLE = 32
@@ -196,7 +198,7 @@ def unknown_settings(kind: str, settings: Mapping[str, Any]) -> str | None:
     for name in settings:
         if name in BUILT_HERE:
             return (f"{name} is set by cgavit itself, not a --model-arg setting"
-                    + (f" (use --{name.replace('_', '-')})" if name in ("min_size", "max_size") else ""))
+                    + (f" (use --{name.replace('_', '-')})" if name in OWN_OPTIONS else ""))
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             cls = "RetinaNet" if kind == "retinanet" else "MaskRCNN"
@@ -318,6 +320,7 @@ def retinanet(
     *,
     trust: bool = False,
     freeze_bn: bool = True,
+    trainable_backbone_layers: int = BACKBONE_LAYERS,
     dials: Mapping[str, Any] | None = None,
     min_size: int = 800,
     max_size: int = 1333,
@@ -337,6 +340,10 @@ def retinanet(
         trust: allow pickled objects in the checkpoint file.
         freeze_bn: frozen BatchNorm in the backbone (paper; needs ImageNet weights to make sense).
             False trains it, for random backbones.
+        trainable_backbone_layers: how many of the backbone's four parts train, from the last (stage 3, stage 2,
+            stage 1, the patch embedding), as torchvision's argument of that name counts ResNet's five: 0..4, default
+            4 (all, as the paper). The others are frozen, BatchNorm included (see
+            :func:`~cgavit.detection.backbone.freeze_backbone_layers`).
         dials: design dials for the backbone (see :func:`cgavit.create_model`).
         min_size: shorter image side after torchvision's resize. Default 800.
         max_size: longest side cap. Default 1333.
@@ -345,7 +352,8 @@ def retinanet(
     """
     check_detector_args(num_classes, min_size, max_size)
     check_settings("retinanet", kwargs)
-    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, **dict(dials or {}))
+    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, trainable_layers=trainable_backbone_layers,
+                          **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=1, num_down=1)
     anchors = PyramidAnchorGenerator(
         tuple(tuple(4 * s * 2 ** (i / 3) for i in range(3)) for s in fpn.strides),
@@ -362,6 +370,7 @@ def maskrcnn(
     *,
     trust: bool = False,
     freeze_bn: bool = True,
+    trainable_backbone_layers: int = BACKBONE_LAYERS,
     dials: Mapping[str, Any] | None = None,
     min_size: int = 800,
     max_size: int = 1333,
@@ -379,6 +388,7 @@ def maskrcnn(
         pretrained_backbone: ImageNet checkpoint, ``"imagenet"``, or None (see :func:`retinanet`).
         trust: allow pickled objects in the checkpoint file.
         freeze_bn: frozen BatchNorm in the backbone (see :func:`retinanet`).
+        trainable_backbone_layers: backbone parts that train, from the last: 0..4, default 4 (see :func:`retinanet`).
         dials: design dials for the backbone.
         min_size: shorter image side after torchvision's resize. Default 800.
         max_size: longest side cap. Default 1333.
@@ -386,7 +396,8 @@ def maskrcnn(
     """
     check_detector_args(num_classes, min_size, max_size)
     check_settings("maskrcnn", kwargs)
-    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, **dict(dials or {}))
+    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, trainable_layers=trainable_backbone_layers,
+                          **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=2, num_down=0)
     anchors = PyramidAnchorGenerator(tuple((8 * s,) for s in fpn.strides), (ASPECT_RATIOS,) * len(fpn.strides), fpn.strides)
     roi_levels, roi_strides = list(fpn.level_names[:4]), tuple(fpn.strides[:4])
@@ -406,7 +417,7 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
     """Build a detector from a plain config dict (as stored in cgavit detection checkpoints).
 
     Keys: ``kind`` (``retinanet`` | ``maskrcnn``), ``backbone``, ``num_classes``, optional
-    ``freeze_bn`` (default True), ``dials``, ``min_size``, ``max_size`` and ``model_kwargs`` (torchvision settings).
+    ``freeze_bn`` (default True), ``trainable_backbone_layers`` (default 4), ``dials``, ``min_size``, ``max_size`` and ``model_kwargs`` (torchvision settings).
     """
     kind = config.get("kind")
     if kind not in KINDS:
@@ -425,6 +436,7 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
             pretrained_backbone,
             trust=trust,
             freeze_bn=bool(config.get("freeze_bn", True)),
+            trainable_backbone_layers=config.get("trainable_backbone_layers", BACKBONE_LAYERS),
             dials=config.get("dials") or {},
             min_size=min_size,
             max_size=max_size,
