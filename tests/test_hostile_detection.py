@@ -985,3 +985,69 @@ def test_predict_reads_a_photo_as_training_does_as_stored(files, tmp_path):
                  "--out", str(tmp_path / "drawn")]) == 0
     (drawn,) = (tmp_path / "drawn").iterdir()
     assert Image.open(drawn).size == (40, 24)  # the picture the detector saw, as stored (turned: 24 x 40)
+
+
+def test_ground_truth_the_detector_cannot_take_counts_as_missed_as_pycocotools_scores_the_file(files, tmp_path, caplog):
+    """Degenerate boxes and masks, and images too thin for the resize, were left out of the evaluation's ground truth
+    as well as of the detector's input: perfect detections of the rest scored 1.0 where pycocotools, scoring the file
+    as given, misses them. They now count as missed, and the warning says how many and on which images."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    def edit(d):
+        first = d["annotations"][0]
+        d["annotations"].append({**first, "id": 900, "bbox": [5, 5, 0, 10]})  # no area: the detector cannot take it
+        d["annotations"].append({**first, "id": 901, "image_id": 2, "segmentation": [[1, 1, 9, 9]]})  # a 2-point polygon
+        d["images"].append(dict(id=3, file_name="thin.png", width=200, height=1))  # 64x0 px once resized
+        d["annotations"].append({**first, "id": 902, "image_id": 3, "bbox": [1, 0, 20, 1], "segmentation": [[1, 0, 20, 0, 20, 1]]})
+
+    folder = tmp_path / "images"
+    shutil.copytree(files["val_images"], folder)
+    Image.new("RGB", (200, 1)).save(folder / "thin.png")
+    data = json.loads(Path(files["val_json"]).read_text())
+    edit(data)
+    path = _write(tmp_path, data)
+    for masks in (False, True):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            check = check_coco(path, folder, require_masks=masks, resize=(SIZE, SIZE), purpose="evaluation")
+        dropped = 3 if masks else 2  # RetinaNet never reads masks: annotation 901 is a good box
+        assert f"{dropped} ground-truth annotations on {dropped} images (ids {'1, 2, 3' if masks else '1, 3'}; " \
+               "1 of them left out whole) are not given to the detector; they count as missed" in caplog.text
+        dataset = CocoDetection(check, folder, masks=masks)
+        assert len(dataset) == 2 and dataset.ground_truth().getImgIds() == [1, 2, 3]
+        exact = [dict(image_id=a["image_id"], category_id=a["category_id"], bbox=a["bbox"], score=1.0)
+                 for a in check.dataset["annotations"]]
+        metrics, _ = coco_metrics(dataset.ground_truth(), exact, "bbox", [1, 2, 3])
+        raw = COCO(str(path))  # pycocotools on the file as given (bbox only: it cannot read every polygon)
+        ev = COCOeval(raw, raw.loadRes(exact), "bbox")
+        ev.evaluate(), ev.accumulate(), ev.summarize()
+        assert metrics["AR100"] == pytest.approx(ev.stats[8]) and metrics["AR100"] < 1
+        if masks:
+            segm = [dict(image_id=a["image_id"], category_id=a["category_id"], score=1.0,
+                         segmentation=segmentation_rle(a["segmentation"], SIZE, SIZE)) for a in check.dataset["annotations"]]
+            scores, _ = coco_metrics(dataset.ground_truth(), segm, "segm", [1, 2, 3])
+            assert 0 < scores["AR100"] < 1  # the 2-point polygon is read, as an empty mask, and missed
+
+
+def test_the_annotation_checks_words_fit_the_command_that_read_the_file(files, tmp_path, caplog, capsys):
+    """`detect eval` (and a training run's validation file) said a file without annotations would train a detector
+    on background only, told to point "--*-images" at the image folder and to "train RetinaNet" for boxes only."""
+    empty = _write(tmp_path, _edited(files, lambda d: d.update(annotations=[])), "empty.json")
+    with caplog.at_level("WARNING"):
+        check_coco(empty, files["train_images"], purpose="evaluation")
+    assert "nothing to find: its COCO scores are -1" in caplog.text and "trained" not in caplog.text
+    missing = _write(tmp_path, _edited(files, lambda d: d["images"][0].update(file_name="gone.png")), "missing.json")
+    with pytest.raises(DataError, match=r"(?s)not used for evaluation:.*point --val-images at the folder"):
+        check_coco(missing, files["train_images"], purpose="evaluation")
+    with pytest.raises(DataError, match=r"(?s)not used for training:.*point --train-images at the folder"):
+        check_coco(missing, files["train_images"])
+    no_mask = _write(tmp_path, _edited(files, lambda d: d["annotations"][0].pop("segmentation")), "nomask.json")
+    config = {**CONFIG, "kind": "maskrcnn"}
+    ckpt = save_torch(tmp_path / "maskrcnn.pth", dict(format=CHECKPOINT_FORMAT, config=config, model=build_detector(config).state_dict()))
+    assert main(["detect", "eval", "--checkpoint", str(ckpt), "--val-json", str(no_mask), "--val-images",
+                 str(files["train_images"]), "--device", "cpu", "--workers", "0"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "no segmentation" in line and "train RetinaNet" not in line and "--val-images" in line, line
+    with pytest.raises(ValueError, match="purpose must be one of training, evaluation"):
+        check_coco(empty, files["train_images"], purpose="eval")

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..images import open_image
 from ..io import DataError, UnreadableFileError, check_readable_file
-from .coco import coco_index, rle_box_area, segmentation_rle, xyxy_boxes
+from .coco import coco_index, encode_masks, rle_box_area, segmentation_rle, xyxy_boxes
 from ..schema import MAX_NAME_LENGTH, shown
 from .models import Resize, boxes_keep_area, resize_problem
 from .schema import MAX_CATEGORIES, image_size_problem, is_int, is_number, segmentation_problem
@@ -37,7 +37,12 @@ Problems = dict[str, list[str]]  # kind of problem -> offending entries
 MALFORMED_IMAGES = "image entries with a missing or malformed field"
 MALFORMED_CATEGORIES = "category entries with a missing or malformed field"
 MALFORMED_ANNOTATIONS = "annotation entries with a missing or malformed field"
-BAD_MASKS = "annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)"
+#: What :func:`check_coco` reads a file for, and the option that names its image folder.
+PURPOSES = {"training": "--train-images", "evaluation": "--val-images"}
+#: Why an annotation without a usable mask is an error, by purpose.
+BAD_MASKS = {"training": "annotations without a usable mask (Mask R-CNN needs one; train RetinaNet for boxes only)",
+             "evaluation": "annotations without a usable mask (a Mask R-CNN checkpoint is scored on masks too; fix "
+                           "them, or evaluate a RetinaNet for boxes only)"}
 UNREADABLE_IMAGES = "image files that cannot be read"
 
 
@@ -57,15 +62,27 @@ class CocoCheck:
         categories: ``[(category_id, name), ...]`` in the order of the contiguous labels 1..K.
         skipped: ``"annotation <id> (image <id> <file>): <why>"`` for every dropped annotation and
             ``"image <id> <file>: <why>"`` for every dropped image.
+        left_out: the dropped entries themselves, ``{"images": [...], "annotations": [...]}`` (the annotations
+            of dropped images included), which the detector is never given but COCOeval scores, as missed, as
+            pycocotools, torchvision's references and mmdetection score the file as given: a box keeps its
+            ``area`` (0 where missing and the box has none), a mask covering no pixel becomes an empty run-length
+            mask (pycocotools cannot read a polygon under 3 points).
     """
 
     dataset: dict[str, Any]
     categories: list[tuple[int, str]]
     skipped: list[str] = field(default_factory=list)
+    left_out: dict[str, list[dict]] = field(default_factory=lambda: {"images": [], "annotations": []})
 
     def coco(self) -> COCO:
         """A pycocotools ``COCO`` index over :attr:`dataset` (its progress prints silenced)."""
         return coco_index(self.dataset)
+
+    def ground_truth(self) -> COCO:
+        """The index COCOeval scores against: :attr:`dataset` and the :attr:`left_out` entries, as pycocotools
+        scores the file as given: an object the detector is not given counts as missed (:func:`check_coco`)."""
+        return coco_index({**self.dataset, "images": self.dataset["images"] + self.left_out["images"],
+                           "annotations": self.dataset["annotations"] + self.left_out["annotations"]})
 
 
 def check_coco(
@@ -75,6 +92,7 @@ def check_coco(
     strict: bool = False,
     require_masks: bool = False,
     resize: Resize | tuple[int, int] | None = None,
+    purpose: str = "training",
 ) -> CocoCheck:
     """Read and check a COCO instances file against its image folder.
 
@@ -95,7 +113,7 @@ def check_coco(
     resize, or under 32 px once padded) with their annotations are dropped with one warning listing them
     all; a file left without annotations is trained on with a warning. With ``strict=True`` both are
     errors. A polygon of an odd count of numbers is an error. Without ``require_masks`` (RetinaNet)
-    ``segmentation`` is never read or checked.
+    ``segmentation`` is never read or checked. What is dropped is kept for COCOeval, as missed (:attr:`CocoCheck.left_out`).
 
     Args:
         ann_file: instances JSON.
@@ -106,51 +124,69 @@ def check_coco(
         resize: the detector's :class:`~.models.Resize` (:func:`~.models.detector_resize`), or its
             ``(min_size, max_size)``, to drop images it cannot take (:func:`~.models.resize_problem`);
             None checks no image's shape.
+        purpose: ``"training"`` or ``"evaluation"``, as its messages say (and ``--train-images`` or ``--val-images``).
 
     Raises:
         DataError: with the list of problems and what to do about them.
         UnreadableFileError: ``ann_file`` or ``image_dir`` is missing or cannot be read.
     """
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}")
     ann_file, image_dir = Path(ann_file), Path(image_dir)
     data = _read_instances(ann_file, image_dir)
     problems: Problems = defaultdict(list)  # kind of problem -> offending entries, in reading order
     images, unusable = _check_images(data["images"], image_dir, problems)
-    categories = _check_categories(data["categories"], problems)
-    if not categories and not problems:
-        problems["no categories"].append(f"{ann_file} lists no categories")
-    if len(categories) > MAX_CATEGORIES:
-        problems["too many categories"].append(f"{ann_file} lists {len(categories)}; at most {MAX_CATEGORIES} are supported")
-    resize = None if resize is None else Resize(*resize)
-    thin = _unresizable_images(images, unusable, resize)
-    found = _Found(images, unusable, categories, require_masks, set(thin), resize)
-    kept, skipped = _check_annotations(data["annotations"], found, problems)
+    categories = _check_categories(data["categories"], problems, ann_file)
+    thin = _unresizable_images(images, unusable, resize := None if resize is None else Resize(*resize))
+    found = _Found(images, unusable, categories, require_masks, set(thin), resize, purpose)
+    kept, skipped, dropped = _check_annotations(data["annotations"], found, problems)
     skipped = list(thin.values()) + skipped
-    _verdict(ann_file, problems, strict, bool(kept), skipped)
+    _verdict(ann_file, problems, strict, skipped, (bool(kept), dropped, thin, purpose))
+    left_out = {"images": [images[i] for i in thin], "annotations": [_as_missed(a, found) for a in dropped]}
     kept_images = [img for i, img in images.items() if i not in thin]
-    return CocoCheck({**data, "images": kept_images, "annotations": kept}, sorted(categories.items()), skipped)
+    return CocoCheck({**data, "images": kept_images, "annotations": kept}, sorted(categories.items()), skipped, left_out)
 
 
-def _verdict(ann_file: Path, problems: Problems, strict: bool, any_kept: bool, skipped: list[str]) -> None:
+def _as_missed(ann: dict, found: _Found) -> dict:
+    """A dropped annotation as COCOeval scores it, a miss: its ``area`` (0 where missing and its box has none),
+    and with masks, an empty run-length mask for one covering no pixel."""
+    img = found.images[ann["image_id"]]
+    missed = {**ann, "area": ann.get("area", max(ann["bbox"][2], 0) * max(ann["bbox"][3], 0))}
+    if found.require_masks and _degenerate_mask(ann["segmentation"], img["height"], img["width"]):
+        missed["segmentation"] = encode_masks(np.zeros((1, img["height"], img["width"]), np.uint8))[0]
+    return missed
+
+
+def _verdict(ann_file: Path, problems: Problems, strict: bool, skipped: list[str], outcome: tuple) -> None:
     """Raise the file's problems (with ``strict``, what is skipped and a file without annotations are
-    problems too), else warn about what is skipped and about a file without annotations."""
+    problems too), else warn about what is skipped and about a file without annotations. ``outcome``: whether
+    any annotation is kept, the annotations dropped, the images dropped whole (by id), and what the file is read for."""
+    any_kept, dropped, thin, purpose = outcome
+    affected, whole, dropped = sorted({a["image_id"] for a in dropped} | set(thin)), len(thin), len(dropped)
     if strict and skipped:
         problems["degenerate images, boxes or masks (refused with --strict; drop --strict to skip them with a warning)"] = skipped
     if strict and not any_kept and not problems:
         problems["no annotations (refused with --strict)"].append(f"{ann_file} has no usable annotation")
     if problems:
-        raise _problems_error(ann_file, problems)
-    if skipped:
+        raise _problems_error(ann_file, problems, purpose)
+    if skipped and purpose == "training":
         log.warning("%s: skipping %d degenerate entries:%s", ann_file, len(skipped), _listing(skipped))
+    elif skipped:
+        ids = ", ".join(map(str, affected[:_SHOW])) + (f", ... and {len(affected) - _SHOW} more" if len(affected) > _SHOW else "")
+        log.warning("%s: %d ground-truth annotations on %d images (ids %s%s) are not given to the detector; they count "
+                    "as missed in the COCO scores, as pycocotools scores the file as given:%s", ann_file, dropped,
+                    len(affected), ids, f"; {whole} of them left out whole" if whole else "", _listing(skipped))
     if not any_kept:
-        log.warning("%s has no usable annotation: a detector trained on it learns background only, and its "
-                    "COCO scores are -1 (--strict refuses such a file)", ann_file)
+        what = ("a detector trained on it learns background only, and its COCO scores are -1" if purpose == "training"
+                else "there is nothing to find: its COCO scores are -1")
+        log.warning("%s has no usable annotation: %s (--strict refuses such a file)", ann_file, what)
 
 
-def _problems_error(ann_file: Path, problems: Problems) -> DataError:
+def _problems_error(ann_file: Path, problems: Problems, purpose: str) -> DataError:
     text = "".join(f"\n  {len(v)} {k}:{_listing(v)}" for k, v in problems.items())
     return DataError(
-        f"{ann_file} has problems, so it was not used:{text}\n"
-        "Fix or remove these entries (or point --*-images at the folder that holds the files)."
+        f"{ann_file} has problems, so it was not used for {purpose}:{text}\n"
+        f"Fix or remove these entries (or point {PURPOSES[purpose]} at the folder that holds the files)."
     )
 
 
@@ -164,6 +200,7 @@ class _Found:
     require_masks: bool
     dropped: set[int]  # ids of images skipped whole, their annotations with them
     resize: Resize | None  # the detector's, if known
+    purpose: str  # what the file is read for (PURPOSES)
 
     def where(self, ann: dict) -> str:
         img = self.images.get(ann.get("image_id")) if is_int(ann.get("image_id")) else None
@@ -273,8 +310,8 @@ def _unresizable_images(images: dict[int, dict], unusable: set[int], resize: Res
     return thin
 
 
-def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
-    """``category id -> name``; malformed entries and duplicate ids noted."""
+def _check_categories(entries: list, problems: Problems, ann_file: Path) -> dict[int, str]:
+    """``category id -> name``; malformed entries, duplicate ids, and none or too many noted."""
     categories: dict[int, str] = {}
     for i, cat in enumerate(entries):
         if not isinstance(cat, dict) or not is_int(cat.get("id")):
@@ -291,12 +328,17 @@ def _check_categories(entries: list, problems: Problems) -> dict[int, str]:
         if cat["id"] in categories:
             problems["duplicate category ids"].append(f"category {cat['id']}")
         categories[cat["id"]] = name
+    if not categories and not problems:
+        problems["no categories"].append(f"{ann_file} lists no categories")
+    if len(categories) > MAX_CATEGORIES:
+        problems["too many categories"].append(f"{ann_file} lists {len(categories)}; at most {MAX_CATEGORIES} are supported")
     return categories
 
 
-def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[list[dict], list[str]]:
-    """``(usable annotations, "<where>: <why>" of each degenerate one)``; errors go to ``problems``."""
-    checked = []  # (annotation, why it is degenerate or None) of those without errors, in reading order
+def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[list[dict], list[str], list[dict]]:
+    """``(usable annotations, "<where>: <why>" of each degenerate one, the annotations dropped without an error:
+    degenerate ones and those of dropped images)``; errors go to ``problems``."""
+    checked, dropped = [], []  # (annotation, why it is degenerate or None) of those without errors, in reading order
     ann_ids = Counter(a["id"] for a in anns if isinstance(a, dict) and is_int(a.get("id")))
     for i, ann in enumerate(anns):
         if not isinstance(ann, dict) or not is_int(ann.get("id")):
@@ -309,15 +351,18 @@ def _check_annotations(anns: list, found: _Found, problems: Problems) -> tuple[l
         error, why = _annotation_problem(ann, found)
         if error:
             problems[error].append(why)
-        elif ann["image_id"] not in found.dropped:  # those of a dropped image are listed with it
+        elif ann["image_id"] in found.dropped:  # listed with its image
+            dropped.append(ann)
+        else:
             checked.append((ann, why))
     kept, skipped = [], []
     for (ann, why), box_why in zip(checked, _box_problems([ann for ann, _ in checked], found)):
         if why or box_why:
             skipped.append(f"{found.where(ann)}: {why or box_why}")
+            dropped.append(ann)
         else:
             kept.append(ann if "area" in ann else {**ann, "area": float(ann["bbox"][2] * ann["bbox"][3])})
-    return kept, skipped
+    return kept, skipped, dropped
 
 
 def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | None]:
@@ -344,10 +389,10 @@ def _annotation_problem(ann: dict, found: _Found) -> tuple[str | None, str | Non
     why = None
     if found.require_masks:
         if "segmentation" not in ann:
-            return BAD_MASKS, f"{where}: no segmentation"
+            return BAD_MASKS[found.purpose], f"{where}: no segmentation"
         problem = segmentation_problem(ann["segmentation"], img["height"], img["width"])
         if problem:
-            return BAD_MASKS, f"{where}: {problem}"
+            return BAD_MASKS[found.purpose], f"{where}: {problem}"
         why = _degenerate_mask(ann["segmentation"], img["height"], img["width"])  # crowd regions too: COCOeval rasterises them
     return None, why
 

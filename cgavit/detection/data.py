@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
@@ -28,6 +28,9 @@ from ..io import DataError, UnreadableFileError
 from ..train.data.samplers import seed_all
 from .annotations import CocoCheck
 from .coco import decode_masks, segmentation_rle, xyxy_boxes
+
+if TYPE_CHECKING:
+    from .coco import COCO
 
 
 def train_transform(hflip: float = 0.5) -> v2.Transform | None:
@@ -59,6 +62,7 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def __init__(self, check: CocoCheck, image_dir: str | Path, masks: bool = False, transforms: v2.Transform | None = None) -> None:
         self.coco = check.coco()
+        self.check = check
         self.categories = check.categories
         self.cat_to_label = {cid: i + 1 for i, (cid, _) in enumerate(check.categories)}
         self.image_dir = Path(image_dir)
@@ -68,6 +72,11 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def ground_truth(self) -> COCO:
+        """The index COCOeval scores this dataset's detections against: :attr:`coco` and the entries the check left
+        out (:meth:`~.annotations.CocoCheck.ground_truth`), which count as missed."""
+        return self.check.ground_truth() if any(self.check.left_out.values()) else self.coco
 
     def load_image(self, image_id: int) -> Image.Image:
         """The RGB image of ``image_id``, checked against the size the annotation file gives it.

@@ -207,7 +207,9 @@ def evaluate(
     workers: int = 0,
     progress: bool = True,
 ) -> tuple[dict[str, float], str]:
-    """Run ``model`` over ``dataset`` (split across processes) and score it with COCOeval.
+    """Run ``model`` over ``dataset`` (split across processes) and score it with COCOeval against the whole
+    ground truth (:meth:`~.data.CocoDetection.ground_truth`): the objects and images the annotation check left out,
+    which the model is not given, count as missed, as pycocotools scores the file as given.
 
     Returns:
         ``(metrics, summary)`` on every rank: metrics keyed ``bbox_AP``, ``bbox_AP50``, ... and, for
@@ -243,8 +245,9 @@ def evaluate(
         bbox = [r for part in gathered for r in part[0]]
         segm = [r for part in gathered for r in part[1]]
         kinds = [("bbox", bbox)] + ([("segm", segm)] if dataset.masks else [])
+        truth = dataset.ground_truth()  # what the check left out too: missed
         for kind, res in kinds:
-            values, text = coco_metrics(dataset.coco, res, kind, dataset.ids)
+            values, text = coco_metrics(truth, res, kind, truth.getImgIds())
             metrics.update({f"{kind}_{k}": v for k, v in values.items()})
             summary += text
     return broadcast_object(env, (metrics, summary))
@@ -281,7 +284,8 @@ def evaluate_checkpoint(
     with joined(device) as env:  # warnings said by rank 0 alone: every rank checks the same data and files
         model, config = load_detector(checkpoint, env.device)
         masks = config["kind"] == "maskrcnn"
-        check = check_coco(val_json, val_images, strict=strict, require_masks=masks, resize=detector_resize(config))
+        check = check_coco(val_json, val_images, strict=strict, require_masks=masks, resize=detector_resize(config),
+                           purpose="evaluation")
         if [c for c, _ in check.categories] != [c for c, _ in config["categories"]]:
             raise ValueError(
                 f"{val_json} lists categories {[c for c, _ in check.categories]} but the model was trained on "
@@ -526,7 +530,8 @@ def _datasets(cfg: DetectionTrainConfig) -> tuple[CocoCheck, CocoDetection, Coco
     train_check = check_coco(cfg.train_json, cfg.train_images, strict=cfg.strict, require_masks=masks, resize=resize)
     val_set = None
     if cfg.val_json:
-        val_check = check_coco(cfg.val_json, cfg.val_images, strict=cfg.strict, require_masks=masks, resize=resize)
+        val_check = check_coco(cfg.val_json, cfg.val_images, strict=cfg.strict, require_masks=masks, resize=resize,
+                               purpose="evaluation")
         if [c for c, _ in val_check.categories] != [c for c, _ in train_check.categories]:
             raise ValueError(
                 f"the validation categories {val_check.categories} differ from the training ones "
