@@ -1049,5 +1049,11 @@ def test_the_annotation_checks_words_fit_the_command_that_read_the_file(files, t
                  str(files["train_images"]), "--device", "cpu", "--workers", "0"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "no segmentation" in line and "train RetinaNet" not in line and "--val-images" in line, line
+    fewer = _write(tmp_path, _edited(files, lambda d: d.update(categories=d["categories"][:2], annotations=[
+        a for a in d["annotations"] if a["category_id"] != 7])), "fewer.json")
+    assert main(["detect", "eval", "--checkpoint", str(files["checkpoint"]), "--val-json", str(fewer), "--val-images",
+                 str(files["train_images"]), "--device", "cpu", "--workers", "0"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "lists categories [1, 3] but the model was trained on [1, 3, 7]; evaluate it on a file of the categories" in line
     with pytest.raises(ValueError, match="purpose must be one of training, evaluation"):
         check_coco(empty, files["train_images"], purpose="eval")

@@ -52,6 +52,7 @@ from .checkpoint import CHECKPOINT_FORMAT, check_against_tensors, check_model_kw
 from .coco import STAT_NAMES, coco_metrics, encode_masks
 from .data import CocoDetection, Guarded, batches, collate, train_transform
 from .models import KINDS, Resize, build_detector, check_settings, coarsest_map_size, detector_resize, foreground
+from ..schema import shown
 from .schema import is_int, is_number
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ def evaluate_checkpoint(
         if [c for c, _ in check.categories] != [c for c, _ in config["categories"]]:
             raise ValueError(
                 f"{val_json} lists categories {[c for c, _ in check.categories]} but the model was trained on "
-                f"{[c for c, _ in config['categories']]}"
+                f"{[c for c, _ in config['categories']]}; evaluate it on a file of the categories it was trained on"
             )
         dataset = CocoDetection(check, val_images, masks=masks)
         return evaluate(model, dataset, env, batch_size, workers)
@@ -596,8 +597,11 @@ def _resume_checkpoint(cfg: DetectionTrainConfig, config: Mapping[str, Any]) -> 
     old = {k: ckpt["config"].get(k) for k in ("kind", "backbone", "num_classes", "categories", "dials", "freeze_bn")}
     old["trainable_backbone_layers"] = ckpt["config"].get("trainable_backbone_layers", BACKBONE_LAYERS)  # files before it: all
     new = {k: config[k] for k in old}
-    if old != new:
-        raise ValueError(f"{resume} was trained with {old}, this run asks for {new}; they must match to resume")
+    differ = "; ".join(f"{k} {shown(old[k])} there, {shown(new[k])} here" for k in old if old[k] != new[k])
+    if differ:
+        raise ValueError(f"{resume} holds another detector than this run asks for ({differ}); they must match to resume: "
+                         "give the options and training annotations it started with, or another --output to start afresh "
+                         "(nothing was written)")
     if not (is_int(ckpt.get("epoch")) and ckpt["epoch"] >= 0 and is_int(ckpt.get("iteration")) and ckpt["iteration"] >= 0
             and isinstance(ckpt.get("optimizer"), dict) and isinstance(ckpt.get("scheduler"), dict)):
         raise CheckpointError(f"{resume} cannot be resumed from: it needs 'epoch', 'iteration', 'optimizer' and 'scheduler' "
