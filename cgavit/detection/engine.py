@@ -95,7 +95,7 @@ class DetectionTrainConfig:
     trainable_backbone_layers: int = option(
         BACKBONE_LAYERS, f"how many of the backbone's {BACKBONE_LAYERS} parts train, from the last (stage 3, stage 2, stage 1, "
         "the patch embedding; torchvision's option of that name, which counts ResNet's 5); the others are frozen, their "
-        "BatchNorm too (default: all, as the paper; 0 trains only the FPN and the heads)",
+        "BatchNorm too (default: all, as the paper; 0 trains only the FPN and the heads)", metavar="N",
     )
     model_kwargs: dict = field(default_factory=dict)  # torchvision detector settings, e.g. {"box_detections_per_img": 300}
     min_size: int = option(800, "resize so the shorter side is this")
