@@ -1037,6 +1037,11 @@ def test_the_annotation_checks_words_fit_the_command_that_read_the_file(files, t
     with caplog.at_level("WARNING"):
         check_coco(empty, files["train_images"], purpose="evaluation")
     assert "nothing to find: its COCO scores are -1" in caplog.text and "trained" not in caplog.text
+    caplog.clear()
+    degenerate = _write(tmp_path, _edited(files, lambda d: [a.update(bbox=[1, 1, 0, 0]) for a in d["annotations"]]), "deg.json")
+    with caplog.at_level("WARNING"):
+        check_coco(degenerate, files["train_images"], purpose="evaluation")
+    assert "has no usable annotation: each of its objects counts as missed" in caplog.text and "-1" not in caplog.text
     missing = _write(tmp_path, _edited(files, lambda d: d["images"][0].update(file_name="gone.png")), "missing.json")
     with pytest.raises(DataError, match=r"(?s)not used for evaluation:.*point --val-images at the folder"):
         check_coco(missing, files["train_images"], purpose="evaluation")

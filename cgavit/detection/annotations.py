@@ -113,7 +113,7 @@ def check_coco(
     resize, or under 32 px once padded) with their annotations are dropped with one warning listing them
     all; a file left without annotations is trained on with a warning. With ``strict=True`` both are
     errors. A polygon of an odd count of numbers is an error. Without ``require_masks`` (RetinaNet)
-    ``segmentation`` is never read or checked. What is dropped is kept for COCOeval, as missed (:attr:`CocoCheck.left_out`).
+    ``segmentation`` is never read or checked. COCOeval scores what is dropped as missed (:attr:`CocoCheck.left_out`).
 
     Args:
         ann_file: instances JSON.
@@ -172,12 +172,14 @@ def _verdict(ann_file: Path, problems: Problems, strict: bool, skipped: list[str
     if skipped and purpose == "training":
         log.warning("%s: skipping %d degenerate entries:%s", ann_file, len(skipped), _listing(skipped))
     elif skipped:
-        ids = ", ".join(map(str, affected[:_SHOW])) + (f", ... and {len(affected) - _SHOW} more" if len(affected) > _SHOW else "")
+        more = len(affected) - _SHOW
+        ids = ", ".join(map(str, affected[:_SHOW])) + (f", ... and {more} more" if more > 0 else "")
         log.warning("%s: %d ground-truth annotations on %d images (ids %s%s) are not given to the detector; they count "
                     "as missed in the COCO scores, as pycocotools scores the file as given:%s", ann_file, dropped,
                     len(affected), ids, f"; {whole} of them left out whole" if whole else "", _listing(skipped))
     if not any_kept:
         what = ("a detector trained on it learns background only, and its COCO scores are -1" if purpose == "training"
+                else "each of its objects counts as missed (above)" if dropped
                 else "there is nothing to find: its COCO scores are -1")
         log.warning("%s has no usable annotation: %s (--strict refuses such a file)", ann_file, what)
 
