@@ -209,6 +209,8 @@ def test_trainable_backbone_layers_freezes_the_leading_parts_and_their_batchnorm
 def test_trainable_backbone_layers_is_checked_stored_and_rebuilt(shapes, tmp_path, capsys):
     """The option's bounds (0..4) are checked by the builders and ``detect train``; a run stores it, its
     ``model.pth`` is rebuilt with it, and a resume with another value is refused."""
+    body = maskrcnn("efficientvit_m0", num_classes=3, trainable_backbone_layers=None).backbone.body  # torchvision's default
+    assert all(p.requires_grad for p in body.parameters())
     for bad in (-1, 5, 2.0, True, "2"):
         with pytest.raises(ValueError, match=r"'trainable_backbone_layers' must be a whole number in 0\.\.4"):
             maskrcnn("efficientvit_m0", num_classes=3, trainable_backbone_layers=bad)

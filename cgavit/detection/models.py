@@ -320,7 +320,7 @@ def retinanet(
     *,
     trust: bool = False,
     freeze_bn: bool = True,
-    trainable_backbone_layers: int = BACKBONE_LAYERS,
+    trainable_backbone_layers: int | None = None,
     dials: Mapping[str, Any] | None = None,
     min_size: int = 800,
     max_size: int = 1333,
@@ -341,8 +341,8 @@ def retinanet(
         freeze_bn: frozen BatchNorm in the backbone (paper; needs ImageNet weights to make sense).
             False trains it, for random backbones.
         trainable_backbone_layers: how many of the backbone's four parts train, from the last (stage 3, stage 2,
-            stage 1, the patch embedding), as torchvision's argument of that name counts ResNet's five: 0..4, default
-            4 (all, as the paper). The others are frozen, BatchNorm included (see
+            stage 1, the patch embedding), as torchvision's argument of that name counts ResNet's five: 0..4; None
+            (torchvision's default spelling) or 4 trains all, as the paper. The others are frozen, BatchNorm included (see
             :func:`~cgavit.detection.backbone.freeze_backbone_layers`).
         dials: design dials for the backbone (see :func:`cgavit.create_model`).
         min_size: shorter image side after torchvision's resize. Default 800.
@@ -352,8 +352,8 @@ def retinanet(
     """
     check_detector_args(num_classes, min_size, max_size)
     check_settings("retinanet", kwargs)
-    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, trainable_layers=trainable_backbone_layers,
-                          **dict(dials or {}))
+    layers = BACKBONE_LAYERS if trainable_backbone_layers is None else trainable_backbone_layers  # torchvision's None
+    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, trainable_layers=layers, **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=1, num_down=1)
     anchors = PyramidAnchorGenerator(
         tuple(tuple(4 * s * 2 ** (i / 3) for i in range(3)) for s in fpn.strides),
@@ -370,7 +370,7 @@ def maskrcnn(
     *,
     trust: bool = False,
     freeze_bn: bool = True,
-    trainable_backbone_layers: int = BACKBONE_LAYERS,
+    trainable_backbone_layers: int | None = None,
     dials: Mapping[str, Any] | None = None,
     min_size: int = 800,
     max_size: int = 1333,
@@ -388,7 +388,7 @@ def maskrcnn(
         pretrained_backbone: ImageNet checkpoint, ``"imagenet"``, or None (see :func:`retinanet`).
         trust: allow pickled objects in the checkpoint file.
         freeze_bn: frozen BatchNorm in the backbone (see :func:`retinanet`).
-        trainable_backbone_layers: backbone parts that train, from the last: 0..4, default 4 (see :func:`retinanet`).
+        trainable_backbone_layers: backbone parts that train, from the last: 0..4, None for all (see :func:`retinanet`).
         dials: design dials for the backbone.
         min_size: shorter image side after torchvision's resize. Default 800.
         max_size: longest side cap. Default 1333.
@@ -396,8 +396,8 @@ def maskrcnn(
     """
     check_detector_args(num_classes, min_size, max_size)
     check_settings("maskrcnn", kwargs)
-    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, trainable_layers=trainable_backbone_layers,
-                          **dict(dials or {}))
+    layers = BACKBONE_LAYERS if trainable_backbone_layers is None else trainable_backbone_layers  # torchvision's None
+    body = detection_body(backbone, pretrained_backbone, trust, freeze_bn, trainable_layers=layers, **dict(dials or {}))
     fpn = EfficientViTFPN(body, 256, num_up=2, num_down=0)
     anchors = PyramidAnchorGenerator(tuple((8 * s,) for s in fpn.strides), (ASPECT_RATIOS,) * len(fpn.strides), fpn.strides)
     roi_levels, roi_strides = list(fpn.level_names[:4]), tuple(fpn.strides[:4])
@@ -417,7 +417,8 @@ def build_detector(config: Mapping[str, Any], pretrained_backbone=None, trust: b
     """Build a detector from a plain config dict (as stored in cgavit detection checkpoints).
 
     Keys: ``kind`` (``retinanet`` | ``maskrcnn``), ``backbone``, ``num_classes``, optional
-    ``freeze_bn`` (default True), ``trainable_backbone_layers`` (default 4), ``dials``, ``min_size``, ``max_size`` and ``model_kwargs`` (torchvision settings).
+    ``freeze_bn`` (default True), ``trainable_backbone_layers`` (default 4), ``dials``, ``min_size``, ``max_size`` and
+    ``model_kwargs`` (torchvision settings).
     """
     kind = config.get("kind")
     if kind not in KINDS:
