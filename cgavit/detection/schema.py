@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from ..bounds import MAX_IMAGE_PIXELS
-from ..schema import MAX_NAME_LENGTH, shown
+from ..schema import shown
 
 #: Most categories a detection dataset may list (LVIS has 1203): a RetinaNet head for this many
 #: classes already holds 200 million parameters.
