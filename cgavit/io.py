@@ -201,10 +201,14 @@ def replace_together(moves: Sequence[tuple[str | os.PathLike | None, str | os.Pa
         raise write_error(Path(moves[0][1]), err) from None
     except KeyboardInterrupt as stop:  # it came during the moves, and waited for them: what is on disk is this set
         if done:
-            wrote, removed = ([str(dest) for tmp, dest in moves if (tmp is None) == gone] for gone in (False, True))
-            _add_note(stop, f"the files being moved into place were all moved first: wrote {', '.join(wrote)}"
-                      + (f"; removed {', '.join(removed)}" if removed else ""))
+            _add_note(stop, f"the files being moved into place were all moved first: {moved(moves)}")
         raise
+
+
+def moved(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]]) -> str:
+    """What :func:`replace_together` did with ``moves``, for a note: "wrote A, B; removed C"."""
+    wrote, removed = ([str(dest) for tmp, dest in moves if (tmp is None) == gone] for gone in (False, True))
+    return f"wrote {', '.join(wrote)}" + (f"; removed {', '.join(removed)}" if removed else "")
 
 
 def _move_all(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]]) -> None:
@@ -241,6 +245,27 @@ def stop_notes(err: BaseException) -> list[str]:
     """The notes a stop signal's ``KeyboardInterrupt`` carries (:func:`replace_together`: the files it was let finish
     moving), for the command's "interrupted" line."""
     return [note for note in getattr(err, "__notes__", []) if isinstance(note, str)]
+
+
+class StopNote:
+    """A ``with`` block whose stop signal's ``KeyboardInterrupt`` (Ctrl-C, SIGTERM) says :attr:`note`, which the block
+    sets as its work gets done, in place of the notes its steps gave it (:func:`stop_notes`): a command sets it once
+    its files are all in place, so that a Ctrl-C during its last lines, or as its lock goes, says the work was done
+    rather than only "interrupted"; ``""`` says nothing, for a step whose moves were into a temporary folder (a note
+    naming those files would tell of files that are never written). None (the default) leaves the notes as they are.
+    """
+
+    def __init__(self, note: str | None = None) -> None:
+        self.note = note
+
+    def __enter__(self) -> "StopNote":
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        if isinstance(err, KeyboardInterrupt) and self.note is not None:
+            err.__notes__ = [n for n in getattr(err, "__notes__", []) if not isinstance(n, str)]
+            if self.note:
+                _add_note(err, self.note)
 
 
 @contextmanager

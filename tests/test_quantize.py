@@ -1281,6 +1281,69 @@ def test_a_stop_signal_as_the_files_move_into_place_says_they_all_did(digits_int
     assert json.loads(written[1].read_text())["meets_target"] is True
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.parametrize("when", ["result lines", "lock let go"])
+def test_a_stop_signal_once_the_files_are_in_place_says_the_run_finished_them(
+        when, digits_int8, trained_digits, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C during the result lines printed after the last move (or as the lock went) said only "interrupted",
+    though the int8 file and its report were all written: it now says they are."""
+    import builtins
+
+    import cgavit.lock as lock_mod
+
+    real_print, real_names = builtins.print, lock_mod._names
+
+    def printing(*args, **kwargs):  # the signal arrives as the result is printed
+        if args and str(args[0]).startswith("wrote "):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_print(*args, **kwargs)
+
+    def letting_go(path, fd):  # the signal arrives as the lock checks it is still its own, once the files are there
+        if (tmp_path / "q.onnx").exists():
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_names(path, fd)
+
+    monkeypatch.setattr(quantize_cli, "quantize", lambda *args, **kwargs: digits_int8)
+    if when == "result lines":
+        monkeypatch.setattr(quantize_cli, "print", printing, raising=False)
+    else:
+        monkeypatch.setattr(lock_mod, "_names", letting_go)
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                 "--runtime", "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "16"])
+    written = [tmp_path / f"q{suffix}" for suffix in (".onnx", ".quantize.json", ".quantize.md", ".quantize.png")]
+    assert code == 130 and capsys.readouterr().err == "cgavit quantize: interrupted; its files were all in place " \
+        f"first: wrote {', '.join(map(str, written))}\n"
+    assert sorted(tmp_path.iterdir()) == sorted(written)  # no temporary, no lock
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")
+def test_a_stop_signal_while_the_openvino_pair_is_made_says_nothing_was_written(digits_int8, tmp_path, monkeypatch):
+    """The OpenVINO int8 pair is itself moved into the run's temporary folder together: a Ctrl-C then said "the files
+    being moved into place were all moved first: wrote .../.q.XXXXXXXX/q.bin, ...", files that were never written
+    where the user looks (the temporary folder is removed). It now says nothing of them."""
+    from cgavit import io as cio
+    from cgavit.deploy.openvino import openvino_from_onnx
+
+    (tmp_path / "int8.onnx").write_bytes(digits_int8.artifact)
+    ov = replace(digits_int8, runtime="openvino", point=replace(digits_int8.point, runtime="openvino"),
+                 artifact=openvino_from_onnx(tmp_path / "int8.onnx"),
+                 info=replace(digits_int8.info, int8={**digits_int8.info.int8, "runtime": "openvino"}))
+    folder = tmp_path / "out"
+    folder.mkdir()
+    real = os.replace
+
+    def signalled(src, dst):  # the signal arrives as the .bin moves into the temporary folder
+        real(src, dst)
+        if Path(dst).name == "q.bin" and Path(dst).parent != folder:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(cio.os, "replace", signalled)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        quantize_cli.write_outputs(ov, quantize_cli.Outputs(folder / "q"))
+    assert cio.stop_notes(stop.value) == [] and not list(folder.iterdir())
+
+
 def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, monkeypatch):
     """replace_together: a SIGINT during the moves takes effect once every file is in place; a move that fails puts
     the old files back and removes the new ones."""

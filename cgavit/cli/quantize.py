@@ -33,7 +33,7 @@ from ..deploy.qat import require_qat
 from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, openvino_int8_problem, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import atomic_write, check_names_fit, replace_together, staging, write_json, write_text
+from ..io import StopNote, atomic_write, check_names_fit, moved, replace_together, staging, write_json, write_text
 from ..lock import FileLock
 from .common import add_dial_args, dials_from_args, image_size
 
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     check_runtime_options(args, runtime)
     searched = quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read, and once:
     runtime = searched[0] if len(searched) == 1 else None  # the search is given the one it can search
-    with FileLock(outputs.lock(), f"is writing {outputs.stem}.* (cgavit quantize)"):  # a second run on NAME stops here
+    with StopNote() as finished, FileLock(outputs.lock(), f"is writing {outputs.stem}.* (cgavit quantize)"):
         model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
                                  trust=args.trust_checkpoint)
         calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info,
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.qat:
             print("--qat: post-training int8 already meets the target with every layer int8 that int8 makes faster; "
                   "no fine-tuning needed")
-        return write_outputs(result, outputs)
+        return write_outputs(result, outputs, finished)
 
 
 def _no_faster(result: QuantizeResult) -> set[str]:
@@ -362,45 +362,49 @@ def qat_sensitive_count(args: argparse.Namespace, free: int) -> int:
     return max(0, min(args.qat_float_layers, args.max_float_layers - free))
 
 
-def write_outputs(result: QuantizeResult, outputs: Outputs) -> int:
+def write_outputs(result: QuantizeResult, outputs: Outputs, finished: StopNote | None = None) -> int:
     """The int8 file only when it meets the target, with its report (json, md, png), moved into place together
     (:func:`written_together`). An answer replaces this name's earlier answer in another runtime
     (:meth:`Outputs.earlier_answer`) and a report of a run that missed since; other files under the name stay. A run
     that meets no target leaves an earlier answer and its report as they were (its own report is then
-    ``NAME.quantize-missed.*``). Exit status 0 or 1."""
+    ``NAME.quantize-missed.*``). ``finished``: the note a Ctrl-C from then on carries, set once the files are in place
+    (the run's, held until it ends). Exit status 0 or 1."""
+    finished = finished or StopNote()
     earlier, recorded = outputs.earlier_answer(), outputs.recorded_answer()  # read before the report is replaced
     replaced, stale = outputs.replaced(result.runtime, earlier) if result.meets_target else ([], [])
-    out, written = written_together(result, outputs, earlier is not None, replaced + stale)
-    for layer, why in result.reasons.items():
-        print(f"kept in float: {layer}: {why}")
-    if result.noise_floor is not None:
-        print(f"for scale: {result.noise_floor.describe()} (the rounding an 8-bit image already carries)")
-    if out is None:
-        print(f"nothing int8 met the target ({result.target.describe()}); the best found: {result.describe_point()}. "
-              f"No int8 file written. Report: {', '.join(str(p) for p in written)}")
-        if earlier is not None:
-            print(f"note: {outputs.artifact(earlier)[0]} from an earlier run is left as it was, with its report "
-                  f"{outputs.report('.md')}")
-        return 1
-    print(f"wrote {out}: {result.describe_point()}\n{result.uncertainty()}."
-          f"\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
-          f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
-    if replaced:
-        print(f"note: removed {', '.join(map(str, replaced))}: this name's answer of an earlier run, in another "
-              f"runtime (its report said so); {out} is this name's answer now")
-    if stale:
-        print(f"note: removed {', '.join(map(str, stale))}: the report of an earlier run that met no target")
-    left = outputs.others(result.runtime)
-    if left:
-        print(left_note(left, recorded if earlier is None else None))
-    if result.runoff_disturbed:
-        print(f"note: other work ran while the runtimes' answers were timed side by side (about {result.runoff_load:.1f} "
-              "cores of it): the runtime chosen may not be the faster here; run cgavit quantize with nothing else running")
-    if result.point.speedup < NO_GAIN:
-        print(f"note: it keeps the decisions but runs at {result.point.speedup:.2f}x fp32 ONNX Runtime here "
-              f"({len(result.float_layers)} layers had to stay in float): on this CPU the fp32 file "
-              "(cgavit export) is as fast; timings at this model size are noisy, check with cgavit bench")
-    return 0
+    with finished:  # once the files are in place, a Ctrl-C says so
+        out, written = written_together(result, outputs, earlier is not None, replaced + stale, finished)
+        for layer, why in result.reasons.items():
+            print(f"kept in float: {layer}: {why}")
+        if result.noise_floor is not None:
+            print(f"for scale: {result.noise_floor.describe()} (the rounding an 8-bit image already carries)")
+        if out is None:
+            print(f"nothing int8 met the target ({result.target.describe()}); the best found: "
+                  f"{result.describe_point()}. No int8 file written. Report: {', '.join(str(p) for p in written)}")
+            if earlier is not None:
+                print(f"note: {outputs.artifact(earlier)[0]} from an earlier run is left as it was, with its report "
+                      f"{outputs.report('.md')}")
+            return 1
+        print(f"wrote {out}: {result.describe_point()}\n{result.uncertainty()}."
+              f"\nfp32 ONNX Runtime {result.fp32_img_s:.0f} img/s here "
+              f"({result.cpu}). Report: {', '.join(str(p) for p in written)}")
+        if replaced:
+            print(f"note: removed {', '.join(map(str, replaced))}: this name's answer of an earlier run, in another "
+                  f"runtime (its report said so); {out} is this name's answer now")
+        if stale:
+            print(f"note: removed {', '.join(map(str, stale))}: the report of an earlier run that met no target")
+        left = outputs.others(result.runtime)
+        if left:
+            print(left_note(left, recorded if earlier is None else None))
+        if result.runoff_disturbed:
+            print(f"note: other work ran while the runtimes' answers were timed side by side (about "
+                  f"{result.runoff_load:.1f} cores of it): the runtime chosen may not be the faster here; run cgavit "
+                  "quantize with nothing else running")
+        if result.point.speedup < NO_GAIN:
+            print(f"note: it keeps the decisions but runs at {result.point.speedup:.2f}x fp32 ONNX Runtime here "
+                  f"({len(result.float_layers)} layers had to stay in float): on this CPU the fp32 file "
+                  "(cgavit export) is as fast; timings at this model size are noisy, check with cgavit bench")
+        return 0
 
 
 def left_note(left: list[Path], recorded: str | None) -> str:
@@ -418,20 +422,22 @@ def left_note(left: list[Path], recorded: str | None) -> str:
     return f"note: {files} (not an answer of cgavit quantize under this name) left as {verb}"
 
 
-def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool,
-                     removed: list[Path]) -> tuple[Path | None, list[Path]]:
+def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool, removed: list[Path],
+                     finished: StopNote) -> tuple[Path | None, list[Path]]:
     """Write the int8 file (when it meets the target) and the report beside the destination as temporaries, then
     move them into place together (:func:`~cgavit.io.replace_together`), so that an interrupted or failed run never
     leaves the file beside another run's report. An answer's ``removed`` files (:meth:`Outputs.replaced`), and a plot
     this run could not draw, are removed in the same step. ``earlier``: an earlier answer is there (a run that misses
-    its target then writes ``NAME.quantize-missed.*``). Returns the int8 file (None) and the report's files."""
+    its target then writes ``NAME.quantize-missed.*``). ``finished`` gets its note once they are in place. Returns
+    the int8 file (None) and the report's files."""
     out = None
     missed = not result.meets_target and earlier
     with staging(outputs.stem) as tmp:
         temporary = Outputs(tmp / outputs.stem.name)
         moves: list[tuple[Path | None, Path]] = []
         if result.meets_target:
-            made = result.save(temporary.stem)
+            with StopNote(""):  # OpenVINO's pair is moved together too, into the temporary folder: no news of that
+                made = result.save(temporary.stem)
             out = outputs.stem.parent / made.name
             mine = temporary.artifact(result.runtime)
             moves += [(p, outputs.stem.parent / p.name) for p in mine] + [(None, p) for p in removed]
@@ -441,6 +447,7 @@ def written_together(result: QuantizeResult, outputs: Outputs, earlier: bool,
         moves += [(p, outputs.report(suffix, missed)) for p, suffix in zip(report, REPORT_SUFFIXES)
                   if p is not None or outputs.report(suffix, missed).exists()]
         replace_together(moves)
+        finished.note = f"its files were all in place first: {moved(moves)}"
     return out, [outputs.report(suffix, missed) for p, suffix in zip(report, REPORT_SUFFIXES) if p is not None]
 
 
