@@ -5,8 +5,9 @@ Every file the package writes (weights, training checkpoints, records, plots, ex
 renamed over the destination, so a crash, a full disk or ``kill -9`` leaves either the old file or
 the new one, never a torn one. A crash can leave the temporary file behind (``.NAME.*.tmp``);
 :func:`remove_stale_temporaries` clears those at the next start. Files that only make sense together (an
-OpenVINO ``.xml`` and its ``.bin``; an int8 file and its report) are written as temporaries and moved into place
-by :func:`replace_together`, which a Ctrl-C cannot split.
+OpenVINO ``.xml`` and its ``.bin``; an int8 file and its report) are written in a :func:`staging` folder and moved
+into place by :func:`replace_together`, which a Ctrl-C cannot split; what a ``kill -9`` leaves of those two (the folder,
+an old file moved aside) :func:`clear_interrupted` puts right at the next run that holds the files' lock.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -220,7 +222,7 @@ def _move_all(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]
         for tmp, dest in moves:
             dest = Path(dest)
             if dest.exists() or dest.is_symlink():
-                kept = dest.with_name(f".{dest.name}.{os.getpid()}.old{TMP_SUFFIX}")
+                kept = moved_aside(dest, os.getpid())
                 os.replace(dest, kept)
                 aside.append((dest, kept))
             if tmp is not None:
@@ -234,6 +236,70 @@ def _move_all(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]
         raise
     for _, kept in aside:
         _remove(str(kept))
+
+
+def moved_aside(dest: str | os.PathLike, pid: int) -> Path:
+    """Where :func:`replace_together` in process ``pid`` keeps ``dest``'s old file while the new one moves in:
+    ``.NAME.PID.old.tmp`` beside it."""
+    dest = Path(dest)
+    return dest.with_name(f".{dest.name}.{pid}.old{TMP_SUFFIX}")
+
+
+def staging_prefix(dest: str | os.PathLike, pid: int) -> str:
+    """The start of the name of a :func:`staging` folder for ``dest`` made by process ``pid``: ``.NAME.PID.``, followed
+    by :mod:`tempfile`'s 8 random characters."""
+    return f".{Path(dest).name}.{pid}."
+
+
+def clear_interrupted(dests: Iterable[str | os.PathLike], staged: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """Put right what processes killed (``kill -9``, a power cut) while writing ``dests`` left beside them: the names
+    they made alone, of processes that are gone. An old file :func:`replace_together` had moved aside
+    (:func:`moved_aside`) goes back to its destination where that is empty (it is the only copy: the kill came between
+    moving it aside and moving the new file in), and where its process's :func:`staging` folder for ``staged`` still
+    holds files (the kill came before the whole set was in place, so the new files there beside old ones, an OpenVINO
+    ``.bin`` beside another ``.xml``, are taken back); otherwise it is removed (the set it was replaced by is whole).
+    Where one destination has several, the newest alone may go back. Then the staging folders for ``staged`` are
+    removed. Call it only while holding the lock that keeps other runs from writing these files
+    (:class:`~cgavit.lock.FileLock`).
+
+    Returns:
+        The destinations restored and the leftovers removed.
+
+    Raises:
+        OSError: a leftover could not be moved or removed (a read-only folder).
+    """
+    staged = Path(staged)
+    folders = {pid: path for path, pid in _left_by_the_gone(staged.parent, re.escape(f".{staged.name}.") +
+                                                            r"(\d+)\.[a-z0-9_]{8}") if path.is_dir() and not path.is_symlink()}
+    unfinished = {pid for pid, folder in folders.items() if any(folder.iterdir())}
+    restored, removed = [], []
+    for dest in map(Path, dests):
+        found = _left_by_the_gone(dest.parent, re.escape(f".{dest.name}.") + r"(\d+)\.old" + re.escape(TMP_SUFFIX))
+        for n, (kept, pid) in enumerate(sorted(found, key=lambda k: k[0].lstat().st_mtime, reverse=True)):
+            if n == 0 and (pid in unfinished or not os.path.lexists(dest)):
+                os.replace(kept, dest)
+                restored.append(dest)
+            else:
+                kept.unlink()
+                removed.append(kept)
+    for folder in folders.values():
+        shutil.rmtree(folder)
+        removed.append(folder)
+    if restored or removed:
+        _sync(staged.parent)
+    return restored, removed
+
+
+def _left_by_the_gone(folder: Path, pattern: str) -> list[tuple[Path, int]]:
+    """The entries of ``folder`` whose whole name matches ``pattern``, its one group a process id, of processes that
+    are gone, each with that id."""
+    try:
+        names = os.listdir(folder)
+    except OSError:  # no folder: nothing left there
+        return []
+    found = [(folder / name, re.fullmatch(pattern, name)) for name in names]
+    pids = [(path, int(m.group(1))) for path, m in found if m]
+    return [(path, pid) for path, pid in pids if pid != os.getpid() and not process_alive(pid)]
 
 
 def _add_note(err: BaseException, note: str) -> None:
@@ -270,8 +336,9 @@ class StopNote:
 
 @contextmanager
 def staging(dest: str | os.PathLike) -> Iterator[Path]:
-    """A temporary folder in ``dest``'s folder, where a set of files is written before
-    :func:`replace_together` moves them into place; removed on leaving. A :class:`WriteError` for a file written in
+    """A temporary folder in ``dest``'s folder (``.NAME.PID.XXXXXXXX``: :func:`staging_prefix`), where a set of files
+    is written before :func:`replace_together` moves them into place; removed on leaving (after a ``kill -9``, by
+    :func:`clear_interrupted`). A :class:`WriteError` for a file written in
     it is raised again for the file of that name beside it, the one the user asked for (not the temporary one).
 
     Raises:
@@ -281,7 +348,7 @@ def staging(dest: str | os.PathLike) -> Iterator[Path]:
     dest = Path(dest)
     folder = dest.parent
     try:
-        scratch = tempfile.TemporaryDirectory(dir=folder, prefix=f".{dest.name}.")
+        scratch = tempfile.TemporaryDirectory(dir=folder, prefix=staging_prefix(dest, os.getpid()))
     except OSError as err:  # the folder, not dest: a caller's dest may be a stem its files are named from
         code, reason, advice = write_reason(err, folder)
         raise WriteError(code, f"cannot write into {folder}: {reason} (nothing was written); {advice}",
@@ -397,8 +464,9 @@ def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
 
 
 #: The most bytes a temporary name adds to its file's name. :func:`atomic_write` writes ``.NAME.XXXXXXXX.tmp``;
-#: :func:`replace_together` moves the old file aside as ``.NAME.PID.old.tmp`` (a pid of up to 7 digits), the longer.
-TEMPORARY_NAME_EXTRA = len(".." + "1234567" + ".old" + TMP_SUFFIX)
+#: :func:`replace_together` moves the old file aside as ``.NAME.PID.old.tmp`` (a pid of up to 7 digits);
+#: :func:`staging` makes the folder ``.NAME.PID.XXXXXXXX``, the longest.
+TEMPORARY_NAME_EXTRA = len(".." + "1234567" + "." + "X" * 8)
 
 
 def check_names_fit(paths: Iterable[str | os.PathLike], what: str) -> None:

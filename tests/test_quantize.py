@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -1344,6 +1345,61 @@ def test_a_stop_signal_while_the_openvino_pair_is_made_says_nothing_was_written(
     assert cio.stop_notes(stop.value) == [] and not list(folder.iterdir())
 
 
+def test_what_a_killed_run_left_under_its_name_is_put_right_by_the_next(digits_int8, trained_digits, tmp_path, caplog,
+                                                                        monkeypatch):
+    """A run killed (kill -9) while writing left its temporary folder .NAME.PID.XXXXXXXX and the old files it had moved
+    aside (.NAME.onnx.PID.old.tmp) for good; where the kill came between moving an old file aside and moving the new one
+    in, that hidden file was the only copy of the earlier answer, and where it came between two moves the new int8 file
+    stood beside the earlier report. The next run on the name (holding its lock) now puts the earlier files back where
+    the killed run's set was not whole, removes the rest, and says which; nothing of a live process or of the user's is
+    touched."""
+    from cgavit import io as cio
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded")
+
+    outputs = quantize_cli.Outputs(tmp_path / "q")
+    assert quantize_cli.write_outputs(digits_int8, outputs) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with cio.staging(tmp_path / "q") as folder:  # what a run's temporary folder is called
+        assert re.fullmatch(rf"\.q\.{os.getpid()}\.[a-z0-9_]{{8}}", folder.name), folder.name
+    mid, between, done, twice, earlier = range(9_999_990, 9_999_995)  # above any pid_max: no such process
+    live = os.getppid()  # the test's parent: running
+    aside = {name: cio.moved_aside(tmp_path / name, pid) for name, pid in (
+        ("q.onnx", mid), ("q.quantize.md", between), ("q.quantize.json", done), ("q.quantize.png", twice))}
+    os.replace(tmp_path / "q.onnx", aside["q.onnx"])  # killed between two moves: a new q.onnx, the old report
+    (tmp_path / "q.onnx").write_bytes(b"the killed run's int8 file")
+    (tmp_path / f".q.{mid}.ab_cd123" / f".q.xml.{mid}.zyxw9876").mkdir(parents=True)
+    (tmp_path / f".q.{mid}.ab_cd123" / "q.quantize.json").write_text("its report, not moved yet")
+    os.replace(tmp_path / "q.quantize.md", aside["q.quantize.md"])  # killed before the new one moved in
+    aside["q.quantize.json"].write_text("replaced since")  # killed after the moves: its folder empty
+    (tmp_path / f".q.{done}.abcdefgh").mkdir()
+    os.replace(tmp_path / "q.quantize.png", aside["q.quantize.png"])  # two runs killed aside: the newer goes back
+    older = cio.moved_aside(tmp_path / "q.quantize.png", earlier)
+    older.write_text("an earlier run's")
+    os.utime(older, (1e6, 1e6))
+    kept = {f".q.onnx.{live}.old.tmp": "a live process's", f".q.{live}.abcdefgh/x": "a live run's folder",
+            ".q.settings/x": "the user's", f".q.onnx.{mid}.old.tmp.bak": "the user's", f".q.{mid}.abcdefghi/x": "",
+            f".qq.onnx.{mid}.old.tmp": "another name's", f".q.onnx.{mid}.abcdefgh/x": "export's folder"}
+    for name, text in kept.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(quantize_cli, "load_model", loaded)
+    with caplog.at_level(logging.INFO, logger="cgavit.cli.quantize"), pytest.raises(AssertionError, match="loaded"):
+        main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+              "--runtime", "onnxruntime", "--output", str(tmp_path / "q")])
+    left = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert left == {**before, **{name: text.encode() for name, text in kept.items()}}
+    said = [r.getMessage() for r in caplog.records if r.name == "cgavit.cli.quantize"]
+    assert [m for m in said if m.startswith("restored")] == [
+        f"restored {tmp_path / name}: a run killed while replacing it had moved it aside"
+        for name in ("q.onnx", "q.quantize.md", "q.quantize.png")]
+    (removal,) = [m for m in said if m.startswith("removed")]
+    start = f"removed what a run killed while writing {tmp_path / 'q'}.* left: "
+    assert removal.startswith(start) and sorted(removal[len(start):].split(", ")) == sorted(map(str, [
+        aside["q.quantize.json"], older, tmp_path / f".q.{mid}.ab_cd123", tmp_path / f".q.{done}.abcdefgh"]))
+
+
 def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, monkeypatch):
     """replace_together: a SIGINT during the moves takes effect once every file is in place; a move that fails puts
     the old files back and removes the new ones."""
@@ -1495,7 +1551,7 @@ def test_an_output_name_too_long_for_the_files_it_names_is_refused_before_any_wo
     monkeypatch.setattr(quantize_cli, "load_model", loaded)
     base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
             "--runtime", "onnxruntime", "--output"]
-    for size, shorter in ((240, 23), (300, 83)):
+    for size, shorter in ((240, 24), (300, 84)):
         assert main([*base, str(tmp_path / ("a" * size))]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"cgavit quantize: error: --output is too long: it writes {'a' * 16}...{'a' * 7}"
@@ -1504,7 +1560,7 @@ def test_an_output_name_too_long_for_the_files_it_names_is_refused_before_any_wo
     with pytest.raises(ValueError, match="the output name is too long"):
         file_name(tmp_path / ("a" * 300), "m0")
     with pytest.raises(AssertionError, match="the checkpoint was loaded"):  # as long as it may be
-        main([*base, str(tmp_path / ("a" * 217))])
+        main([*base, str(tmp_path / ("a" * 216))])
     assert not list(tmp_path.iterdir())
 
 

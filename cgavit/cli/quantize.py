@@ -33,7 +33,8 @@ from ..deploy.qat import require_qat
 from ..deploy.quantize import HOLDOUT, SharedImagesError, float_reasons, openvino_int8_problem, quant_runtimes
 from ..deploy.metadata import export_info
 from ..factory import ModelInfo, load_model
-from ..io import StopNote, atomic_write, check_names_fit, moved, replace_together, staging, write_json, write_text
+from ..io import (StopNote, atomic_write, check_names_fit, clear_interrupted, moved, replace_together, staging,
+                  write_error, write_json, write_text)
 from ..lock import FileLock
 from .common import add_dial_args, dials_from_args, image_size
 
@@ -255,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     searched = quant_runtimes(runtime)  # a runtime missing or broken: said before any image is read, and once:
     runtime = searched[0] if len(searched) == 1 else None  # the search is given the one it can search
     with StopNote() as finished, FileLock(outputs.lock(), f"is writing {outputs.stem}.* (cgavit quantize)"):
+        cleared(outputs)  # a second run on NAME stops at the lock, so what is left under it is of runs that are gone
         model, info = load_model(args.checkpoint, args.model, dials_from_args(args) or None, img_size=args.img_size,
                                  trust=args.trust_checkpoint)
         calib, evaluated = calibration_and_evaluation(args.data, args.train_split, args.val_split, info,
@@ -280,6 +282,23 @@ def run(args: argparse.Namespace) -> int:
             print("--qat: post-training int8 already meets the target with every layer int8 that int8 makes faster; "
                   "no fine-tuning needed")
         return write_outputs(result, outputs, finished)
+
+
+def cleared(outputs: Outputs) -> None:
+    """Put right what a run killed while writing under this name left (:func:`~cgavit.io.clear_interrupted`), and say
+    what: an earlier file it had moved aside goes back in place, its temporary files go.
+
+    Raises:
+        WriteError: they could not be moved or removed (the folder's permissions, a read-only disk).
+    """
+    try:
+        restored, removed = clear_interrupted(outputs.all(), outputs.stem)
+    except OSError as err:
+        raise write_error(outputs.stem, err) from None
+    for dest in restored:
+        log.warning("restored %s: a run killed while replacing it had moved it aside", dest)
+    if removed:
+        log.info("removed what a run killed while writing %s.* left: %s", outputs.stem, ", ".join(map(str, removed)))
 
 
 def _no_faster(result: QuantizeResult) -> set[str]:
