@@ -1400,6 +1400,22 @@ def test_what_a_killed_run_left_under_its_name_is_put_right_by_the_next(digits_i
         aside["q.quantize.json"], older, tmp_path / f".q.{mid}.ab_cd123", tmp_path / f".q.{done}.abcdefgh"]))
 
 
+def test_an_upper_case_suffix_names_the_file_as_export_writes_it(digits_int8, trained_digits, tmp_path, capsys,
+                                                                  monkeypatch):
+    """--output q.ONNX writes q.onnx and its report q.quantize.*, as cgavit export writes m.onnx for m.ONNX (the
+    suffix names the runtime, whatever its case; the file gets the one its runtime reads), and says that name; an
+    upper-case suffix of the other runtime is refused with --runtime as a lower-case one is."""
+    monkeypatch.setattr(quantize_cli, "quantize", lambda *args, **kwargs: digits_int8)
+    base = ["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+            "--calibration-images", "16", "--output"]
+    assert main([*base, str(tmp_path / "q.XML"), "--runtime", "onnxruntime"]) == 2
+    assert "--output q.XML names an openvino file but --runtime is onnxruntime" in capsys.readouterr().err
+    assert main([*base, str(tmp_path / "q.ONNX")]) == 0
+    assert f"wrote {tmp_path / 'q.onnx'}: " in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx", "q.quantize.json", "q.quantize.md",
+                                                          "q.quantize.png"]
+    assert open_exported(tmp_path / "q.onnx")[1].precision == "int8"
+
 def test_files_moved_together_wait_for_a_stop_signal_and_fail_whole(tmp_path, monkeypatch):
     """replace_together: a SIGINT during the moves takes effect once every file is in place; a move that fails puts
     the old files back and removes the new ones."""

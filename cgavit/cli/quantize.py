@@ -532,8 +532,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--img-size", type=int, metavar="N", help="input size N, which the network is built for and the images "
                    "are resized to (default: the checkpoint's, else 224: give it for a file that records none, trained "
                    "at another size)")
-    p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml, in a "
-                   "folder that exists; a run replaces the NAME.* files it writes, and its answer also the other "
+    p.add_argument("--output", required=True, help="NAME (the runtime picks .onnx or .xml), NAME.onnx or NAME.xml (in "
+                   "any case, written .onnx or .xml, as cgavit export does), in a folder that exists; a run replaces the NAME.* files it writes, and its answer also the other "
                    "runtime's answer of an earlier run under NAME (NAME.quantize.json says so), never another file; "
                    "a run that meets no target leaves an earlier answer and its report alone")
     p.add_argument("--trust-checkpoint", action="store_true",
