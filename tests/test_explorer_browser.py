@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cgavit.explorer import ImageAttention, build_model
+from cgavit.explorer import ImageAttention, Limits, build_model
 from cgavit.explorer.server import ExplorerServer
 from cgavit.testing import randomize_
 from conftest import skip_unless_required
@@ -380,6 +380,40 @@ def test_a_refused_block_leaves_the_controls_on_what_is_shown(browser, server, t
     assert page.locator("#mode button[aria-pressed='true']").get_attribute("data-mode") == "query"
     assert page.locator("#real-status").text_content() == "error: the explorer is busy; retry in a moment"
     page.close()
+
+
+def test_a_busy_model_is_asked_again_then_said_in_words(browser, tmp_path):
+    """A request queued behind another's maps was cut off at the request time limit with no reply ("no answer from the
+    explorer"); the server now answers 503 with Retry-After once it has waited ``compute_wait``. The page asks again
+    after the seconds it is told, twice, then says why (and the controls stay on what is shown)."""
+    limits = Limits(compute_wait=0.1)
+    images = ImageAttention(*build_model(), limits=limits)
+    srv = ExplorerServer(("127.0.0.1", 0), images, limits=limits)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        page, problems, _ = open_page(browser, srv)
+        busy = []
+        page.on("response", lambda res: busy.append(res.url) if res.status == 503 else None)
+        page.wait_for_selector("#block option", state="attached")
+        page.set_input_files("#upload", str(shapes_png(tmp_path / "busy.png")))
+        page.wait_for_selector('#real[data-state$="block=0&query=105"][data-busy="0"]', state="attached")
+        with images.computing():  # another request's maps, for as long as the page keeps asking
+            page.select_option("#block", "2")
+            page.wait_for_selector('#real[data-state^="error:"][data-state$="block=2&query=24"][data-busy="0"]',
+                                   state="attached")
+        assert len(busy) == 3 and all("block=2" in url for url in busy)  # the first ask and two more
+        status = page.locator("#real-status").text_content()
+        assert status.startswith("error: the explorer is still computing another request's attention maps")
+        assert status.endswith("retry in a moment") and page.locator("#block").input_value() == "0"
+        with images.computing(), page.expect_response(lambda res: res.status == 503):  # busy for the first ask only
+            page.select_option("#block", "1")
+        page.wait_for_selector('#real[data-state$="block=1&query=24"][data-busy="0"]', state="attached")
+        assert "error" not in page.locator("#real-status").get_attribute("class").split()  # no error shown
+        assert len(busy) == 4 and not [p for p in problems if "503" not in p]  # the browser logs each 503 it was given
+        page.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 @pytest.mark.parametrize("typed,seed", [("1e3", 1000), ("7.9", 7), ("99999999999", 2147483647)])

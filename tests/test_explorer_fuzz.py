@@ -335,6 +335,42 @@ def test_a_spent_reply_budget_answers_503(images):
     assert srv.replies.used == 0
 
 
+def test_a_request_queued_behind_the_model_answers_503(images):
+    """An attention request waited for the model without a bound while another request's maps were computed, until
+    the request time limit cut its connection with no reply at all; now it waits ``compute_wait``, then a 503."""
+    local = ImageAttention(images.model, images.about, limits=Limits(compute_wait=0.1))
+    image_id = local.add_image(PNG)["image_id"]
+    with serving(local, Limits(compute_wait=0.1)) as srv:
+        with local.computing():
+            status, headers, reply = get(srv, f"/api/attention?image={image_id}&block=0")
+        assert_json_error(status, headers, reply, 503)
+        assert "computing another request's attention maps" in reply["error"] and "retry" in reply["error"]
+        assert headers["retry-after"] == "1"
+        assert get(srv, f"/api/attention?image={image_id}&block=0")[0] == 200
+    assert srv.replies.used == 0
+
+
+def test_a_client_gone_while_queued_leaves_the_model_free(images):
+    """A client that hangs up while its request waits for the model: the request still ends, and gives the model
+    and its reply's budget back (the next request is answered, and the model can be held again)."""
+    local = ImageAttention(images.model, images.about, limits=Limits(compute_wait=20))
+    image_id = local.add_image(PNG)["image_id"]
+    target = f"/api/attention?image={image_id}&block=0"
+    with serving(local, Limits(compute_wait=20)) as srv:
+        with local.computing():
+            sock = socket.create_connection(srv.server_address[:2], timeout=10)
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {host_of(srv)}\r\n\r\n".encode())
+            end = time.monotonic() + 20
+            while srv.replies.used == 0 and time.monotonic() < end:  # its handler has reserved its reply: queued
+                time.sleep(0.01)
+            assert srv.replies.used > 0
+            sock.close()
+        assert get(srv, target)[0] == 200
+        with local.computing():
+            pass
+    assert srv.replies.used == 0
+
+
 def test_attention_maps_stay_within_their_budget(monkeypatch):
     """A block's maps were made whole, for all its windows (13 million values, 210 MB, for efficientvit_m0's first
     block at 4096 px; 17 GB with 64x64 windows), and summarised outside the lock, so each request in flight held
@@ -386,7 +422,7 @@ def test_a_model_over_the_memory_budgets_is_refused_at_start():
 
 def test_limits_are_checked():
     for bad in [dict(max_connections=0), dict(idle_timeout=0), dict(connection_wait=-1), dict(decoded_pixels=10),
-                dict(map_bytes=0), dict(reply_bytes=0)]:
+                dict(map_bytes=0), dict(reply_bytes=0), dict(compute_wait=-1), dict(compute_wait=30)]:
         with pytest.raises(ValueError):
             Limits(**bad)
 
@@ -459,7 +495,7 @@ def test_idle_keep_alive_connection_is_closed(images):
 
 
 def test_trickling_client_is_cut_off(images):
-    with serving(images, Limits(idle_timeout=1.0, request_timeout=1.0)) as srv:
+    with serving(images, Limits(idle_timeout=1.0, request_timeout=1.0, compute_wait=0.5)) as srv:
         with socket.create_connection(srv.server_address[:2], timeout=10) as sock:
             sock.sendall(f"GET /api/model HTTP/1.1\r\nHost: {host_of(srv)}\r\n".encode())
             start = time.monotonic()

@@ -16,7 +16,9 @@ import hashlib
 import io
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,6 +36,7 @@ from .limits import (
     MAX_PREVIEW_SIDE,
     MAX_UPLOAD_BYTES,
     Budget,
+    Busy,
     Limits,
     attention_reply_bytes,
     window_map_bytes,
@@ -78,7 +81,7 @@ class ImageAttention:
     decoded and made the model's input by a few threads of their own (as many as maximal images fit
     the pixel budget): the memory allocator keeps what a thread freed for that thread, so doing it in
     every connection's thread would let the process grow well past the budget. Attention is computed
-    for one request at a time, within ``limits.map_bytes`` of maps (:mod:`.limits`).
+    for one request at a time (:meth:`computing`), within ``limits.map_bytes`` of maps (:mod:`.limits`).
 
     Args:
         model: an :class:`~cgavit.model.EfficientViT` (put in eval mode here).
@@ -88,7 +91,8 @@ class ImageAttention:
         cache_size: images kept, at most: fewer when they would take more than ``limits.cached_bytes``
             (large ``img_size``), at least one. Default 8.
         limits: the shared decoding budget (``decoded_pixels``, ``budget_wait``), the cache's bytes
-            (``cached_bytes``), and the memory of attention maps and replies (``map_bytes``, ``reply_bytes``).
+            (``cached_bytes``), the memory of attention maps and replies (``map_bytes``, ``reply_bytes``), and how
+            long a request waits for the model (``compute_wait``).
             Default :class:`~cgavit.explorer.limits.Limits`.
 
     Raises:
@@ -136,6 +140,24 @@ class ImageAttention:
                     f"{where} at {size} px): one reply of its maps takes {_size(reply)}, more than the explorer holds "
                     f"in replies at once ({_size(self.limits.reply_bytes)}); use a smaller --img-size or fewer heads"
                 )
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Hold the model for one request's forward pass and maps, waiting up to ``limits.compute_wait`` seconds
+        while another request holds it; given back when the block ends, however it ends.
+
+        Raises:
+            Busy: another request held it all that time (HTTP 503).
+        """
+        if not self._compute.acquire(timeout=self.limits.compute_wait):
+            raise Busy(
+                f"the explorer is still computing another request's attention maps after {self.limits.compute_wait:g} s "
+                "of waiting; retry in a moment"
+            )
+        try:
+            yield
+        finally:
+            self._compute.release()
 
     def reply_bytes(self, block: int) -> int:
         """The most memory a reply of :meth:`attention` for ``block`` takes while it is built and sent
@@ -265,7 +287,8 @@ class ImageAttention:
             gets at its bottom/right edge; for a query that share is ``padding_share`` per head.
 
         Raises:
-            KeyError: unknown image id. ValueError: block or query out of range.
+            KeyError: unknown image id. ValueError: block or query out of range. Busy: another request held the
+            model for ``limits.compute_wait`` seconds (:meth:`computing`).
         """
         if not 0 <= block < len(self._blocks):
             raise ValueError(f"block must be in 0..{len(self._blocks) - 1}, got {block}")
@@ -278,7 +301,7 @@ class ImageAttention:
             self._images.move_to_end(image_id)
         boxes = window_boxes(b.windows, b.hw, b.win_hw, b.lwa.window)
         grid = empty_grid(b.heads, b.hw)
-        with self._compute, torch.no_grad():
+        with self.computing(), torch.no_grad():
             windows, hw = self._capture(x, block)
             shape = (hw, windows.shape[0], tuple(windows.shape[-2:]))
             assert shape == (b.hw, b.windows, b.win_hw), f"{shape}: not the windows the memory bounds were computed for"

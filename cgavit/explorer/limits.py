@@ -7,8 +7,8 @@ Two kinds of bound:
   decoded: a 5 KB PNG can declare 6300x6300). Over either is :class:`TooLarge` (HTTP 413).
 * Shared, per server (:class:`Limits`): connections served at once, request bodies and decoded
   pixels held at once (each a :class:`Budget`), and how long a client may stay idle or take over
-  one request. A request that finds a budget spent waits a moment, then gets :class:`Busy`
-  (HTTP 503, retry later).
+  one request. A request that finds a budget spent, or the model busy with another request's
+  attention maps, waits a moment, then gets :class:`Busy` (HTTP 503, retry later).
 
 Decoding costs about 4 bytes per pixel (8 for images that need a colour conversion), so the
 default pixel budget of 32 megapixels bounds decoding memory at roughly 130-260 MB in all.
@@ -104,6 +104,9 @@ class Limits:
         reply_bytes: attention replies held at once, in bytes, while built and sent (:func:`attention_reply_bytes`).
             Default 128 MiB: 2,000 replies of efficientvit_m0's first block at 224 px (66 KB), six at 4096 px
             (21 MB). A further reply waits up to ``budget_wait`` seconds, then gets a 503.
+        compute_wait: seconds an attention request waits for the model while other requests' maps are computed
+            (one at a time), before a 503. Default 10. Less than ``request_timeout``, so a request queued behind a
+            slow one gets its 503 before it is cut off.
     """
 
     max_connections: int = 64
@@ -117,6 +120,7 @@ class Limits:
     cached_bytes: int = 256 * 1024**2
     map_bytes: int = 1024**3
     reply_bytes: int = 128 * 1024**2
+    compute_wait: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.listen_queue < 1:
@@ -125,8 +129,13 @@ class Limits:
             raise ValueError("cached_bytes must be >= 0")
         if self.map_bytes < 1 or self.reply_bytes < 1:
             raise ValueError("map_bytes and reply_bytes must be at least 1")
-        if min(self.connection_wait, self.budget_wait) < 0 or min(self.idle_timeout, self.request_timeout) <= 0:
+        if min(self.connection_wait, self.budget_wait, self.compute_wait) < 0 or min(self.idle_timeout, self.request_timeout) <= 0:
             raise ValueError("waits must be >= 0 seconds and timeouts > 0 seconds")
+        if self.compute_wait >= self.request_timeout:
+            raise ValueError(
+                f"compute_wait ({self.compute_wait:g} s) must be less than request_timeout ({self.request_timeout:g} s): "
+                "a request waiting for the model must get its 503 before it is cut off"
+            )
         if self.upload_bytes < MAX_UPLOAD_BYTES or self.decoded_pixels < MAX_UPLOAD_PIXELS:
             raise ValueError(
                 f"the shared budgets must hold at least one maximal upload ({MAX_UPLOAD_BYTES} bytes, "

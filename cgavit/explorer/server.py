@@ -19,7 +19,8 @@ parameter, file or request), 403 (foreign Host or Origin, see :mod:`.guard`), 40
 The server stays within its :class:`~cgavit.explorer.limits.Limits`: at most ``max_connections``
 connection threads (a burst waits briefly in a listen queue of ``listen_queue``, beyond that 503),
 idle clients dropped after ``idle_timeout`` and any request cut off after ``request_timeout``,
-request bodies, decoded pixels and attention replies (until sent) each within a shared budget.
+request bodies, decoded pixels and attention replies (until sent) each within a shared budget, and an
+attention request that waits ``compute_wait`` for the model (busy with another's maps) answered 503.
 
 A request target may be a path (``/api/model``) or, as HTTP/1.1 requires a server to accept, absolute
 (``http://127.0.0.1:8765/api/model``), whose host is then checked in place of the ``Host`` header.

@@ -35,17 +35,42 @@ function clear(node) { while (node.firstChild) node.removeChild(node.firstChild)
 function $(id) { return document.getElementById(id); }
 function niceMax(v) { return Math.max(0.05, Math.ceil(v * 20 - 1e-9) / 20); }
 
+const BUSY_RETRIES = 2; // a GET answered 503 with a Retry-After (the server busy for a moment) is asked again this often
+const MAX_RETRY_AFTER_S = 10; // a longer Retry-After is not waited for: the user is told at once
+
+function sleep(ms) { return new Promise((resolve) => setTimeout(resolve, ms)); }
+
+/* the seconds a 503's Retry-After asks to wait before asking again, or null (another status, no such header, a date,
+ * or longer than the page waits) */
+function retryAfter(res) {
+  const text = (res.headers.get("Retry-After") || "").trim();
+  if (res.status !== 503 || !/^[0-9]{1,5}$/.test(text)) return null;
+  const seconds = Number(text);
+  return seconds <= MAX_RETRY_AFTER_S ? seconds : null;
+}
+
+/* The JSON of a request, or an Error saying what went wrong in words. A GET the server was too busy for (503 with
+ * Retry-After) is asked again after the seconds it asks for, up to BUSY_RETRIES times, before the error is shown. */
 async function getJSON(url, init) {
-  let res;
-  try {
-    res = await fetch(url, init);
-  } catch (err) { // no HTTP answer at all: the browser says only "Failed to fetch"
-    throw new Error("no answer from the explorer: is cgavit explore still running? (it also cuts off a request that takes too long)");
+  const again = !init || !init.method || init.method === "GET";
+  for (let attempt = 0; ; attempt++) {
+    let res;
+    try {
+      res = await fetch(url, init);
+    } catch (err) { // no HTTP answer at all: the browser says only "Failed to fetch"
+      throw new Error("no answer from the explorer: is cgavit explore still running? (it also cuts off a request that takes too long)");
+    }
+    const wait = again && attempt < BUSY_RETRIES ? retryAfter(res) : null;
+    if (wait !== null) {
+      await sleep(1000 * wait);
+      continue;
+    }
+    let body = null;
+    try { body = await res.json(); } catch (e) { body = null; }
+    if (res.ok) return body;
+    if (body && body.error) throw new Error(body.error);
+    throw new Error(res.status === 503 ? "the explorer is busy (HTTP 503); retry in a moment" : `HTTP ${res.status}`);
   }
-  let body = null;
-  try { body = await res.json(); } catch (e) { body = null; }
-  if (!res.ok) throw new Error((body && body.error) || `HTTP ${res.status}`);
-  return body;
 }
 
 /* ---------------------------------------------------------------- six tokens */
