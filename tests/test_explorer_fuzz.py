@@ -148,6 +148,14 @@ def test_integers_are_ascii_digits_only(text):
     assert err.value.status == 400
 
 
+@pytest.mark.parametrize("text", ["25", "0", "-1", "99999999999999999999", "9" * 5000])
+def test_an_integer_out_of_range_says_the_range(text):
+    """Twenty digits or more were refused as "must be an integer written in digits 0-9", which they were."""
+    with pytest.raises(ApiError, match=r"^heads must be in 1\.\.24, got '[-0-9]{1,40}'(\.\.\.)?$") as err:
+        parse_int("heads", text, 1, 24)
+    assert err.value.status == 400
+
+
 def test_full_width_and_underscore_digits_are_refused(server):
     for query in ("heads=%EF%BC%94", "seed=4_0", "heads=%2B4", "heads=%204", "seed=-0"):
         assert_json_error(*get(server, f"/api/cga?{query}"), 400)
