@@ -171,6 +171,21 @@ def test_an_image_size_no_part_of_the_run_reads_is_refused():
     assert resolve_protocol(BenchConfig(img_size=(64, 64), train=True, skip_table=True)).img_size == (64, 64)
 
 
+def test_models_and_peers_no_part_of_the_run_reads_are_refused(tmp_path, capsys):
+    """--skip-table --precision-check --models X measured the checkpoint's model and ignored --models without a word
+    (exit 0); --skip-table --peers X likewise. --train still takes --models."""
+    out = tmp_path / "out"
+    check = ["bench", "--skip-table", "--precision-check", "--checkpoint", "absent.safetensors", "--data", "absent",
+             "--output", str(out)]
+    assert main([*check, "--models", "efficientvit_m5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--models efficientvit_m5 are the table's and --train's variants, and neither runs" in err
+    assert "leave --models out" in err and len(err.splitlines()) == 1 and not out.exists()
+    assert main([*check, "--peers", "levit_128s"]) == 2
+    assert "--peers levit_128s are timed in the main table alone" in capsys.readouterr().err
+    assert resolve_protocol(BenchConfig(models=("m5",), peers=(), train=True, skip_table=True)).models == ("efficientvit_m5",)
+
+
 def test_training_steps_are_timed_on_the_cpu_only(monkeypatch):
     """--train --device cuda built its models and batch on the CPU, so its line was a CPU figure labelled GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -293,6 +293,12 @@ def check_precision_inputs(cfg: BenchConfig) -> None:
     if cfg.skip_table and not cfg.train and cfg.img_size != defaults.img_size:  # it ran at the checkpoint's, exit 0
         raise ValueError(f"--img-size {'x'.join(map(str, cfg.img_size))} is the table's and --train's size, and neither "
                          "runs: the precision check reads images at the size the checkpoint records; leave --img-size out")
+    if cfg.skip_table and not cfg.train and cfg.models != defaults.models:  # it checked the checkpoint's, exit 0
+        raise ValueError(f"--models {' '.join(cfg.models)} are the table's and --train's variants, and neither runs: "
+                         "the precision check measures the --checkpoint's model; leave --models out")
+    if cfg.skip_table and cfg.peers and cfg.peers != defaults.peers:  # peers are timed in the table alone
+        raise ValueError(f"--peers {' '.join(cfg.peers)} are timed in the main table alone, which --skip-table skips; "
+                         "leave --peers out")
     if cfg.precision_check:  # before the output folder is made
         checked_path(cfg.checkpoint)
         check_folder(cfg.data)
