@@ -30,6 +30,7 @@ from torch import nn
 
 from cgavit import kernels
 from cgavit.bench import timm_port
+from cgavit.cli.common import image_side, variant_name, whole_number
 from cgavit.deploy import fuse
 from cgavit.factory import create_model
 from cgavit.testing import randomize_, rel_err
@@ -121,12 +122,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["efficientvit_m0", "efficientvit_m4"])
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--batch", type=int, default=2048, help="throughput batch")
-    parser.add_argument("--latency-batches", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--models", nargs="+", type=variant_name, default=["efficientvit_m0", "efficientvit_m4"])
+    parser.add_argument("--size", type=image_side, default=224)
+    parser.add_argument("--batch", type=whole_number(1), default=2048, help="throughput batch")
+    parser.add_argument("--latency-batches", type=whole_number(1), nargs="+", default=[1, 8, 64])
+    parser.add_argument("--warmup", type=whole_number(0), default=5)
+    parser.add_argument("--repeats", type=whole_number(1), default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs a CUDA GPU")

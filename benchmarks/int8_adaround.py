@@ -27,6 +27,7 @@ import openvino as ov
 import torch
 import torch.nn.functional as F
 
+from cgavit.cli.common import whole_number
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoModule, _folded_weights, compile_cpu, restore_float_layers
 from cgavit.deploy.sensitivity import padded_logits
@@ -108,7 +109,7 @@ def main() -> None:
     p = reference_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--layers", nargs="*", default=None,
                    help="layers to round anew (default: the stem's convolutions and the patch merges')")
-    p.add_argument("--steps", type=int, default=1000, help="optimisation steps per layer (default 1000)")
+    p.add_argument("--steps", type=whole_number(1), default=1000, help="optimisation steps per layer (default 1000)")
     args = p.parse_args()
     info, _, ev, reference, builder, _ = int8_base(args)
     calibration = builder.batches[0]

@@ -28,6 +28,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_calibration, load_labelled
+from cgavit.cli.common import image_folder, readable_file, variant_name
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
 from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, bf16_convolutions
@@ -68,11 +69,14 @@ def build(builder: OpenVinoInt8Builder, layers: list[str], bf16: list[str]) -> O
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--report", required=True, help="a cgavit quantize report (NAME.quantize.json) with an OpenVINO search")
-    p.add_argument("--checkpoint", required=True, help="the checkpoint the report quantised")
-    p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
+    p.add_argument("--report", required=True, type=readable_file,
+                   help="a cgavit quantize report (NAME.quantize.json) with an OpenVINO search")
+    p.add_argument("--checkpoint", required=True, type=readable_file, help="the checkpoint the report quantised")
+    p.add_argument("--data", required=True, type=image_folder,
+                   help="image folder with DIR/train and DIR/VAL class folders")
     p.add_argument("--val-split", default="val", help="evaluation split (default val)")
-    p.add_argument("--model", default="efficientvit_m4", help="variant timed with random weights (default efficientvit_m4)")
+    p.add_argument("--model", type=variant_name, default="efficientvit_m4",
+                   help="variant timed with random weights (default efficientvit_m4)")
     p.add_argument("--each", action="store_true", help="also each float layer alone in bf16")
     args = p.parse_args()
     if not cpu_features().native_bf16:

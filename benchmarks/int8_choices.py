@@ -27,6 +27,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_calibration, load_labelled
 from cgavit.bench.precision import CALIBRATION_IMAGES
+from cgavit.cli.common import image_folder, readable_file, whole_number
 from cgavit.deploy import Int8Options, compare_logits, fuse
 from cgavit.deploy.onnx import QUANTIZED_OPS, OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino, kept_signal_stack
@@ -94,13 +95,16 @@ class Bench:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
-    p.add_argument("--data", required=True, help="image folder with DIR/TRAIN and DIR/VAL class folders")
+    p.add_argument("--checkpoint", required=True, type=readable_file,
+                   help="a trained checkpoint (cgavit train's best.safetensors)")
+    p.add_argument("--data", required=True, type=image_folder,
+                   help="image folder with DIR/TRAIN and DIR/VAL class folders")
     p.add_argument("--train-split", default="train", help="calibration split (default train)")
     p.add_argument("--val-split", default="val", help="evaluation split (default val)")
-    p.add_argument("--calibration-images", type=int, default=CALIBRATION_IMAGES,
+    p.add_argument("--calibration-images", type=whole_number(1), default=CALIBRATION_IMAGES,
                    help=f"calibration images (default {CALIBRATION_IMAGES})")
-    p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
+    p.add_argument("--eval-images", type=whole_number(0), default=0,
+                   help="evaluation images (default 0: the whole split)")
     p.add_argument("--which", choices=("ort", "ov", "all"), default="all", help="runtimes to measure (default all)")
     args = p.parse_args()
     torch.set_num_threads(1)

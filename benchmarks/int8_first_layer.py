@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cgavit.cli.common import variant_name
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits
@@ -55,7 +56,8 @@ def timed(name: str) -> None:
 
 def main() -> None:
     p = reference_arguments(__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="efficientvit_m4", help="variant timed with random weights (default M4)")
+    p.add_argument("--model", type=variant_name, default="efficientvit_m4",
+                   help="variant timed with random weights (default M4)")
     p.add_argument("--skip-speed", action="store_true", help="judge only")
     args = p.parse_args()
     info, fused, ev, reference, gptq, _ = int8_base(args)  # the default builder: GPTQ's first convolution

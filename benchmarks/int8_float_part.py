@@ -22,6 +22,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_labelled
+from cgavit.cli.common import image_folder, readable_file, whole_number
 from cgavit.deploy import compare_logits, cpu_features, fuse, open_exported
 from cgavit.deploy.int8 import float_parts_for_cpu
 from cgavit.deploy.openvino import OpenVinoModule, _core, bf16_convolutions, convolution_nodes
@@ -30,11 +31,13 @@ from cgavit.deploy.sensitivity import padded_logits
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--file", required=True, help="an int8 OpenVINO .xml written by cgavit quantize (its .bin beside it)")
-    p.add_argument("--checkpoint", required=True, help="the checkpoint it was quantised from")
-    p.add_argument("--data", required=True, help="image folder with the evaluation split")
+    p.add_argument("--file", required=True, type=readable_file,
+                   help="an int8 OpenVINO .xml written by cgavit quantize (its .bin beside it)")
+    p.add_argument("--checkpoint", required=True, type=readable_file, help="the checkpoint it was quantised from")
+    p.add_argument("--data", required=True, type=image_folder, help="image folder with the evaluation split")
     p.add_argument("--val-split", default="val", help="evaluation split folder name (default val)")
-    p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
+    p.add_argument("--eval-images", type=whole_number(0), default=0,
+                   help="evaluation images (default 0: the whole split)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)

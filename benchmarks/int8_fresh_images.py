@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cgavit import load_model
+from cgavit.cli.common import image_folder, readable_file
 from cgavit.deploy import compare_logits, cpu_features, fuse
 from cgavit.deploy.artifact import quantized_artifact
 from cgavit.deploy.sensitivity import padded_logits
@@ -34,9 +35,11 @@ def digests(folder: Path) -> set[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="the fp32 checkpoint the files were quantised from")
-    p.add_argument("--data", required=True, help="a split folder of images by class (DIR/<class>/)")
-    p.add_argument("--seen", required=True, help="the folder cgavit quantize judged on: its images are left out")
+    p.add_argument("--checkpoint", required=True, type=readable_file,
+                   help="the fp32 checkpoint the files were quantised from")
+    p.add_argument("--data", required=True, type=image_folder, help="a split folder of images by class (DIR/<class>/)")
+    p.add_argument("--seen", required=True, type=image_folder,
+                   help="the folder cgavit quantize judged on: its images are left out")
     p.add_argument("files", nargs="+", help="int8 files cgavit quantize wrote (.onnx or .xml)")
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from int8_speed import speed_probe  # this folder's speed protocol (run as python benchmarks/int8_layers.py)
 
+from cgavit.cli.common import image_side, variant_name, whole_number
 from cgavit.deploy import cpu_features
 from cgavit.deploy.onnx import OnnxInt8Builder, export_onnx, onnxruntime_conv_times
 from cgavit.deploy.openvino import OpenVinoInt8Builder, openvino_available, openvino_conv_times
@@ -42,9 +43,9 @@ def kind(layer: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="efficientvit_m4", help="variant (default efficientvit_m4)")
-    p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
-    p.add_argument("--runs", type=int, default=10, help="profiled calls, the median kept (default 10)")
+    p.add_argument("--model", type=variant_name, default="efficientvit_m4", help="variant (default efficientvit_m4)")
+    p.add_argument("--img-size", type=image_side, default=224, help="input size (default 224)")
+    p.add_argument("--runs", type=whole_number(1), default=10, help="profiled calls, the median kept (default 10)")
     args = p.parse_args()
     model, x, calibration, opts = speed_probe(args.model, args.img_size)
     size = (args.img_size, args.img_size)

@@ -26,6 +26,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.bench.precision import load_calibration
+from cgavit.cli.common import image_folder, readable_file, whole_number
 from cgavit.deploy import compare_logits, cpu_features, fuse
 from cgavit.deploy.int8 import Int8Options
 from cgavit.deploy.openvino import openvino_from_onnx
@@ -36,13 +37,16 @@ from cgavit.deploy.sensitivity import padded_logits
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="the trained checkpoint")
-    p.add_argument("--data", required=True, help="image folder with the training and evaluation splits")
+    p.add_argument("--checkpoint", required=True, type=readable_file, help="the trained checkpoint")
+    p.add_argument("--data", required=True, type=image_folder,
+                   help="image folder with the training and evaluation splits")
     p.add_argument("--train-split", default="train", help="images to fine-tune on (default train)")
     p.add_argument("--val-split", default="val", help="images to judge on (default val)")
-    p.add_argument("--train-images", type=int, default=5000, help="training images (default 5000)")
-    p.add_argument("--eval-images", type=int, default=0, help="evaluation images (default 0: the whole split)")
-    p.add_argument("--epochs", type=int, default=2, help="fine-tuning epochs (default 2, as --qat; 0: ranges alone)")
+    p.add_argument("--train-images", type=whole_number(1), default=5000, help="training images (default 5000)")
+    p.add_argument("--eval-images", type=whole_number(0), default=0,
+                   help="evaluation images (default 0: the whole split)")
+    p.add_argument("--epochs", type=whole_number(0), default=2,
+                   help="fine-tuning epochs (default 2, as --qat; 0: ranges alone)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5, as --qat)")
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default 1)")
     p.add_argument("--float-layers", nargs="*", default=[], metavar="LAYER",

@@ -24,6 +24,7 @@ import openvino as ov
 import torch
 
 from cgavit.bench import load_labelled
+from cgavit.cli.common import whole_number
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits
@@ -71,7 +72,8 @@ def distance(logits: torch.Tensor, reference: torch.Tensor, objective: str) -> f
 
 def main() -> None:
     p = reference_arguments(__doc__.split("\n\n")[0])
-    p.add_argument("--tune", type=int, default=512, help="training images the search judges ranges on (default 512)")
+    p.add_argument("--tune", type=whole_number(1), default=512,
+                   help="training images the search judges ranges on (default 512)")
     p.add_argument("--factors", default="0.85,1,1.15,1.3,1.5,1.75,2",
                    help="range factors tried for each quantiser, comma-separated (default 0.85,1,1.15,1.3,1.5,1.75,2)")
     p.add_argument("--objective", choices=("mse", "kl"), default="mse", help="distance to fp32's logits (default mse)")

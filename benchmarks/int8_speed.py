@@ -32,6 +32,7 @@ import torch
 import cgavit
 from cgavit.bench import timm_port
 from cgavit.bench.candidates import trace
+from cgavit.cli.common import image_side, variant_name, whole_number
 from cgavit.deploy import Int8Options, cpu_features
 from cgavit.deploy.int8 import float_parts_for_cpu
 from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, export_onnx
@@ -118,9 +119,9 @@ def main() -> None:
                    help="cgavit quantize reports (NAME.quantize.json): in each runtime a report searched, the fewest "
                         "float layers that met its target stay float in that runtime's int8 build (the union "
                         "over the reports)")
-    p.add_argument("--model", default="efficientvit_m4", help="variant (default efficientvit_m4)")
-    p.add_argument("--img-size", type=int, default=224, help="input size (default 224)")
-    p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
+    p.add_argument("--model", type=variant_name, default="efficientvit_m4", help="variant (default efficientvit_m4)")
+    p.add_argument("--img-size", type=image_side, default=224, help="input size (default 224)")
+    p.add_argument("--repeats", type=whole_number(1), default=20, help="timed rounds (default 20)")
     p.add_argument("--qat", action="store_true", help="also time the int8 file quantisation-aware fine-tuning writes "
                                                        "(cgavit quantize --qat; needs cgavit[qat])")
     p.add_argument("--qat-float", nargs="*", default=["patch_embed.conv1"], metavar="LAYER",

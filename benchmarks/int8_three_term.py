@@ -30,6 +30,7 @@ import numpy as np
 import openvino as ov
 import torch
 
+from cgavit.cli.common import readable_file, variant_name
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits
@@ -112,9 +113,11 @@ def variants(builder: OpenVinoInt8Builder, layers: list[str]) -> dict:
 
 def main() -> None:
     p = reference_arguments(__doc__.split("\n\n")[0])
-    p.add_argument("--report", required=True, help="a cgavit quantize report with an OpenVINO fp32-float-part answer")
+    p.add_argument("--report", required=True, type=readable_file,
+                   help="a cgavit quantize report with an OpenVINO fp32-float-part answer")
     p.add_argument("--layers", nargs="*", help="the layers instead of the report's answer")
-    p.add_argument("--model", default="efficientvit_m4", help="variant timed with random weights (default M4)")
+    p.add_argument("--model", type=variant_name, default="efficientvit_m4",
+                   help="variant timed with random weights (default M4)")
     args = p.parse_args()
     layers = args.layers or fp32_answer(args.report)
     _, _, ev, reference, builder, _ = int8_base(args)

@@ -36,6 +36,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_calibration, load_labelled
+from cgavit.cli.common import image_folder, readable_file
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, restore_float_layers
 from cgavit.deploy.sensitivity import padded_logits
@@ -118,8 +119,10 @@ def eight_bit_weights(model, float_model, nodes: list[str], levels: int | None =
 def reference_arguments(description: str) -> argparse.ArgumentParser:
     """The arguments of the scripts that judge OpenVINO builds of a trained reference: its checkpoint and images."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--checkpoint", required=True, help="a trained checkpoint (cgavit train's best.safetensors)")
-    p.add_argument("--data", required=True, help="image folder with DIR/train and DIR/VAL class folders")
+    p.add_argument("--checkpoint", required=True, type=readable_file,
+                   help="a trained checkpoint (cgavit train's best.safetensors)")
+    p.add_argument("--data", required=True, type=image_folder,
+                   help="image folder with DIR/train and DIR/VAL class folders")
     p.add_argument("--val-split", default="val", help="evaluation split (default val)")
     return p
 

@@ -23,6 +23,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_labelled
+from cgavit.cli.common import readable_file
 from cgavit.deploy import compare_logits, fuse, open_exported
 from cgavit.deploy.agreement import NOISE_DRAWS, batched_logits, noisy_logits
 from cgavit.deploy.sensitivity import padded_logits
@@ -33,7 +34,8 @@ from int8_where_lost import reference_arguments  # noqa: E402  (this folder's ch
 
 def main() -> None:
     p = reference_arguments(__doc__.split("\n\n")[0])
-    p.add_argument("--compare", metavar="FILE", help="an exported model of the checkpoint (.onnx, .xml) to set beside")
+    p.add_argument("--compare", metavar="FILE", type=readable_file,
+                   help="an exported model of the checkpoint (.onnx, .xml) to set beside")
     args = p.parse_args()
     torch.set_num_threads(1)
     model, info = load_model(args.checkpoint)

@@ -459,13 +459,47 @@ def test_the_throughput_axis_is_ticked_in_plain_numbers(tmp_path, monkeypatch):
     plt.close(fig)
 
 
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_script(name: str):
+    """The developer script ``benchmarks/NAME.py``, imported (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("script,argv,said", [
+    ("gpu_bench", ["--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    ("gpu_bench", ["--size", "-1"], "argument --size: the side must be between 32 and 4096 pixels, got -1"),
+    ("gpu_bench", ["--models", "m0", "efficientvit_m9"], "argument --models: unknown model 'efficientvit_m9'"),
+    ("gpu_bench", ["--latency-batches", "1", "x"], "argument --latency-batches: expected a whole number, got 'x'"),
+    ("int8_layers", ["--img-size", "x"], "argument --img-size: expected a whole number of pixels, got 'x'"),
+    ("int8_layers", ["--runs", "0"], "argument --runs: must be at least 1, got 0"),
+    ("int8_choices", ["--checkpoint", "absent.safetensors", "--data", "."], "argument --checkpoint: file absent.safetensors "
+     "does not exist; check the path"),
+    ("int8_choices", ["--checkpoint", __file__, "--data", "absent"], "argument --data: folder absent does not exist"),
+    ("int8_choices", ["--checkpoint", __file__, "--data", ".", "--eval-images", "-1"],
+     "argument --eval-images: must be at least 0, got -1"),
+])
+def test_benchmark_scripts_refuse_bad_values_in_one_line(script, argv, said, monkeypatch, capsys):
+    """The scripts in benchmarks/ took --batch 0, --img-size -1, an unknown variant or a missing checkpoint and failed
+    later with a Python traceback (gpu_bench said only that it needs a GPU); argparse now refuses each, exit 2."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run: they import this folder's other scripts
+    main_of = benchmark_script(script).main
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        main_of()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err.splitlines()[-1] and "Traceback" not in err
+
+
 def test_gpu_bench_keeps_throughput_and_latency_apart_when_one_batch_is_both():
     """benchmarks/gpu_bench.py stored both figures of a batch under the batch's number: with --batch 64 and 64
     among --latency-batches the ms per batch replaced the images/s, and the table's img/s and ratio were ms."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_bench", path)
-    gpu_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_bench)
+    gpu_bench = benchmark_script("gpu_bench")
     args = argparse.Namespace(batch=64, latency_batches=[1, 64])
     rows = {label: {"model": "efficientvit_m0", "path": label, "ms": {}, "rel_err_fp32": 0.0}
             for label in (gpu_bench.ANCHOR, "cgavit fuse, compile")}
