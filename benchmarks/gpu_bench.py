@@ -30,7 +30,7 @@ from torch import nn
 
 from cgavit import kernels
 from cgavit.bench import timm_port
-from cgavit.cli.common import image_side, variant_name, whole_number
+from cgavit.cli.types import image_side, variant_name, whole_number
 from cgavit.deploy import fuse
 from cgavit.factory import create_model
 from cgavit.testing import randomize_, rel_err

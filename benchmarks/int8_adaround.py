@@ -27,7 +27,7 @@ import openvino as ov
 import torch
 import torch.nn.functional as F
 
-from cgavit.cli.common import whole_number
+from cgavit.cli.types import whole_number
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoModule, _folded_weights, compile_cpu, restore_float_layers
 from cgavit.deploy.sensitivity import padded_logits

@@ -28,7 +28,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_calibration, load_labelled
-from cgavit.cli.common import image_folder, readable_file, variant_name
+from cgavit.cli.types import image_folder, readable_file, variant_name
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
 from cgavit.deploy.onnx import OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, bf16_convolutions

@@ -27,7 +27,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_calibration, load_labelled
 from cgavit.bench.precision import CALIBRATION_IMAGES
-from cgavit.cli.common import image_folder, readable_file, whole_number
+from cgavit.cli.types import image_folder, readable_file, whole_number
 from cgavit.deploy import Int8Options, compare_logits, fuse
 from cgavit.deploy.onnx import QUANTIZED_OPS, OnnxModule, even_batches, export_onnx
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, convert_openvino, kept_signal_stack

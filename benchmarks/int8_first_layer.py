@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cgavit.cli.common import variant_name
+from cgavit.cli.types import variant_name
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits

@@ -22,7 +22,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_labelled
-from cgavit.cli.common import image_folder, readable_file, whole_number
+from cgavit.cli.types import image_folder, readable_file, whole_number
 from cgavit.deploy import compare_logits, cpu_features, fuse, open_exported
 from cgavit.deploy.int8 import float_parts_for_cpu
 from cgavit.deploy.openvino import OpenVinoModule, _core, bf16_convolutions, convolution_nodes

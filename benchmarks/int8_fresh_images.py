@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cgavit import load_model
-from cgavit.cli.common import image_folder, readable_file
+from cgavit.cli.types import image_folder, readable_file
 from cgavit.deploy import compare_logits, cpu_features, fuse
 from cgavit.deploy.artifact import quantized_artifact
 from cgavit.deploy.sensitivity import padded_logits

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from int8_speed import speed_probe  # this folder's speed protocol (run as python benchmarks/int8_layers.py)
 
-from cgavit.cli.common import image_side, variant_name, whole_number
+from cgavit.cli.types import image_side, variant_name, whole_number
 from cgavit.deploy import cpu_features
 from cgavit.deploy.onnx import OnnxInt8Builder, export_onnx, onnxruntime_conv_times
 from cgavit.deploy.openvino import OpenVinoInt8Builder, openvino_available, openvino_conv_times

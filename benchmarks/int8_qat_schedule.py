@@ -26,7 +26,7 @@ import torch
 from cgavit import load_model
 from cgavit.bench import load_labelled
 from cgavit.bench.precision import load_calibration
-from cgavit.cli.common import image_folder, readable_file, whole_number
+from cgavit.cli.types import image_folder, readable_file, whole_number
 from cgavit.deploy import compare_logits, cpu_features, fuse
 from cgavit.deploy.int8 import Int8Options
 from cgavit.deploy.openvino import openvino_from_onnx

@@ -24,7 +24,7 @@ import openvino as ov
 import torch
 
 from cgavit.bench import load_labelled
-from cgavit.cli.common import whole_number
+from cgavit.cli.types import whole_number
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits

@@ -32,7 +32,7 @@ import torch
 import cgavit
 from cgavit.bench import timm_port
 from cgavit.bench.candidates import trace
-from cgavit.cli.common import image_side, variant_name, whole_number
+from cgavit.cli.types import image_side, variant_name, whole_number
 from cgavit.deploy import Int8Options, cpu_features
 from cgavit.deploy.int8 import float_parts_for_cpu
 from cgavit.deploy.onnx import OnnxInt8Builder, OnnxModule, export_onnx

@@ -30,7 +30,7 @@ import numpy as np
 import openvino as ov
 import torch
 
-from cgavit.cli.common import readable_file, variant_name
+from cgavit.cli.types import readable_file, variant_name
 from cgavit.deploy import compare_logits, cpu_features
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule
 from cgavit.deploy.sensitivity import padded_logits

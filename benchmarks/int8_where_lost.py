@@ -36,7 +36,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_calibration, load_labelled
-from cgavit.cli.common import image_folder, readable_file
+from cgavit.cli.types import image_folder, readable_file
 from cgavit.deploy import Int8Options, compare_logits, cpu_features, fuse
 from cgavit.deploy.openvino import OpenVinoInt8Builder, OpenVinoModule, restore_float_layers
 from cgavit.deploy.sensitivity import padded_logits

@@ -23,7 +23,7 @@ import torch
 
 from cgavit import load_model
 from cgavit.bench import load_labelled
-from cgavit.cli.common import readable_file
+from cgavit.cli.types import readable_file
 from cgavit.deploy import compare_logits, fuse, open_exported
 from cgavit.deploy.agreement import NOISE_DRAWS, batched_logits, noisy_logits
 from cgavit.deploy.sensitivity import padded_logits
