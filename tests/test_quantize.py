@@ -1273,13 +1273,19 @@ def test_a_stop_signal_as_the_files_move_into_place_says_they_all_did(digits_int
 
     monkeypatch.setattr(quantize_cli, "quantize", lambda *args, **kwargs: digits_int8)
     monkeypatch.setattr(cio.os, "replace", signalled)
-    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
-                 "--runtime", "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "16"])
-    written = [tmp_path / f"q{suffix}" for suffix in (".onnx", ".quantize.json", ".quantize.md", ".quantize.png")]
+    code, written = _quantize_to_q(trained_digits, tmp_path)
     assert code == 130 and capsys.readouterr().err == "cgavit quantize: interrupted; the files being moved into place " \
         f"were all moved first: wrote {', '.join(map(str, written))}\n"
     assert sorted(tmp_path.iterdir()) == sorted(written)  # no temporary, no lock
     assert json.loads(written[1].read_text())["meets_target"] is True
+
+
+def _quantize_to_q(trained_digits, tmp_path: Path) -> tuple[int, list[Path]]:
+    """``cgavit quantize --output tmp_path/q`` (ONNX Runtime) on the digits model: its exit code and the files a
+    finished run writes."""
+    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
+                 "--runtime", "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "16"])
+    return code, [tmp_path / f"q{suffix}" for suffix in (".onnx", ".quantize.json", ".quantize.md", ".quantize.png")]
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
@@ -1309,12 +1315,20 @@ def test_a_stop_signal_once_the_files_are_in_place_says_the_run_finished_them(
         monkeypatch.setattr(quantize_cli, "print", printing, raising=False)
     else:
         monkeypatch.setattr(lock_mod, "_names", letting_go)
-    code = main(["quantize", "--checkpoint", str(trained_digits.checkpoint), "--data", str(trained_digits.data),
-                 "--runtime", "onnxruntime", "--output", str(tmp_path / "q"), "--calibration-images", "16"])
-    written = [tmp_path / f"q{suffix}" for suffix in (".onnx", ".quantize.json", ".quantize.md", ".quantize.png")]
+    code, written = _quantize_to_q(trained_digits, tmp_path)
     assert code == 130 and capsys.readouterr().err == "cgavit quantize: interrupted; its files were all in place " \
         f"first: wrote {', '.join(map(str, written))}\n"
     assert sorted(tmp_path.iterdir()) == sorted(written)  # no temporary, no lock
+
+
+def _as_openvino(result, tmp_path: Path):
+    """The ONNX Runtime int8 ``result`` as OpenVINO's answer (its file converted, its report saying so)."""
+    from cgavit.deploy.openvino import openvino_from_onnx
+
+    (tmp_path / "int8.onnx").write_bytes(result.artifact)
+    return replace(result, runtime="openvino", point=replace(result.point, runtime="openvino"),
+                   artifact=openvino_from_onnx(tmp_path / "int8.onnx"),
+                   info=replace(result.info, int8={**result.info.int8, "runtime": "openvino"}))
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
@@ -1324,12 +1338,8 @@ def test_a_stop_signal_while_the_openvino_pair_is_made_says_nothing_was_written(
     being moved into place were all moved first: wrote .../.q.XXXXXXXX/q.bin, ...", files that were never written
     where the user looks (the temporary folder is removed). It now says nothing of them."""
     from cgavit import io as cio
-    from cgavit.deploy.openvino import openvino_from_onnx
 
-    (tmp_path / "int8.onnx").write_bytes(digits_int8.artifact)
-    ov = replace(digits_int8, runtime="openvino", point=replace(digits_int8.point, runtime="openvino"),
-                 artifact=openvino_from_onnx(tmp_path / "int8.onnx"),
-                 info=replace(digits_int8.info, int8={**digits_int8.info.int8, "runtime": "openvino"}))
+    ov = _as_openvino(digits_int8, tmp_path)
     folder = tmp_path / "out"
     folder.mkdir()
     real = os.replace
@@ -1884,12 +1894,7 @@ def test_an_answer_replaces_only_the_other_runtimes_earlier_answer(digits_int8, 
     """cgavit quantize deleted the fp32 NAME.xml + NAME.bin that cgavit export wrote (and a lone NAME.bin), calling
     them another runtime's int8 file from an earlier run: now only an earlier answer goes (its report and its own
     metadata say so), each removed file named; anything else under the name stays, and that is said."""
-    from cgavit.deploy.openvino import openvino_from_onnx
-
-    (tmp_path / "int8.onnx").write_bytes(digits_int8.artifact)
-    ov = replace(digits_int8, runtime="openvino", point=replace(digits_int8.point, runtime="openvino"),
-                 artifact=openvino_from_onnx(tmp_path / "int8.onnx"),
-                 info=replace(digits_int8.info, int8={**digits_int8.info.int8, "runtime": "openvino"}))
+    ov = _as_openvino(digits_int8, tmp_path)
     folder = tmp_path / "out"
     folder.mkdir()
     ov.save(folder / "ov")  # an earlier OpenVINO answer, and its report
