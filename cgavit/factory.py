@@ -142,7 +142,7 @@ def load_pretrained(model: EfficientViT, name: str) -> dict[str, list[str]]:
     first convolution adapted as timm does (:func:`~cgavit.loading.adapt_first_conv`).
 
     Returns:
-        ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
+        ``{"skipped": [...], "resized": [...], "missing": [...], "unexpected": [...]}`` key lists.
 
     Raises:
         CheckpointError: ``model`` cannot take them (changed dials: the message names them); the download

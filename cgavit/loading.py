@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def fit_state_dict(
-    sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], source: str, num_classes: object = "?"
+    sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], source: str, num_classes: object = "?",
+    *, strict: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
     """``sd`` (official, timm or cgavit names) made to fit ``target`` (a model's state dict, on any
     device, meta included), after checking every tensor.
@@ -39,24 +40,30 @@ def fit_state_dict(
     A classifier for another class count is dropped (left as initialised, as fine-tuning needs; all of it,
     BatchNorm included, for a model without one, ``num_classes=0``); a distillation head absent on one side
     is skipped; attention-bias tables for another window are resized bicubically; anything else that
-    differs raises before anything is copied.
+    differs raises before anything is copied. With ``strict=False`` (timm's and ``load_state_dict``'s meaning),
+    a file tensor the model has no name for is left out and a model tensor the file lacks is left as initialised,
+    both reported; shapes are checked all the same, and a file of which no tensor fits is still refused.
 
     Returns:
-        ``(fitted state dict, {"skipped": [...], "resized": [...], "missing": [...]})``.
+        ``(fitted state dict, {"skipped": [...], "resized": [...], "missing": [...], "unexpected": [...]})``.
 
     Raises:
-        CheckpointError: a tensor the schema refuses, an unknown key, a shape mismatch (naming the key
-            and both shapes), or a model tensor the file lacks.
+        CheckpointError: a tensor the schema refuses, a shape mismatch (naming the key and both shapes), and with
+            ``strict`` (the default) an unknown key or a model tensor the file lacks.
     """
     sd = convert_state_dict(check_state_dict(sd, source))
-    report: dict[str, list[str]] = {"skipped": [], "resized": [], "missing": []}
+    report: dict[str, list[str]] = {"skipped": [], "resized": [], "missing": [], "unexpected": []}
     _drop_foreign_heads(sd, target, report, num_classes)
     _refuse_fused(sd, target, source)
     for key, value in list(sd.items()):
+        if key not in target and not strict:
+            report["unexpected"].append(key)
+            del sd[key]
+            continue
         if key not in target:
             raise CheckpointError(
                 f"{source}: key {shown(key)} (shape {tuple(value.shape)}) does not exist in the model; "
-                "is it a checkpoint of another architecture?"
+                "is it a checkpoint of another architecture? (strict=False leaves such keys out)"
             )
         fit = check_tensor(key, value, target[key], source)
         if fit == "reshape":
@@ -64,7 +71,11 @@ def fit_state_dict(
         elif fit == "resize":
             sd[key] = resize_bias_table(value, math.isqrt(target[key].shape[1]))
             report["resized"].append(key)
-    _check_complete(sd, target, report, source)
+    if not strict and not sd and report["unexpected"]:  # timm would load nothing, without a word
+        raise CheckpointError(f"{source}: none of its {len(report['unexpected'])} tensors has a name the model has "
+                              f"(the first: {shown(report['unexpected'][0])}); it is another architecture's checkpoint, "
+                              "or its names carry a prefix to remove first")
+    _check_complete(sd, target, report, source, strict)
     return sd, report
 
 
@@ -125,16 +136,17 @@ def _drop_foreign_heads(sd: dict, target: Mapping, report: dict, num_classes: ob
                      head_w.shape[0], num_classes)
 
 
-def _check_complete(sd: Mapping, target: Mapping, report: dict, source: str) -> None:
+def _check_complete(sd: Mapping, target: Mapping, report: dict, source: str, strict: bool = True) -> None:
     """Every model tensor must come from the file, except heads deliberately left as initialised (the classifier,
     BatchNorm included, where the file has none: a ``num_classes=0`` file) and BatchNorm's step counters
-    (``num_batches_tracked``: ``load_state_dict`` does not ask for them either, and some converters drop them)."""
+    (``num_batches_tracked``: ``load_state_dict`` does not ask for them either, and some converters drop them);
+    without ``strict``, any other tensor the file lacks is reported missing too."""
     file_headless = not any(k.startswith("head.") for k in (*sd, *report["skipped"]))
     for key in target:
         if key in sd or key.endswith(".num_batches_tracked"):
             continue
         if (key.startswith("head_dist.") or (key.startswith("head.") and file_headless)
-                or (key.startswith("head.linear.") and "head.linear.weight" in report["skipped"])):
+                or (key.startswith("head.linear.") and "head.linear.weight" in report["skipped"]) or not strict):
             report["missing"].append(key)
             continue
         raise CheckpointError(
@@ -164,6 +176,7 @@ def load_checkpoint(
     *,
     trust: bool = False,
     prefer_ema: bool = False,
+    strict: bool = True,
     source: str | None = None,
     expect_dropped_heads: bool = False,
 ) -> dict[str, list[str]]:
@@ -178,13 +191,16 @@ def load_checkpoint(
             as ``prefer_ema``: timm's ``load_checkpoint(model, path, True)`` means its ``use_ema``, and read here as
             ``trust`` it would run the file's code.
         prefer_ema: take the EMA weights when the file holds both (timm's ``use_ema``).
+        strict: as timm's and ``load_state_dict``'s: False loads what fits, leaving out the file's tensors the model
+            has no name for and leaving as initialised the model's the file lacks (both warned of and returned);
+            shapes are checked as ever (a mismatch raises), and a file of which nothing fits is refused.
         source: what messages call ``path`` (default: the path, or ``"state dict"`` for a mapping).
         expect_dropped_heads: the caller's model is not meant to reproduce the file's outputs (fine-tuning, where the
             heads are trained again; a teacher, whose class head is what distils): a distillation head it lacks, or a
             classifier for another class count, is noted at INFO, not warned about.
 
     Returns:
-        ``{"skipped": [...], "resized": [...], "missing": [...]}`` key lists.
+        ``{"skipped": [...], "resized": [...], "missing": [...], "unexpected": [...]}`` key lists.
 
     Raises:
         CheckpointError: an unreadable or unsafe file, or one that does not fit (naming the first key
@@ -193,6 +209,7 @@ def load_checkpoint(
     """
     require_flag(trust, "trust")
     require_flag(prefer_ema, "prefer_ema")
+    require_flag(strict, "strict")
     model = network_of(model)  # a features_only, compiled or DDP model loads into its network
     _check_loadable(model)
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
@@ -204,7 +221,7 @@ def load_checkpoint(
         log.warning("%s; its architecture is not compared with the model's", err)
         recorded = None
     check_recorded_architecture(model, recorded, source)
-    sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"))
+    sd, report = fit_state_dict(raw, model.state_dict(), source, getattr(model, "num_classes", "?"), strict=strict)
     check_finite(sd, source)
     _distillation_head_from_class_head(sd, report, source)
     model.load_state_dict(sd, strict=False)
@@ -247,6 +264,18 @@ def _log_report(report: dict[str, list[str]], source: str, expect_dropped_heads:
         log.log(level,  # (a new classifier is not the file's network anyway)
                 "%s has a distillation head and the model none: the model's outputs are its class head's alone, where "
                 "the checkpoint's network averaged both heads; build it with distillation=True to use both", source)
+    _log_partial(report, source)
+
+
+def _log_partial(report: dict[str, list[str]], source: str) -> None:
+    """Warn of what a ``strict=False`` load left out: the file's tensors the model has no name for, and the model's
+    tensors outside its heads that the file lacked (left as initialised: the model is not the file's network)."""
+    body = [k for k in report["missing"] if not k.startswith(("head.", "head_dist."))]
+    for keys, what in ((report["unexpected"], "of its tensors have no name in the model and were not loaded"),
+                       (body, "of the model's tensors are not in it and were left as initialised")):
+        if keys:
+            shown_keys = ", ".join(keys[:5]) + (", ..." if len(keys) > 5 else "")
+            log.warning("%s: %d %s (strict=False): %s", source, len(keys), what, shown_keys)
 
 
 def recorded_config(wf: WeightsFile, source: str) -> EfficientViTConfig | None:

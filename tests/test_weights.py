@@ -164,6 +164,31 @@ def test_trust_is_never_taken_by_position_as_timms_use_ema_is(tmp_path):
             load_checkpoint(cgavit.create_model("efficientvit_m0"), path, *positional)
 
 
+def test_strict_false_loads_what_fits_as_timm_does_and_says_what_it_left(caplog):
+    """timm's load_checkpoint(model, path, strict=False) was a TypeError here. It now loads what fits: a tensor the
+    model has no name for is left out, one the file lacks is left as initialised, both warned of and returned; a
+    shape mismatch is refused all the same, and so is a file none of whose tensors fits (timm loads nothing)."""
+    source = randomize_(cgavit.create_model("efficientvit_m0", num_classes=10), 0)
+    sd = {k: v for k, v in source.state_dict().items() if not k.startswith("stages.2.blocks.0.")}
+    sd["neck.weight"] = torch.ones(3)
+    model = cgavit.create_model("efficientvit_m0", num_classes=10)
+    with pytest.raises(CheckpointError, match="'neck.weight'.*strict=False"):
+        load_checkpoint(model, sd)
+    with caplog.at_level(logging.WARNING, logger="cgavit.loading"):
+        report = load_checkpoint(model, sd, strict=False)
+    assert report["unexpected"] == ["neck.weight"]
+    assert report["missing"] and all(k.startswith("stages.2.blocks.0.") for k in report["missing"])
+    assert "1 of its tensors have no name in the model" in caplog.text and "left as initialised (strict=False)" in caplog.text
+    loaded = model.state_dict()
+    assert torch.equal(loaded["stages.1.blocks.0.pre.0.m.conv.weight"], sd["stages.1.blocks.0.pre.0.m.conv.weight"])
+    with pytest.raises(CheckpointError, match="shape mismatch at 'stages.0.blocks.0.pre.0.m.conv.weight'"):
+        load_checkpoint(model, dict(sd, **{"stages.0.blocks.0.pre.0.m.conv.weight": torch.zeros(1)}), strict=False)
+    with pytest.raises(CheckpointError, match="none of its .* tensors has a name the model has"):
+        load_checkpoint(model, {"backbone." + k: v for k, v in sd.items()}, strict=False)
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        load_checkpoint(model, sd, strict="no")
+
+
 @pytest.mark.parametrize("protocol", [4, 5])
 def test_a_file_of_a_newer_pickle_protocol_is_not_said_to_hold_code(tmp_path, protocol):
     """torch's safe loader reads pickle protocol 2 and 3 only: a plain state dict saved with protocol 4 or 5 was
