@@ -126,6 +126,17 @@ def test_predict_imagenet_names_for_third_party_files(tmp_path, capsys):
             assert torch.equal(a, b)
 
 
+def test_predict_text_aligns_ranks_of_ten_and_more(tmp_path, capsys):
+    """With --topk 12 the ranks 10-12 pushed their lines one column right of ranks 1-9."""
+    save_weights(create_model("m0", num_classes=20, img_size=32, **DIALS).eval(), tmp_path / "w.safetensors")
+    img = tmp_path / "x.png"
+    Image.new("RGB", (40, 40), (20, 200, 30)).save(img)
+    assert main(["predict", str(img), "--checkpoint", str(tmp_path / "w.safetensors"), "--topk", "12"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 12 and lines[0].startswith("   1. ") and lines[11].startswith("  12. ")
+    assert len({line.index("%") for line in lines}) == 1
+
+
 def test_predict_takes_one_path_as_one_image(tmp_path):
     """`predict("cat.png", ...)` read the name as a list of its characters: 7 rows of 'image c does not exist', ...;
     a Path was a TypeError (not iterable)."""

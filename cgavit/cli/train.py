@@ -136,10 +136,11 @@ def _predict(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(good, indent=1))
     else:
+        width = len(str(max((len(row["top"]) for row in good), default=1)))  # ranks 1-9 aligned with 10 and up
         for row in good:  # file and class names may hold escape sequences and newlines: printed escaped
             print(printable_line(str(row["image"])))
             for rank, t in enumerate(row["top"], 1):
-                print(f"  {rank}. {100 * t['prob']:6.2f}%  {printable_line(t['name'])}  (class {t['index']})")
+                print(f"  {rank:>{width}}. {100 * t['prob']:6.2f}%  {printable_line(t['name'])}  (class {t['index']})")
     sys.stdout.flush()
     for row in rows:
         if "error" in row:
