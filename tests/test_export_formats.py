@@ -1197,6 +1197,27 @@ def test_metadata_without_its_preprocessing_warns_of_what_is_assumed():
     assert info.mean == (0.485, 0.456, 0.406) and info.crop_pct == 0.875
 
 
+def test_metadata_of_a_newer_cgavit_warns_naming_both_versions(monkeypatch):
+    """A file whose metadata a newer cgavit wrote opened without a word, though it may record what this version
+    does not read. A newer major or minor version warns, naming both; the same release, an older one, a newer patch
+    and a version that is not a number open silently."""
+    import warnings
+
+    from cgavit.deploy import metadata
+    from cgavit.deploy.metadata import ExportInfo
+
+    monkeypatch.setattr(metadata, "cgavit_version", lambda: "0.4.2")
+    for newer in ("0.5.0", "1.0", "0.10.0.dev1"):
+        props = ExportInfo(img_size=(32, 32), version=newer).to_props()
+        with pytest.warns(RuntimeWarning, match=rf"m.onnx was written by cgavit {re.escape(newer)}, newer than the "
+                                                r"installed 0.4.2: .*pip install -U cgavit"):
+            assert ExportInfo.from_props(props, "m.onnx").version == newer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for same in ("0.4.2", "0.4.9", "0.3.7", "", "dev"):
+            ExportInfo.from_props(ExportInfo(img_size=(32, 32), version=same).to_props())
+
+
 @pytest.mark.parametrize("batch", [2.5, True, "2", 0])
 def test_a_batch_that_is_no_whole_number_is_refused_in_one_line(batch, tmp_path):
     """export_model(..., "executorch", batch=2.5) raised torch.randn's TypeError (a page of its signatures), batch="2"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,13 @@ def cgavit_version() -> str:
         return metadata.version("cgavit")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def release(version: str) -> tuple[int, int] | None:
+    """The ``(major, minor)`` a version starts with (``"0.3.1.dev2"``: ``(0, 3)``); None for one that does not
+    (``"unknown"``, ``""``)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,10 @@ class ExportInfo:
         size and depth, class names as a checkpoint's (:func:`~cgavit.schema.check_class_names`), numbers
         finite and within :mod:`cgavit.bounds` and the schema's normalisation ranges.
 
+        Warns:
+            RuntimeWarning: a file missing part of its preprocessing (ImageNet's is assumed, named), or one written by
+                a cgavit of a newer major or minor version than the installed one (both named).
+
         Raises:
             ValueError: no cgavit metadata, or a value that is malformed or out of range (the first one named).
         """
@@ -112,6 +124,11 @@ class ExportInfo:
             warnings.warn(f"{source} records no {', '.join(missing)} in its cgavit metadata, so ImageNet's "
                           f"{', '.join(assumed[key] for key in missing)} are assumed, which fit only a model trained "
                           "with them; export the checkpoint again to record its own", RuntimeWarning, stacklevel=2)
+        written, installed = release(info.version), release(cgavit_version())
+        if written is not None and installed is not None and written > installed:
+            warnings.warn(f"{source} was written by cgavit {info.version}, newer than the installed {cgavit_version()}: "
+                          "its metadata may record what this version does not know, which is ignored; upgrade cgavit "
+                          "(pip install -U cgavit) to read it as written", RuntimeWarning, stacklevel=2)
         return info
 
     def check_network(self, inputs: Sequence[int | None] | None, outputs: Sequence[int | None] | None,
