@@ -21,11 +21,15 @@ import torch
 
 from .hub import download_release
 from .imagenet import class_names
+from .bounds import CROP_PCT_RANGE, INTERPOLATIONS
 from .io import CheckpointError, require_flag
 from .loading import adapt_first_conv, fit_state_dict, load_checkpoint
 from .model import EfficientViT, FeatureMaps, convert_state_dict, floating_dtype, stage_indices
 from .schema import (
+    MEAN_RANGE,
+    STD_RANGE,
     WeightsMeta,
+    bounded_floats,
     check_finite,
     check_meta_against_shapes,
     check_training_checkpoint,
@@ -67,6 +71,7 @@ def create_model(
     dtype: torch.dtype | None = None,
     features_only: bool = False,
     out_indices: int | list[int] | tuple[int, ...] | None = None,
+    pretrained_cfg_overlay: Mapping[str, object] | None = None,
     **dials,
 ) -> EfficientViT | FeatureMaps:
     """Build a registered EfficientViT, optionally with weights.
@@ -88,6 +93,9 @@ def create_model(
             the file's precision, then the model is moved (``device="meta"`` gives a model without data).
         features_only, out_indices: timm's: a :class:`~cgavit.model.FeatureMaps` of the weighted model (no classifier),
             giving the maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices``.
+        pretrained_cfg_overlay: timm's: entries over the model's ``pretrained_cfg`` (``mean``, ``std``, ``crop_pct``,
+            ``interpolation``, ..., which ``timm.data.resolve_data_config`` reads), and ``file``: with ``pretrained``,
+            the weights read from that local file instead of downloaded (EMA weights preferred, as timm does).
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``, ``group_split``,
             ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``, ``allocation``) and its other fields
             (``num_heads``, ``embed_dim``, ``depth``, ``window_size``, ``kernels``).
@@ -100,12 +108,17 @@ def create_model(
     key = resolve_name(name)
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     _check_weights_args(pretrained, checkpoint_path)
+    overlay = dict(pretrained_cfg_overlay or {}) if _is_overlay(pretrained_cfg_overlay) else {}
+    file = overlay.pop("file", None)
     stages = _feature_stages(features_only, out_indices, len(cfg.depth))  # refused before any download
     model = EfficientViT(cfg, num_classes=0 if features_only else num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool,
                          drop_rate=drop_rate)
     floating_dtype(dtype)  # refused before any download
-    if pretrained:
+    model.pretrained_cfg = overlaid(model, overlay, file, pretrained)
+    if pretrained and file is not None:
+        load_pretrained_file(model, file)
+    elif pretrained:
         load_pretrained(model, key)
     elif checkpoint_path is not None:
         load_checkpoint(model, checkpoint_path)
@@ -122,6 +135,69 @@ def _feature_stages(features_only: object, out_indices: object, stages: int) -> 
         raise ValueError("out_indices selects the stage maps of a features_only model; give features_only=True, "
                          "or call model.forward_intermediates(x, indices=...) on the whole model")
     return stage_indices(out_indices, stages)
+
+
+def _is_overlay(overlay: object) -> bool:
+    """Whether ``pretrained_cfg_overlay`` is a mapping (None: no overlay); ``ValueError`` for anything else."""
+    if overlay is not None and not isinstance(overlay, Mapping):
+        raise ValueError(f"pretrained_cfg_overlay must be a dict of pretrained_cfg entries, e.g. dict(mean=..., std=...) "
+                         f"or dict(file='weights.pth') with pretrained=True; got {overlay!r}")
+    return overlay is not None
+
+
+def overlaid(model: EfficientViT, overlay: Mapping[str, object], file: object, pretrained: bool) -> dict:
+    """``model.pretrained_cfg`` with timm's ``pretrained_cfg_overlay`` entries over it, each checked: where weights come
+    from (``file`` only with ``pretrained``; no other download place), what the model is (``num_classes``,
+    ``input_size``: only the model's own), and how it is fed (mean and std: 1 or ``in_chans`` values in the
+    schema's ranges; crop and interpolation within :mod:`cgavit.bounds`). ``ValueError`` naming the entry otherwise."""
+    if file is not None and (not pretrained or not isinstance(file, (str, os.PathLike))):
+        raise ValueError(f"pretrained_cfg_overlay's file ({file!r}) is where pretrained=True reads the weights from; give "
+                         "it as a path with pretrained=True, or load the file with checkpoint_path=")
+    remote = [k for k in ("url", "hf_hub_id", "hf_hub_filename") if overlay.get(k)]
+    if remote:
+        raise ValueError(f"pretrained_cfg_overlay's {remote[0]}: cgavit downloads the published release only "
+                         "(CGAVIT_WEIGHTS_MIRROR names a mirror of it); give a downloaded file as "
+                         "pretrained_cfg_overlay=dict(file=path) with pretrained=True, or checkpoint_path=path")
+    cfg = model.pretrained_cfg
+    for key, argument in (("num_classes", "num_classes"), ("input_size", "in_chans and img_size")):
+        if key in overlay and tuple(_listed(overlay[key])) != tuple(_listed(cfg[key])):
+            raise ValueError(f"pretrained_cfg_overlay's {key} {overlay[key]!r} is not the model's {cfg[key]!r}: it "
+                             f"describes the network, which create_model builds from {argument}; give {argument} instead")
+    checked = {}
+    for key in ("mean", "std"):
+        values = overlay.get(key, cfg[key])
+        count = len(values) if isinstance(values, (list, tuple)) else 0
+        if count not in (1, model.in_chans):
+            raise ValueError(f"pretrained_cfg_overlay's {key} must hold 1 or {model.in_chans} numbers (one per input "
+                             f"channel), got {values!r}")
+        checked[key] = bounded_floats(values, f"pretrained_cfg_overlay's {key}", count,
+                                      *(MEAN_RANGE if key == "mean" else STD_RANGE))
+    crop, (lo, hi) = overlay.get("crop_pct", cfg["crop_pct"]), CROP_PCT_RANGE
+    if isinstance(crop, bool) or not isinstance(crop, (int, float)) or not lo <= crop <= hi:
+        raise ValueError(f"pretrained_cfg_overlay's crop_pct must be a number in [{lo}, {hi}], got {crop!r}")
+    if overlay.get("interpolation", cfg["interpolation"]) not in INTERPOLATIONS:
+        raise ValueError(f"pretrained_cfg_overlay's interpolation must be one of {', '.join(INTERPOLATIONS)}, got "
+                         f"{overlay['interpolation']!r}")
+    return {**cfg, **overlay, **checked, "crop_pct": float(crop)}
+
+
+def _listed(value: object) -> object:
+    """``value`` as a list where it is a tuple or a list (an overlay's ``input_size`` compares as either)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def load_pretrained_file(model: EfficientViT, path: str | os.PathLike) -> dict[str, list[str]]:
+    """``pretrained=True`` with timm's ``pretrained_cfg_overlay=dict(file=path)``: the weights read from that local file,
+    as the published ones are (EMA weights preferred where it holds both, as timm's loader does; a classifier for
+    another class count dropped, logged; the RGB first convolution adapted to ``in_chans``).
+
+    Raises:
+        CheckpointError: an unreadable or unsafe file, or one that does not fit the model.
+    """
+    sd = read_state_dict(path, prefer_ema=True)
+    if model.in_chans != 3:
+        sd = adapt_first_conv(convert_state_dict(sd), model.in_chans)
+    return load_checkpoint(model, sd, source=str(path), expect_dropped_heads=True)
 
 
 def _check_weights_args(pretrained: object, checkpoint_path: object) -> None:
