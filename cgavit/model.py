@@ -619,19 +619,48 @@ class EfficientViT(DefaultCfgName, nn.Module):
 
 class FeatureInfo(list):
     """The stages a :class:`FeatureMaps` gives, one dict each (``num_chs``, ``reduction``, ``module``), with the
-    accessors of timm's ``FeatureInfo`` that necks read: ``channels()``, ``reduction()``, ``module_name()``."""
+    accessors of timm's ``FeatureInfo`` that necks read, as timm reads them: ``channels()``, ``reduction()``,
+    ``module_name()``, ``get(key)`` and ``get_dicts()`` give the stages given; with ``idx`` (a stage number, or a list
+    of them) they give those stages of the whole network whatever ``out_indices`` is, as timm's do (with
+    ``out_indices=(1, 2)``, ``channels(0)`` is stage 0's). The list itself holds the stages given.
 
-    def channels(self, idx: int | None = None) -> list[int] | int:
-        return self._get("num_chs", idx)
+    Args:
+        stages: the network's stages' dicts, all of them (``info``).
+        out_indices: the stage numbers given, non-negative and sorted.
+    """
 
-    def reduction(self, idx: int | None = None) -> list[int] | int:
-        return self._get("reduction", idx)
+    def __init__(self, stages: list[dict], out_indices: list[int]) -> None:
+        super().__init__(stages[i] for i in out_indices)
+        self.info = list(stages)
+        self.out_indices = tuple(out_indices)
 
-    def module_name(self, idx: int | None = None) -> list[str] | str:
-        return self._get("module", idx)
+    def channels(self, idx: int | list[int] | None = None) -> list[int] | int:
+        return self.get("num_chs", idx)
 
-    def _get(self, key: str, idx: int | None) -> list | int | str:
-        return [info[key] for info in self] if idx is None else self[idx][key]
+    def reduction(self, idx: int | list[int] | None = None) -> list[int] | int:
+        return self.get("reduction", idx)
+
+    def module_name(self, idx: int | list[int] | None = None) -> list[str] | str:
+        return self.get("module", idx)
+
+    def get(self, key: str, idx: int | list[int] | None = None) -> list | int | str:
+        """``key`` of each stage given (``idx`` None), or of stage ``idx`` of the network (a list: of each)."""
+        if idx is None:
+            return [info[key] for info in self]
+        if isinstance(idx, (list, tuple)):
+            return [self.info[i][key] for i in idx]
+        return self.info[idx][key]
+
+    def get_dicts(self, keys: list[str] | None = None, idx: int | list[int] | None = None) -> list[dict] | dict:
+        """The dicts of the stages given (``idx`` None) or of stage(s) ``idx`` of the network, cut to ``keys``."""
+        def cut(info: dict) -> dict:
+            return dict(info) if keys is None else {k: info[k] for k in keys}
+
+        if idx is None:
+            return [cut(info) for info in self]
+        if isinstance(idx, (list, tuple)):
+            return [cut(self.info[i]) for i in idx]
+        return cut(self.info[idx])
 
 
 class FeatureMaps(DefaultCfgName, nn.Module):
@@ -652,9 +681,10 @@ class FeatureMaps(DefaultCfgName, nn.Module):
         super().__init__()
         if not isinstance(model, EfficientViT):
             raise ValueError(f"FeatureMaps takes an EfficientViT, got {type(model).__name__}")
+        stages = list(model.feature_info)  # the whole network's, before pruning cuts them
         self.out_indices = model.prune_intermediate_layers(out_indices)
         self.model = model
-        self.feature_info = FeatureInfo(model.feature_info[i] for i in self.out_indices)
+        self.feature_info = FeatureInfo(stages, self.out_indices)
         self.in_chans = model.in_chans
 
     @property

@@ -441,6 +441,24 @@ def test_features_only_as_timms_create_model_takes_it(tmp_path):
         cgavit.create_model("m0", features_only=True, out_indices=(3,))
 
 
+def test_feature_info_accessors_read_stage_numbers_as_timms_do():
+    """With out_indices=(1, 2), feature_info.channels(0) gave stage 1's 128 channels where timm's FeatureInfo gives
+    stage 0's 64 (its idx is a stage of the network, whatever out_indices is): a neck written for timm was sized
+    wrong without a word. timm's get, get_dicts and out_indices were missing. Each now answers as timm's does."""
+    import pickle
+
+    for out_indices in ((1, 2), (0, 1), (-1,), None):
+        given = {} if out_indices is None else dict(out_indices=out_indices)
+        ours = cgavit.create_model("m0", features_only=True, **given).feature_info
+        theirs = timm.create_model("efficientvit_m0", features_only=True, **given).feature_info
+        for call in ("channels()", "channels(0)", "channels(-1)", "reduction([0, 2])", "module_name(1)", "get('num_chs')",
+                     "get_dicts(keys=['num_chs'])", "get_dicts(idx=1, keys=['reduction'])"):
+            assert eval("ours." + call) == eval("theirs." + call), (out_indices, call)
+        assert ours.out_indices == tuple(i % 3 for i in theirs.out_indices)
+    copied = pickle.loads(pickle.dumps(ours))
+    assert copied == ours and copied.channels(0) == 64 and copy.deepcopy(ours).out_indices == (0, 1, 2)
+
+
 def test_a_features_only_models_pretrained_cfg_is_its_networks_as_it_is_now():
     """A features_only model's pretrained_cfg was the network's dict as it was at creation: after
     feats.model.set_input_size(256) (the network is its public attribute), timm's resolve_data_config still gave the
