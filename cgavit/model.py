@@ -590,16 +590,17 @@ class EfficientViT(DefaultCfgName, nn.Module):
         self.head = fresh() if num_classes > 0 else nn.Identity()
         self.head_dist = fresh() if self.distillation and num_classes > 0 else None
 
-    def set_input_size(self, img_size: int | tuple[int, int]) -> None:
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None) -> None:
         """Make this the model built for ``img_size`` images, as timm's ``set_input_size``: each stage's window
         becomes ``min(window_size, stage resolution)`` for that size, and the attention-bias tables whose window
         changes are resized (bicubic). The result equals :func:`~cgavit.create_model` with ``img_size`` given
-        these weights. Works on the model as built or fused (:func:`cgavit.deploy.fuse`); call it before a fast
+        these weights (None, as in timm: the size it is built for now). Works on the model as built or fused (:func:`cgavit.deploy.fuse`); call it before a fast
         path converts the model and before an optimizer is made (a resized table is a new parameter).
 
         Raises:
             ValueError: a bad size, or a model whose attention modules a fast path replaced.
         """
+        img_size = self.img_size if img_size is None else img_size
         _, _, img_hw, _ = _check_build_args(self.cfg, self.num_classes, self.in_chans, img_size, 0.0)
         stages = [[m for m in stage.modules() if isinstance(m, LocalWindowAttention)] for stage in self.stages]
         if [len(attentions) for attentions in stages] != list(self.cfg.depth[: len(stages)]):

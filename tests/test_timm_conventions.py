@@ -385,6 +385,16 @@ def test_set_input_size_is_the_model_built_for_that_size(tmp_path, monkeypatch):
     assert [s.blocks[0].mixer.m.window for s in pruned.stages] == [6]
 
 
+def test_set_input_size_without_a_size_keeps_the_built_one_as_timms_does():
+    """timm's set_input_size(img_size=None) keeps the current size; here it was a TypeError (a required argument)."""
+    model = cgavit.create_model("m0", img_size=96, **SMALL)
+    windows = [s.blocks[0].mixer.m.window for s in model.stages]
+    model.set_input_size()
+    assert model.img_size == (96, 96) and [s.blocks[0].mixer.m.window for s in model.stages] == windows
+    assert model.pretrained_cfg["input_size"] == (3, 96, 96)
+    assert timm.create_model("efficientvit_m0", img_size=96).set_input_size() is None  # timm's takes it too
+
+
 def resized_at(weights: dict, size: int) -> torch.nn.Module:
     model = cgavit.create_model("m0", num_classes=10, checkpoint_path=weights).eval()
     model.set_input_size(size)
