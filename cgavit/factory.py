@@ -93,9 +93,7 @@ def create_model(
             the file's precision, then the model is moved (``device="meta"`` gives a model without data).
         features_only, out_indices: timm's: a :class:`~cgavit.model.FeatureMaps` of the weighted model (no classifier),
             giving the maps of the stages ``out_indices`` asks for, as ``forward_intermediates`` reads ``indices``.
-        pretrained_cfg_overlay: timm's: entries over the model's ``pretrained_cfg`` (``mean``, ``std``, ``crop_pct``,
-            ``interpolation``, ..., which ``timm.data.resolve_data_config`` reads), and ``file``: with ``pretrained``,
-            the weights read from that local file instead of downloaded (EMA weights preferred, as timm does).
+        pretrained_cfg_overlay: timm's: ``pretrained_cfg`` entries, and a ``file`` read for ``pretrained`` (:func:`overlaid`).
         **dials: design dials of :class:`~cgavit.variants.EfficientViTConfig` (``cascade``, ``group_split``,
             ``ffn_per_side``, ``key_dim``, ``attn_ratio``, ``ffn_ratio``, ``allocation``) and its other fields
             (``num_heads``, ``embed_dim``, ``depth``, ``window_size``, ``kernels``).
@@ -108,20 +106,13 @@ def create_model(
     key = resolve_name(name)
     cfg = VARIANTS[key].cfg.with_dials(**dials) if dials else VARIANTS[key].cfg
     _check_weights_args(pretrained, checkpoint_path)
-    overlay = dict(pretrained_cfg_overlay or {}) if _is_overlay(pretrained_cfg_overlay) else {}
-    file = overlay.pop("file", None)
     stages = _feature_stages(features_only, out_indices, len(cfg.depth))  # refused before any download
     model = EfficientViT(cfg, num_classes=0 if features_only else num_classes, in_chans=in_chans, img_size=img_size,
                          distillation=distillation, drop_path_rate=drop_path_rate, name=key, global_pool=global_pool,
                          drop_rate=drop_rate)
     floating_dtype(dtype)  # refused before any download
-    model.pretrained_cfg = overlaid(model, overlay, file, pretrained)
-    if pretrained and file is not None:
-        load_pretrained_file(model, file)
-    elif pretrained:
-        load_pretrained(model, key)
-    elif checkpoint_path is not None:
-        load_checkpoint(model, checkpoint_path)
+    model.pretrained_cfg, file = overlaid(model, pretrained_cfg_overlay, pretrained)
+    _load_weights(model, key, pretrained, file, checkpoint_path)
     model = FeatureMaps(model, stages) if features_only else model
     return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
 
@@ -137,19 +128,28 @@ def _feature_stages(features_only: object, out_indices: object, stages: int) -> 
     return stage_indices(out_indices, stages)
 
 
-def _is_overlay(overlay: object) -> bool:
-    """Whether ``pretrained_cfg_overlay`` is a mapping (None: no overlay); ``ValueError`` for anything else."""
-    if overlay is not None and not isinstance(overlay, Mapping):
+def _load_weights(model: EfficientViT, key: str, pretrained: bool, file: object, checkpoint_path: object) -> None:
+    """The weights :func:`create_model` was asked for, if any: the published ones, or ``file`` in their place (timm's
+    ``pretrained_cfg_overlay=dict(file=...)``), or ``checkpoint_path``."""
+    if pretrained and file is not None:
+        load_pretrained_file(model, file)
+    elif pretrained:
+        load_pretrained(model, key)
+    elif checkpoint_path is not None:
+        load_checkpoint(model, checkpoint_path)
+
+
+def overlaid(model: EfficientViT, given: object, pretrained: bool) -> tuple[dict, object]:
+    """``(model.pretrained_cfg`` with timm's ``pretrained_cfg_overlay`` entries over it, its ``file`` entry``)``, each
+    entry checked: where weights come from (``file`` only with ``pretrained``; no other download place), what the model
+    is (``num_classes``, ``input_size``: only the model's own), and how it is fed (mean and std: 1 or ``in_chans``
+    values in the schema's ranges; crop and interpolation within :mod:`cgavit.bounds`). ``ValueError`` naming the
+    entry otherwise."""
+    if given is not None and not isinstance(given, Mapping):
         raise ValueError(f"pretrained_cfg_overlay must be a dict of pretrained_cfg entries, e.g. dict(mean=..., std=...) "
-                         f"or dict(file='weights.pth') with pretrained=True; got {overlay!r}")
-    return overlay is not None
-
-
-def overlaid(model: EfficientViT, overlay: Mapping[str, object], file: object, pretrained: bool) -> dict:
-    """``model.pretrained_cfg`` with timm's ``pretrained_cfg_overlay`` entries over it, each checked: where weights come
-    from (``file`` only with ``pretrained``; no other download place), what the model is (``num_classes``,
-    ``input_size``: only the model's own), and how it is fed (mean and std: 1 or ``in_chans`` values in the
-    schema's ranges; crop and interpolation within :mod:`cgavit.bounds`). ``ValueError`` naming the entry otherwise."""
+                         f"or dict(file='weights.pth') with pretrained=True; got {given!r}")
+    overlay = dict(given or {})
+    file = overlay.pop("file", None)
     if file is not None and (not pretrained or not isinstance(file, (str, os.PathLike))):
         raise ValueError(f"pretrained_cfg_overlay's file ({file!r}) is where pretrained=True reads the weights from; give "
                          "it as a path with pretrained=True, or load the file with checkpoint_path=")
@@ -178,7 +178,7 @@ def overlaid(model: EfficientViT, overlay: Mapping[str, object], file: object, p
     if overlay.get("interpolation", cfg["interpolation"]) not in INTERPOLATIONS:
         raise ValueError(f"pretrained_cfg_overlay's interpolation must be one of {', '.join(INTERPOLATIONS)}, got "
                          f"{overlay['interpolation']!r}")
-    return {**cfg, **overlay, **checked, "crop_pct": float(crop)}
+    return {**cfg, **overlay, **checked, "crop_pct": float(crop)}, file
 
 
 def _listed(value: object) -> object:
