@@ -21,7 +21,6 @@ import torch
 
 from .hub import download_release
 from .imagenet import class_names
-from .bounds import CROP_PCT_RANGE, INTERPOLATIONS
 from .io import CheckpointError, require_flag
 from .loading import adapt_first_conv, fit_state_dict, load_checkpoint
 from .model import EfficientViT, FeatureMaps, convert_state_dict, floating_dtype, stage_indices
@@ -33,6 +32,7 @@ from .schema import (
     check_finite,
     check_meta_against_shapes,
     check_training_checkpoint,
+    crop_and_interpolation,
     is_training_checkpoint,
     is_weights_meta,
     parse_weights_meta,
@@ -172,13 +172,10 @@ def overlaid(model: EfficientViT, given: object, pretrained: bool) -> tuple[dict
                              f"channel), got {values!r}")
         checked[key] = bounded_floats(values, f"pretrained_cfg_overlay's {key}", count,
                                       *(MEAN_RANGE if key == "mean" else STD_RANGE))
-    crop, (lo, hi) = overlay.get("crop_pct", cfg["crop_pct"]), CROP_PCT_RANGE
-    if isinstance(crop, bool) or not isinstance(crop, (int, float)) or not lo <= crop <= hi:
-        raise ValueError(f"pretrained_cfg_overlay's crop_pct must be a number in [{lo}, {hi}], got {crop!r}")
-    if overlay.get("interpolation", cfg["interpolation"]) not in INTERPOLATIONS:
-        raise ValueError(f"pretrained_cfg_overlay's interpolation must be one of {', '.join(INTERPOLATIONS)}, got "
-                         f"{overlay['interpolation']!r}")
-    return {**cfg, **overlay, **checked, "crop_pct": float(crop)}, file
+    checked["crop_pct"], checked["interpolation"] = crop_and_interpolation(
+        overlay.get("crop_pct", cfg["crop_pct"]), overlay.get("interpolation", cfg["interpolation"]),
+        "pretrained_cfg_overlay's crop_pct", "pretrained_cfg_overlay's interpolation")
+    return {**cfg, **overlay, **checked}, file
 
 
 def _listed(value: object) -> object:

@@ -392,6 +392,22 @@ def bounded_floats(value: object, name: str, n: int, lo: float, hi: float) -> tu
     return tuple(float(v) for v in value)
 
 
+def crop_and_interpolation(crop_pct: object, interpolation: object, crop_name: str = "crop_pct",
+                           interpolation_name: str = "interpolation") -> tuple[float, str]:
+    """``(crop_pct as a float, interpolation)``, the crop within :data:`~cgavit.bounds.CROP_PCT_RANGE` (a number, or
+    its text as metadata holds it) and the interpolation one of :data:`~cgavit.bounds.INTERPOLATIONS`; ValueError
+    naming ``crop_name`` or ``interpolation_name`` otherwise."""
+    try:
+        pct = float(crop_pct) if not isinstance(crop_pct, bool) else math.nan
+    except (TypeError, ValueError):
+        raise ValueError(f"{crop_name} must be a number, got {shown(crop_pct)}") from None
+    if not (math.isfinite(pct) and CROP_PCT_RANGE[0] <= pct <= CROP_PCT_RANGE[1]):
+        raise ValueError(f"{crop_name} must be in [{CROP_PCT_RANGE[0]}, {CROP_PCT_RANGE[1]}], got {shown(crop_pct)}")
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"{interpolation_name} must be one of {INTERPOLATIONS}, got {shown(interpolation)}")
+    return pct, interpolation
+
+
 def _feeding(img_size: object, crop_pct: object, interpolation: object, mean: object, std: object, prefix: str) -> dict:
     """How a network is fed (image size, crop, interpolation, mean, std), each checked against the
     bounds. ``prefix`` ``"--"`` marks a training record: its fields are named as the options they
@@ -402,14 +418,7 @@ def _feeding(img_size: object, crop_pct: object, interpolation: object, mean: ob
     if prefix and (isinstance(img_size, (bool, str)) or isinstance(crop_pct, (bool, str))):
         raise ValueError(f"{name('img_size')} and {name('crop_pct')} must be numbers, got {shown(img_size)} and {shown(crop_pct)}")
     size = bounded_int(img_size, name("img_size"), *IMG_SIZE_RANGE)
-    try:
-        pct = float(crop_pct) if not isinstance(crop_pct, bool) else math.nan
-    except (TypeError, ValueError):
-        raise ValueError(f"{name('crop_pct')} must be a number, got {shown(crop_pct)}") from None
-    if not (math.isfinite(pct) and CROP_PCT_RANGE[0] <= pct <= CROP_PCT_RANGE[1]):
-        raise ValueError(f"{name('crop_pct')} must be in [{CROP_PCT_RANGE[0]}, {CROP_PCT_RANGE[1]}], got {shown(crop_pct)}")
-    if interpolation not in INTERPOLATIONS:
-        raise ValueError(f"{name('interpolation')} must be one of {INTERPOLATIONS}, got {shown(interpolation)}")
+    pct, interpolation = crop_and_interpolation(crop_pct, interpolation, name("crop_pct"), name("interpolation"))
     return dict(img_size=size, crop_pct=pct, interpolation=interpolation,
                 mean=bounded_floats(mean, name("mean"), 3, *MEAN_RANGE),
                 std=bounded_floats(std, name("std"), 3, *STD_RANGE))

@@ -78,7 +78,7 @@ def test_pretrained_cfg_overlay_as_timms_create_model_takes_it(tmp_path):
     for overlay, words in ((dict(file=tmp_path / "w.pth"), "with pretrained=True"), (dict(url="https://x/w.pth"), "file=path"),
                            (dict(num_classes=10), "give num_classes instead"), (dict(input_size=(3, 256, 256)), "img_size"),
                            (dict(mean=(0.5, 0.5)), "1 or 3 numbers"), (dict(std=(0, 1, 1)), "std values must be in"),
-                           (dict(crop_pct=87.5), r"crop_pct must be a number in \[0.2, 1.0\]"),
+                           (dict(crop_pct=87.5), r"crop_pct must be in \[0.2, 1.0\], got 87.5"),
                            (dict(interpolation="lanczos"), "interpolation must be one of"), ("mean=0.5", "must be a dict")):
         with pytest.raises(ValueError, match=words):
             cgavit.create_model("m0", pretrained_cfg_overlay=overlay, **SMALL)
