@@ -633,7 +633,9 @@ def append_jsonl(path: str | os.PathLike, row: dict) -> Path:
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
-    """Delete temporary files that an interrupted :func:`atomic_write` left in ``folder``.
+    """Delete temporary files that an interrupted :func:`atomic_write` left in ``folder``. An old file that
+    :func:`replace_together` had moved aside (:func:`moved_aside`) is kept: it may be the only copy of a file whose new
+    one never arrived, which the command that wrote it puts back (:func:`clear_interrupted`).
 
     Only call this on a folder no other process is writing into (e.g. under a run lock).
     """
@@ -642,6 +644,8 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
         return []
     gone = []
     for p in folder.glob(f".*{TMP_SUFFIX}"):
+        if re.fullmatch(r"\..+\.\d+\.old" + re.escape(TMP_SUFFIX), p.name):
+            continue
         if p.is_file():
             p.unlink(missing_ok=True)
             gone.append(p)

@@ -424,9 +424,11 @@ def test_stale_temporaries_of_a_killed_run_are_removed(world, tmp_path):
         p.write_bytes(b"")
     keep = out / "notes.tmp"  # not one of ours: kept
     keep.write_text("mine")
+    aside = out / ".int8.onnx.4194399.old.tmp"  # a quantize --output run/int8 killed mid-move: maybe the only copy
+    aside.write_text("an earlier int8 file")
     with pytest.raises(DataError):  # the run itself fails fast here; the clean-up came first, under the lock
         train(tiny(data=str(world["broken_ds"]), epochs=1, output=str(out)))
-    assert not any(p.exists() for p in stale) and keep.exists()
+    assert not any(p.exists() for p in stale) and keep.exists() and aside.read_text() == "an earlier int8 file"
 
 
 def test_nan_weights_are_refused_by_predict_and_eval(world, capsys):
