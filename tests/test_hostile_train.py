@@ -1197,6 +1197,8 @@ def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):
 @pytest.mark.parametrize("argv, says", [
     (["--aa", "randaugment"], "--aa 'randaugment' is no timm auto-augment policy"),
     (["--aa", "rand-q9"], "--aa 'rand-q9' is no timm auto-augment policy (Unknown RandAugment config section)"),
+    (["--aa", "rand-m9-mstd0.5-incl"], "--aa 'rand-m9-mstd0.5-incl': timm skips its section 'incl' without a word"),
+    (["--aa", "rand-m9-tfoo"], "--aa 'rand-m9-tfoo': timm skips its section 'tfoo' without a word"),
     (["--smoothing", "1"], "--smoothing must be within 0.0..1.0 (below 1.0), got 1.0"),
     (["--smoothing", "1", "--mixup", "0", "--cutmix", "0"], "--smoothing must be within"),
     (["--drop-path", "1.0"], "--drop-path must be within 0.0..1.0 (below 1.0), got 1.0"),
@@ -1204,6 +1206,8 @@ def test_a_warm_up_as_long_as_the_run_is_warned_about(tmp_path, caplog):
 def test_options_timm_would_assert_on_are_one_line_before_anything_is_written(tmp_path, capsys, argv, says):
     """An unknown --aa policy and --smoothing 1 passed the option checks, made the run folder, then ended in timm's
     AssertionError traceback (exit 1); with mixup on, --smoothing 1 trained towards uniform targets without a word.
+    A policy section timm reads as nothing (``incl`` for ``inc1``, an unknown op set) was dropped without a word, and
+    the run trained another policy than the one it recorded.
     --drop-path 1.0 was refused by the model under another name than the flag."""
     data = make_folder(tmp_path / "ds", classes=2, train=2, val=1)
     out = tmp_path / "run"

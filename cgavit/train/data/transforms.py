@@ -91,13 +91,20 @@ def load_transformed(path, transform: Callable):
 #: What ``--aa`` may say for no auto-augmentation (any case).
 NO_AUTO_AUGMENT = ("", "none", "off")
 
+#: The rest of :func:`auto_augment_policy`'s advice, after RandAugment.
+AUTO_AUGMENT_EXAMPLES = "augmix-m5, original, v0 or 3a, or none"
+
+#: RandAugment's op sets, named by a ``t`` section (``rand-m9-t3a``); timm takes any other name as its default set.
+RAND_OP_SETS = ("tweights", "t3aw", "t3a")
+
 
 def auto_augment_policy(aa: str | None) -> str | None:
     """``aa`` as :func:`build_transform` takes it: None for no auto-augmentation (:data:`NO_AUTO_AUGMENT`), else
     the policy, once timm has built it (with its own parser, on no image: milliseconds).
 
     Raises:
-        ValueError: timm has no such policy (it would assert while the run's loaders are built).
+        ValueError: timm has no such policy (it would assert while the run's loaders are built), or the policy has a
+            section timm reads as nothing (a typo: ``rand-m9-mstd0.5-incl`` trained without ``inc1``, silently).
     """
     if aa is None or aa.strip().lower() in NO_AUTO_AUGMENT:
         return None
@@ -106,8 +113,22 @@ def auto_augment_policy(aa: str | None) -> str | None:
     except (AssertionError, ValueError, KeyError, IndexError) as err:  # timm's parsers assert on what they do not know
         reason = f" ({' '.join(str(err).split())})" if str(err).strip() else ""
         raise ValueError(f"--aa {aa!r} is no timm auto-augment policy{reason}; give one such as rand-m9-mstd0.5-inc1 "
-                         "(RandAugment), augmix-m5, original, v0 or 3a, or none") from None
+                         f"(RandAugment), {AUTO_AUGMENT_EXAMPLES}") from None
+    ignored = [section for section in aa.split("-")[1:] if not _read_by_timm(section, aa.startswith("rand"))]
+    if ignored:
+        raise ValueError(f"--aa {aa!r}: timm skips its section{'s' if len(ignored) > 1 else ''} "
+                         f"{', '.join(map(repr, ignored))} without a word (each section is a key and a number, such as "
+                         f"m9, mstd0.5, inc1), so the run would train with another policy than the one named; give one "
+                         f"such as rand-m9-mstd0.5-inc1 (RandAugment), {AUTO_AUGMENT_EXAMPLES}")
     return aa
+
+
+def _read_by_timm(section: str, rand: bool) -> bool:
+    """Whether timm's policy parsers use ``section`` of a policy string: a key and its number (``m9``), or for
+    RandAugment a named op set; they skip any other section without a word."""
+    if rand and section.startswith("t"):
+        return section in RAND_OP_SETS
+    return any(c.isdigit() for c in section)
 
 
 def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
