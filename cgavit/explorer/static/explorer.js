@@ -385,7 +385,7 @@ async function upload(file) {
   }
   const max = real.info.max_upload_bytes;
   if (file.size > max) {
-    $("real-status").textContent = `error: ${(file.size / 1048576).toFixed(1)} MB is over the ${(max / 1048576).toFixed(0)} MB limit; choose a smaller image`;
+    $("real-status").textContent = `error: ${(file.size / 1048576).toFixed(1)} MiB is over the ${(max / 1048576).toFixed(0)} MiB limit; choose a smaller image`;
     $("real-status").classList.add("error");
     return;
   }
