@@ -140,3 +140,16 @@ def test_roofline_json_says_which_peaks_were_given(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["setup"]["peak_gflops"] == 94 and report["setup"]["bandwidth_gbs"] is None
     assert report["peaks"]["flops"] == 94e9 and report["peaks"]["ridge"] == 94e9 / report["peaks"]["bandwidth"]
+
+
+def test_the_peaks_line_says_which_figure_was_given_and_which_measured(capsys):
+    """With --peak-gflops alone the peaks line read 'machine (1 thread(s)): fp32 matmul peak 94.0 GFLOP/s, copy
+    bandwidth ... GB/s', one figure given (perhaps another CPU's) and one measured here, and neither said which."""
+    from cgavit.cli import main
+
+    assert main(["roofline", "--model", "m0", "--compare", "", "--batch", "1", "--img-size", "32", "--repeats", "1",
+                 "--top", "1", "--peak-seconds", "0.05", "--peak-gflops", "94"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "ridge point" in ln)
+    flops, bandwidth = line.split("GFLOP/s")[1], line.split("GB/s")[1]
+    assert flops.startswith(" (given on the command line, not measured here)")
+    assert bandwidth.startswith(" read+write (measured here, 1 thread(s))")

@@ -239,6 +239,19 @@ def given_peaks(
     return dict(peaks, flops=flops, bandwidth=bandwidth, ridge=flops / bandwidth)
 
 
+def format_peaks(peaks: dict[str, float], threads: int, peak_gflops: float | None = None,
+                 bandwidth_gbs: float | None = None) -> str:
+    """The line naming the peaks the verdicts use, each labelled with where it comes from: measured on this
+    machine just now, or given on the command line (:func:`given_peaks`; perhaps another machine's)."""
+
+    def origin(given: float | None) -> str:
+        return "given on the command line, not measured here" if given else f"measured here, {threads} thread(s)"
+
+    return (f"peaks: fp32 matmul {peaks['flops'] / 1e9:.1f} GFLOP/s ({origin(peak_gflops)}), copy bandwidth "
+            f"{peaks['bandwidth'] / 1e9:.1f} GB/s read+write ({origin(bandwidth_gbs)}); ridge point "
+            f"{peaks['ridge']:.1f} FLOP/byte")
+
+
 def format_summary(summaries: dict[str, dict[str, float]]) -> str:
     """One line per model: total FLOPs and bytes, intensity, operator time, memory-bound and view shares."""
     lines = [f"{'model':<26}{'GFLOP':>8}{'MB moved':>10}{'FLOP/B':>8}{'op time ms':>11}{'memory-bound':>14}{'views':>8}"]

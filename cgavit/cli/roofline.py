@@ -10,7 +10,8 @@ from dataclasses import asdict
 import torch
 
 from ..bounds import THREADS_RANGE
-from ..analysis.roofline import build, format_rows, format_summary, given_peaks, measure_peaks, profile_model, summarize
+from ..analysis.roofline import (build, format_peaks, format_rows, format_summary, given_peaks, measure_peaks,
+                                 profile_model, summarize)
 from .common import image_size
 
 #: Most input pixels one profiled batch may hold (batch x H x W): 768 MiB of fp32 RGB input, e.g. 1024 x 256 x 256.
@@ -46,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
     peaks = measure_peaks(seconds=args.peak_seconds)  # after the names are known good: it takes a while
     if args.peak_gflops or args.bandwidth_gbs:  # e.g. figures measured on a quiet machine
         peaks = given_peaks(peaks, args.peak_gflops, args.bandwidth_gbs)
-        say("peaks given on the command line replace the measured ones where given")
-    say(f"machine ({args.threads} thread(s)): fp32 matmul peak {peaks['flops'] / 1e9:.1f} GFLOP/s, copy bandwidth "
-        f"{peaks['bandwidth'] / 1e9:.1f} GB/s (read+write), ridge point {peaks['ridge']:.1f} FLOP/byte")
+    say(format_peaks(peaks, args.threads, args.peak_gflops, args.bandwidth_gbs))
     summaries, operators = {}, {}
     for name, model in models.items():
         x = torch.randn(args.batch, 3, args.img_size, args.img_size)
