@@ -41,6 +41,10 @@ PEERS_TOP1 = {
     "deit_tiny_patch16_224": 72.2,
 }
 
+#: The side (px) each peer's :data:`PEERS_TOP1` figure was published at, where it is not 224: MobileViT evaluates at 256
+#: (timm's ``mobilevit_xxs`` input size too).
+PEERS_TOP1_SIDE = {"mobilevit_xxs": 256}
+
 #: Peers that run only at sides that are a multiple of this: timm's LeViT sizes its attention for ``side // 16``
 #: tokens, while its stem's four stride-2 convolutions leave ``ceil(side / 16)`` (72 px: 4 against 5).
 PEER_SIDE_MULTIPLE = {"levit_128s": 16}

@@ -13,7 +13,7 @@ import torch
 from ..analysis.plots import matplotlib_api, plain_log_labels
 from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, NoiseFloor, PathChoice
 from ..io import atomic_write, make_folder, replace_together, staging, write_json
-from .candidates import Result
+from .candidates import PEERS_TOP1_SIDE, Result
 from .optional import timm_version
 from .precision import PrecisionRow
 from .train_speed import TrainingRow
@@ -23,12 +23,16 @@ BATCH_NOTE = (
     "batch-2048 GPU throughput measure different things; compare figures only at the same batch, "
     "threads, precision and image size (the paper: CPU 1 thread batch 16 fp32; GPU batch 2048 AMP)."
 )
+#: Where the published top-1 figures were measured: every EfficientViT variant and most peers at 224 px.
+TOP1_SIDES = "224 px" + "".join(f"; {peer} {side} px" for peer, side in PEERS_TOP1_SIDE.items())
 TABLE_NOTE = (
     "img/s: median over timed rounds; IQR: 25th-75th percentile; 'x timm port': ratio of medians to "
     "timm's efficientvit_msra (BatchNorm fused by timm, torch.jit.trace) with the same weights, same run; "
     "rel err: our output vs that port's; top-1: the published ImageNet-1k accuracy at each model's own "
-    "resolution (224 px), whatever size was timed, not measured here."
+    f"resolution ({TOP1_SIDES}), whatever size was timed, not measured here."
 )
+#: The plot's y axis: the published top-1, each at its model's own resolution.
+PLOT_TOP1_LABEL = f"published ImageNet-1k top-1 (%)\nat each model's own resolution ({TOP1_SIDES})"
 PRECISION_NOTE = (
     "top-1 agree / max rel err: against the plain fused fp32 model in eager mode (max rel err: the largest "
     "per-image ||a-b||/||b|| of the logits); x fp32: throughput ratio to the first row; acc / change: top-1 "
@@ -161,7 +165,7 @@ def plot(results: list[Result], path: str | Path, title: str) -> Path:
     ax.xaxis.set_major_formatter(mpl.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(plain_log_labels())  # 2000, 3000: not 2x10^3 beside a plain 1000
     ax.set_xlabel("measured throughput (images/s, log scale)")
-    ax.set_ylabel("published ImageNet-1k top-1 at 224 px (%)")
+    ax.set_ylabel(PLOT_TOP1_LABEL, fontsize=9)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
