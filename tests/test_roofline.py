@@ -153,3 +153,14 @@ def test_the_peaks_line_says_which_figure_was_given_and_which_measured(capsys):
     flops, bandwidth = line.split("GFLOP/s")[1], line.split("GB/s")[1]
     assert flops.startswith(" (given on the command line, not measured here)")
     assert bandwidth.startswith(" read+write (measured here, 1 thread(s))")
+
+
+def test_the_output_says_its_flops_are_twice_the_macs_of_cgavit_info(capsys):
+    """The table printed GFLOP beside `cgavit info`'s MACs with nothing saying a FLOP is half a multiply-accumulate or
+    that the totals are for the whole batch: M0's 0.32 GFLOP at batch 2 read as four times its 79 M MACs."""
+    from cgavit.cli import main
+
+    assert main(["roofline", "--model", "m0", "--compare", "", "--batch", "1", "--img-size", "32", "--repeats", "1",
+                 "--top", "1", "--peak-seconds", "0.05"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "2 per multiply-accumulate (cgavit info counts MACs)" in out and "per forward pass of the whole batch" in out

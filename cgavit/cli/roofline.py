@@ -57,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
         say(f"\n{name}: batch {args.batch}, {args.img_size}px, fp32 — top operators by measured time")
         say(format_rows(rows, peaks, args.top))
     say("\n" + format_summary(summaries))
-    say("memory-bound: share of measured operator time in operators below the ridge point; views: share in "
-        "operators that move no data (pure per-call overhead). Bytes assume every tensor is read and written "
-        "once (caches ignored); times include each call's dispatch and profiler overhead.")
+    say("FLOPs and bytes are per forward pass of the whole batch; a FLOP is one multiply or add, so a matmul or "
+        "convolution counts 2 per multiply-accumulate (cgavit info counts MACs), element-wise operators their own "
+        "per-element count. MB = 10^6 bytes. memory-bound: share of measured operator time in operators below the "
+        "ridge point; views: share in operators that move no data (pure per-call overhead). Bytes assume every "
+        "tensor is read and written once (caches ignored); times include each call's dispatch and profiler overhead.")
     if args.json:
         setup = dict(batch=args.batch, img_size=args.img_size, threads=args.threads, repeats=args.repeats,
                      peak_gflops=args.peak_gflops, bandwidth_gbs=args.bandwidth_gbs)  # given in place of measured
@@ -71,8 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "roofline",
         help="per-operator FLOPs, bytes, intensity, time and compute/memory-bound verdict",
-        description="Measure this machine's peak FLOP/s and bandwidth, then profile one forward pass: per "
-        "operator FLOPs, bytes moved, arithmetic intensity, measured time (torch.profiler) and whether it is "
+        description="Measure this machine's peak FLOP/s and bandwidth, then profile --repeats forward passes in "
+        "fp32 (cgavit variants fused, timm models with random weights), per pass: per operator FLOPs (2 per "
+        "multiply-accumulate), bytes moved, arithmetic intensity, measured time (torch.profiler) and whether it is "
         "compute- or memory-bound; the summary compares the memory-bound share with a standard ViT.",
     )
     p.add_argument("--model", default="efficientvit_m4", help="cgavit variant or timm model (default efficientvit_m4)")
