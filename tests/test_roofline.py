@@ -164,3 +164,12 @@ def test_the_output_says_its_flops_are_twice_the_macs_of_cgavit_info(capsys):
                  "--top", "1", "--peak-seconds", "0.05"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "2 per multiply-accumulate (cgavit info counts MACs)" in out and "per forward pass of the whole batch" in out
+
+
+def test_batchnorm_and_hardsigmoid_count_their_arithmetic():
+    """timm's CNN peers (MobileNetV3, EfficientNet) keep their BatchNorms and MobileNetV3 gates with hardsigmoid:
+    both were counted 0 FLOPs per element, so their rows said 0 MFLOP and FLOP/B 0.0."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.Hardsigmoid())
+    x = torch.randn(2, 4, 3, 3)
+    flops = {r.op.split("::")[1]: r.flops for r in profile_model(model, x, dict(ridge=1.0), repeats=1)}
+    assert flops["native_batch_norm"] == 2 * x.numel() and flops["hardsigmoid"] == 3 * x.numel(), flops

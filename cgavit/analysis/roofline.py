@@ -28,11 +28,13 @@ from ..factory import create_model, resolve_name
 log = logging.getLogger(__name__)
 
 #: FLOPs per output element of element-wise / reduction operators (the design notes' softmax: max,
-#: subtract, exp, sum, divide = 5).
+#: subtract, exp, sum, divide = 5; an inference BatchNorm: a scale and a shift = 2, as once its statistics are
+#: folded; timm's peers keep theirs).
 ELEMENTWISE_FLOPS = {
     "softmax": 5, "_softmax": 5, "log_softmax": 5, "layer_norm": 8, "native_layer_norm": 8, "gelu": 8,
-    "sigmoid": 4, "hardswish": 4, "silu": 5, "add": 1, "sub": 1, "mul": 1, "div": 1, "relu": 1,
+    "sigmoid": 4, "hardswish": 4, "hardsigmoid": 3, "silu": 5, "add": 1, "sub": 1, "mul": 1, "div": 1, "relu": 1,
     "clamp_min": 1, "clamp": 2, "hardtanh": 2, "mean": 1, "sum": 1, "addcmul": 2, "rsub": 1,
+    "native_batch_norm": 2, "_native_batch_norm_legit_no_training": 2,
 }
 #: Operators that only re-describe memory (no bytes move); everything else moves its tensors.
 VIEW_OPS = {
