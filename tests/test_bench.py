@@ -537,6 +537,19 @@ def test_a_gpu_run_records_and_titles_the_gpu_it_ran_on(monkeypatch):
     assert title.startswith("NVIDIA H100 80GB HBM3 | cuda 1 thread(s), batch 2048, amp, 224px")
 
 
+def test_a_cpu_run_records_and_titles_the_cpu_class(monkeypatch, tmp_path):
+    """bench.json and the plot's title named the CPU by its model name alone: on these VMs "AMD EPYC" both for the
+    AVX2-only class and for the AVX-512 one, whose fp32 peaks and ceilings differ."""
+    import cgavit.bench.report as report
+
+    for flags, cls in (("fpu avx2", "avx2"), ("fpu avx2 avx512f avx512_bf16", "avx512_bf16")):
+        (tmp_path / "cpuinfo").write_text(f"model name\t: AMD EPYC\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(report, "cpu_features", lambda: cgavit.deploy.cpu_features(tmp_path / "cpuinfo", {}, {}))
+        env = environment()
+        assert (env["cpu"], env["cpu_class"]) == ("AMD EPYC", cls)
+        protocol = BenchProtocol(torch.device("cpu"), 1, 16, "fp32", (224, 224), 0, 1, ("efficientvit_m0",), ())
+        assert BenchReport(protocol, environment=env).plot_title().startswith(f"AMD EPYC (class {cls}) | cpu 1 thread")
+
 def test_runtimes_on_a_gpu_are_refused(monkeypatch):
     """--device cuda --runtimes openvino was accepted and the table held no OpenVINO row (the GPU table is torch's)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

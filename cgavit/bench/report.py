@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..analysis.plots import matplotlib_api, plain_log_labels
-from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, NoiseFloor, PathChoice
+from ..deploy import ACCURACY_TOLERANCE, AGREEMENT_TARGET, NoiseFloor, PathChoice, cpu_features
 from ..io import atomic_write, make_folder, replace_together, staging, write_json
 from .candidates import PEERS_TOP1_SIDE, Result
 from .optional import timm_version
@@ -115,18 +115,14 @@ def format_training(rows: list[TrainingRow]) -> str:
 
 
 def environment(device: torch.device | None = None) -> dict[str, str]:
-    """CPU model, on a CUDA ``device`` the GPU's name and CUDA version, library versions and date, for the record."""
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """CPU model and class (:func:`~cgavit.deploy.cpu_features`: a VM's model name, e.g. "AMD EPYC", is the same for
+    an AVX2-only and an AVX-512 CPU), on a CUDA ``device`` the GPU's name and CUDA version, library versions and
+    date, for the record."""
+    features = cpu_features()
     on_gpu = device is not None and device.type == "cuda"
     gpu = dict(gpu=torch.cuda.get_device_name(device), cuda=str(torch.version.cuda)) if on_gpu else {}
-    return dict(cpu=cpu, **gpu, torch=torch.__version__, timm=timm_version(), python=platform.python_version(),
+    return dict(cpu=features.model_name or platform.processor() or "", cpu_class=features.cpu_class, **gpu,
+                torch=torch.__version__, timm=timm_version(), python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 

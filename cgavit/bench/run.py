@@ -171,7 +171,8 @@ class BenchReport:
         p, env = self.protocol, self.environment
         h, w = p.img_size
         size = f"{h}px" if h == w else f"{h}x{w}px"
-        machine = env.get("gpu", env["cpu"])
+        cpu = f"{env['cpu']} (class {env['cpu_class']})" if env.get("cpu_class") else env["cpu"]
+        machine = env.get("gpu", cpu)
         return (f"{machine} | {p.device.type} {p.threads} thread(s), batch {p.batch}, {p.precision_text()}, {size} | "
                 f"{env['date']}")
 
