@@ -139,6 +139,7 @@ def test_roofline_json_says_which_peaks_were_given(capsys):
                  "--top", "1", "--peak-seconds", "0.05", "--peak-gflops", "94", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["setup"]["peak_gflops"] == 94 and report["setup"]["bandwidth_gbs"] is None
+    assert report["machine"] == cgavit.deploy.cpu_features().describe()  # whose peaks were measured: this CPU's class
     assert report["peaks"]["flops"] == 94e9 and report["peaks"]["ridge"] == 94e9 / report["peaks"]["bandwidth"]
 
 

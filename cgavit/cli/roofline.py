@@ -10,6 +10,7 @@ from dataclasses import asdict
 import torch
 
 from ..bounds import THREADS_RANGE
+from ..deploy import cpu_features
 from ..analysis.roofline import (build, format_peaks, format_rows, format_summary, given_peaks, measure_peaks,
                                  profile_model, summarize)
 from .common import image_size
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     peaks = measure_peaks(seconds=args.peak_seconds)  # after the names are known good: it takes a while
     if args.peak_gflops or args.bandwidth_gbs:  # e.g. figures measured on a quiet machine
         peaks = given_peaks(peaks, args.peak_gflops, args.bandwidth_gbs)
-    say(format_peaks(peaks, args.threads, args.peak_gflops, args.bandwidth_gbs))
+    machine = cpu_features().describe()  # the peaks measured here are this CPU class's, not another's
+    say(f"CPU: {machine}\n" + format_peaks(peaks, args.threads, args.peak_gflops, args.bandwidth_gbs))
     summaries, operators = {}, {}
     for name, model in models.items():
         x = torch.randn(args.batch, 3, args.img_size, args.img_size)
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         setup = dict(batch=args.batch, img_size=args.img_size, threads=args.threads, repeats=args.repeats,
                      peak_gflops=args.peak_gflops, bandwidth_gbs=args.bandwidth_gbs)  # given in place of measured
-        print(json.dumps(dict(setup=setup, peaks=peaks, summaries=summaries, operators=operators), indent=1))
+        print(json.dumps(dict(machine=machine, setup=setup, peaks=peaks, summaries=summaries, operators=operators),
+                         indent=1))
     return 0
 
 
@@ -88,8 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="profiled forward passes (default 3)")
     p.add_argument("--top", type=int, default=20,
                    help="rows to print per model, slowest first: one per operator and input shapes (default 20)")
-    p.add_argument("--json", action="store_true", help="print only one JSON object: the setup (with the peaks given, "
-                   "null where measured), the peaks used, each model's summary and its --top operator rows")
+    p.add_argument("--json", action="store_true", help="print only one JSON object: the CPU (model and class), the "
+                   "setup (with the peaks given, null where measured), the peaks used, each model's summary and its "
+                   "--top operator rows")
     p.add_argument("--peak-seconds", type=float, default=1.0, help="seconds per peak micro-benchmark (default 1; best rate kept)")
     p.add_argument("--peak-gflops", type=float, help="use this fp32 peak (GFLOP/s) instead of the measured one")
     p.add_argument("--bandwidth-gbs", type=float, help="use this bandwidth (GB/s, read+write) instead of the measured one")
