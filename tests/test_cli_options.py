@@ -328,3 +328,30 @@ def test_every_threads_option_has_the_same_bounds(command, tmp_path, capsys, mon
         err = capsys.readouterr().err
         assert "--threads must" in err and "1..1024" in err, err
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv, command, said", [
+    (["info", "--modle", "efficientvit_m0"], "info", "unrecognized arguments: --modle efficientvit_m0; did you mean --model?"),
+    (["train", "--img_size", "64"], "train", "unrecognized arguments: --img_size 64; did you mean --img-size?"),
+    (["trian"], "", "invalid choice: 'trian'; did you mean 'train'?"),
+    (["eval", "--data", "d", "--interpolation", "bicubc"], "eval", "invalid choice: 'bicubc'; did you mean 'bicubic'?"),
+])
+def test_a_mistyped_option_or_choice_names_the_closest_and_its_command(argv, command, said, capsys):
+    """``cgavit info --modle m0`` printed the top-level usage and 'cgavit: error: unrecognized arguments', naming
+    neither the command nor the option meant; a mistyped command or choice listed the choices but named none."""
+    from cgavit.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    prog = f"cgavit {command}".strip()
+    assert err.startswith(f"usage: {prog} "), err
+    assert err.strip().splitlines()[-1].startswith(f"{prog}: error: ") and said in err, err
+
+
+def test_a_mistyped_train_option_in_train_args_names_the_closest():
+    from cgavit.cli.ablate import train_args
+
+    with pytest.raises(ValueError, match="--img_size 5; did you mean --img-size"):
+        train_args("--epochs 3 --img_size 5")

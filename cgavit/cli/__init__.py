@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from ..io import CheckpointError, WriteError, printable, printable_line, stop_notes, write_reason
+from .parser import CommandParser, chosen_parsers
 
 #: What a user can act on: one line, exit 2, no traceback (``--debug`` shows it). Anything else is a
 #: bug in cgavit and keeps its traceback.
@@ -169,7 +170,7 @@ def command_modules() -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="cgavit",
         description="EfficientViT with cascaded group attention: models, training, speed, analyses.",
         epilog="New here? 'cgavit demo' trains a small model on bundled digits (no data or download needed) and "
@@ -250,13 +251,7 @@ def _options_given_no_value(parser: argparse.ArgumentParser, args: argparse.Name
     """The option given ``--`` as its value (``--epochs=--``), if any: argparse (Python 3.11, at least) stores ``[]``
     for it without calling its ``type``, which the command would fail on with a ``TypeError`` traceback. Only the
     parsers of the command given are read (another command's option may share a name and take lists)."""
-    chain = [parser]
-    while sub := next((a for a in chain[-1]._actions if isinstance(a, argparse._SubParsersAction)), None):
-        chosen = sub.choices.get(getattr(args, sub.dest, None) or "")
-        if chosen is None:
-            break
-        chain.append(chosen)
-    for p in chain:
+    for p in chosen_parsers(parser, args):
         for action in p._actions:
             if (isinstance(action, argparse._StoreAction) and action.nargs is None and action.option_strings
                     and getattr(args, action.dest, None) == []):

@@ -9,6 +9,7 @@ import shlex
 
 from ..analysis.ablation import AblationConfig, StudyStopped, run_ablation
 from .options import add_options, option_values
+from .parser import CommandParser
 from .train import add_train_args, typed_options
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ STUDY_FIELDS: tuple[str, ...] = (
 MEASURE_FIELDS: tuple[str, ...] = ("no_throughput", "speed_rounds", "speed_seconds")
 
 
-class _TrainArgsParser(argparse.ArgumentParser):
+class _TrainArgsParser(CommandParser):
     """The ``cgavit train`` options, raising ``ValueError`` instead of exiting on a bad one."""
 
     def error(self, message: str):
