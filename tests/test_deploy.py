@@ -591,3 +591,14 @@ def test_swap_fast_modules_given_a_window_attention_itself_returns_its_fast_form
         swap_fast_modules(fused, img_size=(10, 0))
     with pytest.raises(ValueError, match="the model is not fused"):
         swap_fast_modules(LocalWindowAttention(16, 7, num_heads=2))
+
+
+def test_export_without_a_checkpoint_says_the_weights_are_random(tmp_path, caplog):
+    """``cgavit export --model efficientvit_m4 --output m4.onnx`` wrote and checked a file of random weights without a
+    word: a newcomer took it for the published model (analyze says so for the same case)."""
+    from cgavit.cli import main
+
+    with caplog.at_level("WARNING", logger="cgavit"):
+        assert main(["export", "--model", "m0", "--output", str(tmp_path / "m0.onnx"), "--img-size", "64",
+                     "--embed-dim", "32,48,64", "--depth", "1,1,1", "--num-heads", "2"]) == 0
+    assert "no --checkpoint: exporting randomly initialised weights" in caplog.text

@@ -4,6 +4,7 @@ against PyTorch."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from .common import add_dial_args, dials_from_args, image_size
 
 __all__ = ["EXPORT_TOLERANCE", "register", "run"]
 
+log = logging.getLogger(__name__)
+
 
 def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tuple[int, int]]:
     """The model, how to feed it, and the export size: a checkpoint as :func:`~cgavit.load_model` rebuilds it (one
@@ -35,6 +38,8 @@ def load_for_export(args: argparse.Namespace) -> tuple[nn.Module, ModelInfo, tup
     if not args.model:
         raise ValueError("give --model NAME, or --checkpoint FILE written by cgavit train (it records the model)")
     size = image_size(args.img_size or [224])
+    log.warning("no --checkpoint: exporting randomly initialised weights, which classify nothing (for a trained "
+                "model, give --checkpoint its file: one written by cgavit train, or the authors' .pth with --model)")
     return create_model(args.model, img_size=size, **dials_from_args(args)), ModelInfo([], img_size=size[0]), size
 
 
