@@ -660,3 +660,21 @@ def test_a_missing_split_names_the_folders_the_dataset_holds(tmp_path, monkeypat
     with pytest.raises(DataError, match=r"val does not exist; .* \(.* holds the folders 'train', 'validation'\)"):
         evaluate_checkpoint(root, weights, split="val", workers=0, device="cpu")
     assert evaluate_checkpoint(root, weights, split="validation", workers=0, device="cpu")["n"] == 2
+
+
+def test_more_loader_workers_than_cores_is_one_warning_that_names_the_flag(monkeypatch):
+    """``cgavit eval`` at the default ``--workers 4`` on a 2-core machine printed torch's two-line warning twice
+    ('Our suggested max number of worker ...'), naming no flag; it is now one warning of cgavit's saying what to give."""
+    import warnings
+
+    from cgavit.train.data import make_loader
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = make_loader(list(range(4)), 2, None, 2)
+        loader.check_worker_number_rationality()
+    texts = [str(w.message) for w in caught]
+    assert texts and all("2 loader worker processes, where this process may use 1 CPU core(s)" in t and
+                         "give --workers 1 or fewer" in t for t in texts), texts

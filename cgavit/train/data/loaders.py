@@ -13,8 +13,10 @@ for them forever.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -163,6 +165,15 @@ class StopSafeLoader(DataLoader):
 
     def __iter__(self):
         return self._checked(self._started())
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's check that the workers do not outnumber the cores this process may use, said as what to do, and
+        once (a warning of cgavit's, shown once per process): torch's own came twice per loader, of two lines each,
+        on every eval and train run of a 2-core machine at the default ``--workers 4``."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if self.num_workers > cores:
+            warnings.warn(f"{self.num_workers} loader worker processes, where this process may use {cores} CPU "
+                          f"core(s): batches may come slower; give --workers {cores} or fewer", RuntimeWarning)
 
     def _started(self):
         if self.num_workers == 0 or threading.current_thread() is not threading.main_thread():
