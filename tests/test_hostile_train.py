@@ -1596,3 +1596,25 @@ def test_a_run_stopped_before_its_best_files_were_written_writes_them_on_resume(
     with caplog.at_level(logging.WARNING, logger="cgavit"):  # all in place: nothing written again
         train(TrainConfig.resume_from(out / "last.pt", workers=0))
     assert "did not hold" not in caplog.text
+
+
+def test_a_demo_says_it_replaces_an_earlier_demos_results(tmp_path, monkeypatch):
+    """A second `cgavit demo` removed the first one's checkpoints, report and curves without a word (its --help did
+    not say so either): it now says so before they go, and a first demo says nothing of the kind."""
+    from cgavit.train import demo
+
+    def stop(cfg):
+        raise KeyboardInterrupt  # the training itself is not what is checked here
+
+    monkeypatch.setattr(demo, "train", stop)
+    out = tmp_path / "demo"
+    for first in (True, False):
+        if not first:  # what the first demo would have left
+            (out / "run").mkdir(exist_ok=True)
+            (out / "run" / "last.pt").write_bytes(b"the first demo's")
+            (out / "report.md").write_text("# the first demo's")
+        said = []
+        with pytest.raises(KeyboardInterrupt):
+            demo.run_demo(out, epochs=1, say=said.append)
+        assert any("replacing the earlier demo's results in" in line for line in said) is not first, said
+    assert not (out / "run" / "last.pt").exists() and not (out / "report.md").exists()

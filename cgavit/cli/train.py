@@ -227,7 +227,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "small EfficientViT with cascaded group attention on it at 64 px through the same training engine as "
         "`cgavit train`, evaluates the held-out split, and writes a checkpoint, report and curves.",
     )
-    p.add_argument("--output", default="runs/demo", metavar="DIR", help="output folder (default runs/demo)")
+    p.add_argument("--output", default="runs/demo", metavar="DIR", help="output folder (default runs/demo); an earlier demo's results there are replaced")
     p.add_argument("--epochs", type=int, default=None, help=f"training epochs (default {DEMO_EPOCHS}, the demo recipe's; 1 for a quick look at the pipeline)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores - 1, at most 4)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

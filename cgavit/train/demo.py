@@ -200,7 +200,11 @@ def _locked_demo(output: Path, cfg: TrainConfig, threads: int | None, seed: int,
     run_dir = Path(cfg.output)
     t0, cpu0, children0 = time.perf_counter(), time.process_time(), _children_cpu()
     split = write_digits(output / "data", seed=seed)  # first: data it refuses leaves the earlier demo's files as they were
-    for path in [run_dir / name for name in DEMO_RUN_FILES] + [output / "report.json", output / "report.md"]:
+    results = [run_dir / name for name in DEMO_RUN_FILES] + [output / "report.json", output / "report.md"]
+    earlier = [path for path in results if path.exists()]
+    if earlier:  # said before they go, so that a second demo is not found to have replaced the first afterwards
+        say(f"replacing the earlier demo's results in {output} (checkpoints, report, curves)")
+    for path in earlier:
         path.unlink(missing_ok=True)
     old_threads = torch.get_num_threads()
     threads = threads or max(1, min(4, (os.cpu_count() or 2) - 1))
