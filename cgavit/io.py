@@ -12,6 +12,7 @@ an old file moved aside) :func:`clear_interrupted` puts right at the next run th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -523,6 +524,22 @@ def make_folder(path: str | os.PathLike, what: str = "folder") -> Path:
         code, reason, advice = write_reason(err, blocker or path.parent)
         raise WriteError(code, f"cannot create the {what} {path}: {reason}; {advice}") from None
     return path
+
+
+@contextmanager
+def folders_kept_if_used(path: str | os.PathLike) -> Iterator[None]:
+    """A ``with`` block that may make folder ``path`` (and its parents): if it ends in an error (a Ctrl-C, a failed
+    measurement) the folders it made are removed where they are still empty, innermost first, so a run that wrote
+    nothing leaves no empty output folder behind; folders that were there before, or hold anything, are kept."""
+    path = Path(path).absolute()
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):  # the first folder that is not empty (or not ours) stops the walk
+            for folder in made:
+                folder.rmdir()
+        raise
 
 
 def write_error(path: Path, err: BaseException) -> WriteError:

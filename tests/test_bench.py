@@ -579,6 +579,25 @@ def test_a_missing_matplotlib_is_named_before_anything_is_measured(tmp_path, mon
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_that_fails_while_measuring_leaves_no_empty_folder(tmp_path, monkeypatch):
+    """A bench that failed while measuring (a broken compiler cache, a Ctrl-C) left the empty output folder it had made,
+    and its parents; they are removed, and a folder that was there before is kept."""
+    from cgavit.bench import run
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("inductor failed")
+
+    monkeypatch.setattr(run, "measure_table", failing)
+    for out in (tmp_path / "new" / "bench", tmp_path / "kept"):
+        if out.name == "kept":
+            out.mkdir()
+        cfg = BenchConfig(models=("m0",), peers=(), img_size=(32, 32), batch=1, warmup=0, repeats=1, compile=False,
+                          onnx=False, out=out)
+        with pytest.raises(RuntimeError, match="inductor failed"):
+            run_bench(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
 def test_a_missing_onnxruntime_says_the_default_row_can_be_left_out(monkeypatch):
     """Without ONNX Runtime a plain `cgavit bench` said only what to install, not that --no-onnx times without it."""
     from cgavit.bench import run

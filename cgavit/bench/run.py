@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +16,7 @@ from ..deploy.fastpath import backend_available
 from ..deploy.formats import require_format, runtime_format
 from ..factory import resolve_name
 from ..bounds import check_threads
-from ..io import make_folder
+from ..io import folders_kept_if_used, make_folder
 from ..train.data import check_folder
 from ..weights import checked_path
 from .candidates import PEER_SIDE_MULTIPLE, PEERS_TOP1, Result, build_candidates, time_candidates
@@ -327,10 +329,17 @@ def run_bench(cfg: BenchConfig, on_section: Callable[[str, BenchReport], None] |
         The measurements; ``report.record()`` is what bench.json holds.
     """
     protocol = resolve_protocol(cfg)
-    if cfg.out is not None and (not cfg.skip_table or cfg.precision_check or cfg.train):
-        if not cfg.skip_table:  # the table's plot
-            check_plotting()
-        make_folder(cfg.out, "bench output folder")  # checked before minutes of measuring
+    writes = cfg.out is not None and (not cfg.skip_table or cfg.precision_check or cfg.train)
+    with folders_kept_if_used(cfg.out) if writes else contextlib.nullcontext():  # a failed run leaves no empty folder
+        if writes:
+            if not cfg.skip_table:  # the table's plot
+                check_plotting()
+            make_folder(cfg.out, "bench output folder")  # checked before minutes of measuring
+        return _measured(cfg, protocol, on_section)
+
+
+def _measured(cfg: BenchConfig, protocol: BenchProtocol, on_section: Callable[[str, BenchReport], None] | None) -> BenchReport:
+    """:func:`run_bench`'s measurements, and its files written where ``cfg.out`` asks."""
     torch.set_num_threads(protocol.threads)
     torch.manual_seed(0)
     # drawn first even with skip_table, so the later random draws (the precision check's models) stay as before
