@@ -484,6 +484,20 @@ def test_a_features_only_model_is_refused_by_optimize_and_export_before_anything
         cgavit.deploy.export_model(features, tmp_path / "features", "onnx", img_size=64)
     assert not list(tmp_path.iterdir())
 
+def test_optimize_says_what_is_wrong_with_a_meta_model_and_a_headless_one_for_auto():
+    """A model built on the meta device was told to move to the example's device (model.to fails on meta); auto judged
+    a model without a classifier by the argmax of its pooled features."""
+    x = torch.randn(2, 3, 64, 64)
+    with torch.device("meta"):
+        ghost = cgavit.create_model("efficientvit_m0", num_classes=5, img_size=64, **TINY)
+    with pytest.raises(ValueError, match="optimize takes a model with weights, and this one's are on the meta device"):
+        optimize(ghost, x, compile=False)
+    headless = randomize_(cgavit.create_model("efficientvit_m0", num_classes=0, img_size=64, **TINY)).eval()
+    with pytest.raises(ValueError, match=r"precision='auto' judges .* no classifier \(num_classes=0"):
+        optimize(headless, x, "auto", compile=False)
+    assert optimize(headless, x, "fp32", backend="torch", compile=False).rel_err <= 1e-5  # a fixed precision is checked
+
+
 def test_fast_modules_stay_frozen_like_the_fused_model():
     """fuse freezes every parameter, and swap_fast_modules' new convs required gradients again: a call outside
     no_grad built an autograd graph and gave logits that require grad (``.numpy()`` refused them)."""

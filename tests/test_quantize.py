@@ -5,6 +5,7 @@ misses it (and then nothing is written); the search keeps the fewest layers in f
 carries its metadata and verdict, and ``optimize(precision="auto")`` takes it. No timing is asserted.
 """
 
+import copy
 import importlib
 import json
 import logging
@@ -66,6 +67,7 @@ QUICK_ASSESS = dict(runtime="onnxruntime", warmup=0, repeats=1)
 #: OpenVINO's builds without bias correction (NNCF's slowest step, about 12 s a build on the digits model), for tests
 #: that check the search, the report or the file rather than how close int8 comes to fp32
 NO_BIAS_CORRECTION = Int8Options(bias_correction="none")
+DIGITS_INFO = ExportInfo(class_names=tuple("0123456789"), img_size=(48, 48))
 
 
 def conv_names(digits) -> list[str]:
@@ -1887,6 +1889,32 @@ def test_images_that_are_not_what_the_model_takes_are_refused(trained_digits, tm
                             (x.numpy(), "torch.from_numpy")):
         with pytest.raises(ValueError, match=message):
             module(images)
+
+
+def test_models_quantize_cannot_judge_are_refused_and_a_16_bit_one_is_quantised_from_float32(trained_digits):
+    """A model without a classifier got a verdict on the argmax of its pooled features, a features_only one failed
+    with 'only one element tensors can be converted to Python scalars', a meta one with 'Tensor on device meta is not
+    on the expected device cpu', a reference of 5 classes after both exports, and a half model was told to convert the
+    images to float16, which quantize then cast back to float32."""
+    cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
+    kwargs = dict(max_float_layers=0, profile_layers=False, info=DIGITS_INFO, **QUICK)
+    headless = cgavit.create_model("efficientvit_m0", num_classes=0, img_size=48).eval()
+    five = cgavit.create_model("efficientvit_m0", num_classes=5, img_size=48).eval()
+    with torch.device("meta"):
+        ghost = cgavit.create_model("efficientvit_m0", num_classes=10, img_size=48)
+    cases = [(dict(model=headless), r"quantize judges reduced precision .* no classifier \(num_classes=0"),
+             (dict(model=cgavit.create_model("efficientvit_m0", img_size=48, features_only=True)),
+              "quantize takes a model that returns one tensor"),
+             (dict(model=ghost), "quantize takes a model with weights, and this one's are on the meta device"),
+             (dict(model="efficientvit_m0"), "got str: a name; build the model first"),
+             (dict(reference=five), "the reference predicts 5 classes and the model 10"),
+             (dict(reference=headless), r"quantize \(its reference\) judges .* no classifier")]
+    for given, message in cases:
+        with pytest.raises(ValueError, match=message):
+            quantize(**{"model": trained_digits.model, **given}, calibration=cal, evaluation=x, **kwargs)
+    half = copy.deepcopy(trained_digits.model).half()
+    result = quantize(half, cal.half(), x, labels=y, **kwargs)
+    assert result.meets_target and next(half.parameters()).dtype == torch.float16
 
 
 @pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")

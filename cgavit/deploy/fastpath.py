@@ -8,7 +8,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from .agreement import Agreement, batched_logits, compare_logits
 from .artifact import QuantizedArtifact, quantized_artifact
 from .auto import auto_candidates, precision_warning, untried_paths
 from .cpu import CpuFeatures, cpu_features
-from .fusion import check_one_output, fused_fp32
+from .fusion import check_classifier, check_model, fused_fp32
 from .int8 import fastest_float_part
 from .metadata import model_classes
 from .formats import runtime_format
@@ -224,23 +224,6 @@ def _check_switches(switches: dict[str, object], features: object) -> None:
                         f"{type(features).__name__}")
 
 
-def _check_model(model: object) -> None:
-    """Refuse what is not a model instance (a variant's name, a class), or a model of several outputs, in one line,
-    not an AttributeError from deep inside the first step that reads its weights or its logits."""
-    if isinstance(model, nn.Module):
-        check_one_output(model, "optimize")
-        return
-    if isinstance(model, str):
-        hint = f": a name; build the model first, e.g. cgavit.create_model({model!r}, pretrained=True)"
-    elif isinstance(model, type):
-        hint = f" (the class {model.__name__}): build an instance first"
-    elif isinstance(model, Mapping):
-        hint = " (a state dict?): build the model with its weights, e.g. cgavit.create_model(name, checkpoint_path=path)"
-    else:
-        hint = ""
-    raise ValueError(f"optimize takes a model, an nn.Module instance; got {type(model).__name__}{hint}")
-
-
 def _check_same_device(model: nn.Module, example_input: torch.Tensor) -> None:
     """Refuse a model whose weights are on another device than the example's (a CPU model with a CUDA example): the
     fp32 reference it is checked against would be computed on neither, and the torch path would fail at its first
@@ -258,9 +241,11 @@ def _checked_inputs(
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """The example (on ``model``'s device), the calibration and the evaluation batches as float32, checked (and what
     only auto takes)."""
-    _check_model(model)
+    check_model(model, "optimize")
     if precision == "auto" and backend != "auto":
         raise ValueError(f"precision='auto' picks the backend too; leave backend='auto' (got {backend!r})")
+    if precision == "auto":
+        check_classifier(model, "precision='auto'")
     if quantized is not None and precision != "auto":
         raise ValueError("quantized= is for precision='auto'; to run the artifact itself, use open_exported(path)")
     if not isinstance(example_input, torch.Tensor) or example_input.ndim != 4 or len(example_input) == 0:

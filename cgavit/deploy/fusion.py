@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -106,6 +107,47 @@ def check_one_output(model: nn.Module, what: str) -> None:
         raise ValueError(f"{what} takes a model that returns one tensor, and a features_only model returns one map "
                          "per stage: build it with num_classes=0, global_pool='' for the last stage's map, or run "
                          "cgavit.fuse(model) for every map in PyTorch")
+
+
+def check_model(model: object, what: str) -> None:
+    """Refuse, for ``what`` (``"optimize"``, ``"quantize"``), what is not a model instance (a variant's name, a class,
+    a state dict), a model of several outputs (:func:`check_one_output`) or one whose weights hold no values (built on
+    the ``meta`` device), in one line, not an error from deep inside the first step that reads its weights or logits.
+
+    Raises:
+        ValueError: what is wrong, and what to give instead.
+    """
+    if isinstance(model, nn.Module):
+        check_one_output(model, what)
+        if any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+            raise ValueError(f"{what} takes a model with weights, and this one's are on the meta device (no values: "
+                             "built under torch.device('meta')?); load them first, e.g. "
+                             "cgavit.create_model(name, checkpoint_path=path), or model.to_empty(device='cpu') and "
+                             "model.load_state_dict(weights)")
+        return
+    if isinstance(model, str):
+        hint = f": a name; build the model first, e.g. cgavit.create_model({model!r}, pretrained=True)"
+    elif isinstance(model, type):
+        hint = f" (the class {model.__name__}): build an instance first"
+    elif isinstance(model, Mapping):
+        hint = " (a state dict?): build the model with its weights, e.g. cgavit.create_model(name, checkpoint_path=path)"
+    else:
+        hint = ""
+    raise ValueError(f"{what} takes a model, an nn.Module instance; got {type(model).__name__}{hint}")
+
+
+def check_classifier(model: nn.Module, what: str) -> None:
+    """Refuse, for ``what``, a model without a classifier (``num_classes=0``: it returns pooled features or a map),
+    where reduced precision is judged by whether it keeps fp32's top-1 decisions: the largest feature is no decision,
+    and its agreement would be a figure about nothing.
+
+    Raises:
+        ValueError: ``model.num_classes`` is 0.
+    """
+    if getattr(model, "num_classes", None) == 0:
+        raise ValueError(f"{what} judges reduced precision by whether it keeps fp32's top-1 class, and this model has "
+                         "no classifier (num_classes=0: it returns features): give the model with its classifier head, "
+                         "or pick a precision, checked by relative error: optimize(model, x, 'int8', calibration=...)")
 
 
 def example_batch(model: nn.Module, img_size: tuple[int, int], batch: int = 2) -> torch.Tensor:

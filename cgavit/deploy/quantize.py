@@ -53,7 +53,7 @@ from .agreement import (
 )
 from .cpu import CpuFeatures, architecture, cpu_features
 from .formats import FORMATS, QUANT_RUNTIMES, runtime_format
-from .fusion import fuse, named_output
+from .fusion import check_classifier, check_model, fused_fp32, named_output
 from .int8 import Int8Options, compile_precision, float_parts_for_cpu, weight_range_label
 from .metadata import ExportInfo, check_info_classes, export_info, int8_info, model_classes
 from .onnx import (
@@ -377,21 +377,21 @@ def quantize(
             beside (default ``model``); batch, threads, warmup, repeats: the timing beside fp32 ONNX Runtime.
 
     Raises:
-        ValueError: bad images, labels, runtime, target, holdout, ``info`` or float part (:func:`_float_parts`).
+        ValueError: a bad model or reference, images, labels, runtime, target, holdout, ``info`` or float part.
     """
+    fp32, reference = _checked_models(model, reference)
     runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, model_classes(model))
     _check_settings(target, options, (batch, threads, warmup, repeats))
     if max_float_layers is not None and (isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int)
                                          or max_float_layers < 0):
         raise ValueError(f"max_float_layers must be a whole number, at least 0 (or None: no cap), got {max_float_layers!r}")
     features, size = features or cpu_features(), tuple(ev.shape[2:])
-    parts, opts = _float_parts(features, float_part, runtimes), options.for_cpu(features)
-    made = _file_info(info, size, model)
-    search = _Search(fuse(model), fuse(reference if reference is not None else model), cal,
-                     *split_holdout(ev, labels, holdout), target, size, (batch, threads, warmup, repeats))
+    parts, opts, made = _float_parts(features, float_part, runtimes), options.for_cpu(features), _file_info(info, size, model)
+    search = _Search(fp32, reference, cal, *split_holdout(ev, labels, holdout), target, size,
+                     (batch, threads, warmup, repeats))
     with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp, search.started(Path(tmp)):
         for name in runtimes:
-            search.run(name, model, opts, sensitivity, max_float_layers, profile_layers, prune,
+            search.run(name, fp32, opts, sensitivity, max_float_layers, profile_layers, prune,
                        parts if name == "openvino" else ("fp32",))
     return search.result(features, opts, made)
 
@@ -431,13 +431,14 @@ def assess(
     Raises:
         ValueError: as :func:`quantize`.
     """
+    fused = _checked_models(reference, None)[0]
     runtimes = quant_runtimes(runtime)
     cal, ev = _checked_images(calibration, evaluation, labels, model_classes(reference))
     _check_settings(target, options, (batch, threads, warmup, repeats))
     features = features or cpu_features()
     opts = options.for_cpu(features)
     size = tuple(ev.shape[2:])
-    made, fused = _file_info(info, size, reference), fuse(reference)
+    made = _file_info(info, size, reference)
     search = _Search(fused, fused, cal, *split_holdout(ev, labels, holdout), target, size,
                      (batch, threads, warmup, repeats), asked=tuple(opts.float_layers))
     with tempfile.TemporaryDirectory(prefix="cgavit-assess-") as tmp, search.started(Path(tmp)):
@@ -450,6 +451,29 @@ def assess(
     result.method = method
     result.info = replace(result.info, int8={**result.info.int8, "method": method})
     return result
+
+
+def _checked_models(model: object, reference: object | None) -> tuple[nn.Module, nn.Module]:
+    """``model`` and the fp32 ``reference`` it is judged against (None: ``model`` itself), checked (a model with weights,
+    one output and a classifier: :func:`~cgavit.deploy.fusion.check_model`, :func:`~cgavit.deploy.fusion.check_classifier`;
+    the reference of as many classes), each as a fused float32 copy on the CPU, where the runtimes run: a bf16 or
+    GPU model was refused by its own forward on the float32 CPU images, saying to convert the images.
+
+    Raises:
+        ValueError: what is wrong with either, and what to give.
+    """
+    check_model(model, "quantize")
+    check_classifier(model, "quantize")
+    fp32 = fused_fp32(model).cpu()
+    if reference is None:
+        return fp32, fp32
+    check_model(reference, "quantize (its reference)")
+    check_classifier(reference, "quantize (its reference)")
+    classes, theirs = model_classes(model), model_classes(reference)
+    if None not in (classes, theirs) and classes != theirs:
+        raise ValueError(f"the reference predicts {theirs} classes and the model {classes}: give as reference the fp32 "
+                         "model this one was made from (or None: the model itself)")
+    return fp32, fused_fp32(reference).cpu()
 
 
 def _float_parts(features: CpuFeatures, float_part: str, runtimes: list[str]) -> tuple[str, ...]:
