@@ -484,9 +484,11 @@ def test_a_features_only_model_is_refused_by_optimize_and_export_before_anything
         cgavit.deploy.export_model(features, tmp_path / "features", "onnx", img_size=64)
     assert not list(tmp_path.iterdir())
 
-def test_optimize_says_what_is_wrong_with_a_meta_model_and_a_headless_one_for_auto():
+def test_optimize_says_what_is_wrong_with_a_meta_model_a_headless_one_for_auto_and_a_dataloaders_pairs():
     """A model built on the meta device was told to move to the example's device (model.to fails on meta); auto judged
-    a model without a classifier by the argmax of its pooled features."""
+    a model without a classifier by the argmax of its pooled features; a DataLoader of (images, labels) pairs and one
+    tensor of calibration images were both 'must be image batches shaped like example_input', the tensor iterated
+    image by image (quantize takes a tensor)."""
     x = torch.randn(2, 3, 64, 64)
     with torch.device("meta"):
         ghost = cgavit.create_model("efficientvit_m0", num_classes=5, img_size=64, **TINY)
@@ -496,6 +498,14 @@ def test_optimize_says_what_is_wrong_with_a_meta_model_and_a_headless_one_for_au
     with pytest.raises(ValueError, match=r"precision='auto' judges .* no classifier \(num_classes=0"):
         optimize(headless, x, "auto", compile=False)
     assert optimize(headless, x, "fp32", backend="torch", compile=False).rel_err <= 1e-5  # a fixed precision is checked
+    pairs = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64), torch.zeros(8)),
+                                        batch_size=4)
+    with pytest.raises(ValueError, match=r"calibration gave a list of 2 .* DataLoader of \(images, labels\)\? give "
+                                         r"the images alone"):
+        optimize(tiny(), x, "int8", calibration=pairs)
+    if onnxruntime_available():
+        images = torch.randn(8, 3, 64, 64)
+        assert optimize(tiny(), x, "int8", calibration=images, check=False).precision == "int8"
 
 
 def test_fast_modules_stay_frozen_like_the_fused_model():

@@ -254,10 +254,13 @@ def test_auto_judges_on_the_evaluation_images_when_given(trained_digits):
         optimize(trained_digits.model, x, "fp32", backend="torch", compile=False, evaluation=held_out)
     with pytest.raises(ValueError, match="evaluation is empty"):
         optimize(trained_digits.model, x, "auto", compile=False, evaluation=[])
-    # a 4-D tensor was iterated image by image, and images of another size failed deep inside, naming neither
-    for bad in (trained_digits.images[:16], [torch.randn(8, 3, 32, 32)]):
-        with pytest.raises(ValueError, match=r"evaluation must be image batches shaped like example_input, \(B, 3, 48, 48\)"):
-            optimize(trained_digits.model, x, "auto", compile=False, evaluation=bad)
+    # images of another size failed deep inside, naming neither
+    with pytest.raises(ValueError, match=r"evaluation must be image batches shaped like example_input, \(B, 3, 48, 48\)"):
+        optimize(trained_digits.model, x, "auto", compile=False, evaluation=[torch.randn(8, 3, 32, 32)])
+    # one tensor of images is one batch, as quantize takes it (it was iterated image by image, then refused)
+    one = optimize(trained_digits.model, x, "auto", compile=False, features=features(XEON_AMX),
+                   evaluation=trained_digits.images[:16])
+    assert "on 16 images" in one.choice.reason and "measured on the evaluation images" in one.choice.reason
 
 
 @pytest.mark.skipif(not onnxruntime_available(), reason="int8 runs on ONNX Runtime: pip install 'cgavit[deploy]'")

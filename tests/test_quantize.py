@@ -1917,6 +1917,19 @@ def test_models_quantize_cannot_judge_are_refused_and_a_16_bit_one_is_quantised_
     assert result.meets_target and next(half.parameters()).dtype == torch.float16
 
 
+def test_a_dataloaders_pairs_are_named_and_images_that_require_grad_are_taken(trained_digits):
+    """A DataLoader of (images, labels) was refused as 'got DataLoader', and images made by a differentiable transform
+    failed deep inside with "Can't call numpy() on Tensor that requires grad"."""
+    cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
+    kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, info=DIGITS_INFO, **QUICK)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(cal, y[:32]), batch_size=16)
+    with pytest.raises(ValueError, match=r"calibration gave a list of 2 where image batches go: a DataLoader of "
+                                         r"\(images, labels\)\? give the images alone"):
+        quantize(trained_digits.model, loader, x, **kwargs)
+    result = quantize(trained_digits.model, (b for b, _ in loader), x.clone().requires_grad_(), **kwargs)
+    assert result.meets_target and result.calibration_images == 32
+
+
 @pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")
 def test_an_answer_replaces_only_the_other_runtimes_earlier_answer(digits_int8, trained_digits, tmp_path, capsys):
     """cgavit quantize deleted the fp32 NAME.xml + NAME.bin that cgavit export wrote (and a lone NAME.bin), calling

@@ -30,7 +30,7 @@ from .formats import runtime_format
 from .onnx import onnxruntime_path
 from .openvino import openvino_path
 from .quantize import QuantizeResult
-from .runtime import PathChoice, RuntimeModule
+from .runtime import PathChoice, RuntimeModule, image_batches
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,10 @@ def optimize(
     channels_last: bool = True,
     fast_attention: bool = True,
     check: bool = True,
-    calibration: Iterable[torch.Tensor] | None = None,
+    calibration: torch.Tensor | Iterable[torch.Tensor] | None = None,
     features: CpuFeatures | None = None,
     quantized: QuantizeResult | str | os.PathLike | None = None,
-    evaluation: Iterable[torch.Tensor] | None = None,
+    evaluation: torch.Tensor | Iterable[torch.Tensor] | None = None,
 ) -> RuntimeModule:
     """The fastest inference form of ``model`` for inputs like ``example_input``: one call.
 
@@ -187,10 +187,10 @@ def optimize(
         backend: ``"auto"``, ``"torch"``, ``"onnxruntime"``, ``"openvino"`` or ``"triton"``.
         compile, channels_last, fast_attention: torch: ``torch.compile`` (else eager), channels-last, :mod:`cgavit.fast`.
         check: compare with the fused float32 model on ``example_input`` (``result.rel_err``; above ``TOLERANCE`` raises).
-        calibration: int8: image batches for the activation ranges (real training images).
+        calibration, evaluation: image batches (or one tensor): int8's activation ranges are set on ``calibration``
+            (training images); ``evaluation``, ``precision="auto"`` only, judges reduced paths (default: calibration).
         features: the CPU to decide for (default: this machine's, :func:`~cgavit.deploy.cpu.cpu_features`).
         quantized: ``precision="auto"`` only: this model's int8 artifact (a :func:`~cgavit.deploy.quantize` result or file).
-        evaluation: ``precision="auto"`` only: images not trained on, to judge reduced paths on (default: calibration's).
 
     Raises:
         ValueError: not a model, a precision, backend or combination not offered, a bad example (or not on its device), empty calibration.
@@ -255,7 +255,7 @@ def _checked_inputs(
     if calibration is not None and precision not in ("int8", "auto"):
         raise ValueError(f"calibration= is for int8 (and precision='auto'): the images int8's activation ranges are "
                          f"set on; precision={precision!r} does not use them, so leave it out")
-    batches = None if calibration is None else list(calibration)
+    batches = None if calibration is None else image_batches(calibration, "calibration")
     if batches is not None and not batches:
         raise ValueError("calibration is empty: give image batches (a few hundred training images), or None")
     shape = tuple(example_input.shape[1:])
@@ -278,12 +278,12 @@ def _checked_evaluation(evaluation: Iterable[torch.Tensor] | None, precision: st
     if precision != "auto":
         raise ValueError("evaluation= is for precision='auto' (the images its reduced paths are judged on); to "
                          "judge a fixed precision, compare its logits with fp32 (cgavit.deploy.compare_logits)")
-    batches = list(evaluation)
+    batches = image_batches(evaluation, "evaluation")
     if not batches:
         raise ValueError("evaluation is empty: give image batches the model was not trained on, or None")
     if not all(isinstance(b, torch.Tensor) and b.ndim == 4 and tuple(b.shape[1:]) == shape for b in batches):
         raise ValueError(f"evaluation must be image batches shaped like example_input, (B, {', '.join(map(str, shape))}), "
-                         "preprocessed the same way (a list of batches, or [images] for one)")
+                         "preprocessed the same way")
     for b in batches:
         check_image_batch(b, "evaluation images")
     return [b.float() for b in batches]

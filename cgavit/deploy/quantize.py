@@ -63,7 +63,7 @@ from .openvino import (
     OpenVinoInt8Builder, OpenVinoModule, ir_path, openvino_conv_times, openvino_from_onnx,
     save_openvino,
 )
-from .runtime import RuntimeModule, import_problem, pad_batch
+from .runtime import RuntimeModule, image_batches, import_problem, pad_batch
 from .sensitivity import (
     CurvePoint, LayerSensitivity, LayerSpeed, fewest_meeting, layer_sensitivity, lowest_times, no_faster_in_int8,
     padded_logits, prune_float_layers, search_float_layers,
@@ -555,17 +555,10 @@ def _checked_images(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Calibration and evaluation images as float32 ``(N, C, H, W)`` of one shape, finite, and the labels class
     indices of the model's (``num_classes``, where known), checked."""
-    if isinstance(calibration, torch.Tensor):
-        cal = calibration
-    else:
-        iterable = isinstance(calibration, Iterable) and not isinstance(calibration, (str, bytes))
-        batches = list(calibration) if iterable else None
-        if batches is None or not all(isinstance(b, torch.Tensor) for b in batches):
-            raise ValueError("calibration must be training images (N, C, H, W) or batches of them, as tensors "
-                             f"preprocessed like the input; got {type(calibration).__name__}")
-        for b in batches:
-            check_image_batch(b, "calibration images")
-        cal = torch.cat([b.float() for b in batches]) if batches else torch.empty(0, 1, 1, 1)
+    batches = image_batches(calibration, "calibration")
+    for b in batches:
+        check_image_batch(b, "calibration images")
+    cal = torch.cat([b.float() for b in batches]) if batches else torch.empty(0, 1, 1, 1)
     check_image_batch(cal, "calibration images")
     check_image_batch(evaluation, "evaluation images")
     if not len(evaluation):
@@ -575,7 +568,8 @@ def _checked_images(
     if cal.shape[1:] != evaluation.shape[1:]:
         raise ValueError(f"calibration images are {tuple(cal.shape[1:])} but evaluation images "
                          f"{tuple(evaluation.shape[1:])}: preprocess both like the model's input")
-    cal, evaluation = cal.float(), evaluation.float()
+    # as values: images that require grad (made by a differentiable transform) or sit on a GPU are the same images
+    cal, evaluation = (images.detach().cpu().float() for images in (cal, evaluation))
     for name, images in (("calibration", cal), ("evaluation", evaluation)):
         if not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold NaN or infinite values: preprocess real images")

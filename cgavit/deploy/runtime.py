@@ -8,7 +8,7 @@ import importlib.util
 import io
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,32 @@ from ..io import printable
 from ..model import check_image_batch
 
 log = logging.getLogger(__name__)
+
+
+def image_batches(images: object, name: str) -> list[torch.Tensor]:
+    """``images`` (``"calibration"``, ``"evaluation"``: ``name``) as a list of tensors: one ``(N, C, H, W)`` tensor is
+    one batch (iterated, it would give single images), any other iterable (a list, a generator: read once) its items.
+    Their shapes are the caller's to check.
+
+    Raises:
+        ValueError: not a tensor or an iterable of tensors; items that are ``(images, labels)`` pairs, as a
+            ``DataLoader`` yields, are named as such.
+    """
+    if isinstance(images, torch.Tensor):
+        return [images]
+    if not isinstance(images, Iterable) or isinstance(images, (str, bytes)):
+        raise ValueError(f"{name} must be image batches (N, C, H, W), or one such tensor, preprocessed like the input; "
+                         f"got {type(images).__name__}")
+    batches = list(images)
+    pairs = next((b for b in batches if isinstance(b, (tuple, list)) and b and isinstance(b[0], torch.Tensor)), None)
+    if pairs is not None:
+        raise ValueError(f"{name} gave a {type(pairs).__name__} of {len(pairs)} where image batches go: a DataLoader of "
+                         f"(images, labels)? give the images alone, e.g. [images for images, _ in loader]")
+    wrong = next((b for b in batches if not isinstance(b, torch.Tensor)), None)
+    if wrong is not None:
+        raise ValueError(f"{name} must be image batches (N, C, H, W), or one such tensor, preprocessed like the input; "
+                         f"got {type(images).__name__} of {type(wrong).__name__}")
+    return batches
 
 
 @dataclass(frozen=True)
