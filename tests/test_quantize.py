@@ -1919,15 +1919,23 @@ def test_models_quantize_cannot_judge_are_refused_and_a_16_bit_one_is_quantised_
 
 def test_a_dataloaders_pairs_are_named_and_images_that_require_grad_are_taken(trained_digits):
     """A DataLoader of (images, labels) was refused as 'got DataLoader', and images made by a differentiable transform
-    failed deep inside with "Can't call numpy() on Tensor that requires grad"."""
+    failed deep inside with "Can't call numpy() on Tensor that requires grad"; evaluation is taken in batches too."""
     cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
     kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, info=DIGITS_INFO, **QUICK)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(cal, y[:32]), batch_size=16)
     with pytest.raises(ValueError, match=r"calibration gave a list of 2 where image batches go: a DataLoader of "
                                          r"\(images, labels\)\? give the images alone"):
         quantize(trained_digits.model, loader, x, **kwargs)
-    result = quantize(trained_digits.model, (b for b, _ in loader), x.clone().requires_grad_(), **kwargs)
-    assert result.meets_target and result.calibration_images == 32
+    # evaluation batches (as optimize takes them) were 'expected a torch.Tensor batch of evaluation images, got list';
+    # calibration batches of two sizes failed in torch.cat, and a list of labels was not told to be made a tensor
+    bad = [(dict(calibration=[cal[:8], torch.randn(8, 3, 64, 64)]), r"the calibration batches hold images of "
+            r"different shapes, \(3, 48, 48\) and \(3, 64, 64\)"),
+           (dict(labels=y.tolist()), r"torch.tensor\(labels\) for a list")]
+    for given, message in bad:
+        with pytest.raises(ValueError, match=message):
+            quantize(trained_digits.model, **{"calibration": cal, "evaluation": x, **kwargs, **given})
+    result = quantize(trained_digits.model, (b for b, _ in loader), list(x.clone().requires_grad_().split(16)), **kwargs)
+    assert result.meets_target and result.calibration_images == 32 and result.evaluation_images == 40
 
 
 @pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")

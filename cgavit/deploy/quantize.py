@@ -337,7 +337,7 @@ def path_name(point: CurvePoint) -> str:
 def quantize(
     model: nn.Module,
     calibration: torch.Tensor | Iterable[torch.Tensor],
-    evaluation: torch.Tensor,
+    evaluation: torch.Tensor | Iterable[torch.Tensor],
     target: QuantizeTarget = QuantizeTarget(),
     runtime: str | None = None,
     *,
@@ -362,8 +362,8 @@ def quantize(
     Args:
         model: a trained model (fused and exported here; not modified).
         calibration: training images ``(N, C, H, W)`` (or batches of them), preprocessed like the input.
-        evaluation, labels: held-out images ``(M, C, H, W)`` of the same size, never the calibration ones, and their
-            ``(M,)`` class indices (for the accuracy part of the target).
+        evaluation, labels: held-out images ``(M, C, H, W)`` of the same size (or batches of them), never the
+            calibration ones, and their ``(M,)`` class indices (for the accuracy part of the target).
         target, runtime: what the build must keep (:class:`QuantizeTarget`); ``"onnxruntime"``, ``"openvino"``, or None.
         options, features: the int8 recipe (default: :class:`~cgavit.deploy.int8.Int8Options`, weight range by
             CPU); the CPU to quantise for (default: this machine's).
@@ -550,19 +550,14 @@ def openvino_int8_problem() -> str | None:
 
 
 def _checked_images(
-    calibration: torch.Tensor | Iterable[torch.Tensor], evaluation: torch.Tensor, labels: torch.Tensor | None,
-    num_classes: int | None = None,
+    calibration: torch.Tensor | Iterable[torch.Tensor], evaluation: torch.Tensor | Iterable[torch.Tensor],
+    labels: torch.Tensor | None, num_classes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Calibration and evaluation images as float32 ``(N, C, H, W)`` of one shape, finite, and the labels class
     indices of the model's (``num_classes``, where known), checked."""
-    batches = image_batches(calibration, "calibration")
-    for b in batches:
-        check_image_batch(b, "calibration images")
-    cal = torch.cat([b.float() for b in batches]) if batches else torch.empty(0, 1, 1, 1)
-    check_image_batch(cal, "calibration images")
-    check_image_batch(evaluation, "evaluation images")
+    cal, evaluation = _stacked(calibration, "calibration"), _stacked(evaluation, "evaluation")
     if not len(evaluation):
-        raise ValueError("evaluation must be a non-empty image tensor (M, C, H, W) of held-out images")
+        raise ValueError("evaluation must be held-out images (M, C, H, W), or batches of them, and none was given")
     if not len(cal):
         raise ValueError("calibration must be training images (N, C, H, W), a few hundred, or batches of them")
     if cal.shape[1:] != evaluation.shape[1:]:
@@ -577,13 +572,31 @@ def _checked_images(
     if labels is not None:
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (len(evaluation),):
             raise ValueError(f"labels must be a tensor of shape ({len(evaluation)},), one class index per evaluation "
-                             f"image; got {tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+                             f"image (torch.tensor(labels) for a list); got "
+                             f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
         if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
             raise ValueError(f"labels must be whole class indices (an integer tensor), got {labels.dtype}")
         if labels.min() < 0 or (num_classes is not None and labels.max() >= num_classes):
             raise ValueError(f"labels must be class indices in 0..{num_classes - 1 if num_classes else 'N-1'}, got "
                              f"values from {int(labels.min())} to {int(labels.max())}")
     return cal, evaluation
+
+
+def _stacked(images: object, name: str) -> torch.Tensor:
+    """``images`` (``"calibration"``, ``"evaluation"``: ``name``), one tensor or batches of them
+    (:func:`~cgavit.deploy.runtime.image_batches`), as one float tensor ``(N, C, H, W)``, each batch checked.
+
+    Raises:
+        ValueError: not image batches, or batches of images of different shapes.
+    """
+    batches = image_batches(images, name)
+    for b in batches:
+        check_image_batch(b, f"{name} images")
+    shapes = sorted({tuple(b.shape[1:]) for b in batches})
+    if len(shapes) > 1:
+        raise ValueError(f"the {name} batches hold images of different shapes, {' and '.join(map(str, shapes[:2]))}: "
+                         "preprocess them all like the model's input, to one size")
+    return torch.cat([b.float() for b in batches]) if batches else torch.empty(0, 1, 1, 1)
 
 
 def shared_images(images: torch.Tensor, evaluation: torch.Tensor) -> list[tuple[int, int]]:

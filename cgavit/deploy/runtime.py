@@ -31,6 +31,8 @@ def image_batches(images: object, name: str) -> list[torch.Tensor]:
     """
     if isinstance(images, torch.Tensor):
         return [images]
+    if type(images).__module__ == "numpy":  # iterated, an array gives arrays: said as one, with torch.from_numpy
+        check_image_batch(images, f"{name} images")
     if not isinstance(images, Iterable) or isinstance(images, (str, bytes)):
         raise ValueError(f"{name} must be image batches (N, C, H, W), or one such tensor, preprocessed like the input; "
                          f"got {type(images).__name__}")
