@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -1130,6 +1131,7 @@ def test_target_and_options_are_checked(trained_digits):
            (dict(labels=list(trained_digits.labels)), "labels must be a tensor"),
            (dict(target=0.995), "QuantizeTarget"), (dict(options={"calibration": "minmax"}), "Int8Options"),
            (dict(batch=0), "at least 1"), (dict(threads=0), "at least 1"), (dict(max_float_layers="3"), "whole number"),
+           (dict(threads=10**6), r"threads must be a whole number within 1\.\.1024"),  # was tried
            (dict(float_part="fp32"), "float_part is how OpenVINO runs .* onnxruntime alone")]  # was ignored
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -1919,7 +1921,8 @@ def test_models_quantize_cannot_judge_are_refused_and_a_16_bit_one_is_quantised_
 
 def test_a_dataloaders_pairs_are_named_and_images_that_require_grad_are_taken(trained_digits):
     """A DataLoader of (images, labels) was refused as 'got DataLoader', and images made by a differentiable transform
-    failed deep inside with "Can't call numpy() on Tensor that requires grad"; evaluation is taken in batches too."""
+    failed deep inside with "Can't call numpy() on Tensor that requires grad"; evaluation is taken in batches too, and
+    NumPy's integers as counts."""
     cal, x, y = torch.cat(trained_digits.calibration(32)), trained_digits.images[:40], trained_digits.labels[:40]
     kwargs = dict(labels=y, max_float_layers=0, profile_layers=False, info=DIGITS_INFO, **QUICK)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(cal, y[:32]), batch_size=16)
@@ -1934,7 +1937,9 @@ def test_a_dataloaders_pairs_are_named_and_images_that_require_grad_are_taken(tr
     for given, message in bad:
         with pytest.raises(ValueError, match=message):
             quantize(trained_digits.model, **{"calibration": cal, "evaluation": x, **kwargs, **given})
-    result = quantize(trained_digits.model, (b for b, _ in loader), list(x.clone().requires_grad_().split(16)), **kwargs)
+    numpy_counts = dict(batch=np.int64(16), threads=np.int64(1), max_float_layers=np.int64(0))  # were refused
+    result = quantize(trained_digits.model, (b for b, _ in loader), list(x.clone().requires_grad_().split(16)),
+                      **{**kwargs, **numpy_counts})
     assert result.meets_target and result.calibration_images == 32 and result.evaluation_images == 40
 
 

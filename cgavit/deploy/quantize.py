@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..bounds import check_threads, is_whole
 from ..io import atomic_write
 from ..model import check_image_batch
 from ..timing import other_load, round_robin
@@ -381,14 +382,12 @@ def quantize(
     """
     fp32, reference = _checked_models(model, reference)
     runtimes, (cal, ev) = quant_runtimes(runtime), _checked_images(calibration, evaluation, labels, model_classes(model))
-    _check_settings(target, options, (batch, threads, warmup, repeats))
-    if max_float_layers is not None and (isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int)
-                                         or max_float_layers < 0):
+    timing = _check_settings(target, options, (batch, threads, warmup, repeats))
+    if max_float_layers is not None and not is_whole(max_float_layers, 0):
         raise ValueError(f"max_float_layers must be a whole number, at least 0 (or None: no cap), got {max_float_layers!r}")
     features, size = features or cpu_features(), tuple(ev.shape[2:])
     parts, opts, made = _float_parts(features, float_part, runtimes), options.for_cpu(features), _file_info(info, size, model)
-    search = _Search(fp32, reference, cal, *split_holdout(ev, labels, holdout), target, size,
-                     (batch, threads, warmup, repeats))
+    search = _Search(fp32, reference, cal, *split_holdout(ev, labels, holdout), target, size, timing)
     with tempfile.TemporaryDirectory(prefix="cgavit-quantize-") as tmp, search.started(Path(tmp)):
         for name in runtimes:
             search.run(name, fp32, opts, sensitivity, max_float_layers, profile_layers, prune,
@@ -434,13 +433,13 @@ def assess(
     fused = _checked_models(reference, None)[0]
     runtimes = quant_runtimes(runtime)
     cal, ev = _checked_images(calibration, evaluation, labels, model_classes(reference))
-    _check_settings(target, options, (batch, threads, warmup, repeats))
+    timing = _check_settings(target, options, (batch, threads, warmup, repeats))
     features = features or cpu_features()
     opts = options.for_cpu(features)
     size = tuple(ev.shape[2:])
     made = _file_info(info, size, reference)
-    search = _Search(fused, fused, cal, *split_holdout(ev, labels, holdout), target, size,
-                     (batch, threads, warmup, repeats), asked=tuple(opts.float_layers))
+    search = _Search(fused, fused, cal, *split_holdout(ev, labels, holdout), target, size, timing,
+                     asked=tuple(opts.float_layers))
     with tempfile.TemporaryDirectory(prefix="cgavit-assess-") as tmp, search.started(Path(tmp)):
         path = Path(tmp) / "int8.onnx"
         path.write_bytes(onnx_int8)
@@ -640,9 +639,9 @@ def check_held_out(images: torch.Tensor, evaluation: torch.Tensor, role: str) ->
         raise SharedImagesError(shared, len(evaluation), role)
 
 
-def _check_settings(target: object, options: object, timing: tuple) -> None:
-    """The target and recipe are of their types, and the timing (batch, threads, warmup, repeats) in range,
-    before any work.
+def _check_settings(target: object, options: object, timing: tuple) -> tuple[int, int, int, int]:
+    """The target and recipe are of their types, and the timing (batch, threads, warmup, repeats) in range, before any
+    work; the timing as Python ints (NumPy's integers are taken).
 
     Raises:
         ValueError: what is wrong, and what to give.
@@ -652,10 +651,11 @@ def _check_settings(target: object, options: object, timing: tuple) -> None:
     if not isinstance(options, Int8Options):
         raise ValueError(f"options must be an Int8Options, e.g. Int8Options(calibration='percentile'); got {options!r}")
     batch, threads, warmup, repeats = timing
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in timing) or min(batch, threads, repeats) < 1 \
-            or warmup < 0:
+    if not all(is_whole(v) for v in (batch, threads, repeats)) or not is_whole(warmup, 0):
         raise ValueError(f"batch, threads and repeats must be whole numbers of at least 1 and warmup at least 0; got "
                          f"{batch!r}, {threads!r}, {repeats!r} and {warmup!r}")
+    check_threads(int(threads), "threads")  # a million asked ONNX Runtime for memory no process has
+    return int(batch), int(threads), int(warmup), int(repeats)
 
 
 def split_holdout(images: torch.Tensor, labels: torch.Tensor | None, share: float
