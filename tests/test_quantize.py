@@ -1119,6 +1119,15 @@ def test_target_and_options_are_checked(trained_digits):
     assert QuantizeTarget(accuracy_tolerance=5).describe().endswith("within 5 points of fp32")
     with pytest.raises(ValueError, match="calibration must be one of"):
         Int8Options(calibration="kl")
+    # a switch given as text was truthy (gptq_first_layer="no" rounded by GPTQ), and one layer name given alone was
+    # read letter by letter as the layers to keep float
+    for wrong, message in ((dict(gptq_first_layer="no"), "gptq_first_layer must be True or False, got 'no'"),
+                           (dict(reduce_range="false"), "reduce_range must be True or False"),
+                           (dict(attention_float=0), "attention_float must be True or False"),
+                           (dict(float_layers="blocks1.0"), "float_layers must be a tuple of layer names")):
+        with pytest.raises(TypeError, match=message):
+            Int8Options(**wrong)
+    assert Int8Options(float_layers=["a.b"]).float_layers == ("a.b",) and Int8Options(reduce_range=None).reduce_range is None
     x, cal = trained_digits.images, trained_digits.train_images[:8]  # held-out images judged, training ones calibrate
     with pytest.raises(ValueError, match="preprocess both"):
         quantize(trained_digits.model, torch.randn(8, 3, 32, 32), x, **QUICK)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..io import require_flag
 from .cpu import CpuFeatures
 
 #: Where activation ranges come from: the calibration images' min/max, a percentile of their
@@ -79,6 +80,10 @@ class Int8Options:
             ``reduce_range`` applies to int8 only). OpenVINO always uses int8.
         gptq_first_layer: OpenVINO's builds round the first convolution's weights with GPTQ on the calibration
             images (default; :mod:`cgavit.deploy.first_layer`); False: NNCF's rounding, as for every other layer.
+
+    Raises:
+        ValueError: a method or type not offered. TypeError: a switch not True or False (``"no"`` would turn it on),
+            ``float_layers`` not a tuple (or list) of names.
     """
 
     calibration: str = "percentile"
@@ -90,6 +95,14 @@ class Int8Options:
     gptq_first_layer: bool = True
 
     def __post_init__(self) -> None:
+        # a switch given as text ("no") is truthy, and a layer name given alone was read as its letters
+        for name in ("attention_float", "gptq_first_layer", *(("reduce_range",) if self.reduce_range is not None else ())):
+            require_flag(getattr(self, name), name)
+        layers = self.float_layers
+        if isinstance(layers, str) or not isinstance(layers, (tuple, list)) or not all(isinstance(n, str) for n in layers):
+            raise TypeError(f"float_layers must be a tuple of layer names, e.g. ('blocks1.0.mixer.m.attn.proj.1',), got "
+                            f"{layers!r}")
+        object.__setattr__(self, "float_layers", tuple(layers))  # a list too, kept hashable
         if self.weights not in WEIGHT_TYPES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_TYPES)}, got {self.weights!r}")
         if self.calibration not in CALIBRATION_METHODS:
