@@ -363,11 +363,12 @@ def test_openvino_without_nncf_exports_reads_and_is_tried_in_float(monkeypatch):
 def test_a_model_and_example_on_two_devices_are_refused_before_anything_is_built():
     """From a fast-path review: with a CPU model and a CUDA example, optimize computed its fp32 reference before the
     Triton path moved the model, and the torch path failed at its first call. Refused up front now (a model on the
-    meta device stands for the other device here); a runtime backend asked to serve a GPU example is refused too."""
+    meta device stands for the other device here: an example on it, since a model on it has no weights and is refused
+    as such); a runtime backend asked to serve a GPU example is refused too."""
     model, x = tiny(), torch.randn(2, 3, 64, 64)
     for precision in ("fp32", "auto"):
-        with pytest.raises(ValueError, match="the model is on meta and example_input on cpu: put them on one device"):
-            optimize(model.to("meta"), x, precision, compile=False)
+        with pytest.raises(ValueError, match="the model is on cpu and example_input on meta: put them on one device"):
+            optimize(model, x.to("meta"), precision, compile=False)
     with pytest.raises(ValueError, match="the onnxruntime backend runs on the CPU, and example_input is on cuda"):
         choose_backend("fp32", "onnxruntime", "cuda")
     assert choose_backend("fp32", "torch", "cuda") == "torch"
