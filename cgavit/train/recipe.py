@@ -181,7 +181,8 @@ def build_teacher(cfg: TrainConfig, classes: list[str], device: torch.device) ->
             "classes index by index); give a teacher trained on these classes")
     out_classes = getattr(teacher, "num_classes", num_classes)
     if out_classes != num_classes:
-        raise ValueError(f"the teacher predicts {out_classes} classes, the dataset has {num_classes}")
+        raise ValueError(f"the teacher {source} predicts {out_classes} classes and {cfg.data} holds {num_classes} "
+                         "(distillation pairs the classes index by index); give a teacher trained on these classes")
     teacher.eval().requires_grad_(False)
     return _fed_as_trained(teacher, cfg, source, own).to(device)
 
