@@ -179,6 +179,7 @@ def load_checkpoint(
     strict: bool = True,
     source: str | None = None,
     expect_dropped_heads: bool = False,
+    use_ema: bool | None = None,
 ) -> dict[str, list[str]]:
     """Load official, timm or cgavit weights into ``model`` after checking every tensor
     (:func:`fit_state_dict`); weights holding NaN or inf are refused.
@@ -198,6 +199,8 @@ def load_checkpoint(
         expect_dropped_heads: the caller's model is not meant to reproduce the file's outputs (fine-tuning, where the
             heads are trained again; a teacher, whose class head is what distils): a distillation head it lacks, or a
             classifier for another class count, is noted at INFO, not warned about.
+        use_ema: ``prefer_ema`` by timm's name (and :func:`~cgavit.load_model`'s), for code written for timm; by
+            keyword only, and False unless given (timm's default is True).
 
     Returns:
         ``{"skipped": [...], "resized": [...], "missing": [...], "unexpected": [...]}`` key lists.
@@ -208,8 +211,8 @@ def load_checkpoint(
         ValueError: a fused model, a pruned one (``features_only`` without the last stage), or one on the meta device.
     """
     require_flag(trust, "trust")
-    require_flag(prefer_ema, "prefer_ema")
     require_flag(strict, "strict")
+    prefer_ema = _ema_asked(prefer_ema, use_ema)
     model = network_of(model)  # a features_only, compiled or DDP model loads into its network
     _check_loadable(model)
     source = source or ("state dict" if isinstance(path, Mapping) else str(path))
@@ -227,6 +230,18 @@ def load_checkpoint(
     model.load_state_dict(sd, strict=False)
     _log_report(report, source, expect_dropped_heads)
     return report
+
+
+def _ema_asked(prefer_ema: bool, use_ema: bool | None) -> bool:
+    """Whether :func:`load_checkpoint` takes the EMA weights: ``prefer_ema``, or ``use_ema``, timm's name for it."""
+    require_flag(prefer_ema, "prefer_ema")
+    if use_ema is None:
+        return prefer_ema
+    require_flag(use_ema, "use_ema")
+    if prefer_ema and not use_ema:
+        raise ValueError("prefer_ema=True and use_ema=False ask for both weights: use_ema is prefer_ema by timm's name; "
+                         "give one of them")
+    return use_ema
 
 
 def _check_loadable(model: nn.Module) -> None:

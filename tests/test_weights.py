@@ -164,6 +164,21 @@ def test_trust_is_never_taken_by_position_as_timms_use_ema_is(tmp_path):
             load_checkpoint(cgavit.create_model("efficientvit_m0"), path, *positional)
 
 
+def test_use_ema_is_taken_by_keyword_as_timm_names_it(tmp_path):
+    """timm's load_checkpoint(model, path, use_ema=True) (load_model's name too) was a TypeError; it is prefer_ema by
+    that name: the EMA weights are loaded, and a contradicting prefer_ema is refused."""
+    ema, plain = (randomize_(cgavit.create_model("efficientvit_m0"), seed) for seed in (1, 2))
+    torch.save({"model": plain.state_dict(), "model_ema": ema.state_dict()}, tmp_path / "both.pth")
+    for use_ema, want in ((True, ema), (False, plain)):
+        model = cgavit.create_model("efficientvit_m0")
+        load_checkpoint(model, tmp_path / "both.pth", use_ema=use_ema)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), want.state_dict().values()))
+    with pytest.raises(ValueError, match="prefer_ema=True and use_ema=False ask for both weights"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), tmp_path / "both.pth", prefer_ema=True, use_ema=False)
+    with pytest.raises(TypeError, match="use_ema"):
+        load_checkpoint(cgavit.create_model("efficientvit_m0"), tmp_path / "both.pth", use_ema="yes")
+
+
 def test_strict_false_loads_what_fits_as_timm_does_and_says_what_it_left(caplog):
     """timm's load_checkpoint(model, path, strict=False) was a TypeError here. It now loads what fits: a tensor the
     model has no name for is left out, one the file lacks is left as initialised, both warned of and returned; a
