@@ -337,10 +337,10 @@ class StopNote:
 
 @contextmanager
 def staging(dest: str | os.PathLike) -> Iterator[Path]:
-    """A temporary folder in ``dest``'s folder (``.NAME.PID.XXXXXXXX``: :func:`staging_prefix`), where a set of files
-    is written before :func:`replace_together` moves them into place; removed on leaving (after a ``kill -9``, by
-    :func:`clear_interrupted`). A :class:`WriteError` for a file written in
-    it is raised again for the file of that name beside it, the one the user asked for (not the temporary one).
+    """A temporary folder in ``dest``'s folder (``.NAME.PID.`` and 8 random characters: :func:`staging_prefix`), where
+    a set of files is written before :func:`replace_together` moves them into place; removed on leaving (after a
+    ``kill -9``, by :func:`clear_interrupted`). A :class:`WriteError` for a file written in it is raised again for the
+    file of that name beside it, the one the user asked for (not the temporary one).
 
     Raises:
         WriteError: the folder cannot be made (``dest``'s folder named in the message), or a file in it could not be
@@ -464,10 +464,10 @@ def open_append(path: str | os.PathLike, what: str = "file") -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-#: The most bytes a temporary name adds to its file's name. :func:`atomic_write` writes ``.NAME.XXXXXXXX.tmp``;
-#: :func:`replace_together` moves the old file aside as ``.NAME.PID.old.tmp`` (a pid of up to 7 digits);
-#: :func:`staging` makes the folder ``.NAME.PID.XXXXXXXX``, the longest.
-TEMPORARY_NAME_EXTRA = len(".." + "1234567" + "." + "X" * 8)
+#: The most bytes a temporary name adds to its file's name. :func:`atomic_write` writes ``.NAME.`` then 8 random
+#: characters then ``.tmp``; :func:`replace_together` moves the old file aside as ``.NAME.PID.old.tmp`` (a pid of up to
+#: 7 digits); :func:`staging` makes the folder ``.NAME.PID.`` then 8 random characters, the longest of the three.
+TEMPORARY_NAME_EXTRA = len(".." + "1234567" + "." + "r" * 8)
 
 
 def check_names_fit(paths: Iterable[str | os.PathLike], what: str) -> None:

@@ -1348,7 +1348,7 @@ def _as_openvino(result, tmp_path: Path):
 @pytest.mark.skipif(not openvino_available(), reason="needs cgavit[openvino]")
 def test_a_stop_signal_while_the_openvino_pair_is_made_says_nothing_was_written(digits_int8, tmp_path, monkeypatch):
     """The OpenVINO int8 pair is itself moved into the run's temporary folder together: a Ctrl-C then said "the files
-    being moved into place were all moved first: wrote .../.q.XXXXXXXX/q.bin, ...", files that were never written
+    being moved into place were all moved first: wrote .../.q.<8 random characters>/q.bin, ...", files that were never written
     where the user looks (the temporary folder is removed). It now says nothing of them."""
     from cgavit import io as cio
 
@@ -1370,7 +1370,7 @@ def test_a_stop_signal_while_the_openvino_pair_is_made_says_nothing_was_written(
 
 def test_what_a_killed_run_left_under_its_name_is_put_right_by_the_next(digits_int8, trained_digits, tmp_path, caplog,
                                                                         monkeypatch):
-    """A run killed (kill -9) while writing left its temporary folder .NAME.PID.XXXXXXXX and the old files it had moved
+    """A run killed (kill -9) while writing left its temporary folder .NAME.PID.<8 random characters> and the old files it had moved
     aside (.NAME.onnx.PID.old.tmp) for good; where the kill came between moving an old file aside and moving the new one
     in, that hidden file was the only copy of the earlier answer, and where it came between two moves the new int8 file
     stood beside the earlier report. The next run on the name (holding its lock) now puts the earlier files back where
