@@ -239,6 +239,10 @@ def _move_all(moves: Sequence[tuple[str | os.PathLike | None, str | os.PathLike]
         _remove(str(kept))
 
 
+#: How the name of an old file :func:`moved_aside` ends, as a pattern: the pid (its one group), ``.old.tmp``.
+MOVED_ASIDE_END = r"(\d+)\.old" + re.escape(TMP_SUFFIX)
+
+
 def moved_aside(dest: str | os.PathLike, pid: int) -> Path:
     """Where :func:`replace_together` in process ``pid`` keeps ``dest``'s old file while the new one moves in:
     ``.NAME.PID.old.tmp`` beside it."""
@@ -275,7 +279,7 @@ def clear_interrupted(dests: Iterable[str | os.PathLike], staged: str | os.PathL
     unfinished = {pid for pid, folder in folders.items() if any(folder.iterdir())}
     restored, removed = [], []
     for dest in map(Path, dests):
-        found = _left_by_the_gone(dest.parent, re.escape(f".{dest.name}.") + r"(\d+)\.old" + re.escape(TMP_SUFFIX))
+        found = _left_by_the_gone(dest.parent, re.escape(f".{dest.name}.") + MOVED_ASIDE_END)
         for n, (kept, pid) in enumerate(sorted(found, key=lambda k: k[0].lstat().st_mtime, reverse=True)):
             if n == 0 and (pid in unfinished or not os.path.lexists(dest)):
                 os.replace(kept, dest)
@@ -661,7 +665,7 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
         return []
     gone = []
     for p in folder.glob(f".*{TMP_SUFFIX}"):
-        if re.fullmatch(r"\..+\.\d+\.old" + re.escape(TMP_SUFFIX), p.name):
+        if re.fullmatch(r"\..+\." + MOVED_ASIDE_END, p.name):
             continue
         if p.is_file():
             p.unlink(missing_ok=True)
